@@ -1,0 +1,111 @@
+"""Owns the model: config -> CommManager -> construction -> weights -> post-processing -> KV cache."""
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+from runtime.config import InferenceConfig
+from runtime.config.comm_manager import CommManager
+from runtime.distributed import DistInfo
+from runtime.engine.legacy_cache import LegacyCacheRows
+from runtime.engine.loader import init_dummy_weights, load_checkpoint
+from runtime.engine.registry import resolve_model
+from runtime.errors import UserError
+from runtime.kv_cache import KVCacheManager, blocks_for_batch
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+class ModelWorker:
+    def __init__(self, config: InferenceConfig, dist: DistInfo, model_dir: Path | None):
+        self.config, self.dist, self.model_dir = config, dist, model_dir
+        self.model_path = Path(config.model_config.model_path).expanduser()
+        self.model = None
+        self.hf_config: PretrainedConfig | None = None
+        self.comm_manager: CommManager | None = None
+
+    def _load_hf_config(self, config_cls) -> PretrainedConfig:
+        if not (self.model_path / "config.json").is_file():
+            raise UserError(f"no config.json in {self.model_path}; set model_config.model_path in the YAML to "
+                            "the checkpoint directory.")
+        if config_cls is not None:
+            return config_cls.from_pretrained(self.model_path)
+        return AutoConfig.from_pretrained(self.model_path,
+                                          trust_remote_code=self.config.model_config.trust_remote_code)
+
+    def init(self) -> None:
+        mc = self.config.model_config
+        model_cls, config_cls = resolve_model(Path(self.model_dir))
+        self.hf_config = self._load_hf_config(config_cls)
+        pc = self.config.parallel_config
+        self.comm_manager = CommManager(pc.world_size, self.dist.rank)
+        start = time.perf_counter()
+        with torch.device(self.dist.device), _default_dtype(mc.torch_dtype):
+            model = model_cls(self.hf_config, self.config, self.comm_manager, prefix="")
+        model.eval().requires_grad_(False)
+        if hasattr(model, "check_model_settings"):
+            model.check_model_settings()
+        if mc.with_ckpt:
+            load_checkpoint(model, self.model_path)
+        else:
+            init_dummy_weights(model)
+        if hasattr(model, "process_weights_after_loading"):
+            model.process_weights_after_loading()
+        self.model = model
+        logger.info("[Main] model %s loaded in %.1f s (%s, %s)", model_cls.__name__,
+                    time.perf_counter() - start, self.dist.device, mc.dtype)
+
+    def load_tokenizer(self):
+        try:
+            return AutoTokenizer.from_pretrained(self.model_path,
+                                                 trust_remote_code=self.config.model_config.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load a tokenizer from {self.model_path} ({e}); the checkpoint directory "
+                            "needs tokenizer.json or tokenizer_config.json.") from e
+
+    def init_kvcache(self):
+        """Paged KV when the model declares cache entries, else the legacy per-module ``cache_unit`` rows."""
+        sc, dtype = self.config.scheduler_config, self.config.model_config.torch_dtype
+        batch, max_seq = self.config.batch_size_per_dp_rank, self.config.max_seq_len
+        info = self.model.get_cache_info() if hasattr(self.model, "get_cache_info") else None
+        modules = dict(self.model.named_modules())
+        if info is None:
+            owners = [m for m in modules.values() if getattr(m, "cache_unit", None)]
+            if not owners:
+                raise UserError(f"{type(self.model).__name__} declares neither get_cache_info() nor cache_unit "
+                                "on its attention modules, so the runtime cannot give it a KV cache.")
+            for m in owners:
+                m.k_cache = torch.zeros(batch, max_seq, *m.cache_unit, dtype=dtype, device=self.dist.device)
+                m.v_cache = torch.zeros_like(m.k_cache)
+            return LegacyCacheRows(batch, max_seq)
+        num_blocks = sc.num_kv_blocks or blocks_for_batch(batch, max_seq, sc.block_size)
+        manager = KVCacheManager(info, num_blocks, sc.block_size)
+        for entries in manager.groups.values():
+            for e in entries:
+                shape = (num_blocks, sc.block_size, e.num_kv_heads, e.head_dim)
+                module = modules[e.name]
+                module.k_cache = torch.zeros(shape, dtype=e.dtype, device=self.dist.device)
+                module.v_cache = torch.zeros_like(module.k_cache)
+        logger.info("[Main] paged KV cache: %d blocks x %d tokens, %s", num_blocks, sc.block_size,
+                    ", ".join(manager.group_keys))
+        return manager
+
+    def inference(self, input_ids, position_ids, forward_metadata) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        logits = self.model(input_ids, position_ids, forward_metadata)
+        if isinstance(logits, tuple):  # (logits, prev_hidden_states) for MTP models
+            logits = logits[0]
+        return logits, (time.perf_counter() - start) * 1000

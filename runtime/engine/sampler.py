@@ -1,0 +1,48 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with optional per-request seeds."""
+import torch
+
+from runtime.engine.request import Request
+
+
+class Sampler:
+    def __init__(self):
+        self._generators: dict[int, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [B, V] -> next token ids [B]."""
+        greedy = logits.argmax(dim=-1)
+        if all(r.sampling.greedy for r in requests):
+            return greedy
+        params = [r.sampling for r in requests]
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+        probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
+        probs = _filter_top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
+        noise = torch.stack([self._exponential(r, probs.shape[1], probs.device) for r in requests])
+        sampled = (probs / noise).argmax(dim=-1)  # exponential race == categorical sampling
+        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        return torch.where(is_greedy, greedy, sampled)
+
+    def _exponential(self, request: Request, n: int, device) -> torch.Tensor:
+        seed = request.sampling.seed
+        if seed is None:
+            return torch.empty(n, device=device).exponential_()
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator(device=device).manual_seed(seed)
+        return torch.empty(n, device=device).exponential_(generator=gen)
+
+    def release(self, request: Request) -> None:
+        self._generators.pop(request.request_id, None)
+
+
+def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    k = torch.tensor([k or probs.shape[1] for k in top_k], device=probs.device)[:, None]
+    p = torch.tensor(top_p, device=probs.device)[:, None]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (ranks < k) & (mass_before < p)  # the top token is always kept
+    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
+    return filtered / filtered.sum(dim=-1, keepdim=True)

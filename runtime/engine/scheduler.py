@@ -1,0 +1,106 @@
+"""Continuous batching: prefill first (under a token budget), else one decode step of every running request."""
+import logging
+from collections import deque
+from typing import Protocol
+
+from runtime.engine.request import Batch, Request, Status
+from runtime.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+class SlotAllocator(Protocol):
+    def allocate_slots(self, request_id, computed_tokens: int, num_new_tokens: int,
+                       lookahead_tokens: int = 0) -> bool: ...
+
+    def free(self, request_id) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, kv: SlotAllocator, max_batch_size: int, max_prefill_tokens: int = 0,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.kv = kv
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens  # 0 = no limit
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        batch: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.max_batch_size:
+            request = self.waiting[0]
+            n = request.num_tokens
+            if batch and self.max_prefill_tokens and tokens + n > self.max_prefill_tokens:
+                break
+            if not self.kv.allocate_slots(request.request_id, 0, n):
+                if not batch and not self.running:
+                    raise UserError(
+                        f"request {request.request_id} needs KV space for {n} tokens, more than the whole "
+                        "KV cache holds; raise scheduler_config.num_kv_blocks (or block_size) or lower "
+                        "data_config.input_truncated_len / scheduler_config.max_new_tokens")
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            batch.append(request)
+            tokens += n
+        if not batch:
+            return None
+        self.running.extend(batch)
+        return Batch(batch, is_prefill=True)
+
+    def _schedule_decode(self) -> Batch | None:
+        scheduled: list[Request] = []
+        for request in list(self.running):
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.kv.allocate_slots(request.request_id, request.computed_len, 1):
+                victim = self.running[-1]  # the newest request gives its blocks back
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+        return Batch(scheduled, is_prefill=False) if scheduled else None
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's KV and queue it for recomputation from its tokens so far."""
+        self.kv.free(request.request_id)
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.computed_len = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info("preempted request %s (KV cache full); it will be recomputed", request.request_id)
+
+    def process_batch_output(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
+        batch.update_requests_from_batch(next_tokens)
+        done = []
+        for request in batch.requests:
+            reason = self._finish_reason(request)
+            if reason:
+                request.finish_reason, request.status = reason, Status.FINISHED
+                self.running.remove(request)
+                self.kv.free(request.request_id)
+                done.append(request)
+        self.finished.extend(done)
+        return done
+
+    def _finish_reason(self, request: Request) -> str | None:
+        params, last = request.sampling, request.output_token_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_new_tokens:
+            return "length"
+        return None

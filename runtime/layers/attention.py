@@ -1,0 +1,135 @@
+"""Attention over packed variable-length requests, with the KV cache owned by the layer.
+
+Prefill: each request attends causally to its own fresh tokens (prompts are packed back to
+back in ``[T]``). Decode: one query per request reads its context through the block table.
+The cache is written by ``slot_mapping`` in both phases. The legacy ``cache_unit`` layout is the
+same mechanism with one block of ``max_seq_len`` slots per batch row.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.engine.forward_metadata import ForwardMetaData
+
+LEGACY = "legacy"
+
+
+def cache_group_key(sliding_window: int | None) -> str:
+    return f"sliding_window_{sliding_window}" if sliding_window else "full"
+
+
+def _prefill_layout(md: ForwardMetaData) -> tuple[torch.Tensor, int]:
+    """Flat index of every packed token inside a [B, Lmax] padded grid."""
+    def build():
+        lens, cu = md.actual_seq_lengths_q, md.actual_seq_lengths_cu_q
+        req = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+        offset = torch.arange(md.num_tokens, device=lens.device) - cu[:-1][req]
+        return req * md.max_seq_len_q + offset
+    return md.memo("prefill_index", build), md.max_seq_len_q
+
+
+def _prefill_mask(md: ForwardMetaData, window: int | None) -> torch.Tensor:
+    """[B, 1, L, L] boolean mask: causal, within each request's length, inside the window."""
+    def build():
+        L = md.max_seq_len_q
+        i = torch.arange(L, device=md.positions.device)
+        allowed = i[None, :] <= i[:, None]
+        if window:
+            allowed &= i[None, :] > i[:, None] - window
+        valid_key = i[None, :] < md.actual_seq_lengths_q[:, None]  # [B, L]
+        return (allowed[None] & valid_key[:, None, :])[:, None]
+    return md.memo(("prefill_mask", window), build)
+
+
+def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torch.Tensor:
+    """[B, 1, 1, S] boolean mask over the gathered context of each request."""
+    def build():
+        j = torch.arange(num_slots, device=md.positions.device)[None, :]
+        kv = md.actual_seq_lengths_kv[:, None]
+        allowed = j < kv
+        if window:
+            allowed &= j > kv - 1 - window
+        return allowed[:, None, None, :]
+    return md.memo(("decode_mask", window, num_slots), build)
+
+
+def _sdpa(q, k, v, mask, scale, soft_cap):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           md: ForwardMetaData, group: str, scale: float, sliding_window: int | None = None,
+           soft_cap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D], caches [blocks, block_size, Hkv, D] -> [T, H, D]."""
+    kv_heads, head_dim = k_cache.shape[2:]
+    slots = md.slot_mapping[group]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    if md.is_prefill:
+        index, L = _prefill_layout(md)
+        B, heads = md.batch_size, q.shape[1]
+
+        def pad(x):
+            out = x.new_zeros(B * L, *x.shape[1:])
+            out[index] = x
+            return out.view(B, L, *x.shape[1:]).transpose(1, 2)
+
+        o = _sdpa(pad(q), pad(k), pad(v), _prefill_mask(md, sliding_window), scale, soft_cap)
+        return o.transpose(1, 2).reshape(B * L, heads, head_dim)[index]
+    table = md.block_table[group]
+    B = table.shape[0]
+    ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
+    ctx_v = v_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
+    mask = _decode_mask(md, sliding_window, ctx_k.shape[2])
+    return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap)[:, :, 0]
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention that owns its slice of the KV cache.
+
+    The engine binds ``k_cache`` / ``v_cache`` after sizing the pool. With ``legacy=True`` the
+    layer declares ``cache_unit`` instead and the engine preallocates a
+    ``[max_batch, max_seq_len, *cache_unit]`` cache on it (the seeds' legacy path).
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None, soft_cap: float | None = None, legacy: bool = False,
+                 prefix: str = ""):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window, self.soft_cap, self.prefix = sliding_window, soft_cap, prefix
+        self.cache_unit = (self.num_kv_heads * head_dim,) if legacy else None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    @property
+    def cache_group(self) -> str:
+        return LEGACY if self.cache_unit else cache_group_key(self.sliding_window)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
+        """q [T, H*D] or [T, H, D]; k/v likewise with Hkv heads. Returns [T, H*D]."""
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
+        shape = (-1, self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
+        o = attend(q, k, v, self.k_cache.view(shape), self.v_cache.view(shape), md, self.cache_group,
+                   self.scale, self.sliding_window, self.soft_cap)
+        return o.reshape(T, -1)
+
+
+def cache_info_of(model: nn.Module, dtype: torch.dtype):
+    """The paged cache entries of every ``Attention`` layer, for a model's ``get_cache_info()``."""
+    from runtime.kv_cache import CacheEntry, ModelCacheInfo
+
+    return ModelCacheInfo([CacheEntry(name, m.num_kv_heads, m.head_dim, dtype, m.sliding_window)
+                           for name, m in model.named_modules() if isinstance(m, Attention)])

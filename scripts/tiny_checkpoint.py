@@ -1,0 +1,202 @@
+"""Tiny random-weight HF checkpoints (model + offline-trained tokenizer) for fast parity tests."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS_CHAT, EOS]  # ids 0, 1, 2 as in SmolLM2
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small model can still learn the shape of a sentence.
+Once upon a time there was a little village by the sea, where the people fished and sang every evening.
+The capital of France is Paris, the capital of Italy is Rome, and the capital of Japan is Tokyo.
+Water boils at one hundred degrees and freezes at zero. The sun rises in the east and sets in the west.
+She opened the window, looked at the garden, and decided that today would be a good day for a walk.
+Computers store numbers as bits. A program reads input, computes a result, and writes output to a file.
+In the morning we drink coffee or tea; in the afternoon we work, and at night we read books and sleep.
+Questions and answers: what is your name? My name is Ada. How old are you? I am ten years old.
+The river flows through the valley between green hills, past farms, bridges, and an old stone mill.
+Music, painting, and poetry are arts; mathematics, physics, and chemistry are sciences of nature.
+1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14 -- hello, world! "quoted" (parenthesised) [bracketed] {braced}
+"""
+
+# Token lengths under the 512-entry tiny tokenizer: 3, 7, 20, 42.
+PARITY_PROMPTS = [
+    "The capital of",
+    "The capital of France is",
+    "Once upon a time there was a little village by the sea",
+    "She opened the window, looked at the garden, and decided that today would be a good day for a walk by the river",
+]
+
+_TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+# Per-arch extras; tie_word_embeddings follows each arch's own default, stated explicitly.
+_ARCH: dict[str, dict] = {
+    "llama": {"tie_word_embeddings": False},
+    "mistral": {"tie_word_embeddings": False},
+    "qwen2": {"tie_word_embeddings": False},
+    "qwen3": {"tie_word_embeddings": False},
+    "gemma3_text": {"tie_word_embeddings": True, "sliding_window": 8, "query_pre_attn_scalar": 16},
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_json(vocab_size: int) -> str:
+    n_base = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
+    if vocab_size < n_base:
+        raise ValueError(f"vocab_size must be >= {n_base} (byte alphabet + special tokens)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    # A corpus too small for the requested size is padded with never-produced reserved tokens.
+    missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(missing)])
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
+    return tok.to_str()
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained offline on CORPUS, exactly `vocab_size` entries, ChatML template; saved to `out_dir`."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+    assert len(tokenizer) == vocab_size
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
+    """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text (other types: base sizes only)."""
+    params = {**_TINY, **_ARCH.get(model_type, {}), **overrides}
+    if model_type == "gemma3_text" and "layer_types" not in overrides:
+        # Alternate so that both attention kinds appear from 2 layers on.
+        params["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(params["num_hidden_layers"])
+        ]
+    return AutoConfig.for_model(model_type, **params)
+
+
+def _reinit_(model: PreTrainedModel, init_std: float) -> None:
+    # Large matrices give peaked logits (confident greedy steps); 1-D params (norms, biases) keep their
+    # arch's own centre (1 for RMSNorm, 0 for Gemma's 1+w norm and biases) plus a little noise.
+    sandwich = any("post_feedforward_layernorm" in name for name, _ in model.named_parameters())
+    # Sandwich post-norms (Gemma, OLMo2) pin each block's output RMS to their weight; lifted to 8x the
+    # (possibly sqrt(hidden)-scaled) embedding RMS so the residual is not dominated by the current
+    # token, which with tied embeddings makes greedy decoding repeat it.
+    embed_scale = float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))
+    post_norm_shift = 8 * init_std * embed_scale - 1
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, init_std)
+                continue
+            param.add_(torch.randn_like(param), alpha=0.1)
+            if sandwich and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
+                param.add_(post_norm_shift)
+
+
+def build_tiny_checkpoint(
+    config: PretrainedConfig,
+    out_dir: Path,
+    seed: int = 0,
+    init_std: float = 0.5,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Random `AutoModelForCausalLM` for `config` (seeded) + tokenizer, saved as safetensors in `out_dir`."""
+    out_dir = Path(out_dir)
+    tokenizer = make_tokenizer(out_dir, config.vocab_size)
+    config = copy.deepcopy(config)
+    ids = {
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+    for key, value in ids.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _reinit_(model, init_std)
+    for key, value in ids.items():
+        setattr(model.generation_config, key, value)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+@torch.no_grad()
+def greedy_margin(
+    model: torch.nn.Module, input_ids_list: Sequence[Sequence[int]], max_new_tokens: int
+) -> float:
+    """Smallest top1-top2 logit gap over `max_new_tokens` greedy steps of every prompt.
+
+    EOS does not stop the loop, so every step a consumer might run is covered.
+    """
+    margin = float("inf")
+    for prompt in input_ids_list:
+        ids = torch.tensor([list(prompt)])
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids).logits[0, -1].float()
+            top = torch.topk(logits, 2)
+            margin = min(margin, (top.values[0] - top.values[1]).item())
+            ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
+    return margin
+
+
+def pick_seed(
+    config: PretrainedConfig,
+    out_dir: Path,
+    prompts_ids: Sequence[Sequence[int]],
+    max_new_tokens: int = 16,
+    min_margin: float = 0.01,
+    seeds: Iterable[int] = range(20),
+) -> int:
+    """First seed whose checkpoint has greedy margin >= `min_margin`; `out_dir` is left holding it."""
+    best = float("-inf")
+    for seed in seeds:
+        build_tiny_checkpoint(config, out_dir, seed=seed)
+        model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+        margin = greedy_margin(model, prompts_ids, max_new_tokens)
+        if margin >= min_margin:
+            return seed
+        best = max(best, margin)
+    raise RuntimeError(f"no seed reached greedy margin {min_margin} (best {best:.4g})")

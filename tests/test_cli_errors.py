@@ -1,0 +1,65 @@
+"""Bad input exits non-zero with a one-paragraph message and no traceback."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from model_dirs import make_model_dir
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skills.cli", *args], check=False, capture_output=True, text=True)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    message = proc.stderr[proc.stderr.index("error:"):]
+    assert "\n\n" not in message.strip(), message  # one paragraph
+    for needle in needles:
+        assert needle in message, message
+
+
+@pytest.fixture
+def model_dir(tmp_path, tiny_llama_dir):
+    return make_model_dir(tmp_path, tiny_llama_dir)
+
+
+def _yaml(model_dir):
+    return model_dir / "config" / "contract_llama.yaml"
+
+
+def test_malformed_yaml(model_dir):
+    _yaml(model_dir).write_text("model_config:\n  dtype: [float32\n")
+    assert_clean_error(run_cli("run", str(model_dir)), "malformed YAML", "line")
+
+
+def test_unknown_key(model_dir):
+    doc = yaml.safe_load(_yaml(model_dir).read_text())
+    doc["scheduler_config"]["max_new_token"] = 4
+    _yaml(model_dir).write_text(yaml.safe_dump(doc))
+    proc = run_cli("run", str(model_dir))
+    assert_clean_error(proc, "scheduler_config.max_new_token", "max_new_tokens")
+    assert proc.returncode == 2
+
+
+def test_missing_checkpoint_dir(model_dir, tmp_path):
+    doc = yaml.safe_load(_yaml(model_dir).read_text())
+    doc["model_config"]["model_path"] = str(tmp_path / "nowhere")
+    _yaml(model_dir).write_text(yaml.safe_dump(doc))
+    assert_clean_error(run_cli("run", str(model_dir)), "nowhere", "model_path")
+
+
+def test_corrupt_safetensors(model_dir, tiny_llama_dir, tmp_path):
+    broken = tmp_path / "broken_ckpt"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00\x01 not a safetensors file")
+    doc = yaml.safe_load(_yaml(model_dir).read_text())
+    doc["model_config"]["model_path"] = str(broken)
+    _yaml(model_dir).write_text(yaml.safe_dump(doc))
+    assert_clean_error(run_cli("run", str(model_dir)), "model.safetensors", "safetensors")
+
+
+def test_missing_model_dir(tmp_path):
+    assert_clean_error(run_cli("run", str(tmp_path / "no_such_model")), "no_such_model")
