@@ -72,7 +72,9 @@ class Scheduler:
                     break
             else:
                 scheduled.append(request)
-        return Batch(scheduled, is_prefill=False) if scheduled else None
+        if not scheduled:  # everything was preempted: re-admit (or report a request that can never fit)
+            return self._schedule_prefill()
+        return Batch(scheduled, is_prefill=False)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's KV and queue it for recomputation from its tokens so far."""
