@@ -115,17 +115,24 @@ class Attention(nn.Module):
         return LEGACY if self.cache_unit else cache_group_key(self.sliding_window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
-        """q [T, H*D] or [T, H, D]; k/v likewise with Hkv heads. Returns [T, H*D]."""
+        """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads) -> [T, H*D].
+
+        HF layout, as migrated models call it: q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D].
+        """
+        if q.dim() == 4:
+            q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
+            return self._attend(q, k, v, md)[None]
         T = q.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q = q.view(T, -1, self.head_dim)
+        k = k.view(T, -1, self.head_dim)
+        v = v.view(T, -1, self.head_dim)
+        return self._attend(q, k, v, md).reshape(T, -1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
         assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         shape = (-1, self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
-        o = attend(q, k, v, self.k_cache.view(shape), self.v_cache.view(shape), md, self.cache_group,
-                   self.scale, self.sliding_window, self.soft_cap)
-        return o.reshape(T, -1)
-
+        return attend(q, k.contiguous(), v.contiguous(), self.k_cache.view(shape), self.v_cache.view(shape), md,
+                      self.cache_group, self.scale, self.sliding_window, self.soft_cap)
 
 def cache_info_of(model: nn.Module, dtype: torch.dtype):
     """The paged cache entries of every ``Attention`` layer, for a model's ``get_cache_info()``."""

@@ -1,0 +1,28 @@
+"""What every rewrite rule may know about the file it rewrites."""
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An unsupported construct, reported by name instead of being silently mangled."""
+
+    file: str
+    scope: str  # class or function
+    line: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.scope}: {self.what}"
+
+
+@dataclass
+class RewriteContext:
+    entry_class: str  # the *ForCausalLM class the runtime instantiates
+    config_module: str = ""  # import name of the vendored configuration module
+    hf_package: str = ""  # e.g. "transformers.models.llama", for `from .x import y`
+    kv_layout: str = "paged"  # "paged" | "legacy"
+    filename: str = "modeling.py"
+    findings: list[Finding] = field(default_factory=list)
+
+    def unsupported(self, scope: str, line: int, what: str) -> None:
+        self.findings.append(Finding(self.filename, scope, line, what))

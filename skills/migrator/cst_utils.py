@@ -1,0 +1,143 @@
+"""Small libcst helpers shared by the rewrite rules."""
+from collections.abc import Iterable, Sequence
+
+import libcst as cst
+import libcst.matchers as m
+
+
+def names_in(node: cst.CSTNode) -> set[str]:
+    """Every bare Name referenced (or bound) anywhere under node."""
+    found: set[str] = set()
+
+    class _Collect(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+    node.visit(_Collect())
+    return found
+
+
+def free_names(node: cst.CSTNode) -> set[str]:
+    """Bare names read under node: attribute names and keyword names excluded."""
+    found: set[str] = set()
+
+    class _Collect(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_Arg(self, n: cst.Arg) -> bool:
+            n.value.visit(self)
+            return False
+
+    node.visit(_Collect())
+    return found
+
+
+def assigned_names(stmt: cst.CSTNode) -> set[str]:
+    """Names bound by assignments (incl. walrus, augmented, subscript/attribute bases) under stmt."""
+    found: set[str] = set()
+
+    def base(target: cst.BaseExpression) -> None:
+        while isinstance(target, (cst.Subscript, cst.Attribute)):
+            target = target.value
+        if isinstance(target, cst.Name):
+            found.add(target.value)
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for el in target.elements:
+                base(el.value)
+
+    class _Collect(cst.CSTVisitor):
+        def visit_AssignTarget(self, n: cst.AssignTarget) -> None:
+            base(n.target)
+
+        def visit_AnnAssign(self, n: cst.AnnAssign) -> None:
+            base(n.target)
+
+        def visit_AugAssign(self, n: cst.AugAssign) -> None:
+            base(n.target)
+
+        def visit_NamedExpr(self, n: cst.NamedExpr) -> None:
+            base(n.target)
+
+        def visit_For(self, n: cst.For) -> None:
+            base(n.target)
+
+    stmt.visit(_Collect())
+    return found
+
+
+def contains(node: cst.CSTNode, matcher) -> bool:
+    return bool(m.findall(node, matcher))
+
+
+def dotted(expr: cst.BaseExpression) -> str:
+    """`a.b.c` for Name/Attribute chains, '' otherwise."""
+    if isinstance(expr, cst.Name):
+        return expr.value
+    if isinstance(expr, cst.Attribute):
+        head = dotted(expr.value)
+        return f"{head}.{expr.attr.value}" if head else ""
+    return ""
+
+
+def called_name(call: cst.Call) -> str:
+    return dotted(call.func)
+
+
+def kwarg(call: cst.Call, name: str) -> cst.Arg | None:
+    return next((a for a in call.args if a.keyword and a.keyword.value == name), None)
+
+
+def expr(code: str) -> cst.BaseExpression:
+    return cst.parse_expression(code)
+
+
+def stmts(code: str) -> list[cst.BaseStatement]:
+    return list(cst.parse_module(code).body)
+
+
+def stmt(code: str) -> cst.BaseStatement:
+    (s,) = stmts(code)
+    return s
+
+
+def classes(module: cst.Module) -> dict[str, cst.ClassDef]:
+    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+
+def method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    return next((s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == name), None)
+
+
+def param_names(fn: cst.FunctionDef) -> list[str]:
+    p = fn.params
+    return [x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)]
+
+
+def replace_body(node, body: Sequence[cst.BaseStatement]):
+    """A compound node with a new body (keeps `pass` when nothing is left)."""
+    body = list(body) or [cst.SimpleStatementLine([cst.Pass()])]
+    return node.with_changes(body=node.body.with_changes(body=body))
+
+
+def flatten(items: Iterable) -> list:
+    out = []
+    for item in items:
+        if isinstance(item, cst.FlattenSentinel):
+            out.extend(item.nodes)
+        elif item is not cst.RemovalSentinel.REMOVE:
+            out.append(item)
+    return out
+
+
+def add_import(module: cst.Module, from_module: str, name: str) -> cst.Module:
+    from libcst.codemod import CodemodContext
+    from libcst.codemod.visitors import AddImportsVisitor
+
+    context = CodemodContext()
+    AddImportsVisitor.add_needed_import(context, from_module, name)
+    return AddImportsVisitor(context).transform_module(module)

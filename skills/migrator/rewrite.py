@@ -1,0 +1,16 @@
+"""Run the rewrite rules over a vendored HF source file."""
+import libcst as cst
+
+from skills.migrator.context import RewriteContext
+from skills.migrator.rules import CONFIGURATION_RULES, MODELING_RULES
+
+
+def rewrite(source: str, ctx: RewriteContext, rules=MODELING_RULES) -> str:
+    module = cst.parse_module(source)
+    for rule in rules:
+        module = rule.apply(module, ctx)
+    return module.code
+
+
+def rewrite_configuration(source: str, ctx: RewriteContext) -> str:
+    return rewrite(source, ctx, CONFIGURATION_RULES)

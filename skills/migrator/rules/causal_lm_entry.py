@@ -1,0 +1,95 @@
+"""The *ForCausalLM class takes the runtime contract: `forward(input_ids, position_ids, forward_metadata)`
+on packed `[T]` inputs returning last-position logits `[B, 1, V]`, explicit weight tying,
+`load_weights`, `get_cache_info` on the paged path, and `EntryClass` for the registry."""
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import add_import, called_name, classes, method, names_in, stmt, stmts
+
+FORWARD = '''
+def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata: ForwardMetaData,
+            **kwargs) -> torch.Tensor:
+    hidden_states = self.{inner}(input_ids=input_ids[None], position_ids=position_ids[None],
+                                forward_metadata=forward_metadata, **kwargs)
+    hidden_states = hidden_states[0, forward_metadata.last_token_indices]
+'''
+LOAD_WEIGHTS = '''
+def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    return load_named_weights(self, weights)
+'''
+CACHE_INFO = '''
+def get_cache_info(self) -> ModelCacheInfo:
+    return cache_info_of(self, next(self.parameters()).dtype)
+'''
+
+
+def _inner_model_attr(cls: cst.ClassDef, module: cst.Module) -> str | None:
+    local = classes(module)
+    init = method(cls, "__init__")
+    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())):
+        if called_name(a.value) in local:
+            return a.targets[0].target.attr.value
+    return None
+
+
+def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
+    for s in cls.body.body:
+        assign = s.body[0] if isinstance(s, cst.SimpleStatementLine) else None
+        if m.matches(assign, m.Assign(targets=[m.AssignTarget(m.Name("_tied_weights_keys"))])):
+            value = assign.value
+            if isinstance(value, cst.Dict) and value.elements:
+                head = value.elements[0]
+                dst, src = head.key.evaluated_value, head.value.evaluated_value
+            else:
+                dst, src = "lm_head.weight", f"{inner}.embed_tokens.weight"
+            return stmts(f"if config.tie_word_embeddings:\n    self.{dst} = self.{src}\n")
+    return []
+
+
+def _logits_tail(fwd: cst.FunctionDef) -> list[cst.BaseStatement] | None:
+    """The lm_head statement (fed the last positions) and the logits post-processing after it."""
+    body = list(fwd.body.body)
+    idx = next((i for i, s in enumerate(body) if m.findall(s, m.Call(func=m.Attribute(attr=m.Name("lm_head"))))),
+               None)
+    if idx is None:
+        return None
+    head = stmt("logits = self.lm_head(hidden_states)\n")
+    tail = [s for s in body[idx + 1:] if not isinstance(s, cst.SimpleStatementLine)
+            or not (isinstance(s.body[0], cst.Return) or names_in(s) & {"loss", "outputs", "labels"})]
+    return [head, *tail, stmt("return logits[:, None, :]\n")]
+
+
+def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
+    cls = classes(module).get(ctx.entry_class)
+    if cls is None:
+        ctx.unsupported(ctx.entry_class, 0, "entry class not found in the modeling file")
+        return module
+    fwd, init = method(cls, "forward"), method(cls, "__init__")
+    if "forward_metadata" in cst.Module([]).code_for_node(fwd):
+        return module  # already in contract form
+    inner = _inner_model_attr(cls, module)
+    tail = _logits_tail(fwd)
+    if inner is None or tail is None:
+        ctx.unsupported(ctx.entry_class, 0, "expected `self.<model>(...)` followed by `self.lm_head(...)` in forward")
+        return module
+    new_fwd = cst.parse_module(FORWARD.format(inner=inner)).body[0]
+    new_fwd = new_fwd.with_changes(body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),
+                                   leading_lines=[cst.EmptyLine(indent=False)])
+    new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, *_tie_statement(cls, inner)]))
+    extra = [cst.parse_module(LOAD_WEIGHTS).body[0]]
+    if ctx.kv_layout == "paged":
+        extra.append(cst.parse_module(CACHE_INFO).body[0])
+    extra = [e.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for e in extra]
+    body = [new_fwd if s is fwd else new_init if s is init else s for s in cls.body.body]
+    new_cls = cls.with_changes(body=cls.body.with_changes(body=[*body, *extra]))
+    module = module.with_changes(body=[new_cls if s is cls else s for s in module.body]
+                                 + [stmt(f"EntryClass = {ctx.entry_class}\n").with_changes(
+                                     leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)])])
+    for mod, name in [("runtime.engine.forward_metadata", "ForwardMetaData"), ("collections.abc", "Iterable"),
+                      ("runtime.layers.weights", "load_named_weights")]:
+        module = add_import(module, mod, name)
+    if ctx.kv_layout == "paged":
+        module = add_import(module, "runtime.layers.attention", "cache_info_of")
+        module = add_import(module, "runtime.kv_cache", "ModelCacheInfo")
+    return module

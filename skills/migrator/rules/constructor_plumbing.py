@@ -1,0 +1,100 @@
+"""Constructors take the runtime contract `(config, ..., infer_config, comm_manager, prefix)` and pass
+it down to every in-file module that holds weights, with `prefix` naming the child's path."""
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import add_import, called_name, classes, method, param_names
+
+WEIGHTED = {"nn.Linear", "Linear", "Attention", "nn.Embedding", "Embedding"}
+
+
+def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
+    local = classes(module)
+    plumbed = {entry}
+    while True:
+        grown = set(plumbed)
+        for name, cls in local.items():
+            init = method(cls, "__init__")
+            if init is None:
+                continue
+            callees = {called_name(c) for c in m.findall(init, m.Call())}
+            if callees & (WEIGHTED | plumbed) and "config" in param_names(init):
+                grown.add(name)
+        if grown == plumbed:
+            return plumbed
+        plumbed = grown
+
+
+def _new_params(init: cst.FunctionDef) -> cst.Parameters:
+    params = init.params
+    defaulted = any(p.default is not None for p in params.params)
+    add = [cst.Param(cst.Name("infer_config"), cst.Annotation(cst.Name("InferenceConfig")),
+                     default=cst.Name("None") if defaulted else None),
+           cst.Param(cst.Name("comm_manager"), cst.Annotation(cst.parse_expression("CommManager | None")),
+                     default=cst.Name("None")),
+           cst.Param(cst.Name("prefix"), cst.Annotation(cst.Name("str")), default=cst.SimpleString('""'))]
+    return params.with_changes(params=[*params.params, *add])
+
+
+class _PassDown(cst.CSTTransformer):
+    """Adds the contract kwargs to constructor calls of plumbed classes inside one __init__."""
+
+    def __init__(self, plumbed: set[str]):
+        self.plumbed = plumbed
+        self.path: list[str] = []  # attribute being assigned, then comprehension loop variables
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        target = node.targets[0].target
+        self.path = [target.attr.value] if m.matches(target, m.Attribute(value=m.Name("self"))) else []
+
+    def visit_ListComp(self, node: cst.ListComp) -> None:
+        self._loop_vars(node.for_in)
+
+    def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
+        self._loop_vars(node.for_in)
+
+    def _loop_vars(self, comp: cst.CompFor | None) -> None:
+        while comp is not None:
+            if isinstance(comp.target, cst.Name):
+                self.path.append("{" + comp.target.value + "}")
+            comp = comp.inner_for_in
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if called_name(updated) not in self.plumbed or any(a.keyword and a.keyword.value == "prefix"
+                                                           for a in updated.args):
+            return updated
+        child = ".".join(self.path) or called_name(updated).lower()
+        fmt = "f" if "{" in child else ""
+        extra = cst.parse_expression(f'f(infer_config=infer_config, comm_manager=comm_manager, '
+                                     f'prefix=join_prefix(prefix, {fmt}"{child}"))').args
+        args = list(updated.args)
+        if args:
+            args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        return updated.with_changes(args=[*args, *extra])
+
+
+class _Plumb(cst.CSTTransformer):
+    def __init__(self, plumbed: set[str]):
+        self.plumbed = plumbed
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        init = method(updated, "__init__")
+        if updated.name.value not in self.plumbed or init is None or "infer_config" in param_names(init):
+            return updated
+        new_init = init.with_changes(params=_new_params(init)).visit(_PassDown(self.plumbed))
+        body = [new_init if s is init else s for s in updated.body.body]
+        return updated.with_changes(body=updated.body.with_changes(body=body))
+
+
+def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
+    if ctx.entry_class not in classes(module):
+        return module
+    plumbed = plumbed_classes(module, ctx.entry_class)
+    new = module.visit(_Plumb(plumbed))
+    if new.deep_equals(module):
+        return module
+    for mod, name in [("runtime.config", "InferenceConfig"), ("runtime.config.comm_manager", "CommManager"),
+                      ("runtime.layers.prefix", "join_prefix")]:
+        new = add_import(new, mod, name)
+    return new

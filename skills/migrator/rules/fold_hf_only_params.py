@@ -1,0 +1,161 @@
+"""Parameters that only serve HF's generate / training API (`cache`, `use_cache`, `attention_mask`,
+`inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) are removed from every
+signature. Their values are known under the runtime contract, so branches on them are folded away,
+call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses its annotation."""
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import assigned_names
+
+HF_ONLY: dict[str, object] = {
+    "cache": None, "past_key_values": None, "past_key_value": None, "use_cache": False,
+    "attention_mask": None, "inputs_embeds": None, "labels": None, "output_attentions": False,
+    "output_hidden_states": False, "output_router_logits": False, "cache_position": None,
+    "logits_to_keep": 0, "head_mask": None,
+}
+ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
+
+
+def _literal(value: object) -> cst.BaseExpression:
+    return cst.Integer(str(value)) if type(value) is int else cst.Name(repr(value))
+
+
+class _Env:
+    def __init__(self, consts: dict[str, object], given: set[str]):
+        self.consts, self.given = consts, given
+
+    def copy(self) -> "_Env":
+        return _Env(dict(self.consts), set(self.given))
+
+    def forget(self, names: set[str]) -> None:
+        for n in names:
+            self.consts.pop(n, None)
+            self.given.discard(n)
+
+    def truth(self, e: cst.BaseExpression):
+        """True / False when the value is known under the contract, else None."""
+        if isinstance(e, cst.Name):
+            if e.value in self.consts:
+                return bool(self.consts[e.value])
+            return {"True": True, "False": False, "None": False}.get(e.value)
+        if isinstance(e, cst.UnaryOperation) and isinstance(e.operator, cst.Not):
+            v = self.truth(e.expression)
+            return None if v is None else not v
+        if isinstance(e, cst.BooleanOperation):
+            a, b = self.truth(e.left), self.truth(e.right)
+            if isinstance(e.operator, cst.And):
+                return False if False in (a, b) else (True if a is b is True else None)
+            return True if True in (a, b) else (False if a is b is False else None)
+        if isinstance(e, cst.BinaryOperation) and isinstance(e.operator, cst.BitXor):
+            a, b = self.truth(e.left), self.truth(e.right)
+            return None if None in (a, b) else a != b
+        if isinstance(e, cst.Comparison) and len(e.comparisons) == 1 and isinstance(e.left, cst.Name):
+            op, right = e.comparisons[0].operator, e.comparisons[0].comparator
+            if m.matches(right, m.Name("None")) and isinstance(op, (cst.Is, cst.IsNot)):
+                is_none = (self.consts[e.left.value] is None if e.left.value in self.consts
+                           else False if e.left.value in self.given else None)
+                return None if is_none is None else is_none == isinstance(op, cst.Is)
+        return None
+
+
+class _Substitute(cst.CSTTransformer):
+    """Drops keyword arguments that forward known values; replaces other reads by literals."""
+
+    def __init__(self, env: _Env):
+        self.env = env
+
+    def leave_Call(self, original, updated):
+        args = [new for old, new in zip(original.args, updated.args, strict=True)
+                if not (old.keyword and isinstance(old.value, cst.Name) and old.value.value in self.env.consts)]
+        return updated.with_changes(args=args)
+
+    def leave_Name(self, original, updated):
+        return _literal(self.env.consts[updated.value]) if updated.value in self.env.consts else updated
+
+    # names in these positions are not reads
+    def leave_Attribute(self, original, updated):
+        return updated.with_changes(attr=original.attr)
+
+    def leave_Arg(self, original, updated):
+        return updated.with_changes(keyword=original.keyword)
+
+    def leave_AssignTarget(self, original, updated):
+        return updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
+
+    def leave_AnnAssign(self, original, updated):
+        return updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
+
+    def leave_NamedExpr(self, original, updated):
+        return updated.with_changes(target=original.target)
+
+    def leave_Param(self, original, updated):
+        return updated.with_changes(name=original.name)
+
+    def leave_IfExp(self, original, updated):
+        v = self.env.truth(original.test)
+        return updated if v is None else (updated.body if v else updated.orelse)
+
+
+def _fold_block(body, env: _Env) -> list:
+    out = []
+    for s in body:
+        folded = _fold_stmt(s, env)
+        for f in folded:
+            env.forget(assigned_names(f))
+        out.extend(folded)
+    return out
+
+
+def _block(node, stmts):
+    return node.with_changes(body=stmts or [cst.SimpleStatementLine([cst.Pass()])])
+
+
+def _fold_stmt(s, env: _Env) -> list:
+    if isinstance(s, cst.If):
+        v = env.truth(s.test)
+        if v is True:
+            return _fold_block(s.body.body, env)
+        if v is False:
+            if s.orelse is None:
+                return []
+            return _fold_stmt(s.orelse, env) if isinstance(s.orelse, cst.If) else _fold_block(s.orelse.body.body, env)
+        orelse = s.orelse
+        if isinstance(orelse, cst.Else):
+            orelse = orelse.with_changes(body=_block(orelse.body, _fold_block(orelse.body.body, env.copy())))
+        elif isinstance(orelse, cst.If):
+            folded = _fold_stmt(orelse, env.copy())
+            orelse = folded[0] if len(folded) == 1 and isinstance(folded[0], cst.If) else (
+                cst.Else(cst.IndentedBlock(folded)) if folded else None)
+        return [s.with_changes(test=s.test.visit(_Substitute(env)),
+                               body=_block(s.body, _fold_block(s.body.body, env.copy())), orelse=orelse)]
+    if isinstance(s, (cst.For, cst.While, cst.With)):
+        head = {k: getattr(s, k).visit(_Substitute(env)) for k in ("iter", "test", "items") if hasattr(s, k)
+                and not isinstance(getattr(s, k), (list, tuple))}
+        inner = env.copy()
+        inner.forget(assigned_names(s))
+        return [s.with_changes(**head, body=_block(s.body, _fold_block(s.body.body, inner)))]
+    return [s.visit(_Substitute(env))]
+
+
+class _Fold(cst.CSTTransformer):
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        params = updated.params
+        names = [p.name.value for p in (*params.params, *params.kwonly_params)]
+        consts = {n: HF_ONLY[n] for n in names if n in HF_ONLY}
+        star_kwargs = params.star_kwarg
+        if star_kwargs is not None and star_kwargs.annotation is not None:
+            star_kwargs = star_kwargs.with_changes(annotation=None)
+        new_params = params.with_changes(
+            params=[p for p in params.params if p.name.value not in consts],
+            kwonly_params=[p for p in params.kwonly_params if p.name.value not in consts],
+            star_kwarg=star_kwargs)
+        if not consts:
+            return updated.with_changes(params=new_params)
+        env = _Env(consts, set(names) & ALWAYS_GIVEN)
+        body = _fold_block(updated.body.body, env)
+        return updated.with_changes(params=new_params, body=_block(updated.body, body))
+
+
+def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
+    return module.visit(_Fold())

@@ -1,0 +1,72 @@
+"""HF base classes (PreTrainedModel and its per-model subclass, GradientCheckpointingLayer,
+GenerationMixin) become plain `nn.Module`; with them go `post_init()`, gradient-checkpointing flags,
+`super().__init__(config)` arguments and HF-only class attributes (`_tp_plan`, `config: XConfig`, ...)."""
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import classes, dotted
+
+HF_BASES = {"PreTrainedModel", "GradientCheckpointingLayer", "GenerationMixin"}
+NN_MODULE = cst.Arg(cst.parse_expression("nn.Module"))
+
+
+def hf_model_classes(module: cst.Module) -> set[str]:
+    """HF base names plus in-file classes deriving from them (e.g. LlamaPreTrainedModel)."""
+    found = set(HF_BASES)
+    for name, cls in classes(module).items():
+        if name.endswith("PreTrainedModel") and any(dotted(b.value).split(".")[-1] in found for b in cls.bases):
+            found.add(name)
+    return found
+
+
+def _is_hf_only_class_attr(stmt: cst.BaseStatement, used: set[str]) -> bool:
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    small = stmt.body[0]
+    if isinstance(small, cst.AnnAssign) and small.value is None:
+        return True  # `config: LlamaConfig`
+    target = small.targets[0].target if isinstance(small, cst.Assign) else None
+    return isinstance(target, cst.Name) and target.value.startswith("_") and target.value not in used
+
+
+class _PlainSuperInit(cst.CSTTransformer):
+    """`super().__init__(config)` -> `super().__init__()` plus the `self.config` PreTrainedModel used to set."""
+
+    def leave_SimpleStatementLine(self, original, updated):
+        call = updated.body[0].value if isinstance(updated.body[0], cst.Expr) else None
+        if not m.matches(call, m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))):
+            return updated
+        plain = updated.with_changes(body=[cst.Expr(call.with_changes(args=[]))])
+        if len(call.args) == 1 and isinstance(call.args[0].value, cst.Name):
+            return cst.FlattenSentinel([plain, cst.parse_statement(f"self.config = {call.args[0].value.value}\n")])
+        return plain
+
+
+class _Bases(cst.CSTTransformer):
+    def __init__(self, hf: set[str]):
+        self.hf = hf
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        bases = [b for b in updated.bases if dotted(b.value).split(".")[-1] not in self.hf]
+        if len(bases) == len(updated.bases):
+            return updated
+        used = {n.attr.value for n in m.findall(updated, m.Attribute(value=m.Name("self")))}
+        body = [s for s in updated.body.body if not _is_hf_only_class_attr(s, used)]
+        if body and body[0] is not updated.body.body[0]:
+            body[0] = body[0].with_changes(leading_lines=[])
+        updated = updated.with_changes(bases=bases or [NN_MODULE], body=updated.body.with_changes(body=body))
+        return updated.visit(_PlainSuperInit())
+
+    def leave_SimpleStatementLine(self, original, updated):
+        drop = m.OneOf(
+            m.Expr(m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("post_init")))),
+            m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing")))]),
+        )
+        if len(updated.body) == 1 and m.matches(updated.body[0], drop):
+            return cst.RemoveFromParent()
+        return updated
+
+
+def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
+    return module.visit(_Bases(hf_model_classes(module)))

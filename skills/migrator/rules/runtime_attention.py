@@ -1,0 +1,171 @@
+"""The attention call (`ALL_ATTENTION_FUNCTIONS` / `eager_attention_forward`) becomes the runtime's
+`Attention` layer, which owns the KV cache: `self.attn = Attention(...)` is built in `__init__` from the
+arguments HF passed at call time (scaling, sliding window, soft cap), the forward calls
+`self.attn(q, k, v, forward_metadata)`, and the unused attention-weights output disappears, callers
+included."""
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import (
+    add_import,
+    assigned_names,
+    called_name,
+    classes,
+    free_names,
+    kwarg,
+    method,
+    stmt,
+)
+
+INTERFACE = {"attention_interface", "eager_attention_forward"}
+IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
+RUNTIME_KWARGS = {"scaling": "scale", "sliding_window": "sliding_window", "softcap": "soft_cap"}
+INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float"}
+
+
+def _interface_call(s: cst.BaseStatement) -> cst.Call | None:
+    calls = m.findall(s, m.Call(func=m.Name()))
+    return next((c for c in calls if called_name(c) in INTERFACE), None)
+
+
+def attention_classes(module: cst.Module) -> set[str]:
+    return {name for name, cls in classes(module).items()
+            if (fwd := method(cls, "forward")) is not None and any(_interface_call(s) for s in fwd.body.body)}
+
+
+class _Forward(cst.CSTTransformer):
+    """Inside an attention class's forward."""
+
+    def __init__(self, ctx: RewriteContext, scope: str):
+        self.ctx, self.scope = ctx, scope
+        self.call: cst.Call | None = None
+        self.weights: str | None = None
+
+    def leave_SimpleStatementLine(self, original, updated):
+        if assigned_names(updated) == {"attention_interface"}:
+            return cst.RemoveFromParent()
+        call = _interface_call(updated)
+        if call is None or not isinstance(updated.body[0], cst.Assign):
+            return updated
+        self.call = call
+        target = updated.body[0].targets[0].target
+        out = target.elements[0].value if isinstance(target, cst.Tuple) else target
+        if isinstance(target, cst.Tuple) and len(target.elements) > 1:
+            self.weights = cst.Module([]).code_for_node(target.elements[1].value)
+        q, k, v = (a.value for a in call.args[1:4])
+        new = cst.Assign([cst.AssignTarget(out)], cst.parse_expression("self.attn(q, k, v, forward_metadata)"))
+        new = new.with_changes(value=new.value.with_changes(args=[cst.Arg(q), cst.Arg(k), cst.Arg(v),
+                                                                  new.value.args[3]]))
+        return updated.with_changes(body=[new])
+
+    def leave_If(self, original, updated):
+        if all(assigned_names(s) == {"attention_interface"} or m.matches(s, m.SimpleStatementLine([m.Pass()]))
+               for s in updated.body.body):
+            return cst.RemoveFromParent()
+        return updated
+
+    def leave_Return(self, original, updated):
+        if self.weights and isinstance(updated.value, cst.Tuple):
+            kept = [e for e in updated.value.elements if cst.Module([]).code_for_node(e.value) != self.weights]
+            value = kept[0].value if len(kept) == 1 else updated.value.with_changes(elements=kept)
+            return updated.with_changes(value=value)
+        return updated
+
+
+def _attention_ctor(call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, scope: str) -> cst.BaseStatement:
+    args = ["num_heads=config.num_attention_heads", "head_dim=self.head_dim"]
+    init_code = cst.Module([]).code_for_node(init)
+    if "num_key_value_heads" in init_code:
+        args.append("num_kv_heads=config.num_key_value_heads")
+    for a in call.args:
+        key = a.keyword.value if a.keyword else None
+        if key is None or key in IGNORED_KWARGS:
+            continue
+        if key not in RUNTIME_KWARGS:
+            ctx.unsupported(scope, 0, f"attention argument `{key}=` has no equivalent in the runtime Attention")
+            continue
+        value = cst.Module([]).code_for_node(a.value)
+        if free_names(a.value) - INIT_NAMES:
+            ctx.unsupported(scope, 0, f"attention argument `{key}={value}` depends on forward-time values")
+        args.append(f"{RUNTIME_KWARGS[key]}={value}")
+    if kwarg(call, "scaling") is None:
+        args.append("scale=self.head_dim**-0.5")
+    if ctx.kv_layout == "legacy":
+        args.append("legacy=True")
+    return stmt(f"self.attn = Attention({', '.join(args)})\n")
+
+
+def _with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
+    if "forward_metadata" in [p.name.value for p in (*fn.params.params, *fn.params.kwonly_params)]:
+        return fn
+    param = cst.Param(cst.Name("forward_metadata"), cst.Annotation(cst.Name("ForwardMetaData")))
+    star = fn.params.star_arg if isinstance(fn.params.star_arg, cst.Param) else cst.ParamStar()
+    return fn.with_changes(params=fn.params.with_changes(star_arg=star,
+                                                         kwonly_params=[*fn.params.kwonly_params, param]))
+
+
+class _Classes(cst.CSTTransformer):
+    def __init__(self, ctx: RewriteContext, attn: set[str]):
+        self.ctx, self.attn = ctx, attn
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        name = updated.name.value
+        if name in self.attn:
+            return self._rewrite_attention(updated)
+        attrs = _attention_attrs(updated, self.attn)
+        return updated.visit(_DropWeightsAtCallers(attrs, self.ctx, name)) if attrs else updated
+
+    def _rewrite_attention(self, cls: cst.ClassDef) -> cst.ClassDef:
+        name = cls.name.value
+        fwd, init = method(cls, "forward"), method(cls, "__init__")
+        if init is None or "config" not in [p.name.value for p in init.params.params]:
+            self.ctx.unsupported(name, 0, "attention class without an `__init__(config, ...)`")
+            return cls
+        rewriter = _Forward(self.ctx, name)
+        new_fwd = _with_forward_metadata(fwd.visit(rewriter))
+        if rewriter.weights:
+            new_fwd = new_fwd.with_changes(returns=None)
+        if rewriter.call is None:
+            self.ctx.unsupported(name, 0, "attention call whose result is not assigned")
+            return cls
+        ctor = _attention_ctor(rewriter.call, init, self.ctx, name)
+        new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, ctor]))
+        body = [new_fwd if s is fwd else new_init if s is init else s for s in cls.body.body]
+        return cls.with_changes(body=cls.body.with_changes(body=body))
+
+
+def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
+    """`self.X` attributes of cls that hold an attention module."""
+    found = set()
+    for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())):
+        if called_name(a.value) in attn:
+            found.add(a.targets[0].target.attr.value)
+    return found
+
+
+class _DropWeightsAtCallers(cst.CSTTransformer):
+    """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)`."""
+
+    def __init__(self, attrs: set[str], ctx: RewriteContext, scope: str):
+        self.attrs, self.ctx, self.scope = attrs, ctx, scope
+
+    def leave_Assign(self, original, updated):
+        target = updated.targets[0].target
+        call = updated.value
+        if not (isinstance(target, cst.Tuple) and isinstance(call, cst.Call)
+                and m.matches(call.func, m.Attribute(value=m.Name("self"))) and call.func.attr.value in self.attrs):
+            return updated
+        if not any(a.star == "**" for a in call.args):
+            self.ctx.unsupported(self.scope, 0, f"`self.{call.func.attr.value}(...)` does not pass **kwargs, so "
+                                                "forward_metadata cannot reach attention")
+        return updated.with_changes(targets=[cst.AssignTarget(target.elements[0].value)])
+
+
+def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
+    attn = attention_classes(module)
+    if not attn:
+        return module
+    module = module.visit(_Classes(ctx, attn))
+    module = add_import(module, "runtime.layers.attention", "Attention")
+    return add_import(module, "runtime.engine.forward_metadata", "ForwardMetaData")
