@@ -82,6 +82,64 @@ def run(
             sys.stdout.write(r.text + "\n")
 
 
+@app.command()
+@user_errors
+def migrate(
+    source: Annotated[str, typer.Argument(help="Local checkpoint dir, https://huggingface.co/ORG/REPO or ORG/REPO.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Parent directory of the model directory.")] = Path("models"),
+    name: Annotated[str | None, typer.Option(help="Model name (default: from model_type).")] = None,
+    mode: Annotated[str | None, typer.Option(help="framework | standalone (default: decided as seed 004 says).")] = None,
+    kv: Annotated[str, typer.Option(help="paged | legacy KV cache path.")] = "paged",
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16.")] = "auto",
+    dispatch_prompt: Annotated[str | None, typer.Option(help="File (or - for stdin) with an orchestrator's dispatch prompt.")] = None,
+    no_run: Annotated[bool, typer.Option("--no-run", help="Write the model directory without running it.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Regenerate an existing model directory.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow running code that came from the checkpoint.")] = False,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="Prompt(s) for the baseline run.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+):
+    """Port a Hugging Face causal LM into a runnable, baselined model directory."""
+    from skills.migrator.mode import read_dispatch_prompt
+    from skills.migrator.pipeline import EXIT_NEEDS_MULTI_CARD, MigrateOptions, dump
+    from skills.migrator.pipeline import migrate as run_migration
+
+    opts = MigrateOptions(source, out, name, mode, kv, dtype, read_dispatch_prompt(dispatch_prompt), not no_run,
+                          force, trust_remote_code, max_new_tokens, list(prompt or []))
+    result = run_migration(opts, log=lambda msg: err.print(f"[cyan]migrate[/] {msg}", highlight=False))
+    if as_json:
+        print(dump(result))
+    else:
+        _print_result(result)
+    if result.status == "needs_multi_card":
+        raise typer.Exit(EXIT_NEEDS_MULTI_CARD)
+
+
+def _print_result(result) -> None:
+    from skills.baseline import format_baseline_table
+
+    err.print(f"[green]{result.model_name}[/] -> {result.model_dir} ({result.mode} mode, scenario {result.scenario}, "
+              f"{result.status})", highlight=False)
+    if result.baseline:
+        sys.stdout.write(result.baseline["performance"]["output_text"] + "\n")
+        Console().print(format_baseline_table(result.baseline))
+
+
+@app.command()
+@user_errors
+def baseline(
+    log_file: Annotated[Path, typer.Option(help="A run's log file, or a directory of log_<rank>.log files.")],
+    output: Annotated[Path, typer.Option(help="baseline_metadata.json to write.")],
+    yaml_file: Annotated[Path, typer.Option(help="The YAML the run used.")],
+    rank: Annotated[int | None, typer.Option(help="Rank whose log to read (default: 0).")] = None,
+    model_source: Annotated[str, typer.Option(help="HF id / URL / local path the model came from.")] = "",
+):
+    """Collect baseline_metadata.json from a run's logs."""
+    from skills.baseline import collect_baseline, format_baseline_table
+
+    Console().print(format_baseline_table(collect_baseline(log_file, output, yaml_file, rank, model_source)))
+
+
 def main():
     from runtime.logging_config import setup_logging
     setup_logging()

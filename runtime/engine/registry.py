@@ -50,8 +50,8 @@ def _defined_in(module: ModuleType, predicate) -> list[type]:
 
 
 @cache
-def resolve_model(model_dir: Path) -> tuple[type[nn.Module], type[PretrainedConfig] | None]:
-    """(model class, config class or None) of a model directory."""
+def resolve_model(model_dir: Path, model_type: str | None = None) -> tuple[type[nn.Module], type[PretrainedConfig] | None]:
+    """(model class, config class or None) of a model directory; the config class matches model_type if given."""
     models = Path(model_dir) / "models"
     modeling = sorted(models.glob("modeling_*.py"))
     if len(modeling) != 1:
@@ -62,7 +62,8 @@ def resolve_model(model_dir: Path) -> tuple[type[nn.Module], type[PretrainedConf
         module = _import(path, {})
         aliases[path.stem] = module
         found = _defined_in(module, lambda c: issubclass(c, PretrainedConfig))
-        config_cls = config_cls or (found[0] if found else None)
+        matching = [c for c in found if model_type is None or getattr(c, "model_type", None) == model_type]
+        config_cls = config_cls or (matching[0] if matching else None)
     module = _import(modeling[0], aliases)
     entry = getattr(module, "EntryClass", None)
     if entry is None:

@@ -6,21 +6,14 @@ import re
 import libcst as cst
 
 from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import assigned_names, called_name, names_in
+from skills.migrator.cst_utils import assigned_names, free_names, names_in
 
 MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IGNORECASE)
 
 
 def _builds_mask(node: cst.CSTNode) -> bool:
-    found = []
-
-    class _Find(cst.CSTVisitor):
-        def visit_Call(self, call: cst.Call) -> None:
-            if MASK_FACTORY.search(called_name(call).split(".")[-1]):
-                found.append(call)
-
-    node.visit(_Find())
-    return bool(found)
+    """Calls or names a mask factory (`create_causal_mask`, `mask_function = create_... if ... else ...`)."""
+    return any(MASK_FACTORY.search(n) for n in free_names(node))
 
 
 class _DropTaintedArgs(cst.CSTTransformer):

@@ -1,0 +1,151 @@
+"""`skill migrate`: source -> vendored + rewritten code -> rendered artifacts -> run -> baseline."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from runtime.errors import UserError
+from skills.migrator.codestyle import tidy
+from skills.migrator.context import RewriteContext
+from skills.migrator.mode import decide_mode
+from skills.migrator.render import RenderContext, render_artifacts
+from skills.migrator.rewrite import rewrite, rewrite_configuration
+from skills.migrator.source import resolve_source
+from skills.migrator.vendor import VendoredSource, locate_source, read_config_json, snake_name
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
+          "bf16": "bfloat16", "fp16": "float16"}
+EXIT_NEEDS_MULTI_CARD = 3
+
+
+@dataclass
+class MigrateOptions:
+    source: str
+    out: Path = Path("models")
+    name: str | None = None
+    mode: str | None = None
+    kv: str = "paged"
+    dtype: str = "auto"
+    dispatch_prompt: str | None = None
+    run: bool = True
+    force: bool = False
+    trust_remote_code: bool = False
+    max_new_tokens: int = 32
+    prompts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MigrateResult:
+    model_dir: Path
+    model_name: str
+    mode: str
+    scenario: str
+    status: str  # "ok" | "needs_multi_card" | "failed"
+    files: list[str] = field(default_factory=list)
+    baseline: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"model_dir": str(self.model_dir), "model_name": self.model_name, "mode": self.mode,
+                "scenario": self.scenario, "status": self.status, "files": self.files,
+                "baseline": self.baseline, "notes": self.notes}
+
+
+def checkpoint_dtype(config: dict, requested: str) -> str:
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise UserError(f"--dtype {requested!r} is not one of auto, float32, bfloat16, float16.")
+        return DTYPES[requested]
+    return DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "float32")
+
+
+def convert_code(src: VendoredSource, name: str, kv: str) -> dict[str, str]:
+    """models/modeling_<name>.py and models/configuration_<name>.py, rewritten and tidied."""
+    ctx = RewriteContext(entry_class=src.entry_class, config_module=f"configuration_{name}",
+                         hf_package=src.hf_package, kv_layout=kv, filename=str(src.modeling))
+    files = {f"models/modeling_{name}.py": tidy(rewrite(src.modeling.read_text(), ctx), f"modeling_{name}.py")}
+    if src.configuration is not None:
+        code = rewrite_configuration(src.configuration.read_text(), ctx)
+        files[f"models/configuration_{name}.py"] = tidy(code, f"configuration_{name}.py")
+    if ctx.findings:
+        listed = "; ".join(str(f) for f in ctx.findings)
+        raise UserError(f"{src.entry_class} uses constructs the migrator cannot convert safely: {listed}. "
+                        "Nothing was written; extend the rules or port these parts by hand.")
+    return files
+
+
+def write_tree(target: Path, files: dict[str, str], force: bool) -> None:
+    """Write all files into a fresh sibling directory, then swap it in: never half-written."""
+    if target.exists() and not force:
+        raise UserError(f"{target} already exists; pass --force to regenerate it (your edits there would be lost).")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:
+        raise UserError(f"cannot write to {target.parent} ({e.strerror}); choose another -o OUT.") from e
+    for rel, text in files.items():
+        path = staging / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if rel.endswith(".sh"):
+            path.chmod(0o755)
+    (staging / "agentic" / "baseline").mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        staging.rename(target)
+        shutil.rmtree(old)
+    else:
+        staging.rename(target)
+
+
+def run_infer_sh(model_dir: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **(extra_env or {})}
+    env.setdefault("SKILL", str(Path(sys.executable).with_name("skill")))
+    return subprocess.run(["bash", str(model_dir / "infer.sh")], capture_output=True, text=True, env=env, check=False)
+
+
+def plan_render(opts: MigrateOptions, src: VendoredSource, checkpoint: Path, name: str, mode: str,
+                config: dict) -> RenderContext:
+    return RenderContext(
+        name=name, class_name="".join(p.capitalize() for p in name.split("_")), mode=mode,
+        model_source=opts.source, model_path=str(checkpoint.resolve()), dtype=checkpoint_dtype(config, opts.dtype),
+        skill_executable=str(Path(sys.executable).with_name("skill")), batch_size=max(1, len(opts.prompts) or 4),
+        max_new_tokens=opts.max_new_tokens, kv_layout=opts.kv, prompts=list(opts.prompts),
+        custom_params={"remote_code": True} if src.remote_code else {},
+        verified=["greedy tokens equal transformers generate (tests/test_migrate_parity.py)"])
+
+
+def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
+    if opts.kv not in ("paged", "legacy"):
+        raise UserError(f"--kv {opts.kv!r} is not one of paged, legacy.")
+    resolved = resolve_source(opts.source)
+    src = locate_source(resolved.path)
+    config = read_config_json(resolved.path)
+    name = opts.name or snake_name(src.model_type)
+    model_dir = opts.out / name
+    mode, why = decide_mode(opts.mode, opts.dispatch_prompt, opts.out, name)
+    log(f"{src.entry_class} from {resolved.source}: {mode} mode ({why})")
+    if model_dir.exists() and not opts.force and (model_dir / "infer.sh").exists():
+        from skills.migrator.doctor import baseline_or_doctor
+
+        return baseline_or_doctor(model_dir, name, mode, resolved.source, log)
+    render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
+    files = {**convert_code(src, name, opts.kv), **render_artifacts(render_ctx)}
+    write_tree(model_dir, files, opts.force)
+    log(f"wrote {model_dir} ({len(files)} files)")
+    result = MigrateResult(model_dir, name, mode, "A", "ok", sorted(files))
+    if opts.run:
+        from skills.migrator.doctor import collect_run
+
+        result = replace(result, **collect_run(model_dir, name, render_ctx, resolved.source, log))
+    return result
+
+
+def dump(result: MigrateResult) -> str:
+    return json.dumps(result.to_dict(), ensure_ascii=False)
