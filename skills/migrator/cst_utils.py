@@ -134,10 +134,12 @@ def flatten(items: Iterable) -> list:
     return out
 
 
-def add_import(module: cst.Module, from_module: str, name: str) -> cst.Module:
+def add_imports(module: cst.Module, imports: Iterable[tuple[str, str]]) -> cst.Module:
+    """`from m import n` for each pair, unless already there (one libcst pass for all)."""
     from libcst.codemod import CodemodContext
     from libcst.codemod.visitors import AddImportsVisitor
 
     context = CodemodContext()
-    AddImportsVisitor.add_needed_import(context, from_module, name)
+    for from_module, name in imports:
+        AddImportsVisitor.add_needed_import(context, from_module, name)
     return AddImportsVisitor(context).transform_module(module)

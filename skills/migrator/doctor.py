@@ -136,12 +136,12 @@ def _with_baseline(ctx: RenderContext, data: dict) -> RenderContext:
 def _write_multi_card(model_dir: Path, name: str, ctx: RenderContext, cards: int) -> None:
     from dataclasses import replace
 
-    files = render_artifacts(replace(ctx, world_size=cards, needs_multi_card=True,
+    yaml_name = f"{name}_rank_{cards}_{cards}tp"
+    files = render_artifacts(replace(ctx, world_size=cards, needs_multi_card=True, yaml_name=yaml_name,
                                      batch_size=max(ctx.batch_size, cards)))
-    single = _yaml_of(model_dir, name)
-    single.unlink()
-    _atomic_write(model_dir / "config" / f"{name}_rank_{cards}_{cards}tp.yaml", files[f"config/{name}.yaml"])
-    _atomic_write(model_dir / "README.md", files["README.md"])
+    _yaml_of(model_dir, name).unlink()  # the single-card YAML cannot run here
+    for rel in (f"config/{yaml_name}.yaml", "infer.sh", "README.md"):
+        _atomic_write(model_dir / rel, files[rel])
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -42,6 +42,7 @@ class RenderContext:
     custom_params: dict[str, Any] = field(default_factory=dict)
     parallel: dict[str, int] | None = None  # *_tp_size overrides; unset sizes are world_size (pure TP)
     prompts: list[str] = field(default_factory=list)  # data_config.prompts; empty: the bundled default set
+    yaml_name: str = ""  # config/<yaml_name>.yaml; default: <name>
 
 
 def yaml_value(value: Any) -> str:
@@ -98,7 +99,7 @@ def render_artifacts(ctx: RenderContext) -> dict[str, str]:
     """Relative path -> file text; byte-identical for equal contexts. The YAML is validated by the runtime."""
     env = _environment()
     values = {**asdict(ctx), "parallel": _parallel_sizes(ctx), "pins": project_pins(), "repo": str(REPO)}
-    yaml_path = f"config/{ctx.name}.yaml"
+    yaml_path = f"config/{ctx.yaml_name or ctx.name}.yaml"
     files = {yaml_path: env.get_template("model.yaml.j2").render(values)}
     InferenceConfig.from_dict(yaml.safe_load(files[yaml_path]), source=yaml_path)
     files["infer.sh"] = env.get_template("infer.sh.j2").render(values, yaml_path=yaml_path)

@@ -5,7 +5,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import add_import, called_name, classes, method, names_in, stmt, stmts
+from skills.migrator.cst_utils import add_imports, called_name, classes, method, names_in, stmt, stmts
 
 FORWARD = '''
 def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata: ForwardMetaData,
@@ -86,10 +86,8 @@ def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
     module = module.with_changes(body=[new_cls if s is cls else s for s in module.body]
                                  + [stmt(f"EntryClass = {ctx.entry_class}\n").with_changes(
                                      leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)])])
-    for mod, name in [("runtime.engine.forward_metadata", "ForwardMetaData"), ("collections.abc", "Iterable"),
-                      ("runtime.layers.weights", "load_named_weights")]:
-        module = add_import(module, mod, name)
+    imports = [("runtime.engine.forward_metadata", "ForwardMetaData"), ("collections.abc", "Iterable"),
+               ("runtime.layers.weights", "load_named_weights")]
     if ctx.kv_layout == "paged":
-        module = add_import(module, "runtime.layers.attention", "cache_info_of")
-        module = add_import(module, "runtime.kv_cache", "ModelCacheInfo")
-    return module
+        imports += [("runtime.layers.attention", "cache_info_of"), ("runtime.kv_cache", "ModelCacheInfo")]
+    return add_imports(module, imports)

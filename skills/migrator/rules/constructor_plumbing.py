@@ -4,7 +4,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import add_import, called_name, classes, method, param_names
+from skills.migrator.cst_utils import add_imports, called_name, classes, method, param_names
 
 WEIGHTED = {"nn.Linear", "Linear", "Attention", "nn.Embedding", "Embedding"}
 
@@ -94,7 +94,5 @@ def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
     new = module.visit(_Plumb(plumbed))
     if new.deep_equals(module):
         return module
-    for mod, name in [("runtime.config", "InferenceConfig"), ("runtime.config.comm_manager", "CommManager"),
-                      ("runtime.layers.prefix", "join_prefix")]:
-        new = add_import(new, mod, name)
-    return new
+    return add_imports(new, [("runtime.config", "InferenceConfig"), ("runtime.config.comm_manager", "CommManager"),
+                             ("runtime.layers.prefix", "join_prefix")])

@@ -8,7 +8,7 @@ import libcst.matchers as m
 
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import (
-    add_import,
+    add_imports,
     assigned_names,
     called_name,
     classes,
@@ -167,5 +167,5 @@ def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
     if not attn:
         return module
     module = module.visit(_Classes(ctx, attn))
-    module = add_import(module, "runtime.layers.attention", "Attention")
-    return add_import(module, "runtime.engine.forward_metadata", "ForwardMetaData")
+    return add_imports(module, [("runtime.layers.attention", "Attention"),
+                                ("runtime.engine.forward_metadata", "ForwardMetaData")])
