@@ -57,6 +57,7 @@ def run(
     max_new_tokens: Annotated[int | None, typer.Option(min=1, help="Override scheduler_config.max_new_tokens.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Feed prompts as plain text, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow running model code that came from the checkpoint.")] = False,
 ):
     """Run offline inference on a model directory."""
     from runtime.config import InferenceConfig
@@ -66,6 +67,8 @@ def run(
     config = InferenceConfig.from_yaml(find_yaml(model_dir, yaml_file))
     if max_new_tokens is not None:
         config.scheduler_config.max_new_tokens = max_new_tokens
+    if trust_remote_code:
+        config.model_config.trust_remote_code = True
     prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
     prompts = prompts or prompts_from_config(config)
     llm = OfflineInference(config, model_dir)

@@ -38,6 +38,14 @@ class ModelWorker:
         self.hf_config: PretrainedConfig | None = None
         self.comm_manager: CommManager | None = None
 
+    def resolve_classes(self):
+        mc = self.config.model_config
+        if mc.custom_params.get("remote_code") and not mc.trust_remote_code:
+            raise UserError(f"{self.model_dir} was migrated from code shipped inside the checkpoint; running it "
+                            "executes that code. Set model_config.trust_remote_code: True in the YAML (or pass "
+                            "--trust-remote-code) if you trust its source.")
+        return resolve_model(Path(self.model_dir), self._model_type())
+
     def _model_type(self) -> str | None:
         path = self.model_path / "config.json"
         return json.loads(path.read_text()).get("model_type") if path.is_file() else None
@@ -53,11 +61,7 @@ class ModelWorker:
 
     def init(self) -> None:
         mc = self.config.model_config
-        if mc.custom_params.get("remote_code") and not mc.trust_remote_code:
-            raise UserError(f"{self.model_dir} was migrated from code shipped inside the checkpoint; running it "
-                            "executes that code. Set model_config.trust_remote_code: True in the YAML (or pass "
-                            "--trust-remote-code) if you trust its source.")
-        model_cls, config_cls = resolve_model(Path(self.model_dir), self._model_type())
+        model_cls, config_cls = self.resolve_classes()
         self.hf_config = self._load_hf_config(config_cls)
         pc = self.config.parallel_config
         self.comm_manager = CommManager(pc.world_size, self.dist.rank)

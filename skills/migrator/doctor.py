@@ -119,8 +119,8 @@ def collect_run(model_dir: Path, name: str, ctx: RenderContext, source: str, log
     if not ok:
         issue = diagnose(output)
         hint = f"{issue.cause}; {issue.fix}" if issue else "see logs/log_0.log"
-        raise UserError(f"the migrated model was written to {model_dir} but `bash infer.sh` failed ({hint}). "
-                        f"Last output: {output.strip()[-400:]}")
+        raise UserError(f"the converted model's first run (`bash infer.sh`) failed ({hint}); nothing was written. "
+                        f"Use --no-run to inspect the files. Last output: {output.strip()[-400:]}")
     data = _baseline(model_dir, name, source)
     readme = render_artifacts(_with_baseline(ctx, data))["README.md"]
     _atomic_write(model_dir / "README.md", readme)

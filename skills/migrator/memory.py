@@ -1,6 +1,7 @@
 """Will a model fit on one device? Weights + KV cache estimated from config shapes, never by building the model."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,8 +69,17 @@ def estimate_memory(hf_config: PretrainedConfig, dtype: torch.dtype, batch_size:
     return MemoryEstimate(params, param_bytes, kv_bytes, param_bytes + kv_bytes)
 
 
+MEMORY_LIMIT_ENV = "SKILL_MEMORY_LIMIT_BYTES"
+
+
 def available_memory(device: torch.device) -> int:
-    """Free bytes on `device` now (CPU: MemAvailable)."""
+    """Free bytes on `device` now (CPU: MemAvailable), capped by $SKILL_MEMORY_LIMIT_BYTES when set."""
+    free = _free_memory(device)
+    limit = os.environ.get(MEMORY_LIMIT_ENV)
+    return min(free, int(limit)) if limit else free
+
+
+def _free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "npu":

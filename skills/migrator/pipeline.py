@@ -15,6 +15,7 @@ from skills.migrator.mode import decide_mode
 from skills.migrator.render import RenderContext, render_artifacts
 from skills.migrator.rewrite import rewrite, rewrite_configuration
 from skills.migrator.source import resolve_source
+from skills.migrator.validate import validate_model_dir
 from skills.migrator.vendor import VendoredSource, locate_source, read_config_json, snake_name
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
@@ -78,13 +79,14 @@ def convert_code(src: VendoredSource, name: str, kv: str) -> dict[str, str]:
     return files
 
 
-def write_tree(target: Path, files: dict[str, str], force: bool) -> None:
-    """Write all files into a fresh sibling directory, then swap it in: never half-written."""
+def stage(target: Path, files: dict[str, str], force: bool) -> Path:
+    """Write all files into a fresh hidden sibling of target; `swap` puts it in place once it is good."""
     if target.exists() and not force:
         raise UserError(f"{target} already exists; pass --force to regenerate it (your edits there would be lost).")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        staging.chmod(0o755)
     except OSError as e:
         raise UserError(f"cannot write to {target.parent} ({e.strerror}); choose another -o OUT.") from e
     for rel, text in files.items():
@@ -94,6 +96,10 @@ def write_tree(target: Path, files: dict[str, str], force: bool) -> None:
         if rel.endswith(".sh"):
             path.chmod(0o755)
     (staging / "agentic" / "baseline").mkdir(parents=True, exist_ok=True)
+    return staging
+
+
+def swap(staging: Path, target: Path) -> None:
     if target.exists():
         old = target.with_name(f".{target.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -117,7 +123,7 @@ def plan_render(opts: MigrateOptions, src: VendoredSource, checkpoint: Path, nam
         model_source=opts.source, model_path=str(checkpoint.resolve()), dtype=checkpoint_dtype(config, opts.dtype),
         skill_executable=str(Path(sys.executable).with_name("skill")), batch_size=max(1, len(opts.prompts) or 4),
         max_new_tokens=opts.max_new_tokens, kv_layout=opts.kv, prompts=list(opts.prompts),
-        custom_params={"remote_code": True} if src.remote_code else {},
+        custom_params={"remote_code": True} if src.remote_code else {}, trust_remote_code=opts.trust_remote_code,
         verified=["greedy tokens equal transformers generate (tests/test_migrate_parity.py)"])
 
 
@@ -131,20 +137,28 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     model_dir = opts.out / name
     mode, why = decide_mode(opts.mode, opts.dispatch_prompt, opts.out, name)
     log(f"{src.entry_class} from {resolved.source}: {mode} mode ({why})")
-    if model_dir.exists() and not opts.force and (model_dir / "infer.sh").exists():
+    if model_dir.exists() and not opts.force and opts.run and (model_dir / "infer.sh").exists():
         from skills.migrator.doctor import baseline_or_doctor
 
         return baseline_or_doctor(model_dir, name, mode, resolved.source, log)
     render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
     files = {**convert_code(src, name, opts.kv), **render_artifacts(render_ctx)}
-    write_tree(model_dir, files, opts.force)
-    log(f"wrote {model_dir} ({len(files)} files)")
-    result = MigrateResult(model_dir, name, mode, "A", "ok", sorted(files))
-    if opts.run:
-        from skills.migrator.doctor import collect_run
+    staging = stage(model_dir, files, opts.force)
+    try:
+        validate_model_dir(staging, staging / "config" / f"{name}.yaml")
+        log(f"converted {src.entry_class}: code imports, builds and takes every checkpoint weight")
+        outcome = {}
+        if opts.run:
+            from skills.migrator.doctor import collect_run
 
-        result = replace(result, **collect_run(model_dir, name, render_ctx, resolved.source, log))
-    return result
+            outcome = collect_run(staging, name, render_ctx, resolved.source, log)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    swap(staging, model_dir)
+    log(f"wrote {model_dir}")
+    written = sorted(str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file())
+    return replace(MigrateResult(model_dir, name, mode, "A", "ok", written), **outcome)
 
 
 def dump(result: MigrateResult) -> str:

@@ -43,6 +43,7 @@ class RenderContext:
     parallel: dict[str, int] | None = None  # *_tp_size overrides; unset sizes are world_size (pure TP)
     prompts: list[str] = field(default_factory=list)  # data_config.prompts; empty: the bundled default set
     yaml_name: str = ""  # config/<yaml_name>.yaml; default: <name>
+    trust_remote_code: bool = False
 
 
 def yaml_value(value: Any) -> str:

@@ -1,0 +1,43 @@
+"""Check a staged model directory before it replaces anything: the code imports, the model builds, and
+every parameter gets a checkpoint tensor of the right shape (shapes from safetensors headers, weights
+never read: the model is built on the meta device)."""
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from runtime.config import InferenceConfig
+from runtime.engine.loader import _checkpoint_files
+from runtime.engine.model_worker import ModelWorker
+from runtime.errors import UserError
+
+
+def _meta_weights(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _checkpoint_files(checkpoint):
+        if file.suffix == ".bin":
+            state = torch.load(file, map_location="meta", weights_only=True)
+            yield from state.items()
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            names = f.keys()
+            for name in names:
+                yield name, torch.empty(f.get_slice(name).get_shape(), device="meta")
+
+
+def validate_model_dir(model_dir: Path, yaml_path: Path) -> None:
+    config = InferenceConfig.from_yaml(yaml_path)
+    config.model_config.trust_remote_code = True  # the code was only parsed so far; nothing runs from it here
+    worker = ModelWorker(config, None, model_dir)
+    model_cls, config_cls = worker.resolve_classes()
+    hf_config = worker._load_hf_config(config_cls)
+    try:
+        with torch.device("meta"):
+            model = model_cls(hf_config, config, None, prefix="")
+    except Exception as e:
+        raise UserError(f"the converted {model_cls.__name__} does not build: {type(e).__name__}: {e}") from e
+    loaded = model.load_weights(_meta_weights(worker.model_path))
+    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    if missing:
+        raise UserError(f"the checkpoint {worker.model_path} has no weights for {missing[:8]} of the converted "
+                        f"{model_cls.__name__}; check that it is complete (all shards present).")
