@@ -9,6 +9,11 @@ def rewrite(source: str, ctx: RewriteContext, rules=MODELING_RULES) -> str:
     module = cst.parse_module(source)
     for rule in rules:
         module = rule.apply(module, ctx)
+    try:
+        compile(module.code, ctx.filename, "exec")
+    except SyntaxError as e:
+        ctx.unsupported("<module>", e.lineno or 0, f"the rewrite produced invalid code ({e.msg}); a construct in this "
+                        "file is not understood by the rules")
     return module.code
 
 

@@ -39,22 +39,30 @@ def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
         if m.matches(assign, m.Assign(targets=[m.AssignTarget(m.Name("_tied_weights_keys"))])):
             value = assign.value
             if isinstance(value, cst.Dict) and value.elements:
-                head = value.elements[0]
-                dst, src = head.key.evaluated_value, head.value.evaluated_value
+                first = value.elements[0]
+                dst, src = first.key.evaluated_value, first.value.evaluated_value
             else:
                 dst, src = "lm_head.weight", f"{inner}.embed_tokens.weight"
             return stmts(f"if config.tie_word_embeddings:\n    self.{dst} = self.{src}\n")
     return []
 
 
-def _logits_tail(fwd: cst.FunctionDef) -> list[cst.BaseStatement] | None:
-    """The lm_head statement (fed the last positions) and the logits post-processing after it."""
+def _vocab_projection(init: cst.FunctionDef) -> str:
+    """The attribute holding the output projection: `lm_head`, else a Linear layer sized by vocab_size."""
+    names = []
+    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())):
+        if called_name(a.value).split(".")[-1] == "Linear" and "vocab_size" in cst.Module([]).code_for_node(a.value):
+            names.append(a.targets[0].target.attr.value)
+    return "lm_head" if "lm_head" in names or not names else names[0]
+
+
+def _logits_tail(fwd: cst.FunctionDef, head: str) -> list[cst.BaseStatement] | None:
+    """The output projection (fed the last positions) and the logits post-processing after it."""
     body = list(fwd.body.body)
-    idx = next((i for i, s in enumerate(body) if m.findall(s, m.Call(func=m.Attribute(attr=m.Name("lm_head"))))),
-               None)
+    idx = next((i for i, s in enumerate(body) if m.findall(s, m.Call(func=m.Attribute(attr=m.Name(head))))), None)
     if idx is None:
         return None
-    head = stmt("logits = self.lm_head(hidden_states)\n")
+    head = stmt(f"logits = self.{head}(hidden_states)\n")
     tail = [s for s in body[idx + 1:] if not isinstance(s, cst.SimpleStatementLine)
             or not (isinstance(s.body[0], cst.Return) or names_in(s) & {"loss", "outputs", "labels"})]
     return [head, *tail, stmt("return logits[:, None, :]\n")]
@@ -69,9 +77,10 @@ def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
     if "forward_metadata" in cst.Module([]).code_for_node(fwd):
         return module  # already in contract form
     inner = _inner_model_attr(cls, module)
-    tail = _logits_tail(fwd)
+    head = _vocab_projection(init)
+    tail = _logits_tail(fwd, head)
     if inner is None or tail is None:
-        ctx.unsupported(ctx.entry_class, 0, "expected `self.<model>(...)` followed by `self.lm_head(...)` in forward")
+        ctx.unsupported(ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward")
         return module
     new_fwd = cst.parse_module(FORWARD.format(inner=inner)).body[0]
     new_fwd = new_fwd.with_changes(body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),

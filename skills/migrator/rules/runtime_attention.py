@@ -17,6 +17,7 @@ from skills.migrator.cst_utils import (
     method,
     stmt,
 )
+from skills.migrator.reachability import reachable, top_level_names
 
 INTERFACE = {"attention_interface", "eager_attention_forward"}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
@@ -29,9 +30,12 @@ def _interface_call(s: cst.BaseStatement) -> cst.Call | None:
     return next((c for c in calls if called_name(c) in INTERFACE), None)
 
 
-def attention_classes(module: cst.Module) -> set[str]:
+def attention_classes(module: cst.Module, entry: str) -> set[str]:
+    """Attention classes the entry class uses (a multimodal file's vision attention is left alone)."""
+    used = {n for i in reachable(module, {entry}) for n in top_level_names(module.body[i])}
     return {name for name, cls in classes(module).items()
-            if (fwd := method(cls, "forward")) is not None and any(_interface_call(s) for s in fwd.body.body)}
+            if name in used and (fwd := method(cls, "forward")) is not None
+            and any(_interface_call(s) for s in fwd.body.body)}
 
 
 class _Forward(cst.CSTTransformer):
@@ -114,7 +118,7 @@ class _Classes(cst.CSTTransformer):
         if name in self.attn:
             return self._rewrite_attention(updated)
         attrs = _attention_attrs(updated, self.attn)
-        return updated.visit(_DropWeightsAtCallers(attrs, self.ctx, name)) if attrs else updated
+        return updated.visit(_DropWeightsAtCallers(attrs)) if attrs else updated
 
     def _rewrite_attention(self, cls: cst.ClassDef) -> cst.ClassDef:
         name = cls.name.value
@@ -145,25 +149,38 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
 
 
 class _DropWeightsAtCallers(cst.CSTTransformer):
-    """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)`."""
+    """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)`; the call passes `**kwargs` on (added to the
+    caller's signature if missing) so that forward_metadata reaches attention."""
 
-    def __init__(self, attrs: set[str], ctx: RewriteContext, scope: str):
-        self.attrs, self.ctx, self.scope = attrs, ctx, scope
+    def __init__(self, attrs: set[str]):
+        self.attrs = attrs
+        self.needs_kwargs = False
+
+    def _is_attention_call(self, node) -> bool:
+        return (isinstance(node, cst.Call) and m.matches(node.func, m.Attribute(value=m.Name("self")))
+                and node.func.attr.value in self.attrs)
+
+    def leave_Call(self, original, updated):
+        if not self._is_attention_call(updated) or any(a.star == "**" for a in updated.args):
+            return updated
+        self.needs_kwargs = True
+        return updated.with_changes(args=[*updated.args, cst.Arg(cst.Name("kwargs"), star="**")])
 
     def leave_Assign(self, original, updated):
         target = updated.targets[0].target
-        call = updated.value
-        if not (isinstance(target, cst.Tuple) and isinstance(call, cst.Call)
-                and m.matches(call.func, m.Attribute(value=m.Name("self"))) and call.func.attr.value in self.attrs):
-            return updated
-        if not any(a.star == "**" for a in call.args):
-            self.ctx.unsupported(self.scope, 0, f"`self.{call.func.attr.value}(...)` does not pass **kwargs, so "
-                                                "forward_metadata cannot reach attention")
-        return updated.with_changes(targets=[cst.AssignTarget(target.elements[0].value)])
+        if isinstance(target, cst.Tuple) and self._is_attention_call(updated.value):
+            return updated.with_changes(targets=[cst.AssignTarget(target.elements[0].value)])
+        return updated
+
+    def leave_FunctionDef(self, original, updated):
+        if self.needs_kwargs and updated.params.star_kwarg is None:
+            updated = updated.with_changes(params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs"))))
+        self.needs_kwargs = False
+        return updated
 
 
 def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    attn = attention_classes(module)
+    attn = attention_classes(module, ctx.entry_class)
     if not attn:
         return module
     module = module.visit(_Classes(ctx, attn))
