@@ -23,6 +23,7 @@ class RewriteContext:
     kv_layout: str = "paged"  # "paged" | "legacy"
     filename: str = "modeling.py"
     findings: list[Finding] = field(default_factory=list)
+    scope_lines: dict[str, int] = field(default_factory=dict)  # class / function name -> line in the source
 
     def unsupported(self, scope: str, line: int, what: str) -> None:
-        self.findings.append(Finding(self.filename, scope, line, what))
+        self.findings.append(Finding(self.filename, scope, line or self.scope_lines.get(scope, 0), what))

@@ -55,7 +55,7 @@ COMMON_ISSUES = [
           "point model_path at the checkpoint this model was migrated from"),
     Issue(r"unknown key|is not one of|must divide|is not divisible", "the YAML is invalid",
           "fix the key named in the message"),
-    Issue(r"no `skill` executable", "the runtime is not installed where infer.sh looks", "set SKILL=/path/to/skill"),
+    Issue(r"no (model-infer-skills )?`skill`", "the runtime is not installed where infer.sh looks", "set SKILL=/path/to/skill"),
 ]
 
 

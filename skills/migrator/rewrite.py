@@ -1,4 +1,6 @@
 """Run the rewrite rules over a vendored HF source file."""
+import ast
+
 import libcst as cst
 
 from skills.migrator.context import RewriteContext
@@ -7,6 +9,8 @@ from skills.migrator.rules import CONFIGURATION_RULES, MODELING_RULES
 
 def rewrite(source: str, ctx: RewriteContext, rules=MODELING_RULES) -> str:
     module = cst.parse_module(source)
+    ctx.scope_lines = {n.name: n.lineno for n in ast.walk(ast.parse(source))
+                       if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
     for rule in rules:
         module = rule.apply(module, ctx)
     try:
