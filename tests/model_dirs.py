@@ -23,3 +23,19 @@ def make_model_dir(root: Path, checkpoint: Path, name: str = "contract_llama", k
     }
     (model_dir / "config" / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return model_dir
+
+
+def prefill_logits(model_dir: Path, prompts_ids: list[list[int]]):
+    """Last-position logits [B, V] of one packed prefill of prompts_ids, run by the runtime on model_dir."""
+    from runtime.config import InferenceConfig
+    from runtime.distributed import init_distributed
+    from runtime.engine.execution_engine import ExecutionEngine
+    from runtime.engine.request import Batch, Request
+
+    config = InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml")
+    engine = ExecutionEngine(config, init_distributed(), model_dir)
+    engine.init()
+    requests = [Request(ids) for ids in prompts_ids]
+    for r in requests:
+        assert engine.kv.allocate_slots(r.request_id, 0, r.num_tokens)
+    return engine.forward_batch(Batch(requests, is_prefill=True))["logits"][:, 0]

@@ -7,13 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_dirs import prefill_logits
 from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from runtime.config import InferenceConfig
-from runtime.distributed import init_distributed
-from runtime.engine.execution_engine import ExecutionEngine
-from runtime.engine.request import Batch, Request
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 NEW_TOKENS = 16
@@ -73,13 +69,5 @@ def test_standalone_mode_matches_transformers(arch, tmp_path, kv):
 
 
 def test_prefill_logits_match_transformers(arch, tmp_path):
-    model_dir = migrate(arch, tmp_path)
-    config = InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml")
-    config.model_config.dtype = "float32"
-    engine = ExecutionEngine(config, init_distributed(), model_dir)
-    engine.init()
-    requests = [Request(ids) for ids in arch["ids"]]
-    for r in requests:
-        assert engine.kv.allocate_slots(r.request_id, 0, r.num_tokens)
-    logits = engine.forward_batch(Batch(requests, is_prefill=True))["logits"][:, 0]
+    logits = prefill_logits(migrate(arch, tmp_path), arch["ids"])
     torch.testing.assert_close(logits, arch["logits"], atol=1e-4, rtol=0)

@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_dirs import make_model_dir
+from model_dirs import make_model_dir, prefill_logits
 from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from runtime.config import InferenceConfig
-from runtime.distributed import init_distributed
-from runtime.engine.execution_engine import ExecutionEngine
-from runtime.engine.request import Batch, Request
 
 NEW_TOKENS = 16
 
@@ -51,14 +46,7 @@ def test_skill_run_matches_transformers_generate(tmp_path, tiny_llama_dir, refer
 
 @pytest.mark.parametrize("kv_layout", ["paged", "legacy"])
 def test_prefill_logits_match_transformers(tmp_path, tiny_llama_dir, reference, kv_layout):
-    model_dir = make_model_dir(tmp_path, tiny_llama_dir, kv_layout=kv_layout)
-    config = InferenceConfig.from_yaml(model_dir / "config" / "contract_llama.yaml")
-    engine = ExecutionEngine(config, init_distributed(), model_dir)
-    engine.init()
-    requests = [Request(ids) for ids in reference["ids"]]
-    for r in requests:
-        assert engine.kv.allocate_slots(r.request_id, 0, r.num_tokens)
-    logits = engine.forward_batch(Batch(requests, is_prefill=True))["logits"][:, 0]
+    logits = prefill_logits(make_model_dir(tmp_path, tiny_llama_dir, kv_layout=kv_layout), reference["ids"])
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
 
 

@@ -1,0 +1,249 @@
+"""causal_lm_entry: the *ForCausalLM class takes the runtime contract (forward on packed inputs returning
+last-position logits, weight tying, load_weights, get_cache_info when paged, EntryClass)."""
+import ast
+from textwrap import dedent
+
+import pytest
+
+from skills.migrator.rules import causal_lm_entry as rule
+
+# Gemma3ForCausalLM as causal_lm_entry sees it in the pipeline (HF-only parameters already folded).
+BEFORE = dedent('''\
+    import torch
+    from torch import nn
+
+
+    class Gemma3TextModel(Gemma3PreTrainedModel):
+        def __init__(self, config: Gemma3TextConfig):
+            super().__init__(config)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+    class Gemma3ForCausalLM(Gemma3PreTrainedModel, GenerationMixin):
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+        _tp_plan = {"lm_head": "colwise_gather_output"}
+
+        def __init__(self, config: Gemma3TextConfig):
+            super().__init__(config)
+            self.model = Gemma3TextModel(config)
+            self.vocab_size = config.vocab_size
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        def forward(
+            self,
+            input_ids: torch.LongTensor | None = None,
+            position_ids: torch.LongTensor | None = None,
+            **kwargs,
+        ):
+            # decoder outputs consists of (dec_features, layer_state, dec_hidden, dec_attn)
+            outputs: BaseModelOutputWithPast = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                **kwargs,
+            )
+
+            hidden_states = outputs.last_hidden_state
+            hidden_states = slice_logits_to_keep(hidden_states, 0)
+            logits = self.lm_head(hidden_states)
+            if self.config.final_logit_softcapping is not None:
+                logits = logits / self.config.final_logit_softcapping
+                logits = torch.tanh(logits)
+                logits = logits * self.config.final_logit_softcapping
+
+            loss = None
+
+            return CausalLMOutputWithPast(
+                loss=loss,
+                logits=logits,
+                cache=outputs.cache,
+                hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+            )
+    ''')
+
+AFTER = dedent('''\
+    import torch
+    from torch import nn
+    from collections.abc import Iterable
+    from runtime.engine.forward_metadata import ForwardMetaData
+    from runtime.kv_cache import ModelCacheInfo
+    from runtime.layers.attention import cache_info_of
+    from runtime.layers.weights import load_named_weights
+
+
+    class Gemma3TextModel(Gemma3PreTrainedModel):
+        def __init__(self, config: Gemma3TextConfig):
+            super().__init__(config)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+    class Gemma3ForCausalLM(Gemma3PreTrainedModel, GenerationMixin):
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+        _tp_plan = {"lm_head": "colwise_gather_output"}
+
+        def __init__(self, config: Gemma3TextConfig):
+            super().__init__(config)
+            self.model = Gemma3TextModel(config)
+            self.vocab_size = config.vocab_size
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata: ForwardMetaData,
+                    **kwargs) -> torch.Tensor:
+            hidden_states = self.model(input_ids=input_ids[None], position_ids=position_ids[None],
+                                        forward_metadata=forward_metadata, **kwargs)
+            hidden_states = hidden_states[0, forward_metadata.last_token_indices]
+            logits = self.lm_head(hidden_states)
+            if self.config.final_logit_softcapping is not None:
+                logits = logits / self.config.final_logit_softcapping
+                logits = torch.tanh(logits)
+                logits = logits * self.config.final_logit_softcapping
+            return logits[:, None, :]
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            return load_named_weights(self, weights)
+
+        def get_cache_info(self) -> ModelCacheInfo:
+            return cache_info_of(self, next(self.parameters()).dtype)
+
+
+    EntryClass = Gemma3ForCausalLM
+    ''')
+
+GEMMA3 = {"entry_class": "Gemma3ForCausalLM"}
+
+
+def entry_methods(code: str, entry: str) -> dict[str, ast.FunctionDef]:
+    (cls,) = [s for s in ast.parse(code).body if isinstance(s, ast.ClassDef) and s.name == entry]
+    return {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+
+
+def test_paged_entry(run_rule, make_ctx):
+    ctx = make_ctx(**GEMMA3)
+    assert run_rule(rule, BEFORE, ctx) == AFTER
+    assert ctx.findings == []
+
+
+def test_legacy_entry_has_no_cache_info(run_rule):
+    out = run_rule(rule, BEFORE, kv_layout="legacy", **GEMMA3)
+    methods = entry_methods(out, "Gemma3ForCausalLM")
+    assert list(methods) == ["__init__", "forward", "load_weights"]
+    assert "ModelCacheInfo" not in out and "cache_info_of" not in out
+    assert out.rstrip().endswith("EntryClass = Gemma3ForCausalLM")
+
+
+def test_idempotent(run_rule):
+    assert run_rule(rule, AFTER, **GEMMA3) == AFTER
+
+
+def test_tying_follows_tied_weights_keys(run_rule):
+    no_keys = BEFORE.replace('    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}\n', "")
+    assert "tie_word_embeddings" not in run_rule(rule, no_keys, **GEMMA3)
+    # Older list form: the lm_head is tied to <inner>.embed_tokens.
+    as_list = BEFORE.replace('{"lm_head.weight": "model.embed_tokens.weight"}', '["lm_head.weight"]')
+    init = entry_methods(run_rule(rule, as_list, **GEMMA3), "Gemma3ForCausalLM")["__init__"]
+    assert ast.unparse(init.body[-1]) == ("if config.tie_word_embeddings:\n"
+                                          "    self.lm_head.weight = self.model.embed_tokens.weight")
+
+
+def test_output_projection_not_named_lm_head(run_rule):
+    # Remote code such as InternLM2 calls the vocab projection `self.output`.
+    code = BEFORE.replace("self.lm_head", "self.output").replace(
+        '_tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}', '_tied_weights_keys = []')
+    fwd = entry_methods(run_rule(rule, code, **GEMMA3), "Gemma3ForCausalLM")["forward"]
+    assert "logits = self.output(hidden_states)" in ast.unparse(fwd)
+
+
+@pytest.mark.parametrize("entry,code,what", [
+    ("Gemma3ForConditionalGeneration", BEFORE, "entry class not found in the modeling file"),
+    ("Gemma3ForCausalLM", BEFORE.replace("logits = self.lm_head(hidden_states)", "logits = hidden_states @ self.w"),
+     "expected `self.<model>(...)` followed by `self.lm_head(...)` in forward"),
+], ids=["missing-class", "no-lm-head-call"])
+def test_unsupported_entry_is_a_finding(run_rule, make_ctx, entry, code, what):
+    ctx = make_ctx(entry_class=entry)
+    assert run_rule(rule, code, ctx) == code
+    assert [f.what for f in ctx.findings] == [what]
+
+
+def test_hand_written_contract_entry_untouched(run_rule, make_ctx):
+    code = dedent('''\
+        import torch
+        from torch import nn
+
+
+        class TinyForCausalLM(nn.Module):
+            def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+                super().__init__()
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
+
+            def forward(self, input_ids, position_ids, forward_metadata, **kwargs):
+                return self.lm_head(self.embed(input_ids))[forward_metadata.last_token_indices][:, None, :]
+        ''')
+    ctx = make_ctx(entry_class="TinyForCausalLM")
+    assert run_rule(rule, code, ctx) == code
+    assert ctx.findings == []
+
+
+# MixtralForCausalLM.forward as causal_lm_entry sees it: fold_hf_only_params turned
+# `output_router_logits = output_router_logits if output_router_logits is not None else self.config...`
+# into `output_router_logits = False`, which ends its constness, so the branch after lm_head survives.
+MIXTRAL = dedent('''\
+    import torch
+    from torch import nn
+
+
+    class MixtralModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+
+    class MixtralForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = MixtralModel(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.num_experts = config.num_local_experts
+            self.num_experts_per_tok = config.num_experts_per_tok
+
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            output_router_logits = False
+
+            # decoder outputs consists of (dec_features, layer_state, dec_hidden, dec_attn)
+            outputs: MoeModelOutputWithPast = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                output_router_logits=output_router_logits,
+                **kwargs,
+            )
+
+            hidden_states = outputs.last_hidden_state
+            hidden_states = slice_logits_to_keep(hidden_states, 0)
+            logits = self.lm_head(hidden_states)
+
+            loss = None
+
+            aux_loss = None
+            if output_router_logits:
+                aux_loss = load_balancing_loss_func(
+                    outputs.router_logits,
+                    self.num_experts,
+                    self.num_experts_per_tok,
+                    None,
+                )
+
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
+    ''')
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: _logits_tail keeps every compound statement after lm_head, though the "
+                                       "new forward drops what came before it: Mixtral / Qwen2-MoE / Qwen3-MoE / "
+                                       "GraniteMoE / DBRX / Jamba get `if output_router_logits: ... "
+                                       "outputs.router_logits ...` with both names undefined (NameError at "
+                                       "run time, ruff F821), and no Finding")
+def test_tail_reads_only_names_the_new_forward_defines(run_rule, make_ctx):
+    ctx = make_ctx(entry_class="MixtralForCausalLM")
+    out = run_rule(rule, MIXTRAL, ctx)
+    assert ctx.findings or not ({"output_router_logits", "outputs"} & {
+        n.id for n in ast.walk(entry_methods(out, "MixtralForCausalLM")["forward"]) if isinstance(n, ast.Name)})

@@ -1,0 +1,104 @@
+"""dead_code: unread locals, unread `self.x` attributes and `pass` beside real statements go."""
+from textwrap import dedent
+
+from skills.migrator.rules import dead_code as rule
+
+# LlamaAttention after runtime_attention: layer_idx, dropout rate, is_causal, num_key_value_groups are
+# only read by HF's cache / eager attention, which are gone.
+BEFORE = dedent('''\
+    class LlamaAttention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.config = config
+            self.layer_idx = layer_idx
+            self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+            self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+            self.scaling = self.head_dim**-0.5
+            self.attention_dropout = config.attention_dropout
+            self.is_causal = True
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, scale=self.scaling)
+
+        def forward(self, hidden_states, **kwargs):
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, self.head_dim)
+            past_seen_tokens = 0
+            shape_copy = input_shape
+            attn_output = self.attn(hidden_states.view(hidden_shape))
+            if attn_output is None:
+                pass
+            else:
+                pass
+                attn_output = attn_output + 1
+            return attn_output.reshape(*input_shape, -1)
+
+
+    class LlamaModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+            self.vocab_size = config.vocab_size
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+        def forward(self, input_ids):
+            unused = self.embed_tokens(input_ids)
+            return self.embed_tokens(input_ids)
+    ''')
+
+AFTER = dedent('''\
+    class LlamaAttention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.config = config
+            self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+            self.scaling = self.head_dim**-0.5
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, scale=self.scaling)
+
+        def forward(self, hidden_states, **kwargs):
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, self.head_dim)
+            attn_output = self.attn(hidden_states.view(hidden_shape))
+            if attn_output is None:
+                pass
+            else:
+                attn_output = attn_output + 1
+            return attn_output.reshape(*input_shape, -1)
+
+
+    class LlamaModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+        def forward(self, input_ids):
+            unused = self.embed_tokens(input_ids)
+            return self.embed_tokens(input_ids)
+    ''')
+
+
+def test_dead_code_removed(run_rule):
+    # `self.config` is kept though unread; reads of `config.vocab_size` do not keep `self.vocab_size`;
+    # `unused = self.embed_tokens(...)` calls something, so it stays.
+    assert run_rule(rule, BEFORE) == AFTER
+
+
+def test_idempotent(run_rule):
+    assert run_rule(rule, AFTER) == AFTER
+
+
+def test_live_code_untouched(run_rule):
+    code = dedent('''\
+        class LlamaRotaryEmbedding(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.rope_type = config.rope_parameters["rope_type"]
+                self.max_seq_len_cached = config.max_position_embeddings
+
+            def forward(self, x, position_ids):
+                if self.rope_type == "default":
+                    pass
+                seq = self.max_seq_len_cached
+                freqs = position_ids[..., None].float() * seq
+                return freqs
+        ''')
+    assert run_rule(rule, code) == code

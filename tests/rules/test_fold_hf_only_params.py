@@ -1,0 +1,238 @@
+"""fold_hf_only_params: HF-only parameters leave every signature; branches on their known values fold."""
+from textwrap import dedent
+
+from skills.migrator.rules import fold_hf_only_params as rule
+
+# LlamaModel.forward, transformers v5.
+LLAMA_MODEL = dedent("""\
+    class LlamaModel(LlamaPreTrainedModel):
+        def forward(
+            self,
+            input_ids: torch.LongTensor | None = None,
+            attention_mask: torch.Tensor | None = None,
+            position_ids: torch.LongTensor | None = None,
+            cache: Cache | None = None,
+            inputs_embeds: torch.Tensor | None = None,
+            use_cache: bool | None = None,
+            **kwargs: Unpack[TransformersKwargs],
+        ) -> BaseModelOutputWithPast:
+            if (input_ids is None) ^ (inputs_embeds is not None):
+                raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+            if inputs_embeds is None:
+                inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+
+            if use_cache and cache is None:
+                cache = DynamicCache(config=self.config)
+
+            if position_ids is None:
+                past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+                position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+                position_ids = position_ids.unsqueeze(0)
+
+            hidden_states = inputs_embeds
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=use_cache,
+                    **kwargs,
+                )
+            return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+    """)
+
+LLAMA_MODEL_AFTER = dedent("""\
+    class LlamaModel(LlamaPreTrainedModel):
+        def forward(
+            self,
+            input_ids: torch.LongTensor | None = None,
+            position_ids: torch.LongTensor | None = None,
+            **kwargs,
+        ) -> BaseModelOutputWithPast:
+            inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+
+            hidden_states = inputs_embeds
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    position_ids=position_ids,
+                    **kwargs,
+                )
+            return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=None)
+    """)
+
+
+def test_llama_model_forward(run_rule):
+    # `(input_ids is None) ^ (inputs_embeds is not None)` is False under the contract: the check goes;
+    # `inputs_embeds is None` is True: the body is inlined; position_ids is always given.
+    assert run_rule(rule, LLAMA_MODEL) == LLAMA_MODEL_AFTER
+
+
+def test_idempotent(run_rule):
+    assert run_rule(rule, LLAMA_MODEL_AFTER) == LLAMA_MODEL_AFTER
+
+
+def test_if_elif_else_chains(run_rule):
+    code = dedent("""\
+        def forward(self, hidden_states, output_attentions=False, use_cache=False, labels=None, **kwargs):
+            if output_attentions:
+                a = 1
+            elif use_cache:
+                b = 2
+            elif hidden_states.dim() == 3:
+                c = 3
+            else:
+                d = 4
+            if hidden_states.dim() == 2:
+                e = 5
+            elif labels is None:
+                f = 6
+            else:
+                g = 7
+            if hidden_states.dim() == 4:
+                h = 8
+            elif labels is not None:
+                i = 9
+            if not output_attentions:
+                j = 10
+            else:
+                k = 11
+            return hidden_states
+        """)
+    assert run_rule(rule, code) == dedent("""\
+        def forward(self, hidden_states, **kwargs):
+            if hidden_states.dim() == 3:
+                c = 3
+            else:
+                d = 4
+            if hidden_states.dim() == 2:
+                e = 5
+            else:
+                f = 6
+            if hidden_states.dim() == 4:
+                h = 8
+            j = 10
+            return hidden_states
+        """)
+
+
+def test_reassignment_ends_constness(run_rule):
+    code = dedent("""\
+        def forward(self, hidden_states, attention_mask=None, use_cache=None, **kwargs):
+            if attention_mask is None:
+                a = 1
+            attention_mask = self.make_mask(hidden_states)
+            if attention_mask is None:
+                b = 2
+            use_cache = use_cache if use_cache is not None else self.config.use_cache
+            if use_cache:
+                c = 3
+            return hidden_states, attention_mask
+        """)
+    assert run_rule(rule, code) == dedent("""\
+        def forward(self, hidden_states, **kwargs):
+            a = 1
+            attention_mask = self.make_mask(hidden_states)
+            if attention_mask is None:
+                b = 2
+            use_cache = False
+            if use_cache:
+                c = 3
+            return hidden_states, attention_mask
+        """)
+
+
+def test_reassignment_inside_a_branch_or_loop_ends_constness_after_it(run_rule):
+    code = dedent("""\
+        def forward(self, hidden_states, cache=None, **kwargs):
+            if hidden_states.dim() == 2:
+                cache = self.new_cache()
+            if cache is not None:
+                hidden_states = cache.update(hidden_states)
+            for cache in self.caches:
+                if cache is None:
+                    continue
+            return hidden_states
+        """)
+    assert run_rule(rule, code) == dedent("""\
+        def forward(self, hidden_states, **kwargs):
+            if hidden_states.dim() == 2:
+                cache = self.new_cache()
+            if cache is not None:
+                hidden_states = cache.update(hidden_states)
+            for cache in self.caches:
+                if cache is None:
+                    continue
+            return hidden_states
+        """)
+
+
+def test_forwarded_keywords_dropped_and_non_read_positions_untouched(run_rule):
+    # LlamaForCausalLM.forward: keyword arguments forwarding removed names go; attribute names, keyword
+    # names and assignment targets spelled like a removed parameter are not reads and stay.
+    code = dedent("""\
+        def forward(self, input_ids=None, attention_mask=None, cache=None, inputs_embeds=None, labels=None,
+                    use_cache=None, logits_to_keep=0, **kwargs: Unpack[TransformersKwargs]):
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            self.use_cache = self.config.use_cache
+            helper(use_cache=True, labels=self.labels)
+            hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=hidden_states, labels=labels, **kwargs)
+            return loss, hidden_states
+        """)
+    assert run_rule(rule, code) == dedent("""\
+        def forward(self, input_ids=None, **kwargs):
+            outputs = self.model(
+                input_ids=input_ids,
+                **kwargs,
+            )
+            self.use_cache = self.config.use_cache
+            helper(use_cache=True, labels=self.labels)
+            hidden_states = slice_logits_to_keep(outputs.last_hidden_state, 0)
+            loss = None
+            return loss, hidden_states
+        """)
+
+
+def test_positional_reads_become_literals(run_rule):
+    code = dedent("""\
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+            attn_output, attn_weights = attention_interface(self, hidden_states, attention_mask, **kwargs)
+            return attn_output, cache
+        """)
+    assert run_rule(rule, code) == dedent("""\
+        def forward(self, hidden_states, position_embeddings, **kwargs):
+            attn_output, attn_weights = attention_interface(self, hidden_states, None, **kwargs)
+            return attn_output, None
+        """)
+
+
+def test_functions_without_hf_only_params_untouched(run_rule):
+    # LlamaRotaryEmbedding / rotate_half / eager attention: no HF-only parameter, plain **kwargs, and
+    # reads of HF-only *names* that are not parameters (attributes, locals) stay.
+    code = dedent("""\
+        def rotate_half(x):
+            x1 = x[..., : x.shape[-1] // 2]
+            x2 = x[..., x.shape[-1] // 2 :]
+            return torch.cat((-x2, x1), dim=-1)
+
+
+        class LlamaRotaryEmbedding(nn.Module):
+            def forward(self, x, position_ids, **kwargs):
+                use_cache = self.config.use_cache
+                if use_cache and self.labels is None:
+                    x = x * 2
+                return x, position_ids
+        """)
+    assert run_rule(rule, code) == code

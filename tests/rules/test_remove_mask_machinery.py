@@ -1,0 +1,230 @@
+"""remove_mask_machinery: statements building HF 4-D masks, what derives from them, and the keyword
+arguments forwarding them disappear."""
+from textwrap import dedent
+
+import pytest
+
+from skills.migrator.rules import remove_mask_machinery as rule
+
+# LlamaModel.forward (transformers v5), after the HF-only parameters were folded away.
+LLAMA = dedent("""\
+    class LlamaModel(LlamaPreTrainedModel):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+            )
+
+            hidden_states = inputs_embeds
+            position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    attention_mask=causal_mask,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    **kwargs,
+                )
+            return self.norm(hidden_states)
+    """)
+
+LLAMA_AFTER = dedent("""\
+    class LlamaModel(LlamaPreTrainedModel):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+
+            hidden_states = inputs_embeds
+            position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    **kwargs,
+                )
+            return self.norm(hidden_states)
+    """)
+
+# Gemma3TextModel.forward: walrus on the mask dict, kwargs dicts, two factories, a mapping indexed per layer.
+GEMMA3 = dedent("""\
+    class Gemma3TextModel(Gemma3PreTrainedModel):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+            # It may already have been prepared by e.g. `generate`
+            if not isinstance(causal_mask_mapping := attention_mask, dict):
+                # Prepare mask arguments
+                mask_kwargs = {
+                    "config": self.config,
+                    "inputs_embeds": inputs_embeds,
+                    "attention_mask": attention_mask,
+                    "cache": cache,
+                    "position_ids": position_ids,
+                }
+                sliding_mask_kwargs = mask_kwargs.copy()
+
+                if self.config.use_bidirectional_attention:
+                    mask_kwargs["or_mask_function"] = lambda *args: torch.tensor(True, dtype=torch.bool)
+                    sliding_mask_kwargs["or_mask_function"] = _bidirectional_window_overlay(self.config.sliding_window)
+
+                # Create the masks
+                causal_mask_mapping = {
+                    "full_attention": create_causal_mask(**mask_kwargs),
+                    "sliding_attention": create_sliding_window_causal_mask(**sliding_mask_kwargs),
+                }
+
+            # embed positions
+            hidden_states = inputs_embeds
+            position_embeddings = {}
+            for layer_type in set(self.config.layer_types):
+                position_embeddings[layer_type] = self.rotary_emb(hidden_states, position_ids, layer_type)
+
+            for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    attention_mask=causal_mask_mapping[self.config.layer_types[i]],
+                    position_embeddings=position_embeddings[self.config.layer_types[i]],
+                    position_ids=position_ids,
+                    **kwargs,
+                )
+            return self.norm(hidden_states)
+    """)
+
+GEMMA3_AFTER = dedent("""\
+    class Gemma3TextModel(Gemma3PreTrainedModel):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+
+            # embed positions
+            hidden_states = inputs_embeds
+            position_embeddings = {}
+            for layer_type in set(self.config.layer_types):
+                position_embeddings[layer_type] = self.rotary_emb(hidden_states, position_ids, layer_type)
+
+            for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    position_embeddings=position_embeddings[self.config.layer_types[i]],
+                    position_ids=position_ids,
+                    **kwargs,
+                )
+            return self.norm(hidden_states)
+    """)
+
+# MistralModel.forward: the factory is chosen by a conditional expression, then called by its local name.
+MISTRAL = dedent("""\
+    class MistralModel(MistralPreTrainedModel):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+            mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
+            causal_mask = mask_function(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+            )
+            hidden_states = inputs_embeds
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    attention_mask=causal_mask,
+                    position_ids=position_ids,
+                    **kwargs,
+                )
+            return hidden_states
+    """)
+
+MISTRAL_AFTER = dedent("""\
+    class MistralModel(MistralPreTrainedModel):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+            for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    position_ids=position_ids,
+                    **kwargs,
+                )
+            return hidden_states
+    """)
+
+CASES = pytest.mark.parametrize("before,after", [(LLAMA, LLAMA_AFTER), (GEMMA3, GEMMA3_AFTER),
+                                                 (MISTRAL, MISTRAL_AFTER)], ids=["llama", "gemma3", "mistral"])
+
+
+@CASES
+def test_mask_machinery_removed(run_rule, before, after):
+    assert run_rule(rule, before) == after
+
+
+@CASES
+def test_idempotent(run_rule, before, after):
+    assert run_rule(rule, after) == after
+
+
+def test_functions_that_build_no_mask_untouched(run_rule):
+    # eager_attention_forward *uses* an attention_mask parameter and LlamaRotaryEmbedding has a
+    # `mask`-named local; neither builds a mask, so nothing goes.
+    code = dedent("""\
+        def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+            attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+            if attention_mask is not None:
+                attn_weights = attn_weights + attention_mask
+            attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+            return attn_weights
+
+
+        class LlamaDecoderLayer(GradientCheckpointingLayer):
+            def forward(self, hidden_states, attention_mask=None, **kwargs):
+                padding_mask = attention_mask
+                hidden_states = self.self_attn(hidden_states, attention_mask=padding_mask, **kwargs)
+                return hidden_states
+        """)
+    assert run_rule(rule, code) == code
+
+
+# BlenderbotDecoder.forward (BlenderbotForCausalLM's decoder) passes the mask positionally.
+BLENDERBOT = dedent("""\
+    class BlenderbotDecoder(BlenderbotPreTrainedModel):
+        def forward(self, input_ids, attention_mask=None, encoder_hidden_states=None, cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+            )
+            hidden_states = inputs_embeds
+            for idx, decoder_layer in enumerate(self.layers):
+                layer_outputs = decoder_layer(
+                    hidden_states,
+                    causal_mask,
+                    encoder_hidden_states,  # as a positional argument for gradient checkpointing
+                    cache=cache,
+                    **kwargs,
+                )
+                hidden_states = layer_outputs[0] if isinstance(layer_outputs, tuple) else layer_outputs
+            hidden_states = self.layer_norm(hidden_states)
+            return hidden_states
+    """)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a mask passed as a *positional* argument (GPT2Model, BlenderbotDecoder: "
+                                       "`block(hidden_states, cache, causal_mask, ...)`) is not dropped; the whole "
+                                       "statement using it is removed, which taints what it assigns (hidden_states), "
+                                       "so the decoder loop and all that uses hidden_states vanish (here the body "
+                                       "becomes `pass`; real GPT2Model.forward keeps only a return without "
+                                       "last_hidden_state); no Finding")
+def test_positional_mask_argument(run_rule, make_ctx):
+    ctx = make_ctx(entry_class="BlenderbotForCausalLM")
+    out = run_rule(rule, BLENDERBOT, ctx)
+    assert "create_causal_mask" not in out
+    # Either the positional mask is dropped (loop and return kept) or the construct is reported.
+    assert ("for idx, decoder_layer in enumerate(self.layers):" in out and "return hidden_states" in out) \
+        or ctx.findings

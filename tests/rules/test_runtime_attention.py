@@ -1,0 +1,226 @@
+"""runtime_attention: the HF attention-interface call becomes the runtime's `Attention` layer."""
+import ast
+from textwrap import dedent
+
+import pytest
+
+from skills.migrator.rules import runtime_attention as rule
+
+HEADER = dedent("""\
+    from collections.abc import Callable
+
+    import torch
+    from torch import nn
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    """)
+
+RUNTIME_IMPORTS = dedent("""\
+    from runtime.engine.forward_metadata import ForwardMetaData
+    from runtime.layers.attention import Attention
+    """)
+
+# A decoder layer calling the attention, and the entry class reaching it (only attention the entry
+# class uses is converted).
+CALLERS = dedent('''\
+
+
+    class LlamaDecoderLayer(nn.Module):
+        def __init__(self, config, layer_idx: int):
+            super().__init__()
+            self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)
+
+        def forward(self, hidden_states, position_embeddings=None, **kwargs):
+            residual = hidden_states
+            hidden_states, _ = self.self_attn(
+                hidden_states=hidden_states,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+            return residual + hidden_states
+
+
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+    ''')
+
+CALLERS_AFTER = CALLERS.replace("hidden_states, _ = self.self_attn(", "hidden_states = self.self_attn(")
+
+
+ATTENTION = dedent('''\
+
+
+    class LlamaAttention(nn.Module):
+        def __init__(self, config: LlamaConfig, layer_idx: int):
+            super().__init__()
+            self.config = config
+            self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+            self.scaling = self.head_dim**-0.5
+            self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim)
+            self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim)
+    @INIT@
+
+        def forward(
+            self,
+            hidden_states: torch.Tensor,
+            position_embeddings: tuple[torch.Tensor, torch.Tensor],
+            **kwargs,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            query_states = self.q_proj(hidden_states)
+            key_states = self.k_proj(hidden_states)
+            value_states = self.v_proj(hidden_states)
+
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                None,
+                dropout=0.0,
+    @KWARGS@
+                **kwargs,
+            )
+            attn_output = self.o_proj(attn_output)
+            return attn_output, attn_weights
+    ''')
+
+
+def attention(init_extra: tuple[str, ...] = (), call_kwargs: tuple[str, ...] = ("scaling=self.scaling,",)) -> str:
+    """LlamaAttention (transformers v5, cache update already folded away) with extra `__init__` lines and
+    keyword arguments of the attention-interface call."""
+    init = "".join(f"        {line}\n" for line in init_extra)
+    kwargs = "".join(f"            {line}\n" for line in call_kwargs)
+    return ATTENTION.replace("@INIT@\n", init).replace("@KWARGS@\n", kwargs)
+
+
+LLAMA = HEADER + attention() + CALLERS
+
+LLAMA_AFTER = HEADER + RUNTIME_IMPORTS + dedent('''\
+
+
+    class LlamaAttention(nn.Module):
+        def __init__(self, config: LlamaConfig, layer_idx: int):
+            super().__init__()
+            self.config = config
+            self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+            self.scaling = self.head_dim**-0.5
+            self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim)
+            self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim)
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, num_kv_heads=config.num_key_value_heads, scale=self.scaling)
+
+        def forward(
+            self,
+            hidden_states: torch.Tensor,
+            position_embeddings: tuple[torch.Tensor, torch.Tensor],
+            *, forward_metadata: ForwardMetaData, **kwargs,
+        ):
+            query_states = self.q_proj(hidden_states)
+            key_states = self.k_proj(hidden_states)
+            value_states = self.v_proj(hidden_states)
+
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            attn_output = self.o_proj(attn_output)
+            return attn_output
+    ''') + CALLERS_AFTER
+
+
+def ctor_line(code: str) -> str:
+    (line,) = [x.strip() for x in code.splitlines() if x.strip().startswith("self.attn = Attention(")]
+    return line
+
+
+def test_llama_attention(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, LLAMA, ctx) == LLAMA_AFTER
+    assert ctx.findings == []
+
+
+def test_idempotent(run_rule):
+    assert run_rule(rule, LLAMA_AFTER) == LLAMA_AFTER
+
+
+def test_legacy_kv_layout(run_rule):
+    assert ctor_line(run_rule(rule, LLAMA, kv_layout="legacy")) == (
+        "self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, "
+        "num_kv_heads=config.num_key_value_heads, scale=self.scaling, legacy=True)")
+
+
+def test_gemma3_sliding_window_and_softcap(run_rule, make_ctx):
+    # Gemma3Attention passes scaling and sliding_window; Gemma2 also passes softcap.
+    code = HEADER + attention(
+        init_extra=("self.attn_logit_softcapping = self.config.attn_logit_softcapping",
+                    'self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None'),
+        call_kwargs=("scaling=self.scaling,", "sliding_window=self.sliding_window,",
+                     "softcap=self.attn_logit_softcapping,"),
+    ) + CALLERS
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert ctor_line(out) == (
+        "self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, "
+        "num_kv_heads=config.num_key_value_heads, scale=self.scaling, sliding_window=self.sliding_window, "
+        "soft_cap=self.attn_logit_softcapping)")
+
+
+def test_default_scale_without_scaling_kwarg(run_rule):
+    code = HEADER + attention(call_kwargs=("is_causal=True,",)) + CALLERS
+    assert ctor_line(run_rule(rule, code)).endswith(", scale=self.head_dim**-0.5)")
+
+
+def test_unsupported_kwarg_is_a_finding(run_rule, make_ctx):
+    # GptOssAttention: attention sinks have no runtime equivalent.
+    code = HEADER + attention(init_extra=("self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))",),
+                              call_kwargs=("scaling=self.scaling,", "s_aux=self.sinks,  # diff with Llama")) + CALLERS
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert [(f.scope, f.what) for f in ctx.findings] == [
+        ("LlamaAttention", "attention argument `s_aux=` has no equivalent in the runtime Attention")]
+
+
+def test_forward_time_argument_is_a_finding(run_rule, make_ctx):
+    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "sliding_window=hidden_states.shape[1],")) + CALLERS
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert [f.what for f in ctx.findings] == [
+        "attention argument `sliding_window=hidden_states.shape[1]` depends on forward-time values"]
+
+
+def test_caller_without_kwargs_gets_them(run_rule, make_ctx):
+    # forward_metadata travels in **kwargs: a caller that does not pass them on is given them.
+    callers = CALLERS.replace("position_embeddings=None, **kwargs):", "position_embeddings=None):")
+    callers = "".join(line for line in callers.splitlines(keepends=True) if line.strip() != "**kwargs,")
+    assert "kwargs" not in callers
+    ctx = make_ctx()
+    out = run_rule(rule, HEADER + attention() + callers, ctx)
+    assert ctx.findings == []
+    layer = ast.parse(out).body[-2]
+    assert layer.name == "LlamaDecoderLayer"
+    fwd = layer.body[1]
+    assert fwd.args.kwarg.arg == "kwargs"
+    call = fwd.body[1].value
+    assert ast.unparse(fwd.body[1].targets[0]) == "hidden_states"
+    assert ast.unparse(call) == ("self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings, "
+                                 "**kwargs)")
+    assert run_rule(rule, out) == out
+
+
+@pytest.mark.parametrize("entry", ["LlamaForCausalLM", "SomethingElse"])
+def test_attention_not_used_by_the_entry_class_untouched(run_rule, make_ctx, entry):
+    # A vision tower's attention (or a file without the entry class): nothing is converted, no imports added.
+    code = HEADER + attention().replace("LlamaAttention", "SiglipAttention") + dedent('''\
+
+
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
+        ''')
+    ctx = make_ctx(entry_class=entry)
+    assert run_rule(rule, code, ctx) == code
+    assert ctx.findings == []
