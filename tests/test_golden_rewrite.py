@@ -98,10 +98,6 @@ def test_converted_code_is_clean(converted, model_type, kv):
     assert ruff_check(files[modeling], Path(modeling).name) == ""
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (pipeline, not a rule): configuration_<m>.py keeps HF's mutable class "
-                                       "attributes (base_model_tp_plan = {...}, base_model_pp_plan, ...) that ruff "
-                                       "0.17's default RUF012 flags and `tidy` cannot autofix, so `ruff check "
-                                       "--isolated` fails on the written configuration")
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_configuration_passes_ruff(converted, model_type):
     _, configuration = paths(model_type)

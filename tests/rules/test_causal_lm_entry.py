@@ -237,11 +237,6 @@ MIXTRAL = dedent('''\
     ''')
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _logits_tail keeps every compound statement after lm_head, though the "
-                                       "new forward drops what came before it: Mixtral / Qwen2-MoE / Qwen3-MoE / "
-                                       "GraniteMoE / DBRX / Jamba get `if output_router_logits: ... "
-                                       "outputs.router_logits ...` with both names undefined (NameError at "
-                                       "run time, ruff F821), and no Finding")
 def test_tail_reads_only_names_the_new_forward_defines(run_rule, make_ctx):
     ctx = make_ctx(entry_class="MixtralForCausalLM")
     out = run_rule(rule, MIXTRAL, ctx)

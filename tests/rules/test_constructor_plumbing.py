@@ -199,9 +199,6 @@ BLT = dedent('''\
     ''')
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a child built inside a `for` loop (`self.layers.append(Layer(...))`) "
-                                       "gets the prefix of the previous assignment, \"layers\", for every layer "
-                                       "instead of f\"layers.{layer_idx}\"")
 def test_for_loop_append_prefix(run_rule):
     out = run_rule(rule, BLT, entry_class="BltForCausalLM")
     assert 'prefix=join_prefix(prefix, f"layers.{layer_idx}")' in out

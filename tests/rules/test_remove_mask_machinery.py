@@ -215,12 +215,6 @@ BLENDERBOT = dedent("""\
     """)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a mask passed as a *positional* argument (GPT2Model, BlenderbotDecoder: "
-                                       "`block(hidden_states, cache, causal_mask, ...)`) is not dropped; the whole "
-                                       "statement using it is removed, which taints what it assigns (hidden_states), "
-                                       "so the decoder loop and all that uses hidden_states vanish (here the body "
-                                       "becomes `pass`; real GPT2Model.forward keeps only a return without "
-                                       "last_hidden_state); no Finding")
 def test_positional_mask_argument(run_rule, make_ctx):
     ctx = make_ctx(entry_class="BlenderbotForCausalLM")
     out = run_rule(rule, BLENDERBOT, ctx)

@@ -5,7 +5,17 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import add_imports, called_name, classes, method, names_in, stmt, stmts
+from skills.migrator.cst_utils import (
+    add_imports,
+    assigned_names,
+    called_name,
+    classes,
+    free_names,
+    method,
+    param_names,
+    stmt,
+    stmts,
+)
 
 FORWARD = '''
 def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata: ForwardMetaData,
@@ -63,8 +73,10 @@ def _logits_tail(fwd: cst.FunctionDef, head: str) -> list[cst.BaseStatement] | N
     if idx is None:
         return None
     head = stmt(f"logits = self.{head}(hidden_states)\n")
-    tail = [s for s in body[idx + 1:] if not isinstance(s, cst.SimpleStatementLine)
-            or not (isinstance(s.body[0], cst.Return) or names_in(s) & {"loss", "outputs", "labels"})]
+    dropped = {n for s in body[:idx] for n in assigned_names(s)} | set(param_names(fwd)) | {"loss", "outputs"}
+    dropped -= {"self", "hidden_states", "logits", "input_ids", "position_ids", "kwargs"}
+    tail = [s for s in body[idx + 1:] if not (m.matches(s, m.SimpleStatementLine([m.Return()]))
+                                               or free_names(s) & dropped)]
     return [head, *tail, stmt("return logits[:, None, :]\n")]
 
 

@@ -43,10 +43,23 @@ class _PassDown(cst.CSTTransformer):
     def __init__(self, plumbed: set[str]):
         self.plumbed = plumbed
         self.path: list[str] = []  # attribute being assigned, then comprehension loop variables
+        self.loop_vars: list[str] = []  # enclosing `for` targets
 
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target
         self.path = [target.attr.value] if m.matches(target, m.Attribute(value=m.Name("self"))) else []
+
+    def visit_For(self, node: cst.For) -> None:
+        self.loop_vars.append(node.target.value if isinstance(node.target, cst.Name) else "")
+
+    def leave_For(self, original, updated):
+        self.loop_vars.pop()
+        return updated
+
+    def visit_Call(self, node: cst.Call) -> None:
+        """`self.layers.append(Layer(...))` inside `for i in ...`: the child is `layers.{i}`."""
+        if m.matches(node.func, m.Attribute(value=m.Attribute(value=m.Name("self")), attr=m.Name("append"))):
+            self.path = [node.func.value.attr.value, *("{" + v + "}" for v in self.loop_vars if v)]
 
     def visit_ListComp(self, node: cst.ListComp) -> None:
         self._loop_vars(node.for_in)

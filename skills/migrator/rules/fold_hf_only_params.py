@@ -15,6 +15,7 @@ HF_ONLY: dict[str, object] = {
     "logits_to_keep": 0, "head_mask": None,
 }
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
+GRADIENT_CHECKPOINTING = m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing"))
 
 
 def _literal(value: object) -> cst.BaseExpression:
@@ -35,6 +36,8 @@ class _Env:
 
     def truth(self, e: cst.BaseExpression):
         """True / False when the value is known under the contract, else None."""
+        if m.matches(e, GRADIENT_CHECKPOINTING):
+            return False
         if isinstance(e, cst.Name):
             if e.value in self.consts:
                 return bool(self.consts[e.value])
@@ -140,6 +143,8 @@ def _fold_stmt(s, env: _Env) -> list:
 
 class _Fold(cst.CSTTransformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        if m.findall(updated.body, GRADIENT_CHECKPOINTING):  # inference never checkpoints
+            updated = updated.with_changes(body=_block(updated.body, _fold_block(updated.body.body, _Env({}, set()))))
         params = updated.params
         names = [p.name.value for p in (*params.params, *params.kwonly_params)]
         consts = {n: HF_ONLY[n] for n in names if n in HF_ONLY}

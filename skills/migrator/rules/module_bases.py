@@ -3,9 +3,11 @@ GenerationMixin) become plain `nn.Module`; with them go `post_init()`, gradient-
 `super().__init__(config)` arguments and HF-only class attributes (`_tp_plan`, `config: XConfig`, ...)."""
 import libcst as cst
 import libcst.matchers as m
+from torch import nn
 
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import classes, dotted
+from skills.migrator.reachability import reachable, top_level_names
 
 HF_BASES = {"PreTrainedModel", "GradientCheckpointingLayer", "GenerationMixin"}
 NN_MODULE = cst.Arg(cst.parse_expression("nn.Module"))
@@ -43,9 +45,35 @@ class _PlainSuperInit(cst.CSTTransformer):
         return plain
 
 
+class _DropInheritedHFCalls(cst.CSTTransformer):
+    """`self.warn_if_padding_and_no_attention_mask(...)`-style statements call PreTrainedModel helpers that a
+    plain nn.Module lacks: bare calls go; any other use is reported."""
+
+    def __init__(self, own: set[str], ctx: RewriteContext | None, scope: str):
+        self.own, self.ctx, self.scope = own, ctx, scope
+
+    def _inherited(self, node) -> str | None:
+        if m.matches(node, m.Call(func=m.Attribute(value=m.Name("self")))):
+            name = node.func.attr.value
+            if name not in self.own and not hasattr(nn.Module, name):
+                return name
+        return None
+
+    def leave_SimpleStatementLine(self, original, updated):
+        small = updated.body[0]
+        if len(updated.body) == 1 and isinstance(small, cst.Expr) and self._inherited(small.value):
+            return cst.RemoveFromParent()
+        return updated
+
+    def leave_Call(self, original, updated):
+        if self.ctx is not None and (name := self._inherited(updated)) is not None:
+            self.ctx.unsupported(self.scope, 0, f"`self.{name}(...)` is a PreTrainedModel method that nn.Module lacks")
+        return updated
+
+
 class _Bases(cst.CSTTransformer):
-    def __init__(self, hf: set[str]):
-        self.hf = hf
+    def __init__(self, hf: set[str], ctx: RewriteContext, used: set[str]):
+        self.hf, self.ctx, self.used = hf, ctx, used  # used: classes the entry needs (others get pruned)
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         bases = [b for b in updated.bases if dotted(b.value).split(".")[-1] not in self.hf]
@@ -56,6 +84,10 @@ class _Bases(cst.CSTTransformer):
         if body and body[0] is not updated.body.body[0]:
             body[0] = body[0].with_changes(leading_lines=[])
         updated = updated.with_changes(bases=bases or [NN_MODULE], body=updated.body.with_changes(body=body))
+        own = {n for s in body for n in top_level_names(s)} | {
+            t.target.attr.value for t in m.findall(updated, m.AssignTarget(m.Attribute(value=m.Name("self"))))}
+        report = updated.name.value in self.used
+        updated = updated.visit(_DropInheritedHFCalls(own, self.ctx if report else None, updated.name.value))
         return updated.visit(_PlainSuperInit())
 
     def leave_SimpleStatementLine(self, original, updated):
@@ -69,4 +101,5 @@ class _Bases(cst.CSTTransformer):
 
 
 def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    return module.visit(_Bases(hf_model_classes(module)))
+    used = {n for i in reachable(module, {ctx.entry_class}) for n in top_level_names(module.body[i])}
+    return module.visit(_Bases(hf_model_classes(module), ctx, used))

@@ -21,8 +21,16 @@ class _DropTaintedArgs(cst.CSTTransformer):
         self.tainted = tainted
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        args = [a for a in updated.args if not (a.keyword and names_in(a.value) & self.tainted)]
-        return updated.with_changes(args=args) if len(args) != len(updated.args) else updated
+        """Keyword arguments carrying a mask are dropped; positional ones become None (positions stay)."""
+        args = []
+        for a in updated.args:
+            if not names_in(a.value) & self.tainted or a.star:
+                args.append(a)
+            elif not a.keyword and isinstance(a.value, cst.Name):
+                args.append(a.with_changes(value=cst.Name("None")))
+            elif not a.keyword:
+                args.append(a)
+        return updated.with_changes(args=args) if args != list(updated.args) else updated
 
 
 class _Clean(cst.CSTTransformer):

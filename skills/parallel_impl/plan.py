@@ -1,0 +1,296 @@
+"""What a parallel_config implies for a model (seed 002): validation, comm groups, layer rewrites, bytes per rank.
+
+`validate` runs the seed's "配置校验" asserts against the model's real shapes, plus the limits of the runtime's
+parallel layers. `make_plan` turns the seed's "配置参数 → 实施步骤速查" table into the groups and rewrites this model
+needs. Every linear / embedding layer gets its parallel class whatever its TP size (the seed's rule), so the vocab is
+padded to a multiple of 64 * tp even at TP 1, as VocabParallelEmbedding does. A separate o_proj TP size applies to
+MLA models only; left at 1 there, o_proj follows attn_tp_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from rich.table import Table
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from runtime.config import ParallelConfig
+from runtime.config.comm_manager import group_layout
+from runtime.errors import ConfigError, UserError
+
+VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
+_WORLD_SPLITS = ("attn_tp_size", "dense_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size",
+                 "o_proj_tp_size", "shared_tp_size", "cp_size")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_ROW = ("o_proj", "down_proj", "shared_down_proj")  # input split: the bias stays whole
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Arguments of CommManager.register_group: group_num groups of group_size ranks, interleaved by stride."""
+
+    name: str
+    group_num: int
+    group_size: int
+    stride: int = 1
+
+    def ranks(self) -> list[tuple[int, ...]]:
+        return group_layout(self.group_num * self.group_size, self.group_num, self.group_size, self.stride)
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int
+    groups: list[GroupSpec]
+    rewrites: list[str]
+    per_rank_param_bytes: int  # identical on every rank: all splits are even
+    total_param_bytes: int  # the unsharded model, tied weights once
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    model_type: str
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    experts: int  # routed experts; 0 for a dense model
+    moe_intermediate: int
+    shared_intermediate: int  # the shared experts' FFN width; 0 without them
+    mla: bool  # multi-head latent attention (kv_lora_rank)
+    tied: bool
+
+
+def _shapes(hf_config: PretrainedConfig) -> _Shapes:
+    cfg = hf_config.get_text_config()
+    experts = next((n for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if (n := getattr(cfg, k, None))), 0)
+    moe_i = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    shared = (getattr(cfg, "shared_expert_intermediate_size", None)
+              or (getattr(cfg, "n_shared_experts", None) or 0) * moe_i)
+    return _Shapes(cfg.model_type, cfg.num_attention_heads,
+                   getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, cfg.intermediate_size,
+                   cfg.vocab_size, experts, moe_i, shared if experts else 0, bool(getattr(cfg, "kv_lora_rank", None)),
+                   bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _padded(vocab: int, tp: int) -> int:
+    multiple = VOCAB_PAD * tp
+    return -(-vocab // multiple) * multiple
+
+
+def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
+    """Raises one ConfigError naming every size the model's shapes reject, each with the values that would work."""
+    w = pc.world_size
+    for key in _WORLD_SPLITS:
+        if w % getattr(pc, key):
+            raise ConfigError(f"parallel_config.{key} is {getattr(pc, key)}, which does not divide world_size {w}; "
+                              f"use a divisor of {w}: {', '.join(map(str, _divisors(w)))}.")
+    if pc.cp_size != 1:
+        raise ConfigError(f"parallel_config.cp_size is {pc.cp_size}, but skill parallelize does not plan context "
+                          "parallelism; set cp_size to 1.")
+    s, a, e, lm = _shapes(hf_config), pc.attn_tp_size, pc.embed_tp_size, pc.lmhead_tp_size
+    rules: dict[str, list[tuple[Callable[[int], bool], str]]] = {}
+
+    def need(key: str, ok: Callable[[int], bool], why: str) -> None:
+        rules.setdefault(key, []).append((ok, why))
+
+    need("attn_tp_size", lambda t: s.heads % t == 0, f"num_attention_heads {s.heads} is not divisible by it")
+    if s.mla:
+        need("o_proj_tp_size", lambda t: s.heads % t == 0, f"num_attention_heads {s.heads} is not divisible by it")
+    else:
+        need("attn_tp_size", lambda t: s.kv_heads % t == 0 or t % s.kv_heads == 0,
+             f"num_key_value_heads {s.kv_heads} neither is divisible by it nor divides it (kv heads are split over "
+             f"the attn_tp ranks, or replicated when attn_tp_size is a multiple of {s.kv_heads})")
+        need("o_proj_tp_size", lambda t: t in (1, a),
+             f"{s.model_type} has no multi-head latent attention (kv_lora_rank), so o_proj runs in attn_tp_group "
+             f"with attn_tp_size {a}; a separate o_proj TP size applies to MLA models only")
+    need("dense_tp_size", lambda t: s.intermediate % t == 0, f"intermediate_size {s.intermediate} is not divisible by it")
+    if s.experts:
+        need("moe_tp_size", lambda t: s.experts % (w // t) == 0,
+             f"moe_ep_size = world_size {w} / moe_tp_size {pc.moe_tp_size} = {pc.moe_ep_size} does not divide "
+             f"num_experts {s.experts}")
+        need("moe_tp_size", lambda t: s.moe_intermediate % t == 0,
+             f"moe_intermediate_size {s.moe_intermediate} is not divisible by it")
+    if s.shared_intermediate:
+        need("shared_tp_size", lambda t: s.shared_intermediate % t == 0,
+             f"the shared experts' intermediate size {s.shared_intermediate} is not divisible by it")
+    need("embed_tp_size", lambda t: t % a == 0,
+         f"it must be a multiple of attn_tp_size {a} (embed_tp_size >= attn_tp_size and embed_tp_size % attn_tp_size "
+         "== 0: the embedding's output feeds attention)")
+
+    problems = []
+    for key, checks in rules.items():
+        value = getattr(pc, key)
+        failed = [why for ok, why in checks if not ok(value)]
+        if failed:
+            valid = [str(t) for t in _divisors(w) if all(ok(t) for ok, _ in checks)]
+            problems.append(f"parallel_config.{key} is {value}, but {'; and '.join(failed)}; valid {key} values for "
+                            f"world_size {w}: {', '.join(valid) or 'none, change world_size'}.")
+    if s.tied and e != lm:
+        fixes = [f"lmhead_tp_size {e}"] + ([f"embed_tp_size {lm}"] if lm % a == 0 else [])
+        problems.append(f"parallel_config.lmhead_tp_size is {lm} but embed_tp_size is {e}, and {s.model_type} ties "
+                        "lm_head to embed_tokens (tie_word_embeddings): the shared weight has one vocab layout; set "
+                        f"{' or '.join(fixes)}, or untie the weights.")
+    if problems:
+        raise ConfigError(" ".join(problems))
+
+
+def _param_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the Hugging Face model (tied ones once), built on the meta device: shapes, no memory."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as e:
+        raise UserError(f"transformers cannot build a causal LM for model_type {hf_config.model_type!r} ({e}); "
+                        "skill parallelize counts parameters from a model type transformers knows.") from e
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _module(name: str) -> str:
+    """The module a parameter belongs to, as the rewrites name it ("experts" for every routed expert)."""
+    parts = name.split(".")
+    if "experts" in parts:
+        return "experts"
+    leaf = parts[-2] if len(parts) > 1 else parts[0]
+    return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
+
+
+def _tp_sizes(pc: ParallelConfig, s: _Shapes) -> dict[str, int]:
+    a, d, sh = pc.attn_tp_size, pc.dense_tp_size, pc.shared_tp_size
+    o = pc.o_proj_tp_size if s.mla and pc.o_proj_tp_size > 1 else a
+    return {"q_proj": a, "k_proj": a, "v_proj": a, "q_b_proj": a, "kv_b_proj": a, "o_proj": o,
+            "gate_proj": d, "up_proj": d, "down_proj": d,
+            "shared_gate_proj": sh, "shared_up_proj": sh, "shared_down_proj": sh,
+            "embed_tokens": pc.embed_tp_size, "lm_head": pc.lmhead_tp_size}
+
+
+def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp: dict[str, int]) -> int:
+    """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
+    numel, module = math.prod(shape), _module(name)
+    if module == "experts":  # experts / moe_ep of them per rank, each split moe_tp ways (down's bias is whole)
+        whole = name.endswith(("down_proj_bias", "down_proj.bias"))
+        return numel // pc.moe_ep_size // (1 if whole else pc.moe_tp_size)
+    size = tp.get(module, 1)
+    if module in ("embed_tokens", "lm_head"):
+        return _padded(shape[0], size) // size * math.prod(shape[1:])
+    if module in ("k_proj", "v_proj"):  # max(kv // tp, 1) heads: split, or one replicated head
+        return numel // s.kv_heads * max(s.kv_heads // size, 1)
+    return numel if module in _ROW and name.endswith("bias") else numel // size
+
+
+def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[str], dict[str, int]]:
+    """The steps, in the seed's order, and the size of each comm group they use."""
+    w, a, tp = pc.world_size, pc.attn_tp_size, _tp_sizes(pc, s)
+    e, lm, d, o, sh = tp["embed_tokens"], tp["lm_head"], tp["down_proj"], tp["o_proj"], tp["shared_down_proj"]
+    steps: list[str] = []
+    groups: dict[str, int] = {}
+
+    def on(group: str, size: int) -> str:
+        if size == 1:
+            return " (unsharded, no group)"
+        groups[group] = size
+        return f" on {group}"
+
+    h, kv = s.heads, s.kv_heads
+    if s.mla:
+        cols = "/".join(m for m in ("q_proj", "q_b_proj", "kv_b_proj") if m in modules)
+        steps.append(f"{cols} -> ColumnParallelLinear (attn_tp={a}: {h // a} of {h} heads per rank)"
+                     f"{on('attn_tp_group', a)}; q_a_proj/kv_a_proj_with_mqa stay replicated")
+        if o != a:
+            steps.append(f"o_proj -> RowParallelLinear (o_proj_tp={o}){on('oproj_tp_group', o)}: attention output "
+                         f"re-laid out from attn_tp={a} to o_proj_tp={o} around o_proj")
+        else:
+            steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
+    else:
+        kv_note = (f"{kv // a} of {kv} kv heads" if kv % a == 0
+                   else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)")
+        steps.append(f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
+                     f"per rank){on('attn_tp_group', a)}")
+        steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
+        if a > 1:
+            steps.append(f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
+                         "kv heads per rank")
+    dense = bool(modules & set(_MLP))
+    if dense:
+        i = s.intermediate
+        steps.append(f"gate_proj/up_proj -> MergedColumnParallelLinear (dense_tp={d}: intermediate {i} -> {i // d} "
+                     f"per rank){on('dense_tp_group', d)}")
+        steps.append(f"down_proj -> RowParallelLinear (dense_tp={d}){on('dense_tp_group', d)}")
+    if s.shared_intermediate and "shared_down_proj" in modules:
+        i = s.shared_intermediate
+        steps.append(f"shared expert gate_proj/up_proj -> MergedColumnParallelLinear, down_proj -> "
+                     f"RowParallelLinear (shared_tp={sh}: intermediate {i} -> {i // sh} per rank)"
+                     f"{on('shared_tp_group', sh)}")
+    if "experts" in modules:
+        ep, mt, n, i = pc.moe_ep_size, pc.moe_tp_size, s.experts, s.moe_intermediate
+        steps.append(f"MoE experts: {n // ep} of {n} per rank (moe_ep={ep}), tokens dispatched/combined with "
+                     f"all_to_all{on('moe_ep_group', ep)}; router gate replicated" if ep > 1
+                     else f"MoE experts: all {n} on every rank (moe_ep=1); router gate replicated")
+        if mt > 1:
+            steps.append(f"MoE expert FFN TP (moe_tp={mt}: moe_intermediate {i} -> {i // mt} per rank), all_reduce"
+                         f"{on('moe_tp_group', mt)}")
+    if "embed_tokens" in modules:
+        p = _padded(s.vocab, e)
+        steps.append(f"embed_tokens -> VocabParallelEmbedding (embed_tp={e}: vocab {s.vocab} padded to {p}, "
+                     f"{p // e} rows per rank){on('embed_tp_group', e)}")
+    if s.tied:
+        steps.append(f"lm_head -> ParallelLMHead tied to embed_tokens: shares its vocab shards (tie_weights)"
+                     f"{on('lmhead_tp_group', lm)}")
+    elif "lm_head" in modules:
+        p = _padded(s.vocab, lm)
+        steps.append(f"lm_head -> ParallelLMHead (lmhead_tp={lm}: vocab {s.vocab} padded to {p}, {p // lm} rows "
+                     f"per rank){on('lmhead_tp_group', lm)}")
+    if a > 1 and pc.attn_dp_size > 1:
+        steps.append(f"attention TP+DP (attn_tp={a}, attn_dp={pc.attn_dp_size}): hidden kept as [T/{a}, H] between "
+                     "layers, all_gather before QKV and reduce_scatter after o_proj on attn_tp_group (not all_reduce); "
+                     f"tokens padded to a multiple of {a}; prefill all_gathers hidden before picking last tokens")
+    elif a == 1 and w > 1:
+        steps.append(f"plain DP: requests split over {w} attention-DP ranks; attention needs no TP group")
+    neighbours = [("embed_tokens", e)] + ([("MLP", d)] if dense else []) + [("lm_head", lm)]
+    steps += [f"re-layout all_gather/reduce_scatter between attention (tp={a}) and {m} (tp={t})"
+              for m, t in neighbours if t != a]
+    return steps, groups
+
+
+def make_plan(pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtype) -> Plan:
+    """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank."""
+    validate(pc, hf_config)
+    s, shapes = _shapes(hf_config), _param_shapes(hf_config)
+    modules = {_module(name) for name in shapes}
+    if not modules & {"q_proj", "q_b_proj", "kv_b_proj"}:
+        raise UserError(f"{s.model_type} has no q_proj / q_b_proj / kv_b_proj attention projection; skill "
+                        "parallelize knows Llama-style (and MLA) module names only.")
+    steps, sizes = _rewrites(pc, s, modules)
+    w = pc.world_size
+    groups = [GroupSpec(name, w // n, n, w // n if name == "moe_ep_group" else 1) for name, n in sizes.items()]
+    tp = _tp_sizes(pc, s)
+    held = sum(_held(name, shape, pc, s, tp) for name, shape in shapes.items())
+    total = sum(math.prod(shape) for shape in shapes.values())
+    return Plan(w, groups, steps, held * dtype.itemsize, total * dtype.itemsize)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB ({n:,} bytes)"
+
+
+def format_plan(plan: Plan) -> Table:
+    table = Table("", "", title=f"parallel plan, world_size {plan.world_size}", show_header=False)
+    for g in plan.groups:
+        ranks = " ".join(str(list(r)) for r in g.ranks())
+        table.add_row(f"group {g.name}", f"{g.group_num} x {g.group_size} ranks, stride {g.stride}: {ranks}")
+    for i, step in enumerate(plan.rewrites, 1):
+        table.add_row(f"rewrite {i}", step)
+    table.add_row("params per rank", f"{_mib(plan.per_rank_param_bytes)} of {_mib(plan.total_param_bytes)}")
+    return table

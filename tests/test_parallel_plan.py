@@ -1,0 +1,258 @@
+"""skills.parallel_impl: parallel_config loading, validation against model shapes, groups, rewrites, bytes per rank."""
+
+import io
+import textwrap
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from runtime.config import ParallelConfig
+from runtime.errors import ConfigError
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from skills.parallel_impl.config import load_parallel_config, yaml_name
+from skills.parallel_impl.plan import format_plan, make_plan, validate
+
+BF16 = torch.bfloat16.itemsize
+
+
+def llama(**kw) -> PretrainedConfig:
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+            "vocab_size": 500, "num_hidden_layers": 2}
+    return AutoConfig.for_model("llama", **{**base, **kw})
+
+
+def qwen3(**kw) -> PretrainedConfig:
+    return AutoConfig.for_model("qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                intermediate_size=128, vocab_size=512, num_hidden_layers=2, **kw)
+
+
+def qwen3_moe() -> PretrainedConfig:
+    return AutoConfig.for_model("qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16, intermediate_size=128, vocab_size=512, num_hidden_layers=2, num_experts=4,
+                                moe_intermediate_size=32, num_experts_per_tok=2)
+
+
+def deepseek_v3() -> PretrainedConfig:
+    return AutoConfig.for_model("deepseek_v3", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                intermediate_size=128, vocab_size=500, num_hidden_layers=2, n_routed_experts=4,
+                                moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_shared_experts=2,
+                                n_group=1, topk_group=1, num_experts_per_tok=2)
+
+
+def pc(world: int, attn: int = 1, dense: int = 1, embed: int = 1, lmhead: int = 1, **kw) -> ParallelConfig:
+    return ParallelConfig(world_size=world, attn_tp_size=attn, dense_tp_size=dense, embed_tp_size=embed,
+                          lmhead_tp_size=lmhead, **kw)
+
+
+class _Groups:
+    """What the runtime layers ask a CommManager (tp_info), for one rank, without torch.distributed."""
+
+    def __init__(self, p: ParallelConfig, rank: int):
+        sizes = {"attn_tp_group": p.attn_tp_size, "dense_tp_group": p.dense_tp_size,
+                 "embed_tp_group": p.embed_tp_size, "lmhead_tp_group": p.lmhead_tp_size}
+        self.sizes, self.rank = {k: v for k, v in sizes.items() if v > 1}, rank
+
+    def has_group(self, name: str) -> bool:
+        return name in self.sizes
+
+    def get_size(self, name: str) -> int:
+        return self.sizes[name]
+
+    def get_rank(self, name: str) -> int:
+        return self.rank % self.sizes[name]
+
+    def get_group(self, name: str) -> None:
+        return None
+
+
+def hand_sharded_bytes(cfg: PretrainedConfig, p: ParallelConfig, rank: int) -> int:
+    """Parameter bytes of rank `rank` of a llama / qwen3 built from the runtime's parallel layers (meta device)."""
+    cm, h, d = _Groups(p, rank), cfg.hidden_size, cfg.head_dim
+    with torch.device("meta"):
+        layers: list[nn.Module] = []
+        for _ in range(cfg.num_hidden_layers):
+            layers += [QKVParallelLinear(h, d, cfg.num_attention_heads, cfg.num_key_value_heads, comm_manager=cm),
+                       RowParallelLinear(cfg.num_attention_heads * d, h, comm_manager=cm, tp_group="attn_tp_group"),
+                       MergedColumnParallelLinear(h, [cfg.intermediate_size] * 2, comm_manager=cm),
+                       RowParallelLinear(cfg.intermediate_size, h, comm_manager=cm)]
+        embed = VocabParallelEmbedding(cfg.vocab_size, h, comm_manager=cm)
+        head = ParallelLMHead(cfg.vocab_size, h, comm_manager=cm)
+        if cfg.tie_word_embeddings:
+            head.tie_weights(embed)
+    params = sum(t.numel() for t in nn.ModuleList([*layers, embed, head]).parameters())
+    norms = cfg.num_hidden_layers * (2 * h + (2 * d if cfg.model_type == "qwen3" else 0)) + h
+    return (params + norms) * BF16
+
+
+VALID = [  # (model, config, groups as (name, group_num, group_size, stride), rewrite fragments)
+    (llama(), pc(2, 2, 2, 2, 2),
+     [("attn_tp_group", 1, 2, 1), ("dense_tp_group", 1, 2, 1), ("embed_tp_group", 1, 2, 1),
+      ("lmhead_tp_group", 1, 2, 1)],
+     ["QKVParallelLinear (attn_tp=2: 2 of 4 heads and 1 of 2 kv heads per rank) on attn_tp_group",
+      "o_proj -> RowParallelLinear (attn_tp=2) on attn_tp_group",
+      "gate_proj/up_proj -> MergedColumnParallelLinear (dense_tp=2: intermediate 128 -> 64 per rank)",
+      "down_proj -> RowParallelLinear (dense_tp=2) on dense_tp_group",
+      "embed_tokens -> VocabParallelEmbedding (embed_tp=2: vocab 500 padded to 512, 256 rows per rank)",
+      "lm_head -> ParallelLMHead (lmhead_tp=2"]),
+    (llama(), pc(4, 4, 4, 4, 4),
+     [("attn_tp_group", 1, 4, 1), ("dense_tp_group", 1, 4, 1), ("embed_tp_group", 1, 4, 1),
+      ("lmhead_tp_group", 1, 4, 1)],
+     ["1 of 4 heads and 1 kv head (each of the 2 replicated on 2 ranks) per rank",
+      "cache_entries num_head = max(2 // 4, 1) = 1", "vocab 500 padded to 512, 128 rows per rank"]),
+    (llama(), pc(2, 1, 2, 2, 2),
+     [("dense_tp_group", 1, 2, 1), ("embed_tp_group", 1, 2, 1), ("lmhead_tp_group", 1, 2, 1)],
+     ["QKVParallelLinear (attn_tp=1: 4 of 4 heads and 2 of 2 kv heads per rank) (unsharded, no group)",
+      "plain DP: requests split over 2 attention-DP ranks",
+      "between attention (tp=1) and embed_tokens (tp=2)", "between attention (tp=1) and MLP (tp=2)"]),
+    (llama(), pc(4, 2, 4, 4, 4),
+     [("attn_tp_group", 2, 2, 1), ("dense_tp_group", 1, 4, 1), ("embed_tp_group", 1, 4, 1),
+      ("lmhead_tp_group", 1, 4, 1)],
+     ["attention TP+DP (attn_tp=2, attn_dp=2)", "tokens padded to a multiple of 2",
+      "re-layout all_gather/reduce_scatter between attention (tp=2) and MLP (tp=4)",
+      "between attention (tp=2) and lm_head (tp=4)"]),
+    (qwen3(tie_word_embeddings=True), pc(4, 2, 2, 4, 4),
+     [("attn_tp_group", 2, 2, 1), ("dense_tp_group", 2, 2, 1), ("embed_tp_group", 1, 4, 1),
+      ("lmhead_tp_group", 1, 4, 1)],
+     ["lm_head -> ParallelLMHead tied to embed_tokens: shares its vocab shards"]),
+]
+
+
+@pytest.mark.parametrize("cfg, p, groups, fragments", VALID)
+def test_valid_configs_give_groups_rewrites_and_bytes(cfg, p, groups, fragments):
+    plan = make_plan(p, cfg, torch.bfloat16)
+    assert [(g.name, g.group_num, g.group_size, g.stride) for g in plan.groups] == groups
+    text = "\n".join(plan.rewrites)
+    for fragment in fragments:
+        assert fragment in text
+    assert ("attention TP+DP" in text) == (1 < p.attn_tp_size < p.world_size)
+    assert ("plain DP" in text) == (p.attn_tp_size == 1 < p.world_size)
+    for rank in range(p.world_size):
+        assert plan.per_rank_param_bytes == hand_sharded_bytes(cfg, p, rank)
+    padding = (512 - cfg.vocab_size) * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    assert plan.total_param_bytes == hand_sharded_bytes(cfg, pc(1), 0) - padding * BF16  # unpadded vocab
+    assert plan.to_dict()["groups"][0]["name"] == groups[0][0]
+    out = io.StringIO()
+    Console(file=out, width=300).print(format_plan(plan))
+    assert groups[0][0] in out.getvalue() and "params per rank" in out.getvalue()
+
+
+def test_moe_groups_and_bytes():
+    cfg, p = qwen3_moe(), pc(4, 2, 1, 2, 4, moe_tp_size=2)
+    plan = make_plan(p, cfg, torch.bfloat16)
+    groups = {g.name: g for g in plan.groups}
+    assert set(groups) == {"attn_tp_group", "moe_ep_group", "moe_tp_group", "embed_tp_group", "lmhead_tp_group"}
+    assert groups["moe_ep_group"].ranks() == [(0, 2), (1, 3)]  # stride world // ep
+    assert groups["moe_tp_group"].ranks() == [(0, 1), (2, 3)]
+    text = "\n".join(plan.rewrites)
+    assert "MoE experts: 2 of 4 per rank (moe_ep=2)" in text and "moe_intermediate 32 -> 16 per rank" in text
+    assert "gate_proj/up_proj" not in text  # every layer is sparse: no dense MLP, no dense_tp_group
+    h, d, layers = 64, 16, 2
+    attention = (h * 4 * d // 2 + 2 * h * 1 * d) + 4 * d // 2 * h + 2 * d  # qkv, o_proj, q_norm/k_norm
+    moe = 2 * 3 * h * 32 // 2 + 4 * h  # 2 experts of gate/up/down at half width, router
+    expected = layers * (attention + moe + 2 * h) + h + 512 // 2 * h + 512 // 4 * h
+    assert plan.per_rank_param_bytes == expected * BF16
+    assert not any(g.name == "moe_ep_group" for g in make_plan(pc(4, 4, 4, 4, 4, moe_tp_size=4), cfg,
+                                                                torch.bfloat16).groups)
+
+
+def test_mla_o_proj_group_and_bytes():
+    cfg, p = deepseek_v3(), pc(4, 1, 1, 1, 4, o_proj_tp_size=4, moe_tp_size=1, shared_tp_size=2)
+    plan = make_plan(p, cfg, torch.bfloat16)
+    assert [(g.name, g.group_num, g.group_size, g.stride) for g in plan.groups] == [
+        ("oproj_tp_group", 1, 4, 1), ("shared_tp_group", 2, 2, 1), ("moe_ep_group", 1, 4, 1),
+        ("lmhead_tp_group", 1, 4, 1)]
+    assert "o_proj -> RowParallelLinear (o_proj_tp=4) on oproj_tp_group" in "\n".join(plan.rewrites)
+    h, heads = 64, 4
+    attention = (h * 32 + 32 + 32 * heads * 24 + h * 24 + 16 + 16 * heads * 32) + heads * 16 * h // 4
+    dense = 3 * h * 128  # layer 0, dense_tp 1
+    moe = 1 * 3 * h * 32 + 4 * h + 3 * h * 64 // 2  # 1 of 4 experts, router, shared experts (2 x 32) at half
+    expected = 2 * attention + dense + moe + 2 * 2 * h + h + 512 * h + 512 // 4 * h
+    assert plan.per_rank_param_bytes == expected * BF16
+
+
+def rejected(p: ParallelConfig, cfg: PretrainedConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(p, cfg)
+    assert info.value.exit_code == 2
+    return str(info.value)
+
+
+@pytest.mark.parametrize("cfg, p, fragments", [
+    (llama(hidden_size=96, num_attention_heads=6), pc(4, 4, 4, 4, 4),
+     ["parallel_config.attn_tp_size is 4", "num_attention_heads 6 is not divisible",
+      "valid attn_tp_size values for world_size 4: 1, 2."]),
+    (llama(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), pc(6, 2, 2, 2, 2),
+     ["num_key_value_heads 3 neither is divisible by it nor divides it", "attn_tp_size values for world_size 6: 1, 3, 6"]),
+    (llama(), pc(4, 4, 4, 2, 4),
+     ["parallel_config.embed_tp_size is 2", "multiple of attn_tp_size 4", "embed_tp_size values for world_size 4: 4."]),
+    (llama(), pc(4, 3),
+     ["parallel_config.attn_tp_size is 3, which does not divide world_size 4", "divisor of 4: 1, 2, 4"]),
+    (llama(intermediate_size=100), pc(8, 1, 8),
+     ["parallel_config.dense_tp_size is 8", "intermediate_size 100", "dense_tp_size values for world_size 8: 1, 2, 4."]),
+    (llama(tie_word_embeddings=True), pc(4, 2, 2, 4, 2),
+     ["lmhead_tp_size is 2 but embed_tp_size is 4", "tie_word_embeddings", "set lmhead_tp_size 4 or embed_tp_size 2"]),
+    (llama(), pc(2, 1, o_proj_tp_size=2),
+     ["parallel_config.o_proj_tp_size is 2", "multi-head latent attention", "values for world_size 2: 1."]),
+    (qwen3_moe(), pc(8, 1, 1, 1, 1, moe_tp_size=1),
+     ["moe_ep_size = world_size 8 / moe_tp_size 1 = 8 does not divide num_experts 4",
+      "moe_tp_size values for world_size 8: 2, 4, 8."]),
+    (llama(), pc(2, cp_size=2), ["parallel_config.cp_size is 2"]),
+])
+def test_invalid_configs_name_the_parameter_and_alternatives(cfg, p, fragments):
+    message = rejected(p, cfg)
+    for fragment in fragments:
+        assert fragment in message
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "parallel.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_load_block_or_bare_keys(tmp_path):
+    block = load_parallel_config(write(tmp_path, """\
+        model_name: llama
+        world_size: 4
+        parallel_config: {world_size: 4, attn_tp_size: 2, dense_tp_size: 4, embed_tp_size: 4, lmhead_tp_size: 4}
+        """))
+    bare = load_parallel_config(write(tmp_path, """\
+        world_size: 4
+        attn_tp_size: 2
+        attn_dp_size: 2
+        dense_tp_size: 4
+        embed_tp_size: 4
+        lmhead_tp_size: 4
+        """))
+    assert block == bare and bare.attn_dp_size == 2 and bare.dense_tp_size == 4
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("world_size: 2\natn_tp_size: 2\n", ["unknown key `atn_tp_size`", "did you mean `attn_tp_size`"]),
+    ("parallel_config: {world_size: 2, atn_tp_size: 2}\n", ["atn_tp_size", "did you mean `attn_tp_size`"]),
+    ("attn_tp_size: 2\nparallel_config: {world_size: 2}\n", ["`attn_tp_size` is at the top level", "not both"]),
+    ("world_size: 4\nattn_tp_size: 2\nattn_dp_size: 4\n", ["`attn_dp_size` is 4", "world_size 4 / attn_tp_size 2; remove it or set it to 2"]),
+    ("world_size: 4\nparallel_config: {world_size: 2}\n", ["`world_size` is 4", "parallel_config.world_size` is 2"]),
+    ("attn_tp_size: 2\n", ["world_size is not set"]),
+    ("parallel_config: {world_size: '2'}\n", ["`parallel_config.world_size` is '2'", "valid integer"]),
+    ("- 1\n", ["expected a mapping"]),
+])
+def test_load_rejects(tmp_path, text, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_parallel_config(write(tmp_path, text))
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_yaml_name():
+    assert yaml_name("llama", pc(2, 2, 2, 2, 2)) == "llama_rank_2_2tp.yaml"
+    assert yaml_name("Llama-3", pc(4, 2, 4, 4, 4)) == "llama_3_rank_4_2tp_2dp_densetp4_embedtp4_lmheadtp4.yaml"
+    assert yaml_name("qwen3_moe", pc(4, 4, 4, 4, 4), moe=True, scenario="decode") == \
+        "qwen3_moe_rank_4_4tp_ep4_decode.yaml"
+    assert yaml_name("ds", pc(8, 1, 1, 1, 1, moe_tp_size=2, o_proj_tp_size=8), moe=True) == \
+        "ds_rank_8_1tp_8dp_oprojtp8_moetp2_ep4.yaml"
