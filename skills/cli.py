@@ -143,6 +143,34 @@ def baseline(
     Console().print(format_baseline_table(collect_baseline(log_file, output, yaml_file, rank, model_source)))
 
 
+@app.command()
+@user_errors
+def parallelize(
+    model_dir: Annotated[Path, typer.Argument(help="A model directory written by `skill migrate`.")],
+    config: Annotated[Path, typer.Option("--config", help="PARALLEL.yaml: a parallel_config block (or bare keys).")],
+    plan: Annotated[bool, typer.Option("--plan", help="Only print the groups, rewrites and per-rank memory.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+):
+    """Validate a parallel config against the model and show what it implies (rewriting is not implemented yet)."""
+    from transformers import AutoConfig
+
+    from runtime.config import InferenceConfig
+    from skills.parallel_impl.config import load_parallel_config
+    from skills.parallel_impl.plan import format_plan, make_plan
+
+    pc = load_parallel_config(config)
+    run_config = InferenceConfig.from_yaml(find_yaml(model_dir, None))
+    hf_config = AutoConfig.from_pretrained(run_config.model_config.model_path)
+    result = make_plan(pc, hf_config, run_config.model_config.torch_dtype)
+    if as_json:
+        print(json.dumps({"model_dir": str(model_dir), **result.to_dict()}))
+    else:
+        Console().print(format_plan(result))
+    if not plan:
+        raise UserError("the config is valid, but rewriting the model for it is not implemented yet; "
+                        "use --plan to see what it implies.")
+
+
 def main():
     from runtime.logging_config import setup_logging
     setup_logging()
