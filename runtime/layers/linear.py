@@ -41,6 +41,11 @@ def read_narrow(loaded: LoadedWeight, dim: int, start: int, length: int) -> torc
     return loaded[(slice(None),) * dim + (slice(start, start + length),)]
 
 
+def materialize(loaded: LoadedWeight) -> torch.Tensor:
+    """The whole tensor (reads a lazy slice from disk)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
     for key, value in attrs.items():
         assert not hasattr(param, key), f"parameter attribute {key!r} is already set"
@@ -62,7 +67,7 @@ def default_weight_loader(param: nn.Parameter, loaded: LoadedWeight, shard_id: S
     """Loader for unsharded parameters: the checkpoint tensor must match the parameter's shape."""
     assert shard_id is None, f"{getattr(param, 'param_name', 'parameter')} takes no shard_id, got {shard_id!r}"
     check_shape(param, loaded, tuple(param.shape))
-    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+    param.data.copy_(materialize(loaded))
 
 
 class TPModule(nn.Module):

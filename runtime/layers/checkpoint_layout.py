@@ -1,0 +1,52 @@
+"""Checkpoints whose tensors are laid out differently from the model's parameters: per-expert MoE weights
+stacked into one 3-D parameter (gate and up concatenated), renamed blocks. The rules come from
+transformers' own conversion mapping for the model type, so every architecture it knows is covered."""
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StackedPart:
+    """A checkpoint tensor that fills `param[expert]`, rows [part * n, (part + 1) * n) of it."""
+
+    target: str
+    expert: int
+    part: int
+    num_parts: int
+
+
+class CheckpointLayout:
+    def __init__(self, model_type: str):
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        self.renames: list[tuple[re.Pattern, str]] = []
+        self.stacks: list[tuple[re.Pattern, str, int, int]] = []  # source pattern, target suffix, part, parts
+        for rule in get_checkpoint_conversion_mapping(model_type) or []:
+            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", [])]
+            if not ops:
+                self.renames += [(re.compile(s), t) for s, t in zip(rule.source_patterns, rule.target_patterns)]
+            elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+                (target,) = rule.target_patterns
+                for part, source in enumerate(rule.source_patterns):
+                    regex = re.escape(source).replace(r"\*", r"(\d+)") + "$"
+                    self.stacks.append((re.compile(regex), target, part, len(rule.source_patterns)))
+
+    def resolve(self, name: str) -> tuple[str, StackedPart | None]:
+        for pattern, target in self.renames:
+            name = pattern.sub(target, name)
+        for pattern, target, part, parts in self.stacks:
+            if found := pattern.search(name):
+                full = name[: found.start()] + target
+                return full, StackedPart(full, int(found.group(1)), part, parts)
+        return name, None
+
+
+def load_stacked_part(param: torch.nn.Parameter, weight: torch.Tensor, part: StackedPart) -> None:
+    rows = weight.shape[0]
+    dst = param.data[part.expert].narrow(0, part.part * rows, rows)
+    if dst.shape != weight.shape:
+        raise ValueError(f"{part.target}[{part.expert}]: checkpoint tensor of shape {list(weight.shape)} does not "
+                         f"fit part {part.part} of shape {list(dst.shape)}")
+    dst.copy_(weight)
