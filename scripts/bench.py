@@ -16,7 +16,8 @@ from runtime.config import InferenceConfig
 from runtime.engine.request import SamplingParams
 from runtime.offline import OfflineInference
 
-WORDS = "the quick brown fox jumps over the lazy dog while the sun sets behind the quiet hills".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "the", "sun", "sets",
+         "behind", "the", "quiet", "hills"]
 
 
 def prompts(n: int) -> list[str]:

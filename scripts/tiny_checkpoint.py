@@ -106,9 +106,14 @@ def make_tokenizer(out_dir: Path, vocab_size: int) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+_MOE = {"num_experts": 4, "num_local_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
+
+
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
-    """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text (other types: base sizes only)."""
+    """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text; MoE types get 4 small experts."""
     params = {**_TINY, **_ARCH.get(model_type, {}), **overrides}
+    defaults = AutoConfig.for_model(model_type)
+    params.update({k: v for k, v in _MOE.items() if hasattr(defaults, k) and k not in overrides})
     if model_type == "gemma3_text" and "layer_types" not in overrides:
         # Alternate so that both attention kinds appear from 2 layers on.
         params["layer_types"] = [
