@@ -67,3 +67,19 @@ def run_world(world_size: int, setup: Setup, checks: dict[str, Check], timeout: 
             if p.is_alive():
                 p.kill()
     return results
+
+
+def distributed_tests(setup: Callable[[], Any], checks: dict[str, Callable]):
+    """A module fixture running every check at world sizes 2 and 4, and one test per check reading it."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+    def world_results(request):
+        return run_world(request.param, setup, checks)
+
+    @pytest.mark.parametrize("check", checks)
+    def test_distributed(world_results, check):
+        failures = world_results["<setup>"] + world_results[check]
+        assert not failures, "\n".join(failures)
+
+    return world_results, test_distributed

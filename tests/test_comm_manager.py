@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_world
+from dist_harness import distributed_tests
 
 from runtime.config.comm_manager import CommManager, group_layout
 from runtime.distributed import backend_for, init_distributed
@@ -134,12 +134,4 @@ CHECKS = {f.__name__: f for f in (check_stride_one, check_stride_two, check_phys
                                   check_single_rank_groups, check_cpu_groups, check_collectives)}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def world_results(request):
-    return run_world(request.param, _setup, CHECKS)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_distributed(world_results, check):
-    failures = world_results["<setup>"] + world_results[check]
-    assert not failures, "\n".join(failures)
+world_results, test_distributed = distributed_tests(_setup, CHECKS)

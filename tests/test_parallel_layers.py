@@ -3,7 +3,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import run_world
+from dist_harness import distributed_tests
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -296,12 +296,4 @@ CHECKS = {f.__name__: f for f in (check_qkv_row, check_merged_row, check_column_
                                   check_lm_head)}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def world_results(request):
-    return run_world(request.param, _setup, CHECKS)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_distributed(world_results, check):
-    failures = world_results["<setup>"] + world_results[check]
-    assert not failures, "\n".join(failures)
+world_results, test_distributed = distributed_tests(_setup, CHECKS)
