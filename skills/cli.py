@@ -1,6 +1,7 @@
 """The `skill` command line."""
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -47,6 +48,19 @@ def find_yaml(model_dir: Path, yaml_file: Path | None) -> Path:
                     f"{[c.name for c in candidates] or 'none'}); pass --yaml FILE.")
 
 
+def relaunch_with_torchrun(world_size: int) -> int:
+    """The same `skill` command line, once per rank, under torchrun on this machine."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "-m", "skills.cli", *sys.argv[1:]]
+    return subprocess.call(cmd)
+
+
 @app.command()
 @user_errors
 def run(
@@ -65,6 +79,8 @@ def run(
     from runtime.offline import OfflineInference, prompts_from_config, read_prompts_file
 
     config = InferenceConfig.from_yaml(find_yaml(model_dir, yaml_file))
+    if config.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        raise typer.Exit(relaunch_with_torchrun(config.world_size))
     if max_new_tokens is not None:
         config.scheduler_config.max_new_tokens = max_new_tokens
     if trust_remote_code:

@@ -3,6 +3,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch.distributed
 from transformers import GenerationConfig
 
 from runtime.config import InferenceConfig
@@ -73,6 +74,18 @@ class OfflineInference:
 
     def generate(self, prompts: list[str], sampling: SamplingParams | None = None,
                  chat: bool = True) -> list[GenerationOutput]:
+        """All prompts' outputs, in order, on every rank. With attention DP each DP rank runs its share."""
+        pc = self.config.parallel_config
+        share = -(-len(prompts) // pc.attn_dp_size)
+        dp_rank = self.dist.rank // pc.attn_tp_size
+        mine = self._generate(prompts[dp_rank * share:(dp_rank + 1) * share], sampling, chat)
+        if self.dist.world_size == 1:
+            return mine
+        gathered: list = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        return [out for dp in range(pc.attn_dp_size) for out in gathered[dp * pc.attn_tp_size]]
+
+    def _generate(self, prompts: list[str], sampling: SamplingParams | None, chat: bool) -> list[GenerationOutput]:
         sampling = sampling or self.default_sampling()
         requests = [Request(self.tokenize(p, chat), sampling, prompt=p) for p in prompts]
         sc = self.config.scheduler_config
