@@ -77,6 +77,10 @@ class ModelWorker:
             init_dummy_weights(model)
         if hasattr(model, "process_weights_after_loading"):
             model.process_weights_after_loading()
+        tp = max(pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size, pc.moe_tp_size)
+        if tp > 1 and not any(hasattr(p, "weight_loader") for p in model.parameters()):
+            logger.warning("parallel_config asks for TP %d but %s has no parallel layers (run `skill parallelize`); "
+                           "every rank computes the whole model", tp, model_cls.__name__)
         self.model = model
         logger.info("[Main] model %s loaded in %.1f s (%s, %s)", model_cls.__name__,
                     time.perf_counter() - start, self.dist.device, mc.dtype)
