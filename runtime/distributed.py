@@ -86,4 +86,5 @@ def init_distributed(device_override: str | None = None) -> DistInfo:
 
 def destroy_distributed() -> None:
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

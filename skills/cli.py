@@ -87,9 +87,14 @@ def run(
         config.model_config.trust_remote_code = True
     prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
     prompts = prompts or prompts_from_config(config)
+    from runtime.distributed import destroy_distributed
+
     llm = OfflineInference(config, model_dir)
     setup_logging(llm.dist.rank)
-    results = llm.generate(prompts, chat=not raw)
+    try:
+        results = llm.generate(prompts, chat=not raw)
+    finally:
+        destroy_distributed()  # every rank leaves the process group before exiting
     if llm.dist.rank != 0:
         return
     if as_json:

@@ -18,12 +18,14 @@ class StackedPart:
 
 
 class CheckpointLayout:
-    def __init__(self, model_type: str):
+    def __init__(self, model_type: str, class_name: str = ""):
+        """Rules registered for the class name take priority over the model type's, as in transformers."""
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
         self.renames: list[tuple[re.Pattern, str]] = []
         self.stacks: list[tuple[re.Pattern, str, int, int]] = []  # source pattern, target suffix, part, parts
-        for rule in get_checkpoint_conversion_mapping(model_type) or []:
+        rules = get_checkpoint_conversion_mapping(class_name) or get_checkpoint_conversion_mapping(model_type)
+        for rule in rules or []:
             ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", [])]
             if not ops:
                 self.renames += [(re.compile(s), t) for s, t in zip(rule.source_patterns, rule.target_patterns)]

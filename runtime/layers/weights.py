@@ -33,7 +33,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, object]],
                 target, shard_id = name.replace(piece, fused), sid
                 break
         if target not in params:
-            layout = layout or CheckpointLayout(getattr(getattr(model, "config", None), "model_type", ""))
+            model_type = getattr(getattr(model, "config", None), "model_type", "")
+            layout = layout or CheckpointLayout(model_type, type(model).__name__)
             target, part = layout.resolve(name)
         param = params.get(target)
         if param is None:

@@ -9,7 +9,7 @@ from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import assigned_names
 
 HF_ONLY: dict[str, object] = {
-    "cache": None, "past_key_values": None, "past_key_value": None, "use_cache": False,
+    "cache": None, "past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False,
     "attention_mask": None, "inputs_embeds": None, "labels": None, "output_attentions": False,
     "output_hidden_states": False, "output_router_logits": False, "cache_position": None,
     "logits_to_keep": 0, "head_mask": None,

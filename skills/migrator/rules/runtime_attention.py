@@ -78,8 +78,10 @@ class _Forward(cst.CSTTransformer):
 
 
 def _attention_ctor(call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, scope: str) -> cst.BaseStatement:
-    args = ["num_heads=config.num_attention_heads", "head_dim=self.head_dim"]
     init_code = cst.Module([]).code_for_node(init)
+    head_dim = next((f"self.{a}" for a in ("head_dim", "head_size") if f"self.{a} =" in init_code),
+                    "config.hidden_size // config.num_attention_heads")
+    args = ["num_heads=config.num_attention_heads", f"head_dim={head_dim}"]
     if "num_key_value_heads" in init_code:
         args.append("num_kv_heads=config.num_key_value_heads")
     for a in call.args:
@@ -94,7 +96,7 @@ def _attention_ctor(call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, 
             ctx.unsupported(scope, 0, f"attention argument `{key}={value}` depends on forward-time values")
         args.append(f"{RUNTIME_KWARGS[key]}={value}")
     if kwarg(call, "scaling") is None:
-        args.append("scale=self.head_dim**-0.5")
+        args.append(f"scale={head_dim}**-0.5" if head_dim.startswith("self.") else f"scale=({head_dim}) ** -0.5")
     if ctx.kv_layout == "legacy":
         args.append("legacy=True")
     return stmt(f"self.attn = Attention({', '.join(args)})\n")
