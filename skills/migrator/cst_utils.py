@@ -1,8 +1,7 @@
 """Small libcst helpers shared by the rewrite rules."""
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import libcst as cst
-import libcst.matchers as m
 
 
 def names_in(node: cst.CSTNode) -> set[str]:
@@ -70,8 +69,6 @@ def assigned_names(stmt: cst.CSTNode) -> set[str]:
     return found
 
 
-def contains(node: cst.CSTNode, matcher) -> bool:
-    return bool(m.findall(node, matcher))
 
 
 def dotted(expr: cst.BaseExpression) -> str:
@@ -92,8 +89,6 @@ def kwarg(call: cst.Call, name: str) -> cst.Arg | None:
     return next((a for a in call.args if a.keyword and a.keyword.value == name), None)
 
 
-def expr(code: str) -> cst.BaseExpression:
-    return cst.parse_expression(code)
 
 
 def stmts(code: str) -> list[cst.BaseStatement]:
@@ -118,20 +113,8 @@ def param_names(fn: cst.FunctionDef) -> list[str]:
     return [x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)]
 
 
-def replace_body(node, body: Sequence[cst.BaseStatement]):
-    """A compound node with a new body (keeps `pass` when nothing is left)."""
-    body = list(body) or [cst.SimpleStatementLine([cst.Pass()])]
-    return node.with_changes(body=node.body.with_changes(body=body))
 
 
-def flatten(items: Iterable) -> list:
-    out = []
-    for item in items:
-        if isinstance(item, cst.FlattenSentinel):
-            out.extend(item.nodes)
-        elif item is not cst.RemovalSentinel.REMOVE:
-            out.append(item)
-    return out
 
 
 def add_imports(module: cst.Module, imports: Iterable[tuple[str, str]]) -> cst.Module:
