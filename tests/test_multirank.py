@@ -5,9 +5,8 @@ import subprocess
 import sys
 
 import yaml
-from tiny_checkpoint import PARITY_PROMPTS
-
 from model_dirs import make_model_dir
+from tiny_checkpoint import PARITY_PROMPTS
 
 
 def run_tokens(model_dir, yaml_path) -> list[list[int]]:

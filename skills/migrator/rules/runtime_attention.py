@@ -184,6 +184,9 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
 def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
     attn = attention_classes(module, ctx.entry_class)
     if not attn:
+        if "forward_metadata" not in module.code:  # not yet converted: its attention is not the standard call
+            ctx.unsupported(ctx.entry_class, 0, "no attention class calls ALL_ATTENTION_FUNCTIONS / "
+                            "eager_attention_forward; custom attention code paths are not converted")
         return module
     module = module.visit(_Classes(ctx, attn))
     return add_imports(module, [("runtime.layers.attention", "Attention"),
