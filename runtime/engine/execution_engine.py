@@ -50,8 +50,8 @@ class ExecutionEngine:
             max_seq_len_kv=max(k + n for k, n in zip(kv_len, lens_q)),
             prompt_tokens=[len(r.prompt_token_ids) for r in batch.requests])
         block_size = self.kv.block_size
+        width = -(-md.max_seq_len_kv // block_size)  # blocks covering the longest context this step
         for group, tables in self.kv.block_tables([r.request_id for r in batch.requests]).items():
-            width = -(-md.max_seq_len_kv // block_size)
             table = _long(dev, [t[:width] + [0] * (width - len(t[:width])) for t in tables])
             md.block_table[group] = table
             md.slot_mapping[group] = table[req_of_token, positions // block_size] * block_size + positions % block_size

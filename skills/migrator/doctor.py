@@ -1,7 +1,7 @@
 """Running a model directory, collecting its baseline, and diagnosing a failing run (seed scenarios B / C)."""
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -128,14 +128,10 @@ def collect_run(model_dir: Path, name: str, ctx: RenderContext, source: str, log
 
 
 def _with_baseline(ctx: RenderContext, data: dict) -> RenderContext:
-    from dataclasses import replace
-
     return replace(ctx, baseline=_readme_baseline(data))
 
 
 def _write_multi_card(model_dir: Path, name: str, ctx: RenderContext, cards: int) -> None:
-    from dataclasses import replace
-
     yaml_name = f"{name}_rank_{cards}_{cards}tp"
     files = render_artifacts(replace(ctx, world_size=cards, needs_multi_card=True, yaml_name=yaml_name,
                                      batch_size=max(ctx.batch_size, cards)))

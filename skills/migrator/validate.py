@@ -5,24 +5,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from runtime.config import InferenceConfig
-from runtime.engine.loader import _checkpoint_files
+from runtime.engine.loader import iterate_weights
 from runtime.engine.model_worker import ModelWorker
 from runtime.errors import UserError
+from runtime.layers.linear import weight_shape
 
 
 def _meta_weights(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in _checkpoint_files(checkpoint):
-        if file.suffix == ".bin":
-            state = torch.load(file, map_location="meta", weights_only=True)
-            yield from state.items()
-            continue
-        with safe_open(str(file), framework="pt") as f:
-            names = f.keys()
-            for name in names:
-                yield name, torch.empty(f.get_slice(name).get_shape(), device="meta")
+    """The checkpoint's names with empty tensors of its shapes: nothing is read beyond the headers."""
+    for name, weight in iterate_weights(checkpoint):
+        yield name, torch.empty(weight_shape(weight), device="meta")
 
 
 def validate_model_dir(model_dir: Path, yaml_path: Path) -> None:
