@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from runtime.config import ParallelConfig
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, UserError
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
@@ -141,38 +141,23 @@ def test_valid_configs_give_groups_rewrites_and_bytes(cfg, p, groups, fragments)
     assert groups[0][0] in out.getvalue() and "params per rank" in out.getvalue()
 
 
-def test_moe_groups_and_bytes():
+def test_moe_experts_stay_whole_and_are_counted_whole():
     cfg, p = qwen3_moe(), pc(4, 2, 1, 2, 4, moe_tp_size=2)
     plan = make_plan(p, cfg, torch.bfloat16)
-    groups = {g.name: g for g in plan.groups}
-    assert set(groups) == {"attn_tp_group", "moe_ep_group", "moe_tp_group", "embed_tp_group", "lmhead_tp_group"}
-    assert groups["moe_ep_group"].ranks() == [(0, 2), (1, 3)]  # stride world // ep
-    assert groups["moe_tp_group"].ranks() == [(0, 1), (2, 3)]
+    assert {g.name for g in plan.groups} == {"attn_tp_group", "embed_tp_group", "lmhead_tp_group"}
     text = "\n".join(plan.rewrites)
-    assert "MoE experts: 2 of 4 per rank (moe_ep=2)" in text and "moe_intermediate 32 -> 16 per rank" in text
+    assert "MoE experts: all 4 replicated on every rank" in text and "not implemented" in text
     assert "gate_proj/up_proj" not in text  # every layer is sparse: no dense MLP, no dense_tp_group
     h, d, layers = 64, 16, 2
     attention = (h * 4 * d // 2 + 2 * h * 1 * d) + 4 * d // 2 * h + 2 * d  # qkv, o_proj, q_norm/k_norm
-    moe = 2 * 3 * h * 32 // 2 + 4 * h  # 2 experts of gate/up/down at half width, router
+    moe = 4 * 3 * h * 32 + 4 * h  # all 4 experts of gate/up/down, router
     expected = layers * (attention + moe + 2 * h) + h + 512 // 2 * h + 512 // 4 * h
     assert plan.per_rank_param_bytes == expected * BF16
-    assert not any(g.name == "moe_ep_group" for g in make_plan(pc(4, 4, 4, 4, 4, moe_tp_size=4), cfg,
-                                                                torch.bfloat16).groups)
 
 
-def test_mla_o_proj_group_and_bytes():
-    cfg, p = deepseek_v3(), pc(4, 1, 1, 1, 4, o_proj_tp_size=4, moe_tp_size=1, shared_tp_size=2)
-    plan = make_plan(p, cfg, torch.bfloat16)
-    assert [(g.name, g.group_num, g.group_size, g.stride) for g in plan.groups] == [
-        ("oproj_tp_group", 1, 4, 1), ("shared_tp_group", 2, 2, 1), ("moe_ep_group", 1, 4, 1),
-        ("lmhead_tp_group", 1, 4, 1)]
-    assert "o_proj -> RowParallelLinear (o_proj_tp=4) on oproj_tp_group" in "\n".join(plan.rewrites)
-    h, heads = 64, 4
-    attention = (h * 32 + 32 + 32 * heads * 24 + h * 24 + 16 + 16 * heads * 32) + heads * 16 * h // 4
-    dense = 3 * h * 128  # layer 0, dense_tp 1
-    moe = 1 * 3 * h * 32 + 4 * h + 3 * h * 64 // 2  # 1 of 4 experts, router, shared experts (2 x 32) at half
-    expected = 2 * attention + dense + moe + 2 * 2 * h + h + 512 * h + 512 // 4 * h
-    assert plan.per_rank_param_bytes == expected * BF16
+def test_mla_is_refused_by_name():
+    with pytest.raises(UserError, match="multi-head latent attention"):
+        make_plan(pc(4, 1, 1, 1, 4), deepseek_v3(), torch.bfloat16)
 
 
 def rejected(p: ParallelConfig, cfg: PretrainedConfig) -> str:

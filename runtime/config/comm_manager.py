@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from runtime.config import ParallelConfig
+
+# The TP group of each module kind and the parallel_config size it is laid out by (seed 002's table).
+TP_GROUP_SIZES = {"attn_tp_group": "attn_tp_size", "dense_tp_group": "dense_tp_size", "embed_tp_group": "embed_tp_size",
+                  "lmhead_tp_group": "lmhead_tp_size", "oproj_tp_group": "o_proj_tp_size",
+                  "moe_tp_group": "moe_tp_size", "shared_tp_group": "shared_tp_size"}
 
 
 def group_layout(world_size: int, group_num: int, group_size: int, group_stride: int = 1) -> list[tuple[int, ...]]:
@@ -48,10 +58,14 @@ class _Entry:
 
 
 class CommManager:
-    def __init__(self, world_size: int, rank: int):
+    """``create_groups=False`` records layouts only (every group None): enough to build one rank's shards
+    offline, as convert-weights does."""
+
+    def __init__(self, world_size: int, rank: int, create_groups: bool = True):
         assert 0 <= rank < world_size, f"rank {rank} outside world_size {world_size}"
         self.world_size = world_size
         self.rank = rank
+        self.create_groups = create_groups
         self._entries: dict[str, _Entry] = {}
         self._physical: dict[tuple[tuple[int, ...], str | None], ProcessGroup] = {}
 
@@ -74,7 +88,7 @@ class CommManager:
         layout = group_layout(self.world_size, group_num, group_size, group_stride)
         mine = next(ranks for ranks in layout if self.rank in ranks)
         group = None
-        if group_size > 1:
+        if group_size > 1 and self.create_groups:
             # torch requires every rank to create every group, in the same order.
             for ranks in layout:
                 created = self._physical_group(ranks, backend, allow_physical_reuse, _group_name(name, ranks))
@@ -124,3 +138,14 @@ class CommManager:
 
     def get_group_name(self, name: str) -> str:
         return self._entry(name).name
+
+
+def register_tp_groups(comm_manager: CommManager | None, pc: ParallelConfig, names: Iterable[str]) -> None:
+    """Registers each named TP group whose size in `pc` is > 1, as consecutive blocks of ranks; a layer whose
+    group is absent runs unsharded."""
+    if comm_manager is None:
+        return
+    for name in names:
+        size = getattr(pc, TP_GROUP_SIZES[name])
+        if size > 1:
+            comm_manager.register_group(name, pc.world_size // size, size)

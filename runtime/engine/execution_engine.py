@@ -9,6 +9,7 @@ from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.model_worker import ModelWorker
 from runtime.engine.request import Batch, Request, SamplingParams
 from runtime.engine.sampler import Sampler
+from runtime.layers.token_layout import step_layout, use_layout
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,30 @@ class ExecutionEngine:
             md.slot_mapping[group] = table[req_of_token, positions // block_size] * block_size + positions % block_size
         return input_ids, positions, md
 
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, md: ForwardMetaData):
+        layout = step_layout(self.config.parallel_config, self.worker.comm_manager, input_ids.numel(), self.device)
+        with use_layout(layout):
+            return self.worker.inference(input_ids, position_ids, md)
+
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> dict:
         input_ids, position_ids, md = self._build_model_inputs(batch)
-        logits, infer_ms = self.worker.inference(input_ids, position_ids, md)
+        logits, infer_ms = self._run(input_ids, position_ids, md)
         next_tokens = self.sampler(logits[:, -1, :], batch.requests).tolist()
         return {"next_tokens": next_tokens, "logits": logits, "infer_time_ms": infer_ms}
+
+    @torch.inference_mode()
+    def dummy_step(self) -> None:
+        """A one-token forward whose KV goes to slot 0 (the null block; a free legacy row): a rank without work
+        runs it while its peers step, because attention-DP ranks share the collectives of TP modules."""
+        one, zero = _long(self.device, [1]), _long(self.device, [0])
+        slot = _long(self.device, [[0]])
+        md = ForwardMetaData(
+            is_prefill=True, kv_len=zero, actual_seq_lengths_q=one, actual_seq_lengths_kv=one,
+            actual_seq_lengths_cu_q=_long(self.device, [0, 1]), positions=zero, max_seq_len_q=1, max_seq_len_kv=1,
+            prompt_tokens=[1], block_table=dict.fromkeys(self.kv.group_keys, slot),
+            slot_mapping=dict.fromkeys(self.kv.group_keys, zero))
+        self._run(zero, zero, md)
 
     def warm_up(self) -> None:
         """One dummy prefill + decode so kernels and allocators are ready before timing starts."""

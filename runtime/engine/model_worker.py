@@ -82,8 +82,9 @@ class ModelWorker:
             logger.warning("parallel_config asks for TP %d but %s has no parallel layers (run `skill parallelize`); "
                            "every rank computes the whole model", tp, model_cls.__name__)
         self.model = model
-        logger.info("[Main] model %s loaded in %.1f s (%s, %s)", model_cls.__name__,
-                    time.perf_counter() - start, self.dist.device, mc.dtype)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info("[Main] model %s loaded in %.1f s (%s, %s), %d parameter bytes on rank %d", model_cls.__name__,
+                    time.perf_counter() - start, self.dist.device, mc.dtype, self.param_bytes, self.dist.rank)
 
     def load_tokenizer(self):
         try:

@@ -20,7 +20,8 @@ from runtime.errors import UserError
 
 
 def _import(path: Path, aliases: dict[str, ModuleType]) -> ModuleType:
-    tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    # the content is part of the name: a file rewritten in place (skill parallelize) is imported afresh
+    tag = hashlib.sha1(str(path.resolve()).encode() + path.read_bytes()).hexdigest()[:10]
     name = f"_mis_{path.stem}_{tag}"
     if name in sys.modules:
         return sys.modules[name]

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.errors import ConfigError
-from runtime.layers.comm import all_gather, all_reduce
+from runtime.layers.comm import all_gather, all_reduce, reduce_scatter
 from runtime.layers.linear import LoadedWeight, ShardId, TPModule, check_shape, read_narrow
+from runtime.layers.token_layout import current_layout, pad_rows
 
 if TYPE_CHECKING:
     from runtime.config.comm_manager import CommManager
@@ -48,12 +49,17 @@ class VocabParallelEmbedding(TPModule):
         param.data[real:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Replicated layout: look up the ids, sum the shards. Sharded layout (ids are this rank's chunk): look
+        up the whole group's ids, reduce_scatter back to the chunks."""
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
+        sharded = current_layout().sharded
+        if sharded:
+            ids = all_gather(ids, self.group, dim=-1)
         local = ids - self.shard_start
         outside = (local < 0) | (local >= self.shard_size)
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        return all_reduce(out, self.group)
+        return reduce_scatter(out, self.group, dim=-2) if sharded else all_reduce(out, self.group)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -74,8 +80,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         self._add_bias(bias, self.shard_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather(F.linear(hidden, self.weight, self.bias), self.group, dim=-1)
-        return logits[..., : self.num_embeddings]
+        """Replicated layout: logits of the same rows on every rank. Sharded layout (attention-DP ranks hold
+        different rows): the group's rows are gathered, and each rank keeps its own rows' full logits."""
+        if self.tp_size == 1 or not current_layout().sharded:
+            logits = all_gather(F.linear(hidden, self.weight, self.bias), self.group, dim=-1)
+            return logits[..., : self.num_embeddings]
+        n = hidden.shape[-2]
+        most = int(all_gather(torch.tensor([n], device=hidden.device), self.group, dim=0).max())
+        rows = all_gather(pad_rows(hidden, most), self.group, dim=-2)
+        logits = all_gather(F.linear(rows, self.weight, self.bias), self.group, dim=-1)
+        return logits[..., self.tp_rank * most:self.tp_rank * most + n, : self.num_embeddings]
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Shares the embedding's weight; both layers must shard the vocab identically."""

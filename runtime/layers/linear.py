@@ -156,7 +156,8 @@ class ColumnParallelLinear(TPModule):
         self.output_size = output_size
         self.gather_output = gather_output
         self.segments = self._make_segments()
-        self.output_size_per_partition = sum(s.size for s in self.segments.values())
+        self.output_partition_sizes = [s.size for s in self.segments.values()]  # per-rank block sizes, for split
+        self.output_size_per_partition = sum(self.output_partition_sizes)
         self._add_param("weight", self.output_size_per_partition, input_size)
         self._add_bias(bias, self.output_size_per_partition)
 

@@ -11,6 +11,7 @@ from runtime.distributed import init_distributed
 from runtime.engine.execution_engine import ExecutionEngine
 from runtime.engine.request import Request, SamplingParams
 from runtime.engine.scheduler import Scheduler
+from runtime.layers.token_layout import any_rank, needs_sharded_layout
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,15 @@ class OfflineInference:
         torch.distributed.all_gather_object(gathered, mine)
         return [out for dp in range(pc.attn_dp_size) for out in gathered[dp * pc.attn_tp_size]]
 
+    def param_bytes_per_rank(self) -> list[int]:
+        """Parameter bytes every rank holds (a collective: all ranks call it)."""
+        mine = self.engine.worker.param_bytes
+        if self.dist.world_size == 1:
+            return [mine]
+        gathered: list = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        return gathered
+
     def _generate(self, prompts: list[str], sampling: SamplingParams | None, chat: bool) -> list[GenerationOutput]:
         sampling = sampling or self.default_sampling()
         requests = [Request(self.tokenize(p, chat), sampling, prompt=p) for p in prompts]
@@ -93,7 +103,15 @@ class OfflineInference:
                               self.eos_token_ids)
         for r in requests:
             scheduler.add_request(r)
-        while scheduler.has_work():
+        # Attention-DP ranks sharing TP collectives step together; one without work runs dummy steps.
+        lockstep = needs_sharded_layout(self.config.parallel_config)
+        while True:
+            busy = scheduler.has_work()
+            if not (any_rank(busy, self.dist.device) if lockstep else busy):
+                break
+            if not busy:
+                self.engine.dummy_step()
+                continue
             batch = scheduler.schedule()
             assert batch is not None, "scheduler has work but scheduled nothing"
             out = self.engine.forward_batch(batch)

@@ -1,10 +1,11 @@
 """What a parallel_config implies for a model (seed 002): validation, comm groups, layer rewrites, bytes per rank.
 
 `validate` runs the seed's "配置校验" asserts against the model's real shapes, plus the limits of the runtime's
-parallel layers. `make_plan` turns the seed's "配置参数 → 实施步骤速查" table into the groups and rewrites this model
-needs. Every linear / embedding layer gets its parallel class whatever its TP size (the seed's rule), so the vocab is
-padded to a multiple of 64 * tp even at TP 1, as VocabParallelEmbedding does. A separate o_proj TP size applies to
-MLA models only; left at 1 there, o_proj follows attn_tp_size.
+parallel layers. `make_plan` turns the seed's "配置参数 → 实施步骤速查" table into the groups and rewrites that
+`skill parallelize` performs for this model. Every linear / embedding layer gets its parallel class whatever its TP
+size (the seed's rule), so the vocab is padded to a multiple of 64 * tp even at TP 1, as VocabParallelEmbedding
+does. Not implemented, and said so: MoE expert TP / EP (experts stay whole on every rank; the sizes are still
+validated) and multi-head latent attention (refused).
 """
 
 from __future__ import annotations
@@ -107,15 +108,12 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
         rules.setdefault(key, []).append((ok, why))
 
     need("attn_tp_size", lambda t: s.heads % t == 0, f"num_attention_heads {s.heads} is not divisible by it")
-    if s.mla:
-        need("o_proj_tp_size", lambda t: s.heads % t == 0, f"num_attention_heads {s.heads} is not divisible by it")
-    else:
-        need("attn_tp_size", lambda t: s.kv_heads % t == 0 or t % s.kv_heads == 0,
-             f"num_key_value_heads {s.kv_heads} neither is divisible by it nor divides it (kv heads are split over "
-             f"the attn_tp ranks, or replicated when attn_tp_size is a multiple of {s.kv_heads})")
-        need("o_proj_tp_size", lambda t: t in (1, a),
-             f"{s.model_type} has no multi-head latent attention (kv_lora_rank), so o_proj runs in attn_tp_group "
-             f"with attn_tp_size {a}; a separate o_proj TP size applies to MLA models only")
+    need("attn_tp_size", lambda t: s.kv_heads % t == 0 or t % s.kv_heads == 0,
+         f"num_key_value_heads {s.kv_heads} neither is divisible by it nor divides it (kv heads are split over "
+         f"the attn_tp ranks, or replicated when attn_tp_size is a multiple of {s.kv_heads})")
+    need("o_proj_tp_size", lambda t: t in (1, a),
+         f"{s.model_type} has no multi-head latent attention (kv_lora_rank), so o_proj runs in attn_tp_group "
+         f"with attn_tp_size {a}; a separate o_proj TP size applies to MLA models only")
     need("dense_tp_size", lambda t: s.intermediate % t == 0, f"intermediate_size {s.intermediate} is not divisible by it")
     if s.experts:
         need("moe_tp_size", lambda t: s.experts % (w // t) == 0,
@@ -124,8 +122,12 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
         need("moe_tp_size", lambda t: s.moe_intermediate % t == 0,
              f"moe_intermediate_size {s.moe_intermediate} is not divisible by it")
     if s.shared_intermediate:
-        need("shared_tp_size", lambda t: s.shared_intermediate % t == 0,
-             f"the shared experts' intermediate size {s.shared_intermediate} is not divisible by it")
+        need("dense_tp_size", lambda t: s.shared_intermediate % t == 0,
+             f"the shared experts' intermediate size {s.shared_intermediate} (sharded like the dense MLP) is not "
+             "divisible by it")
+    need("shared_tp_size", lambda t: t in (1, pc.dense_tp_size),
+         f"the shared experts are sharded with the dense MLP (dense_tp_size {pc.dense_tp_size}); a separate "
+         "shared_tp_size is not implemented")
     need("embed_tp_size", lambda t: t % a == 0,
          f"it must be a multiple of attn_tp_size {a} (embed_tp_size >= attn_tp_size and embed_tp_size % attn_tp_size "
          "== 0: the embedding's output feeds attention)")
@@ -167,21 +169,18 @@ def _module(name: str) -> str:
     return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
 
 
-def _tp_sizes(pc: ParallelConfig, s: _Shapes) -> dict[str, int]:
-    a, d, sh = pc.attn_tp_size, pc.dense_tp_size, pc.shared_tp_size
-    o = pc.o_proj_tp_size if s.mla and pc.o_proj_tp_size > 1 else a
-    return {"q_proj": a, "k_proj": a, "v_proj": a, "q_b_proj": a, "kv_b_proj": a, "o_proj": o,
-            "gate_proj": d, "up_proj": d, "down_proj": d,
-            "shared_gate_proj": sh, "shared_up_proj": sh, "shared_down_proj": sh,
+def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
+    a, d = pc.attn_tp_size, pc.dense_tp_size
+    return {"q_proj": a, "k_proj": a, "v_proj": a, "o_proj": a, "gate_proj": d, "up_proj": d, "down_proj": d,
+            "shared_gate_proj": d, "shared_up_proj": d, "shared_down_proj": d,
             "embed_tokens": pc.embed_tp_size, "lm_head": pc.lmhead_tp_size}
 
 
 def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp: dict[str, int]) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name)
-    if module == "experts":  # experts / moe_ep of them per rank, each split moe_tp ways (down's bias is whole)
-        whole = name.endswith(("down_proj_bias", "down_proj.bias"))
-        return numel // pc.moe_ep_size // (1 if whole else pc.moe_tp_size)
+    if module == "experts":  # expert TP / EP is not implemented: every rank holds every expert
+        return numel
     size = tp.get(module, 1)
     if module in ("embed_tokens", "lm_head"):
         return _padded(shape[0], size) // size * math.prod(shape[1:])
@@ -192,8 +191,8 @@ def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp:
 
 def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[str], dict[str, int]]:
     """The steps, in the seed's order, and the size of each comm group they use."""
-    w, a, tp = pc.world_size, pc.attn_tp_size, _tp_sizes(pc, s)
-    e, lm, d, o, sh = tp["embed_tokens"], tp["lm_head"], tp["down_proj"], tp["o_proj"], tp["shared_down_proj"]
+    w, a, tp = pc.world_size, pc.attn_tp_size, _tp_sizes(pc)
+    e, lm, d = tp["embed_tokens"], tp["lm_head"], tp["down_proj"]
     steps: list[str] = []
     groups: dict[str, int] = {}
 
@@ -204,24 +203,14 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[s
         return f" on {group}"
 
     h, kv = s.heads, s.kv_heads
-    if s.mla:
-        cols = "/".join(m for m in ("q_proj", "q_b_proj", "kv_b_proj") if m in modules)
-        steps.append(f"{cols} -> ColumnParallelLinear (attn_tp={a}: {h // a} of {h} heads per rank)"
-                     f"{on('attn_tp_group', a)}; q_a_proj/kv_a_proj_with_mqa stay replicated")
-        if o != a:
-            steps.append(f"o_proj -> RowParallelLinear (o_proj_tp={o}){on('oproj_tp_group', o)}: attention output "
-                         f"re-laid out from attn_tp={a} to o_proj_tp={o} around o_proj")
-        else:
-            steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
-    else:
-        kv_note = (f"{kv // a} of {kv} kv heads" if kv % a == 0
-                   else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)")
-        steps.append(f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
-                     f"per rank){on('attn_tp_group', a)}")
-        steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
-        if a > 1:
-            steps.append(f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
-                         "kv heads per rank")
+    kv_note = (f"{kv // a} of {kv} kv heads" if kv % a == 0
+               else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)")
+    steps.append(f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
+                 f"per rank){on('attn_tp_group', a)}")
+    steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
+    if a > 1:
+        steps.append(f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
+                     "kv heads per rank")
     dense = bool(modules & set(_MLP))
     if dense:
         i = s.intermediate
@@ -231,16 +220,12 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[s
     if s.shared_intermediate and "shared_down_proj" in modules:
         i = s.shared_intermediate
         steps.append(f"shared expert gate_proj/up_proj -> MergedColumnParallelLinear, down_proj -> "
-                     f"RowParallelLinear (shared_tp={sh}: intermediate {i} -> {i // sh} per rank)"
-                     f"{on('shared_tp_group', sh)}")
+                     f"RowParallelLinear (with the dense MLP, dense_tp={d}: intermediate {i} -> {i // d} per rank)"
+                     f"{on('dense_tp_group', d)}")
     if "experts" in modules:
-        ep, mt, n, i = pc.moe_ep_size, pc.moe_tp_size, s.experts, s.moe_intermediate
-        steps.append(f"MoE experts: {n // ep} of {n} per rank (moe_ep={ep}), tokens dispatched/combined with "
-                     f"all_to_all{on('moe_ep_group', ep)}; router gate replicated" if ep > 1
-                     else f"MoE experts: all {n} on every rank (moe_ep=1); router gate replicated")
-        if mt > 1:
-            steps.append(f"MoE expert FFN TP (moe_tp={mt}: moe_intermediate {i} -> {i // mt} per rank), all_reduce"
-                         f"{on('moe_tp_group', mt)}")
+        steps.append(f"MoE experts: all {s.experts} replicated on every rank, router gate replicated (expert TP / "
+                     f"EP is not implemented: moe_tp_size {pc.moe_tp_size} / moe_ep_size {pc.moe_ep_size} are "
+                     "validated but not applied)")
     if "embed_tokens" in modules:
         p = _padded(s.vocab, e)
         steps.append(f"embed_tokens -> VocabParallelEmbedding (embed_tp={e}: vocab {s.vocab} padded to {p}, "
@@ -266,16 +251,20 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[s
 
 def make_plan(pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtype) -> Plan:
     """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank."""
+    s = _shapes(hf_config)
+    if s.mla:
+        raise UserError(f"{s.model_type} uses multi-head latent attention (kv_lora_rank); skill parallelize does not "
+                        "shard MLA projections yet, so it cannot plan this model.")
     validate(pc, hf_config)
-    s, shapes = _shapes(hf_config), _param_shapes(hf_config)
+    shapes = _param_shapes(hf_config)
     modules = {_module(name) for name in shapes}
-    if not modules & {"q_proj", "q_b_proj", "kv_b_proj"}:
-        raise UserError(f"{s.model_type} has no q_proj / q_b_proj / kv_b_proj attention projection; skill "
-                        "parallelize knows Llama-style (and MLA) module names only.")
+    if not {"q_proj", "k_proj", "v_proj", "o_proj"} <= modules:
+        raise UserError(f"{s.model_type} has no separate q_proj / k_proj / v_proj / o_proj attention projections; "
+                        "skill parallelize shards Llama-style attention only.")
     steps, sizes = _rewrites(pc, s, modules)
     w = pc.world_size
-    groups = [GroupSpec(name, w // n, n, w // n if name == "moe_ep_group" else 1) for name, n in sizes.items()]
-    tp = _tp_sizes(pc, s)
+    groups = [GroupSpec(name, w // n, n) for name, n in sizes.items()]
+    tp = _tp_sizes(pc)
     held = sum(_held(name, shape, pc, s, tp) for name, shape in shapes.items())
     total = sum(math.prod(shape) for shape in shapes.values())
     return Plan(w, groups, steps, held * dtype.itemsize, total * dtype.itemsize)
