@@ -87,23 +87,24 @@ def run(
         config.model_config.trust_remote_code = True
     prompts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file else [])
     prompts = prompts or prompts_from_config(config)
-    from runtime.distributed import destroy_distributed
+    from runtime.distributed import destroy_distributed, leave_worker
 
     llm = OfflineInference(config, model_dir)
     setup_logging(llm.dist.rank)
     try:
         results = llm.generate(prompts, chat=not raw)
+        param_bytes = llm.param_bytes_per_rank()
     finally:
         destroy_distributed()  # every rank leaves the process group before exiting
-    if llm.dist.rank != 0:
-        return
-    if as_json:
+    if llm.dist.rank == 0 and as_json:
         print(json.dumps({"outputs": [r.to_dict() for r in results], "prefill_ms": llm.prefill_avg_ms,
-                          "decode_avg_ms": llm.decode_avg_ms}, ensure_ascii=False))
-    else:
+                          "decode_avg_ms": llm.decode_avg_ms, "param_bytes_per_rank": param_bytes},
+                         ensure_ascii=False))
+    elif llm.dist.rank == 0:
         for r in results:
             err.print(f"[bold]> {r.prompt}[/]", highlight=False)
             sys.stdout.write(r.text + "\n")
+    leave_worker()
 
 
 @app.command()
@@ -169,27 +170,49 @@ def baseline(
 def parallelize(
     model_dir: Annotated[Path, typer.Argument(help="A model directory written by `skill migrate`.")],
     config: Annotated[Path, typer.Option("--config", help="PARALLEL.yaml: a parallel_config block (or bare keys).")],
+    mode: Annotated[str | None, typer.Option(help="framework | standalone; must match how the model was migrated.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite files changed since they were generated.")] = False,
     plan: Annotated[bool, typer.Option("--plan", help="Only print the groups, rewrites and per-rank memory.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
-    """Validate a parallel config against the model and show what it implies (rewriting is not implemented yet)."""
-    from transformers import AutoConfig
+    """Shard a migrated model over ranks: validate the config, rewrite to parallel layers, write its YAML."""
+    from skills.parallel_impl.pipeline import parallelize as run_parallelize
+    from skills.parallel_impl.pipeline import plan_for_model_dir
+    from skills.parallel_impl.plan import format_plan
 
-    from runtime.config import InferenceConfig
-    from skills.parallel_impl.config import load_parallel_config
-    from skills.parallel_impl.plan import format_plan, make_plan
-
-    pc = load_parallel_config(config)
-    run_config = InferenceConfig.from_yaml(find_yaml(model_dir, None))
-    hf_config = AutoConfig.from_pretrained(run_config.model_config.model_path)
-    result = make_plan(pc, hf_config, run_config.model_config.torch_dtype)
+    if plan:
+        result = plan_for_model_dir(model_dir, config)
+        if as_json:
+            print(json.dumps({"model_dir": str(model_dir.resolve()), **result.to_dict()}))
+        else:
+            Console().print(format_plan(result))
+        return
+    done = run_parallelize(model_dir, config, mode, force,
+                           log=lambda msg: err.print(f"[cyan]parallelize[/] {msg}", highlight=False))
     if as_json:
-        print(json.dumps({"model_dir": str(model_dir), **result.to_dict()}))
-    else:
-        Console().print(format_plan(result))
-    if not plan:
-        raise UserError("the config is valid, but rewriting the model for it is not implemented yet; "
-                        "use --plan to see what it implies.")
+        print(json.dumps(done.to_dict()))
+        return
+    for step in done.rewrites:
+        err.print(f"  - {step}", highlight=False)
+    err.print(f"[green]wrote[/] {', '.join(done.written)}; run: skill run {done.model_dir} --yaml {done.yaml}",
+              highlight=False)
+
+
+@app.command("convert-weights")
+@user_errors
+def convert_weights(
+    model_dir: Annotated[Path, typer.Argument(help="A model directory `skill parallelize` rewrote.")],
+    config: Annotated[Path, typer.Option("--config", help="PARALLEL.yaml: the config to shard for.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write (rank_<r>/ + config files).")],
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT and the offline YAML.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+):
+    """Save each rank's weight shards for a parallel config, and the YAML that runs them (prints its path)."""
+    from skills.parallel_impl.convert_weights import convert_weights as run_convert
+
+    done = run_convert(model_dir, config, out, force,
+                       log=lambda msg: err.print(f"[cyan]convert-weights[/] {msg}", highlight=False))
+    print(json.dumps(done.to_dict()) if as_json else done.yaml)
 
 
 def main():

@@ -2,27 +2,22 @@
 architectures go through `convert_code` (every rule, then ruff) and come out as clean, self-contained,
 importable runtime code, for both KV layouts; rewriting the result again changes nothing."""
 import ast
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import migrated_code
 import pytest
 import torch
+from migrated_code import ARCHS, paths, ruff_check
 from tiny_checkpoint import tiny_config
 
 from runtime.config import InferenceConfig
 from runtime.engine.registry import resolve_model
 from skills.migrator.codestyle import tidy
 from skills.migrator.context import RewriteContext
-from skills.migrator.pipeline import convert_code
 from skills.migrator.rewrite import rewrite, rewrite_configuration
-from skills.migrator.vendor import VendoredSource, locate_source, snake_name
+from skills.migrator.vendor import VendoredSource, snake_name
 
-# config.json model_type -> the entry class locate_source must pick
-ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 KV = ["paged", "legacy"]
 CASES = [pytest.param(mt, kv, id=f"{mt}-{kv}") for mt in ARCHS for kv in KV]
 
@@ -33,32 +28,14 @@ MODELING_MODULE = re.compile(r"^transformers\.models\.\w+\.modeling_\w+$")
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, VendoredSource]:
-    """locate_source on a checkpoint dir holding only config.json, as `skill migrate` does."""
-    found = {}
-    for model_type in ARCHS:
-        ckpt = tmp_path_factory.mktemp(f"ckpt_{model_type}")
-        (ckpt / "config.json").write_text(json.dumps({"model_type": model_type}))
-        found[model_type] = locate_source(ckpt)
-    return found
+def sources() -> dict[str, VendoredSource]:
+    return {model_type: migrated_code.source(model_type) for model_type in ARCHS}
 
 
 @pytest.fixture(scope="module")
-def converted(sources):
-    """(model_type, kv) -> convert_code's files, converted once per module (2-4 s of CPU each)."""
-    cache = {}
-
-    def get(model_type: str, kv: str) -> dict[str, str]:
-        if (model_type, kv) not in cache:
-            cache[model_type, kv] = convert_code(sources[model_type], snake_name(model_type), kv)
-        return cache[model_type, kv]
-
-    return get
-
-
-def paths(model_type: str) -> tuple[str, str]:
-    name = snake_name(model_type)
-    return f"models/modeling_{name}.py", f"models/configuration_{name}.py"
+def converted():
+    """(model_type, kv) -> convert_code's files, converted once per session."""
+    return migrated_code.converted
 
 
 def entry_class(code: str, name: str) -> ast.ClassDef:
@@ -71,13 +48,6 @@ def test_locate_source(sources, model_type):
     src = sources[model_type]
     assert src.entry_class == ARCHS[model_type]
     assert src.modeling.is_file() and src.configuration.is_file() and not src.remote_code
-
-
-def ruff_check(code: str, filename: str) -> str:
-    """ruff's default rules, no project configuration; '' when clean."""
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--output-format", "concise",
-                           "--stdin-filename", filename, "-"], input=code, capture_output=True, text=True, check=False)
-    return "" if proc.returncode == 0 else proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("model_type,kv", CASES)

@@ -1,4 +1,9 @@
-"""Checkpoint loading: stream (name, tensor) pairs into ``model.load_weights`` and check coverage."""
+"""Checkpoint loading: stream (name, tensor) pairs into ``model.load_weights`` and check coverage.
+
+A directory written by `skill convert-weights` (parallel_config.json + rank_<i>/model.safetensors) holds
+each rank's shards already: they are copied into the parameters by name, for the parallel_config they were
+made for only.
+"""
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -7,10 +12,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from runtime.config import ParallelConfig
 from runtime.errors import UserError
 
+CONVERTED_META = "parallel_config.json"
+SHARD_FILE = "model.safetensors"
 
-def _checkpoint_files(model_path: Path) -> list[Path]:
+
+def checkpoint_files(model_path: Path) -> list[Path]:
     if not model_path.is_dir():
         raise UserError(f"checkpoint directory {model_path} does not exist; set model_config.model_path "
                         "in the YAML to a directory holding config.json and *.safetensors.")
@@ -27,7 +36,7 @@ def _checkpoint_files(model_path: Path) -> list[Path]:
 
 def iterate_weights(model_path: Path) -> Iterator[tuple[str, object]]:
     """Yield (name, weight) lazily. Safetensors weights come as slices, so a rank reads only what it keeps."""
-    for file in _checkpoint_files(Path(model_path)):
+    for file in checkpoint_files(Path(model_path)):
         if file.suffix == ".bin":
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -42,12 +51,94 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, object]]:
                 for name in names:
                     yield name, f.get_slice(name)
         except (SafetensorError, OSError) as e:
-            raise UserError(f"{file} is not a readable safetensors file ({e}); re-download or re-export "
-                            "the checkpoint.") from e
+            raise _unreadable(file, e) from e
 
 
-def load_checkpoint(model: nn.Module, model_path: Path) -> None:
-    loaded = model.load_weights(iterate_weights(model_path))
+def _unreadable(file: Path, e: Exception) -> UserError:
+    return UserError(f"{file} is not a readable safetensors file ({e}); re-download or re-export the "
+                     "checkpoint.")
+
+
+def rank_dir(out: Path, rank: int) -> Path:
+    return Path(out) / f"rank_{rank}"
+
+
+def is_converted(model_path: Path) -> bool:
+    return (Path(model_path) / CONVERTED_META).is_file()
+
+
+def _describe(configs: list[dict]) -> list[str]:
+    """The sizes set to more than 1 in any of `configs`, so that every description lists the same keys."""
+    keys = [k for k in ParallelConfig.model_fields
+            if k == "world_size" or any(c.get(k, 1) != 1 for c in configs)]
+    return ["{" + ", ".join(f"{k}: {c.get(k, 1)}" for k in keys) + "}" for c in configs]
+
+
+def _read_meta(model_path: Path) -> dict:
+    path = model_path / CONVERTED_META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        ParallelConfig.model_validate(meta["parallel_config"])
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is not a parallel_config.json written by `skill convert-weights` ({e}); "
+                        "re-run convert-weights, or point model_config.model_path at the original "
+                        "checkpoint.") from e
+
+
+def _check_converted_for(model: nn.Module, model_path: Path, meta: dict, pc: ParallelConfig) -> None:
+    source = meta.get("source", "the original checkpoint")
+    fix = (f"re-run `skill convert-weights MODEL_DIR --config PARALLEL.yaml -o {model_path} --force` with "
+           f"this run's parallel_config, or point model_config.model_path at the original checkpoint "
+           f"({source}).")
+    stored, running = _describe([meta["parallel_config"], pc.model_dump()])
+    if stored != running:
+        raise UserError(f"{model_path} holds weights converted for parallel_config {stored}, but this "
+                        f"run's parallel_config is {running}; the shards only fit the config they were made "
+                        f"for: {fix}")
+    entry = type(model).__name__
+    if meta.get("entry_class", entry) != entry:
+        raise UserError(f"{model_path} holds weights converted for {meta['entry_class']}, not {entry}: {fix}")
+
+
+def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | None, rank: int) -> set[str]:
+    """rank_<rank>/model.safetensors copied into the parameters of the same names (they hold the shards)."""
+    meta = _read_meta(model_path)
+    _check_converted_for(model, model_path, meta, pc or ParallelConfig())
+    file = rank_dir(model_path, rank) / SHARD_FILE
+    if not file.is_file():
+        raise UserError(f"{file} does not exist: {model_path} is incomplete for rank {rank} of world_size "
+                        f"{meta['parallel_config']['world_size']}; re-run `skill convert-weights ... -o "
+                        f"{model_path} --force`, or point model_config.model_path at the original "
+                        "checkpoint.")
+    params, loaded = dict(model.named_parameters()), set()
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names = f.keys()
+            for name in names:
+                param, shape = params.get(name), tuple(f.get_slice(name).get_shape())
+                if param is None or tuple(param.shape) != shape:
+                    has = "no such parameter" if param is None else f"it as {list(param.shape)}"
+                    raise UserError(f"{file} holds {name!r} of shape {list(shape)}, but "
+                                    f"{type(model).__name__} has {has}; the model code changed since the "
+                                    f"conversion: re-run `skill convert-weights ... -o {model_path} "
+                                    "--force`.")
+                param.data.copy_(f.get_tensor(name))
+                loaded.add(name)
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(file, e) from e
+    return loaded
+
+
+def load_checkpoint(model: nn.Module, model_path: Path, parallel_config: ParallelConfig | None = None,
+                    rank: int = 0) -> None:
+    """Loads the checkpoint (for a converted directory, this rank's shards) and checks every parameter got
+    weights. `parallel_config` / `rank`: the running ones, which a converted directory must be made for."""
+    model_path = Path(model_path)
+    if is_converted(model_path):
+        loaded = _load_converted(model, model_path, parallel_config, rank)
+    else:
+        loaded = model.load_weights(iterate_weights(model_path))
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

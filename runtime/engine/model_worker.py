@@ -72,7 +72,7 @@ class ModelWorker:
         if hasattr(model, "check_model_settings"):
             model.check_model_settings()
         if mc.with_ckpt:
-            load_checkpoint(model, self.model_path)
+            load_checkpoint(model, self.model_path, pc, self.dist.rank)
         else:
             init_dummy_weights(model)
         if hasattr(model, "process_weights_after_loading"):

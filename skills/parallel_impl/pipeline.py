@@ -1,0 +1,211 @@
+"""`skill parallelize`: validate the config, rewrite the migrated code to parallel layers, write the scenario YAML.
+
+The rewrite always starts from the code `skill migrate` wrote (kept in agentic/migrated_models/ on the first run)
+and does not depend on the config: sizes are read from the comm groups at run time, so every scenario YAML runs
+the same code. Everything is checked before a file changes: the config against the model's shapes, the rewritten
+code by building every rank's shards on the meta device, whose parameter bytes must equal the plan's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from runtime.config import InferenceConfig, ParallelConfig
+from runtime.config.comm_manager import CommManager
+from runtime.engine.model_worker import ModelWorker
+from runtime.engine.registry import resolve_model
+from runtime.errors import UserError
+from skills.migrator.codestyle import tidy
+from skills.parallel_impl.config import load_parallel_config, yaml_name
+from skills.parallel_impl.plan import Plan, make_plan
+from skills.parallel_impl.rewrite import ParallelRewriteContext, parallelize_source
+from skills.parallel_impl.scenario import scenario_yaml
+
+PRISTINE = Path("agentic") / "migrated_models"
+_INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
+
+
+@dataclasses.dataclass
+class ParallelizeResult:
+    model_dir: str
+    yaml: str
+    world_size: int
+    groups: list[dict]
+    rewrites: list[str]  # the plan's steps, then what the code rules changed
+    per_rank_param_bytes: int
+    total_param_bytes: int
+    written: list[str]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def base_yaml(model_dir: Path) -> Path:
+    """The YAML `skill migrate` wrote: config/<dir name>.yaml."""
+    path = model_dir / "config" / f"{model_dir.name}.yaml"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; pass a model directory written by `skill migrate` (it holds "
+                        "config/<name>.yaml, models/ and infer.sh).")
+    return path
+
+
+def directory_mode(model_dir: Path) -> str:
+    return "standalone" if (model_dir / "infer.py").is_file() else "framework"
+
+
+def _migrated_sources(model_dir: Path) -> dict[str, str]:
+    """models/*.py as `skill migrate` wrote them: the pristine copy when a previous run kept one."""
+    pristine = model_dir / PRISTINE
+    folder = pristine if pristine.is_dir() else model_dir / "models"
+    files = {p.name: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.py"))}
+    if not any(name.startswith("modeling_") for name in files):
+        raise UserError(f"{folder} holds no modeling_*.py; pass a model directory written by `skill migrate`.")
+    return files
+
+
+def _rewrite(sources: dict[str, str], entry_class: str) -> tuple[dict[str, str], list[str]]:
+    out, done = dict(sources), []
+    for name, text in sources.items():
+        if not name.startswith("modeling_"):
+            continue
+        ctx = ParallelRewriteContext(entry_class=entry_class, filename=name)
+        out[name] = tidy(parallelize_source(text, ctx), name)
+        if ctx.findings:
+            listed = "; ".join(str(f) for f in ctx.findings)
+            raise UserError(f"skill parallelize cannot shard this model safely: {listed}. Nothing was written; "
+                            "port these modules to the parallel layers by hand (see references/model_contract.md).")
+        done += ctx.rewrites
+    return out, done
+
+
+def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[int]:
+    """Parameter bytes each rank holds, from the model built on the meta device with that rank's shards."""
+    worker = ModelWorker(config, None, model_dir)
+    model_cls, config_cls = worker.resolve_classes()
+    hf_config = worker._load_hf_config(config_cls)
+    sizes = []
+    for rank in range(world_size):
+        with torch.device("meta"):
+            model = model_cls(hf_config, config, CommManager(world_size, rank, create_groups=False), prefix="")
+        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+    return sizes
+
+
+def _check_shards(staged: Path, config: InferenceConfig, plan: Plan) -> None:
+    config.model_config.trust_remote_code = True  # our own rewritten code, built on the meta device only
+    measured = _measure(staged, config, plan.world_size)
+    if any(m != plan.per_rank_param_bytes for m in measured):
+        raise UserError(f"the rewritten model holds {measured} parameter bytes on ranks 0..{plan.world_size - 1}, "
+                        f"but the plan expects {plan.per_rank_param_bytes} on each: a module was not sharded as "
+                        "planned. Nothing was written; please report this model.")
+
+
+def _write(path: Path, text: str) -> None:
+    """Atomic: a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    if path.exists():
+        os.chmod(tmp, path.stat().st_mode)
+    os.replace(tmp, path)
+
+
+def _refuse_overwrite(path: Path, new: str, allowed: tuple[str, ...], force: bool) -> None:
+    if force or not path.exists():
+        return
+    current = path.read_text(encoding="utf-8")
+    if current != new and current not in allowed:
+        raise UserError(f"{path} was changed after `skill migrate` / `skill parallelize` wrote it; pass --force "
+                        "to overwrite it (your edits there would be lost).")
+
+
+@dataclasses.dataclass
+class _Target:
+    model_dir: Path
+    pc: ParallelConfig
+    yaml_path: Path  # the migrated YAML
+    config: InferenceConfig
+    entry_class: str
+    model_type: str
+    plan: Plan
+
+
+def _load(model_dir: Path, config_path: Path) -> _Target:
+    """Config loaded and validated against the model's shapes (ConfigError, exit 2, before anything else)."""
+    model_dir = model_dir.resolve()
+    pc = load_parallel_config(config_path)
+    yaml_path = base_yaml(model_dir)
+    config = InferenceConfig.from_yaml(yaml_path)
+    worker = ModelWorker(config, None, model_dir)
+    model_cls, config_cls = worker.resolve_classes()
+    hf_config = worker._load_hf_config(config_cls)
+    plan = make_plan(pc, hf_config, config.model_config.torch_dtype)
+    return _Target(model_dir, pc, yaml_path, config, model_cls.__name__, hf_config.model_type, plan)
+
+
+def plan_for_model_dir(model_dir: Path, config_path: Path) -> Plan:
+    return _load(model_dir, config_path).plan
+
+
+def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, force: bool = False,
+                log: Callable[[str], None] = lambda msg: None) -> ParallelizeResult:
+    t = _load(model_dir, config_path)
+    model_dir, pc, yaml_path, config, plan = t.model_dir, t.pc, t.yaml_path, t.config, t.plan
+    found = directory_mode(model_dir)
+    if mode is not None and mode != found:
+        raise UserError(f"{model_dir} was migrated in {found} mode, not {mode}; re-run `skill migrate --mode {mode} "
+                        "--force` first, or drop --mode.")
+    log(f"config valid for {t.model_type}: world_size {pc.world_size}, "
+        f"{plan.per_rank_param_bytes / 2**20:.1f} MiB of parameters per rank")
+
+    sources = _migrated_sources(model_dir)
+    new_code, code_rewrites = _rewrite(sources, t.entry_class)
+    scenario_name = yaml_name(config.model_name, pc, moe=any("MoE" in r for r in plan.rewrites))
+    scenario_text = scenario_yaml(yaml_path.read_text(encoding="utf-8"), pc, f"config/{scenario_name}")
+    scenario_config = InferenceConfig.from_dict(yaml.safe_load(scenario_text), source=scenario_name)
+
+    with tempfile.TemporaryDirectory(prefix=".parallelize.", dir=model_dir.parent) as tmp:
+        staged = Path(tmp) / model_dir.name
+        (staged / "models").mkdir(parents=True)
+        for name, text in new_code.items():
+            (staged / "models" / name).write_text(text, encoding="utf-8")
+        _check_shards(staged, scenario_config, plan)
+        resolve_model.cache_clear()
+
+    for name, text in new_code.items():
+        _refuse_overwrite(model_dir / "models" / name, text, (sources[name],), force)
+    target_yaml = model_dir / "config" / scenario_name
+    _refuse_overwrite(target_yaml, scenario_text, (), force)
+
+    written = []
+    if not (model_dir / PRISTINE).is_dir():
+        shutil.copytree(model_dir / "models", model_dir / PRISTINE, ignore=shutil.ignore_patterns("__pycache__"))
+        written.append(str(PRISTINE))
+    for name, text in new_code.items():
+        path = model_dir / "models" / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            _write(path, text)
+            written.append(f"models/{name}")
+    _write(target_yaml, scenario_text)
+    written.append(f"config/{scenario_name}")
+    infer_sh = model_dir / "infer.sh"
+    if infer_sh.is_file():
+        text = infer_sh.read_text(encoding="utf-8")
+        updated = _INFER_SH_YAML.sub(f'YAML="${{YAML:-$DIR/config/{scenario_name}}}"', text, count=1)
+        if updated != text:
+            _write(infer_sh, updated)
+            written.append("infer.sh")
+    resolve_model.cache_clear()
+    return ParallelizeResult(str(model_dir), str(target_yaml), pc.world_size,
+                             [dataclasses.asdict(g) for g in plan.groups], [*plan.rewrites, *code_rewrites],
+                             plan.per_rank_param_bytes, plan.total_param_bytes, written)

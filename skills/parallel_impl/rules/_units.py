@@ -1,0 +1,265 @@
+"""Helpers shared by the parallelize rules: find `self.x = nn.Linear(...)` layers in `__init__`, build the
+statements of parallel layers, fuse projection calls in `forward` and put `forward` inside a TPRegion."""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.cst_utils import (
+    assigned_names,
+    called_name,
+    free_names,
+    kwarg,
+    names_in,
+    param_names,
+    stmt,
+)
+
+LINEAR = frozenset({"nn.Linear", "torch.nn.Linear"})
+EMBEDDING = frozenset({"nn.Embedding", "torch.nn.Embedding"})
+LINEAR_IMPORT = "runtime.layers.linear"
+PREFIX_IMPORT = ("runtime.layers.prefix", "join_prefix")
+REGION_IMPORTS = [("runtime.layers.token_layout", "TPRegion"), PREFIX_IMPORT]
+
+
+def code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def arg(call: cst.Call, pos: int, name: str) -> cst.Arg | None:
+    """The argument bound to parameter `name` (number `pos` when passed positionally)."""
+    if (found := kwarg(call, name)) is not None:
+        return found
+    positional = [a for a in call.args if a.keyword is None]
+    return positional[pos] if pos < len(positional) else None
+
+
+def with_kwarg(call: cst.Call, name: str, value: str) -> cst.Call:
+    """call with `name=value` appended."""
+    equal = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
+    return call.with_changes(
+        args=[*call.args, cst.Arg(cst.parse_expression(value), keyword=cst.Name(name), equal=equal)]
+    )
+
+
+def plain_args(call: cst.Call, names: Sequence[str]) -> dict[str, str] | None:
+    """{parameter: code} when call passes only `names` (positionally in that order, or by keyword), else None."""
+    if any(a.star or (a.keyword and a.keyword.value not in names) for a in call.args):
+        return None
+    if sum(a.keyword is None for a in call.args) > len(names):
+        return None
+    return {n: code(a.value) for i, n in enumerate(names) if (a := arg(call, i, n)) is not None}
+
+
+@dataclass(frozen=True)
+class LinearArgs:
+    in_features: str
+    out_features: str
+    bias: str  # "True" when not passed, as nn.Linear defaults (the parallel layers default to False)
+
+
+def linear_args(call: cst.Call) -> LinearArgs | None:
+    """nn.Linear's arguments, None when it passes others (device, dtype) a parallel layer can't take."""
+    args = plain_args(call, ("in_features", "out_features", "bias"))
+    if args is None or "in_features" not in args or "out_features" not in args:
+        return None
+    return LinearArgs(args["in_features"], args["out_features"], args.get("bias", "True"))
+
+
+@dataclass(frozen=True)
+class Layer:
+    """`self.<attr> = <call>`, a top-level statement of `__init__`."""
+
+    attr: str
+    line: cst.SimpleStatementLine
+    call: cst.Call
+
+
+_SELF_ASSIGN = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())])
+
+
+def self_layers(init: cst.FunctionDef, ctors: Iterable[str]) -> dict[str, Layer]:
+    """attr -> Layer for the top-level `self.<attr> = <ctor>(...)` statements of init, ctor one of ctors."""
+    ctors = set(ctors)
+    found = {}
+    for s in init.body.body:
+        if m.matches(s, _SELF_ASSIGN) and called_name(s.body[0].value) in ctors:
+            attr = s.body[0].targets[0].target.attr.value
+            found[attr] = Layer(attr, s, s.body[0].value)
+    return found
+
+
+def self_refs(node: cst.CSTNode, attr: str) -> int:
+    """How many times `self.<attr>` appears under node."""
+    return len(m.findall(node, m.Attribute(m.Name("self"), m.Name(attr))))
+
+
+def plumbed(init: cst.FunctionDef) -> bool:
+    """The migrated constructor parameters a parallel layer needs."""
+    return {"comm_manager", "prefix"} <= set(param_names(init))
+
+
+def parallel_layer(
+    attr: str, ctor: str, args: Sequence[str], group: str, like: cst.SimpleStatementLine
+) -> cst.SimpleStatementLine:
+    """`self.<attr> = <ctor>(*args, comm_manager=..., tp_group=group, prefix=...)` in place of `like`."""
+    plumbing = ["comm_manager=comm_manager", f'tp_group="{group}"', f'prefix=join_prefix(prefix, "{attr}")']
+    new = stmt(f"self.{attr} = {ctor}({', '.join([*args, *plumbing])})\n")
+    return new.with_changes(leading_lines=like.leading_lines)
+
+
+def region(group: str, whole_sequence: bool = False) -> cst.SimpleStatementLine:
+    extra = ", whole_sequence=True" if whole_sequence else ""
+    return stmt(f'self.tp_region = TPRegion(comm_manager, "{group}"{extra})\n')
+
+
+def has_region(cls: cst.ClassDef) -> bool:
+    """Already rewritten: a class holds at most one TPRegion."""
+    return bool(m.findall(cls, m.AssignTarget(m.Attribute(m.Name("self"), m.Name("tp_region")))))
+
+
+def edit_body(
+    fn: cst.FunctionDef, changes: dict[int, list[cst.BaseStatement]], append: Sequence[cst.BaseStatement] = ()
+) -> cst.FunctionDef:
+    """fn with each top-level statement whose id() is in changes replaced by its list (empty: removed)."""
+    body = [new for s in fn.body.body for new in changes.get(id(s), [s])]
+    return fn.with_changes(body=fn.body.with_changes(body=[*body, *append]))
+
+
+def replace_classes(module: cst.Module, new: dict[str, cst.ClassDef]) -> cst.Module:
+    return module.with_changes(
+        body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
+    )
+
+
+def replace_methods(cls: cst.ClassDef, new: dict[str, cst.FunctionDef]) -> cst.ClassDef:
+    body = [new.get(s.name.value, s) if isinstance(s, cst.FunctionDef) else s for s in cls.body.body]
+    return cls.with_changes(body=cls.body.with_changes(body=body))
+
+
+class _OwnScope(cst.CSTTransformer):
+    """Stays out of nested functions, classes and lambdas: their returns are not forward's."""
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+
+class _Returns(_OwnScope):
+    def __init__(self):
+        self.found: list[cst.Return] = []
+
+    def visit_Return(self, node: cst.Return) -> None:
+        self.found.append(node)
+
+
+def _bound_value(body: Sequence[cst.BaseStatement], name: str) -> cst.BaseExpression | None:
+    """The value of `name = <value>` when that is the last top-level statement of body binding name."""
+    binders = [s for s in body if name in assigned_names(s)]
+    if binders and m.matches(binders[-1], m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])):
+        return binders[-1].body[0].value
+    return None
+
+
+def returns_output_of(fwd: cst.FunctionDef, attr: str) -> bool:
+    """Every return gives `self.<attr>(...)`'s result as is (first element of a tuple), directly or through a
+    name that a top-level statement bound to it: the TPRegion's exit sums the row layer's partial outputs,
+    which must not have been mixed with replicated values."""
+    body = fwd.body.body
+    returns = []
+    for i, s in enumerate(body):
+        s.visit(collect := _Returns())
+        returns += [(i, r) for r in collect.found]
+    for i, ret in returns:
+        value = ret.value.elements[0].value if isinstance(ret.value, cst.Tuple) else ret.value
+        if isinstance(value, cst.Name):
+            value = _bound_value(body[:i], value.value)
+        if value is None or not m.matches(value, m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))):
+            return False
+    return bool(returns)
+
+
+class _CallsToNames(cst.CSTTransformer):
+    def __init__(self, names: dict[str, str]):
+        self.names = names
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        if m.matches(updated.func, m.Attribute(m.Name("self"))) and updated.func.attr.value in self.names:
+            return cst.Name(self.names[updated.func.attr.value])
+        return updated
+
+
+def fuse_calls(fwd: cst.FunctionDef, attrs: Sequence[str], fused: str) -> cst.FunctionDef | str:
+    """`self.<attr>(x)` -> `<attr>_out` for each attr, all bound by one statement before the first top-level
+    statement that uses them: `<attr>_out, ... = self.<fused>(x).split(self.<fused>.output_partition_sizes,
+    dim=-1)`. Returns why not when the calls aren't each made once, on the same input."""
+    calls = {a: m.findall(fwd, m.Call(func=m.Attribute(m.Name("self"), m.Name(a)))) for a in attrs}
+    listed = "/".join(attrs)
+    if any(len(calls[a]) != 1 or self_refs(fwd, a) != 1 for a in attrs):
+        return f"forward does not call each of {listed} exactly once"
+    args = [calls[a][0].args for a in attrs]
+    if any(len(x) != 1 or x[0].keyword or x[0].star for x in args):
+        return f"{listed} are not called with one positional argument"
+    if len({code(x[0].value) for x in args}) != 1:
+        return f"{listed} are called on different inputs"
+    outs = [f"{a}_out" for a in attrs]
+    if set(outs) & names_in(fwd):
+        return f"forward already uses the names {', '.join(outs)}"
+    x = args[0][0].value
+    body = fwd.body.body
+    holding = [
+        i
+        for i, s in enumerate(body)
+        if any(m.findall(s, m.Attribute(m.Name("self"), m.Name(a))) for a in attrs)
+    ]
+    first, last = holding[0], holding[-1]
+    simple_last = isinstance(body[last], cst.SimpleStatementLine) and len(body[last].body) == 1
+    if any(assigned_names(s) & free_names(x) for s in body[first : last if simple_last else last + 1]):
+        return f"the input of {listed} changes between or before their calls"
+    split = stmt(
+        f"{', '.join(outs)} = self.{fused}({code(x)}).split(self.{fused}.output_partition_sizes, dim=-1)\n"
+    )
+    new = fwd.visit(_CallsToNames(dict(zip(attrs, outs, strict=True))))
+    body = list(new.body.body)
+    body.insert(first, split.with_changes(leading_lines=body[first].leading_lines))
+    body[first + 1] = body[first + 1].with_changes(leading_lines=[])
+    return new.with_changes(body=new.body.with_changes(body=body))
+
+
+class _ExitOnReturn(_OwnScope):
+    def leave_Return(self, original: cst.Return, updated: cst.Return) -> cst.Return:
+        def exit_(value: cst.BaseExpression) -> cst.Call:
+            return cst.Call(cst.parse_expression("self.tp_region.exit"), [cst.Arg(value)])
+
+        value = updated.value
+        if value is None:
+            return updated
+        if isinstance(value, cst.Tuple) and value.elements:
+            first = value.elements[0]
+            elements = [first.with_changes(value=exit_(first.value)), *value.elements[1:]]
+            return updated.with_changes(value=value.with_changes(elements=elements))
+        return updated.with_changes(value=exit_(value))
+
+
+def is_docstring(s: cst.BaseStatement) -> bool:
+    return m.matches(s, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]))
+
+
+def wrap_region(fwd: cst.FunctionDef) -> cst.FunctionDef | None:
+    """forward starting with `<hidden> = self.tp_region.enter(<hidden>)` (hidden: its first argument) and
+    returning `self.tp_region.exit(...)`; None when forward takes no positional argument after self."""
+    params = [*fwd.params.posonly_params, *fwd.params.params]
+    if len(params) < 2 or not isinstance(fwd.body, cst.IndentedBlock):
+        return None
+    hidden = params[1].name.value
+    body = [s.visit(_ExitOnReturn()) for s in fwd.body.body]
+    at = 1 if is_docstring(body[0]) else 0
+    body.insert(at, stmt(f"{hidden} = self.tp_region.enter({hidden})\n"))
+    return fwd.with_changes(body=fwd.body.with_changes(body=body))

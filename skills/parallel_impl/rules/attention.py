@@ -1,0 +1,193 @@
+"""Attention is sharded by heads in attn_tp_group: q_proj/k_proj/v_proj become one QKVParallelLinear
+`qkv_proj`, o_proj a RowParallelLinear whose partial sums the class's TPRegion reduces on the way out, and
+the runtime `Attention` gets the per-rank head counts (which also size this rank's KV cache).
+
+Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.cst_utils import add_imports, assigned_names, classes, free_names, method
+from skills.parallel_impl.rules._units import (
+    LINEAR,
+    LINEAR_IMPORT,
+    REGION_IMPORTS,
+    Layer,
+    arg,
+    code,
+    edit_body,
+    fuse_calls,
+    has_region,
+    linear_args,
+    parallel_layer,
+    plumbed,
+    region,
+    replace_classes,
+    replace_methods,
+    returns_output_of,
+    self_layers,
+    self_refs,
+    with_kwarg,
+    wrap_region,
+)
+
+if TYPE_CHECKING:
+    from skills.parallel_impl.rewrite import ParallelRewriteContext
+
+GROUP = "attn_tp_group"
+QKV = ("q_proj", "k_proj", "v_proj")
+OUT = ("o_proj", "out_proj", "dense")
+FUSED_ON_DISK = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv")
+STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v")]
+# forward code that would mean whole-model head counts / widths, which a rank no longer has
+GLOBAL_SIZES = re.compile(
+    r"\b(num_heads|num_attention_heads|num_key_value_heads|num_kv_heads|hidden_size|"
+    r"embed_dim|all_head_size)\b"
+)
+
+
+def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
+    """call with parameter `name` (positional `pos`) set to value, added as a keyword when absent."""
+    if (old := arg(call, pos, name)) is None:
+        return with_kwarg(call, name, value)
+    new = cst.parse_expression(value)
+    return call.with_changes(args=[a.with_changes(value=new) if a is old else a for a in call.args])
+
+
+def _self_attrs(node: cst.CSTNode) -> set[str]:
+    return {a.attr.value for a in m.findall(node, m.Attribute(m.Name("self")))}
+
+
+def _computed_later(
+    init: cst.FunctionDef, exprs: list[str], start: cst.BaseStatement, stop: cst.BaseStatement
+) -> bool:
+    """Whether exprs read a local or `self.x` that init assigns from `start` up to `stop`."""
+    body = init.body.body
+    between = body[body.index(start) : body.index(stop)]
+    targets = [
+        t.target for s in between for t in m.findall(s, m.AssignTarget() | m.AnnAssign() | m.AugAssign())
+    ]
+    later_attrs = {t.attr.value for t in targets if m.matches(t, m.Attribute(m.Name("self")))}
+    later_locals = set().union(*(assigned_names(s) for s in between)) - {"self"}
+    parsed = [cst.parse_expression(e) for e in exprs]
+    return any(_self_attrs(e) & later_attrs or free_names(e) & later_locals for e in parsed)
+
+
+def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | str:
+    """The sharded class, or why it can't be sharded."""
+    init, fwd = method(cls, "__init__"), method(cls, "forward")
+    linears = self_layers(init, LINEAR)
+    attention = list(self_layers(init, {"Attention"}).values())
+    out = next((a for a in OUT if a in linears), None)
+    missing = [a for a in QKV if a not in linears] + ([] if out else ["o_proj"])
+    if missing:
+        return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
+    if len(attention) != 1:
+        return "__init__ does not build exactly one runtime `Attention(...)` layer"
+    if fwd is None:
+        return "no forward"
+    if not plumbed(init):
+        return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
+    q, k, v, o = (linear_args(linears[a].call) for a in (*QKV, out))
+    if None in (q, k, v, o):
+        return "a projection passes nn.Linear arguments other than in/out features and bias"
+    if len({q.in_features, k.in_features, v.in_features}) != 1 or len({q.bias, k.bias, v.bias}) != 1:
+        return "q/k/v projections differ in input size or bias"
+    attn: Layer = attention[0]
+    heads, head_dim, kv_heads = (
+        arg(attn.call, 0, "num_heads"),
+        arg(attn.call, 1, "head_dim"),
+        arg(attn.call, 3, "num_kv_heads"),
+    )
+    if heads is None or head_dim is None:
+        return "the Attention call does not pass num_heads and head_dim"
+    sizes = [code(a.value) for a in (head_dim, heads, kv_heads or heads)]
+    if init.body.body.index(attn.line) < init.body.body.index(linears["q_proj"].line):
+        return "the Attention layer is built before q_proj, whose per-rank head counts it takes"
+    if _computed_later(init, sizes, linears["q_proj"].line, attn.line):
+        return "the Attention head counts use values computed after q_proj"
+    if found := GLOBAL_SIZES.search(code(fwd.body)):
+        return f"forward uses the whole model's `{found.group()}`, which a rank no longer has"
+    if not returns_output_of(fwd, out):
+        return f"forward does not return {out}'s output as is"
+    new_fwd = fuse_calls(fwd, QKV, "qkv_proj")
+    if isinstance(new_fwd, str):
+        return new_fwd
+    if any(self_refs(cls, a) != 2 for a in QKV):
+        return "q_proj/k_proj/v_proj are used outside __init__ and forward"
+    new_fwd = wrap_region(new_fwd)
+    if new_fwd is None:
+        return "forward takes no hidden-states argument"
+
+    qkv = parallel_layer(
+        "qkv_proj",
+        "QKVParallelLinear",
+        [q.in_features, *sizes, f"bias={q.bias}"],
+        GROUP,
+        linears["q_proj"].line,
+    )
+    o_proj = parallel_layer(
+        out,
+        "RowParallelLinear",
+        [o.in_features, o.out_features, f"bias={o.bias}", "reduce_results=False"],
+        GROUP,
+        linears[out].line,
+    )
+    call = _set_kwarg(attn.call, 0, "num_heads", "self.qkv_proj.num_heads")
+    call = _set_kwarg(call, 3, "num_kv_heads", "self.qkv_proj.num_kv_heads")
+    attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
+    new_init = edit_body(
+        init,
+        {
+            id(linears["q_proj"].line): [qkv],
+            id(linears["k_proj"].line): [],
+            id(linears["v_proj"].line): [],
+            id(linears[out].line): [o_proj],
+            id(attn.line): [attn_line],
+        },
+        [region(GROUP, whole_sequence=True)],
+    )
+    name = cls.name.value
+    ctx.rewrites += [
+        f"{name}: q_proj/k_proj/v_proj -> QKVParallelLinear qkv_proj ({GROUP})",
+        f"{name}: {out} -> RowParallelLinear ({GROUP})",
+    ]
+    ctx.fused += [s for s in STACKED if s not in ctx.fused]
+    return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
+
+
+def _is_attention(init: cst.FunctionDef) -> bool:
+    return bool(self_layers(init, {"Attention"})) or any(a in QKV for a in self_layers(init, LINEAR))
+
+
+def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
+    new = {}
+    for name, cls in classes(module).items():
+        init = method(cls, "__init__")
+        if init is None or has_region(cls):
+            continue
+        fused = [a for a in FUSED_ON_DISK if a in self_layers(init, LINEAR)]
+        if fused:
+            ctx.unsupported(
+                name,
+                0,
+                f"attention projection `self.{fused[0]}` is fused q/k/v on disk; only "
+                "separate q_proj/k_proj/v_proj can be sharded by heads",
+            )
+        elif _is_attention(init):
+            result = _rewrite(cls, ctx)
+            if isinstance(result, str):
+                ctx.unsupported(name, 0, f"attention cannot be sharded by heads: {result}")
+            else:
+                new[name] = result
+    if not new:
+        return module
+    return add_imports(
+        replace_classes(module, new),
+        [(LINEAR_IMPORT, "QKVParallelLinear"), (LINEAR_IMPORT, "RowParallelLinear"), *REGION_IMPORTS],
+    )

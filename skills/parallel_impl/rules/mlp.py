@@ -1,0 +1,122 @@
+"""Dense MLPs are sharded along the intermediate size in dense_tp_group: gate_proj + up_proj become one
+MergedColumnParallelLinear `gate_up_proj` (a lone up projection a ColumnParallelLinear), the down projection a
+RowParallelLinear whose partial sums the class's TPRegion reduces on the way out.
+
+A replicated MLP is still correct, so a class that doesn't match (MoE experts held as 3-D parameters, a router
+named `gate`, extra arguments) is left as it is, without a finding."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import libcst as cst
+
+from skills.migrator.cst_utils import add_imports, classes, method
+from skills.parallel_impl.rules._units import (
+    LINEAR,
+    LINEAR_IMPORT,
+    REGION_IMPORTS,
+    Layer,
+    LinearArgs,
+    edit_body,
+    fuse_calls,
+    has_region,
+    linear_args,
+    parallel_layer,
+    plumbed,
+    region,
+    replace_classes,
+    replace_methods,
+    returns_output_of,
+    self_layers,
+    self_refs,
+    wrap_region,
+)
+
+if TYPE_CHECKING:
+    from skills.parallel_impl.rewrite import ParallelRewriteContext
+
+GROUP = "dense_tp_group"
+GATED = ("gate_proj", "up_proj")
+COLUMN = ("fc1", "c_fc", "dense_h_to_4h", "up_proj")
+ROW = ("fc2", "c_proj", "dense_4h_to_h", "down_proj")
+STACKED = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+
+def _unit(linears: dict[str, Layer]) -> tuple[tuple[str, ...], str] | None:
+    """(column attrs, row attr) of the MLP these layers form; only they may be nn.Linear in the class."""
+    rows = [a for a in ROW if a in linears]
+    gated = "gate_proj" in linears
+    columns = tuple(a for a in (GATED if gated else COLUMN) if a in linears)
+    if len(rows) != 1 or len(columns) != (2 if gated else 1) or set(linears) != {*columns, *rows}:
+        return None
+    return columns, rows[0]
+
+
+def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> cst.ClassDef | None:
+    """The sharded class (the layer classes it uses added to `used`), None to leave it replicated."""
+    init, fwd = method(cls, "__init__"), method(cls, "forward")
+    linears = self_layers(init, LINEAR)
+    unit = _unit(linears)
+    if unit is None or fwd is None or not plumbed(init):
+        return None
+    columns, row = unit
+    args: dict[str, LinearArgs | None] = {a: linear_args(linears[a].call) for a in (*columns, row)}
+    if None in args.values() or not returns_output_of(fwd, row):
+        return None
+    first, down = args[columns[0]], args[row]
+    if len(columns) == 2:
+        up = args["up_proj"]
+        if (first.in_features, first.bias) != (up.in_features, up.bias) or any(
+            self_refs(cls, a) != 2 for a in GATED
+        ):
+            return None
+        fwd = fuse_calls(fwd, GATED, "gate_up_proj")
+        if isinstance(fwd, str):
+            return None
+        attr, ctor, out = (
+            "gate_up_proj",
+            "MergedColumnParallelLinear",
+            f"[{first.out_features}, {up.out_features}]",
+        )
+    else:
+        attr, ctor, out = columns[0], "ColumnParallelLinear", first.out_features
+    fwd = wrap_region(fwd)
+    if fwd is None:
+        return None
+    changes = {id(linears[a].line): [] for a in columns[1:]}
+    changes[id(linears[columns[0]].line)] = [
+        parallel_layer(
+            attr, ctor, [first.in_features, out, f"bias={first.bias}"], GROUP, linears[columns[0]].line
+        )
+    ]
+    row_args = [down.in_features, down.out_features, f"bias={down.bias}", "reduce_results=False"]
+    changes[id(linears[row].line)] = [
+        parallel_layer(row, "RowParallelLinear", row_args, GROUP, linears[row].line)
+    ]
+    name = cls.name.value
+    fused_name = f" {attr}" if len(columns) == 2 else ""
+    ctx.rewrites += [
+        f"{name}: {'/'.join(columns)} -> {ctor}{fused_name} ({GROUP})",
+        f"{name}: {row} -> RowParallelLinear ({GROUP})",
+    ]
+    if len(columns) == 2:
+        ctx.fused += [s for s in STACKED if s not in ctx.fused]
+    used |= {ctor, "RowParallelLinear"}
+    return replace_methods(cls, {"__init__": edit_body(init, changes, [region(GROUP)]), "forward": fwd})
+
+
+def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
+    used: set[str] = set()
+    new = {
+        name: result
+        for name, cls in classes(module).items()
+        if method(cls, "__init__") is not None
+        and not has_region(cls)
+        and (result := _rewrite(cls, ctx, used)) is not None
+    }
+    if not new:
+        return module
+    return add_imports(
+        replace_classes(module, new), [*((LINEAR_IMPORT, c) for c in sorted(used)), *REGION_IMPORTS]
+    )

@@ -1,0 +1,191 @@
+"""attention: q/k/v -> QKVParallelLinear, o_proj -> RowParallelLinear, per-rank head counts, a TPRegion
+around forward; attention that can't be sharded is a finding."""
+
+from textwrap import dedent
+
+from skills.parallel_impl.rewrite import parallelize_source
+from skills.parallel_impl.rules import attention as rule
+
+# The migrated llama attention, shortened.
+BEFORE = dedent('''\
+    class LlamaAttention(nn.Module):
+        def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.head_dim = config.head_dim
+            # projections
+            self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=True)
+            self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=True)
+            self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=True)
+            self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size)
+            self.attn = Attention(
+                num_heads=config.num_attention_heads,
+                head_dim=self.head_dim,
+                num_kv_heads=config.num_key_value_heads,
+                scale=self.head_dim**-0.5,
+            )
+
+        def forward(self, hidden_states, position_embeddings, *, forward_metadata, **kwargs):
+            """Attends."""
+            hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+
+            query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+            key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            attn_output = self.o_proj(attn_output.reshape(*hidden_shape[:-2], -1))
+            return attn_output
+    ''')
+
+IMPORTS = dedent("""\
+    from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import TPRegion
+
+    """)
+
+AFTER = IMPORTS + dedent('''\
+    class LlamaAttention(nn.Module):
+        def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.head_dim = config.head_dim
+            # projections
+            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=True, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "qkv_proj"))
+            self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=True, reduce_results=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "o_proj"))
+            self.attn = Attention(
+                num_heads=self.qkv_proj.num_heads,
+                head_dim=self.head_dim,
+                num_kv_heads=self.qkv_proj.num_kv_heads,
+                scale=self.head_dim**-0.5,
+            )
+            self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
+
+        def forward(self, hidden_states, position_embeddings, *, forward_metadata, **kwargs):
+            """Attends."""
+            hidden_states = self.tp_region.enter(hidden_states)
+            hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+
+            q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(self.qkv_proj.output_partition_sizes, dim=-1)
+            query_states = self.q_norm(q_proj_out.view(hidden_shape)).transpose(1, 2)
+            key_states = k_proj_out.view(hidden_shape).transpose(1, 2)
+            value_states = v_proj_out.view(hidden_shape).transpose(1, 2)
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            attn_output = self.o_proj(attn_output.reshape(*hidden_shape[:-2], -1))
+            return self.tp_region.exit(attn_output)
+    ''')
+
+
+def test_attention_sharded_by_heads(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, BEFORE, ctx) == AFTER
+    assert ctx.rewrites == [
+        "LlamaAttention: q_proj/k_proj/v_proj -> QKVParallelLinear qkv_proj (attn_tp_group)",
+        "LlamaAttention: o_proj -> RowParallelLinear (attn_tp_group)",
+    ]
+    assert ctx.fused == [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+    ]
+    assert ctx.findings == []
+
+
+def test_idempotent(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, AFTER, ctx) == AFTER
+    assert ctx.rewrites == ctx.fused == ctx.findings == []
+
+
+def test_no_attention_untouched(run_rule, make_ctx):
+    code = dedent("""\
+        class LlamaRMSNorm(nn.Module):
+            def __init__(self, hidden_size, eps=1e-6):
+                super().__init__()
+                self.weight = nn.Parameter(torch.ones(hidden_size))
+
+            def forward(self, hidden_states):
+                return self.weight * hidden_states
+        """)
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    assert ctx.rewrites == ctx.findings == []
+
+
+def test_absent_kv_heads_passed_explicitly(run_rule):
+    code = BEFORE.replace("            num_kv_heads=config.num_key_value_heads,\n", "")
+    out = run_rule(rule, code)
+    assert (
+        "QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, "
+        "config.num_attention_heads, bias=True," in out
+    )
+    assert "scale=self.head_dim**-0.5,num_kv_heads=self.qkv_proj.num_kv_heads" not in out
+    assert "num_kv_heads=self.qkv_proj.num_kv_heads" in out
+
+
+def test_fused_qkv_on_disk_is_a_finding(make_ctx):
+    code = dedent("""\
+        class GPTNeoXAttention(nn.Module):
+            def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
+                super().__init__()
+                self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+                self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+                self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_size, scale=1.0)
+
+            def forward(self, hidden_states, *, forward_metadata, **kwargs):
+                q, k, v = self.query_key_value(hidden_states).chunk(3, dim=-1)
+                return self.dense(self.attn(q, k, v, forward_metadata))
+        """)
+    ctx = make_ctx(filename="modeling_gpt_neox.py")
+    assert "QKVParallelLinear" not in parallelize_source(code, ctx)
+    (finding,) = ctx.findings
+    assert str(finding).startswith(
+        "modeling_gpt_neox.py:1 in GPTNeoXAttention: attention projection "
+        "`self.query_key_value` is fused q/k/v on disk"
+    )
+
+
+def _finding(run_rule, make_ctx, code: str) -> str:
+    """The single finding of an attention class the rule must leave as it is."""
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    (finding,) = ctx.findings
+    assert finding.scope == "LlamaAttention" and ctx.rewrites == ctx.fused == []
+    return finding.what
+
+
+def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
+    cases = {
+        "differ in input size or bias": BEFORE.replace(
+            "* self.head_dim, bias=True)\n        self.v", "* self.head_dim, bias=False)\n        self.v"
+        ),
+        "called on different inputs": BEFORE.replace(
+            "self.v_proj(hidden_states)", "self.v_proj(hidden_shape)"
+        ),
+        "exactly once": BEFORE.replace(
+            "attn_output = self.attn(", "attn_output = self.k_proj(hidden_states) + self.attn("
+        ),
+        "used outside __init__ and forward": BEFORE
+        + "\n    def extra_repr(self):\n        return str(self.q_proj)\n",
+        "lacks the migrated `comm_manager` / `prefix`": BEFORE.replace(', comm_manager=None, prefix=""', ""),
+        "whole model's `num_heads`": BEFORE.replace(
+            "(*hidden_states.shape[:-1], -1,", "(-1, self.num_heads,"
+        ),
+        "does not return o_proj's output as is": BEFORE.replace(
+            "return attn_output", "return attn_output + 1"
+        ),
+        "no `self.o_proj = nn.Linear(...)`": BEFORE.replace(
+            "self.o_proj = nn.Linear", "self.o_proj = Conv1D"
+        ),
+        "exactly one runtime `Attention(...)`": BEFORE.replace(
+            "self.attn = Attention(", "self.attn = Other("
+        ),
+        "built before q_proj": BEFORE.replace(
+            "        # projections\n", "        self.attn = Attention(num_heads=8, head_dim=64, scale=1.0)\n"
+        ).replace("        self.attn = Attention(\n", "        self.attn2 = Other(\n"),
+        "computed after q_proj": BEFORE.replace("head_dim=self.head_dim", "head_dim=self.head_dim2").replace(
+            "        self.attn = Attention(", "        self.head_dim2 = 64\n        self.attn = Attention("
+        ),
+    }
+    for reason, code in cases.items():
+        assert code != BEFORE, reason
+        what = _finding(run_rule, make_ctx, code)
+        assert what.startswith("attention cannot be sharded by heads: ") and reason in what, (reason, what)

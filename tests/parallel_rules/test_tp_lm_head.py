@@ -1,0 +1,112 @@
+"""lm_head: the entry class's nn.Linear head -> ParallelLMHead, its tie -> tie_weights, tokens gathered
+before the last-token selection."""
+
+from textwrap import dedent
+
+from skills.parallel_impl.rules import lm_head as rule
+
+EMBEDDING = dedent("""\
+    class LlamaModel(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm_manager=comm_manager, tp_group="embed_tp_group", prefix=join_prefix(prefix, "embed_tokens"))
+
+
+    """)
+
+BEFORE = EMBEDDING + dedent("""\
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.model = LlamaModel(config, infer_config, comm_manager, join_prefix(prefix, "model"))
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+        def forward(self, input_ids, position_ids, forward_metadata, **kwargs):
+            hidden_states = self.model(input_ids=input_ids[None], position_ids=position_ids[None])
+            hidden_states = hidden_states[0, forward_metadata.last_token_indices]
+            return self.lm_head(hidden_states)[:, None, :]
+    """)
+
+AFTER = (
+    dedent("""\
+    from runtime.layers.embedding import ParallelLMHead
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import gather_tokens, own_chunk
+
+    """)
+    + EMBEDDING
+    + dedent("""\
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.model = LlamaModel(config, infer_config, comm_manager, join_prefix(prefix, "model"))
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, bias=False, comm_manager=comm_manager, tp_group="lmhead_tp_group", prefix=join_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head.tie_weights(self.model.embed_tokens)
+
+        def forward(self, input_ids, position_ids, forward_metadata, **kwargs):
+            input_ids = own_chunk(input_ids)
+            hidden_states = self.model(input_ids=input_ids[None], position_ids=position_ids[None])
+            hidden_states = gather_tokens(hidden_states)[0, forward_metadata.last_token_indices]
+            return self.lm_head(hidden_states)[:, None, :]
+    """)
+)
+
+
+def test_lm_head_sharded_and_tied(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, BEFORE, ctx) == AFTER
+    assert ctx.rewrites == [
+        "LlamaForCausalLM: lm_head -> ParallelLMHead (lmhead_tp_group), tied to self.model.embed_tokens via tie_weights",
+        "LlamaForCausalLM: forward feeds the model this rank's chunk of the input ids and gathers the tokens of every rank before the LM head",
+    ]
+    assert ctx.findings == []
+
+
+def test_idempotent(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, AFTER, ctx) == AFTER
+    assert ctx.rewrites == ctx.findings == []
+
+
+def test_no_parallel_layers_untouched(run_rule, make_ctx):
+    # Another entry class: this one isn't rewritten, and nothing in the file is parallel to gather for.
+    ctx = make_ctx(entry_class="MistralForCausalLM")
+    assert run_rule(rule, BEFORE, ctx) == BEFORE
+    assert ctx.rewrites == ctx.findings == []
+
+
+def test_tied_to_a_replicated_embedding_stays_replicated(run_rule, make_ctx):
+    # Gemma3's scaled embedding subclasses nn.Embedding and stays whole: so does the head sharing its weight.
+    code = BEFORE.replace(EMBEDDING, "")
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    assert ctx.rewrites == ctx.findings == []
+
+
+def test_untied_head_of_a_replicated_embedding_sharded(run_rule, make_ctx):
+    code = BEFORE.replace(EMBEDDING, "").replace(
+        "        if config.tie_word_embeddings:\n            self.lm_head.weight = self.model.embed_tokens.weight\n",
+        "",
+    )
+    out = run_rule(rule, code)
+    assert "self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, bias=False," in out
+    assert "gather_tokens(hidden_states)[0, forward_metadata.last_token_indices]" in out
+
+
+def test_unshardable_head_tied_to_a_parallel_embedding_is_a_finding(run_rule, make_ctx):
+    code = BEFORE.replace("bias=False)", "bias=False, dtype=torch.bfloat16)")
+    ctx = make_ctx()
+    assert "ParallelLMHead" not in run_rule(rule, code, ctx)
+    (finding,) = ctx.findings
+    assert finding.scope == "LlamaForCausalLM" and "tied to a vocab-parallel embedding" in finding.what
+
+
+def test_missing_last_token_selection_is_a_finding(run_rule, make_ctx):
+    code = BEFORE.replace("hidden_states[0, forward_metadata.last_token_indices]", "hidden_states[0, -1:]")
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    (finding,) = ctx.findings
+    assert "no `[..., forward_metadata.last_token_indices]` selection" in finding.what

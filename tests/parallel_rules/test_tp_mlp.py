@@ -1,0 +1,127 @@
+"""mlp: gate_proj/up_proj -> MergedColumnParallelLinear, a lone up projection -> ColumnParallelLinear, the
+down projection -> RowParallelLinear, a TPRegion around forward; anything else stays replicated."""
+
+from textwrap import dedent
+
+from skills.parallel_impl.rules import mlp as rule
+
+BEFORE = dedent("""\
+    class LlamaMLP(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+            self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+            self.act_fn = ACT2FN[config.hidden_act]
+
+        def forward(self, x):
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return down_proj
+    """)
+
+AFTER = dedent("""\
+    from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import TPRegion
+
+    class LlamaMLP(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size, config.intermediate_size], bias=config.mlp_bias, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "gate_up_proj"))
+            self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, reduce_results=False, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "down_proj"))
+            self.act_fn = ACT2FN[config.hidden_act]
+            self.tp_region = TPRegion(comm_manager, "dense_tp_group")
+
+        def forward(self, x):
+            x = self.tp_region.enter(x)
+            gate_proj_out, up_proj_out = self.gate_up_proj(x).split(self.gate_up_proj.output_partition_sizes, dim=-1)
+            down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)
+            return self.tp_region.exit(down_proj)
+    """)
+
+# Phi-style: fc1 / fc2, no gate, nn.Linear's default bias=True made explicit.
+PLAIN = dedent("""\
+    class PhiMLP(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+            self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+        def forward(self, hidden_states):
+            return self.fc2(self.activation_fn(self.fc1(hidden_states)))
+    """)
+
+PLAIN_AFTER = dedent("""\
+    from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import TPRegion
+
+    class PhiMLP(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "fc1"))
+            self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True, reduce_results=False, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "fc2"))
+            self.tp_region = TPRegion(comm_manager, "dense_tp_group")
+
+        def forward(self, hidden_states):
+            hidden_states = self.tp_region.enter(hidden_states)
+            return self.tp_region.exit(self.fc2(self.activation_fn(self.fc1(hidden_states))))
+    """)
+
+
+def test_gated_mlp_sharded(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, BEFORE, ctx) == AFTER
+    assert ctx.rewrites == [
+        "LlamaMLP: gate_proj/up_proj -> MergedColumnParallelLinear gate_up_proj (dense_tp_group)",
+        "LlamaMLP: down_proj -> RowParallelLinear (dense_tp_group)",
+    ]
+    assert ctx.fused == [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+
+def test_plain_mlp_sharded(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, PLAIN, ctx) == PLAIN_AFTER
+    assert ctx.rewrites == [
+        "PhiMLP: fc1 -> ColumnParallelLinear (dense_tp_group)",
+        "PhiMLP: fc2 -> RowParallelLinear (dense_tp_group)",
+    ]
+    assert ctx.fused == []
+
+
+def test_idempotent(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, AFTER, ctx) == AFTER
+    assert run_rule(rule, PLAIN_AFTER, ctx) == PLAIN_AFTER
+    assert ctx.rewrites == ctx.fused == []
+
+
+def test_non_mlp_untouched(run_rule, make_ctx):
+    # A MoE block: router `gate` next to 3-D experts; the MLP matching stops at the router.
+    code = dedent("""\
+        class MixtralSparseMoeBlock(nn.Module):
+            def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+                super().__init__()
+                self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+                self.experts = MixtralExperts(config)
+
+            def forward(self, hidden_states):
+                return self.experts(hidden_states, self.gate(hidden_states))
+        """)
+    assert run_rule(rule, code) == code
+
+
+def test_unshardable_mlp_stays_replicated(run_rule, make_ctx):
+    cases = [
+        BEFORE.replace(', comm_manager=None, prefix=""', ""),  # no migrated plumbing
+        BEFORE.replace("return down_proj", "return down_proj + x"),  # partial sums mixed with replicated x
+        BEFORE.replace("* self.up_proj(x)", "* self.up_proj(x) * self.gate_proj(x)"),  # gate called twice
+        BEFORE.replace("self.up_proj(x)", "self.up_proj(x * 2)"),  # gate and up on different inputs
+        BEFORE.replace("bias=config.mlp_bias)\n        self.up", "dtype=torch.float32)\n        self.up"),
+        BEFORE.replace("        self.act_fn", "        self.shared = nn.Linear(1, 2)\n        self.act_fn"),
+    ]
+    for code in cases:
+        assert code != BEFORE
+        ctx = make_ctx()
+        assert run_rule(rule, code, ctx) == code
+        assert ctx.rewrites == ctx.fused == ctx.findings == []

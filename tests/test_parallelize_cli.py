@@ -1,0 +1,112 @@
+"""`skill parallelize` as a command: invalid configs stop before anything changes, --plan writes nothing, a second
+config starts from the migrated code, hand edits are kept without --force, standalone mode runs under torchrun."""
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
+
+TP2 = {"world_size": 2, "attn_tp_size": 2, "dense_tp_size": 2, "embed_tp_size": 2, "lmhead_tp_size": 2}
+
+
+def skill(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False)
+
+
+def config_file(tmp_path: Path, doc: dict, name: str = "parallel.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def snapshot(model_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(model_dir)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(model_dir.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return build_reference("llama", tmp_path_factory)
+
+
+@pytest.fixture
+def model_dir(reference, tmp_path):
+    return migrate(reference, tmp_path / "models")
+
+
+@pytest.mark.parametrize("doc, fragments", [
+    ({"parallel_config": {**TP2, "world_size": 8, "attn_tp_size": 8, "dense_tp_size": 8, "embed_tp_size": 8,
+                          "lmhead_tp_size": 8}},
+     ["parallel_config.attn_tp_size is 8", "num_attention_heads 4 is not divisible", "values for world_size 8"]),
+    ({"parallel_config": {**TP2, "embed_tp_size": 1}},
+     ["parallel_config.embed_tp_size is 1", "multiple of attn_tp_size 2"]),
+    ({"world_size": 2, "parallel_config": {**TP2, "world_size": 4}},
+     ["`world_size` is 2 but `parallel_config.world_size` is 4"]),
+])
+def test_invalid_config_exits_2_and_changes_nothing(model_dir, tmp_path, doc, fragments):
+    before = snapshot(model_dir)
+    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, doc)))
+    assert proc.returncode == 2, proc.stderr
+    message = " ".join(proc.stderr.split())
+    for fragment in fragments:
+        assert fragment in message
+    assert "Traceback" not in proc.stderr
+    assert snapshot(model_dir) == before
+
+
+def test_plan_json_writes_nothing(model_dir, tmp_path):
+    before = snapshot(model_dir)
+    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})),
+                 "--plan", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["world_size"] == 2 and plan["per_rank_param_bytes"] < plan["total_param_bytes"]
+    assert {g["name"] for g in plan["groups"]} == {"attn_tp_group", "dense_tp_group", "embed_tp_group",
+                                                   "lmhead_tp_group"}
+    assert snapshot(model_dir) == before
+
+
+def test_second_config_starts_from_migrated_code_and_edits_need_force(model_dir, tmp_path):
+    migrated = (model_dir / "models" / "modeling_llama.py").read_text()
+    first = json.loads(skill("parallelize", str(model_dir), "--config",
+                             str(config_file(tmp_path, {"parallel_config": TP2})), "--json").stdout)
+    assert set(first) >= {"model_dir", "yaml", "world_size", "groups", "rewrites"}
+    assert Path(first["yaml"]).name == "llama_rank_2_2tp.yaml"
+    assert (model_dir / "agentic" / "migrated_models" / "modeling_llama.py").read_text() == migrated
+    parallel = (model_dir / "models" / "modeling_llama.py").read_text()
+    assert "QKVParallelLinear" in parallel and f"config/{Path(first['yaml']).name}" in (model_dir / "infer.sh").read_text()
+
+    dp = config_file(tmp_path, {"world_size": 2, "attn_tp_size": 1, "dense_tp_size": 2, "embed_tp_size": 2,
+                                "lmhead_tp_size": 2}, "dp.yaml")
+    second = json.loads(skill("parallelize", str(model_dir), "--config", str(dp), "--json").stdout)
+    assert Path(second["yaml"]).name == "llama_rank_2_1tp_2dp_densetp2_embedtp2_lmheadtp2.yaml"
+    assert Path(first["yaml"]).is_file()  # each scenario keeps its YAML
+    assert (model_dir / "models" / "modeling_llama.py").read_text() == parallel  # same code for every config
+
+    (model_dir / "models" / "modeling_llama.py").write_text(parallel + "# my edit\n")
+    proc = skill("parallelize", str(model_dir), "--config", str(dp))
+    assert proc.returncode == 1 and "--force" in proc.stderr
+    assert (model_dir / "models" / "modeling_llama.py").read_text().endswith("# my edit\n")
+    assert skill("parallelize", str(model_dir), "--config", str(dp), "--force").returncode == 0
+    assert (model_dir / "models" / "modeling_llama.py").read_text() == parallel
+
+
+def test_mode_must_match_the_directory(model_dir, tmp_path):
+    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})),
+                 "--mode", "standalone")
+    assert proc.returncode == 1 and "framework mode" in proc.stderr
+
+
+def test_standalone_tp2_matches_transformers(reference, tmp_path):
+    model_dir = migrate(reference, tmp_path / "models", "--mode", "standalone")
+    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})))
+    assert proc.returncode == 0, proc.stderr
+    assert shutil.which("bash")
+    out = run_json(["bash", str(model_dir / "infer.sh"), "--json", "--raw", "--max_new_tokens", str(NEW_TOKENS),
+                    *prompts_args()])  # infer.sh now points at the TP2 YAML: torchrun, 2 ranks, rank 0 prints
+    assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
