@@ -57,3 +57,17 @@ def test_scenarios_match_single_rank_and_transformers(migrated, tmp_path):
         assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * sizes[0], name
     # the base YAML (world_size 1) now runs the parallel code unsharded: the single-rank run
     assert [o["token_ids"] for o in run(model_dir)["outputs"]] == reference["tokens"]
+
+
+def test_tp2_from_convert_weights_output(migrated, tmp_path):
+    reference, model_dir = migrated
+    config = parallel_yaml(tmp_path / "tp2.yaml", *SCENARIOS["tp2"])
+    assert parallelize(model_dir, config).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config",
+                           str(config), "-o", str(tmp_path / "shards"), "--json"], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout)
+    out = run(model_dir, Path(done["yaml"]))
+    assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
+    assert out["param_bytes_per_rank"] == done["ranks"]

@@ -2,6 +2,7 @@
 import logging
 
 import torch
+import torch.distributed
 
 from runtime.config import InferenceConfig
 from runtime.distributed import DistInfo
@@ -9,7 +10,7 @@ from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.model_worker import ModelWorker
 from runtime.engine.request import Batch, Request, SamplingParams
 from runtime.engine.sampler import Sampler
-from runtime.layers.token_layout import step_layout, use_layout
+from runtime.layers.token_layout import ATTN_GROUP, step_layout, use_layout
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,17 @@ class ExecutionEngine:
     def forward_batch(self, batch: Batch) -> dict:
         input_ids, position_ids, md = self._build_model_inputs(batch)
         logits, infer_ms = self._run(input_ids, position_ids, md)
-        next_tokens = self.sampler(logits[:, -1, :], batch.requests).tolist()
+        next_tokens = self._agree(self.sampler(logits[:, -1, :], batch.requests)).tolist()
         return {"next_tokens": next_tokens, "logits": logits, "infer_time_ms": infer_ms}
+
+    def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The attn-TP ranks serve the same requests: all take the first rank's sample (unseeded sampling draws
+        from each rank's own generator)."""
+        cm = self.worker.comm_manager
+        if cm is None or not cm.has_group(ATTN_GROUP) or cm.get_group(ATTN_GROUP) is None:
+            return tokens
+        torch.distributed.broadcast(tokens, src=cm.get_ranks(ATTN_GROUP)[0], group=cm.get_group(ATTN_GROUP))
+        return tokens
 
     @torch.inference_mode()
     def dummy_step(self) -> None:
