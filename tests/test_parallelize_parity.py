@@ -10,6 +10,8 @@ import yaml
 from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
 
 ARCHS = ["llama", "qwen3", "mistral"]
+# qkv bias (qwen2); sliding-window layers with a scaled embedding the rules leave replicated, tied to the head (gemma3)
+OTHER_ARCHS = ["qwen2", "gemma3_text"]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {
     "tp2": (2, 2, 2, 2, 2),
@@ -71,3 +73,15 @@ def test_tp2_from_convert_weights_output(migrated, tmp_path):
     out = run(model_dir, Path(done["yaml"]))
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
     assert out["param_bytes_per_rank"] == done["ranks"]
+
+
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+def test_tp_dp_pattern_on_other_architectures(arch, tmp_path_factory, tmp_path):
+    reference = build_reference(arch, tmp_path_factory)
+    model_dir = migrate(reference, tmp_path / "models")
+    proc = parallelize(model_dir, parallel_yaml(tmp_path / "p.yaml", *SCENARIOS["tp2_dp2_dense_tp4"]), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout)
+    out = run(model_dir, Path(done["yaml"]))
+    assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
+    assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * 4

@@ -26,11 +26,13 @@ from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from skills.migrator.codestyle import tidy
 from skills.parallel_impl.config import load_parallel_config, yaml_name
-from skills.parallel_impl.plan import Plan, make_plan
+from skills.parallel_impl.plan import Plan, make_plan, validate
 from skills.parallel_impl.rewrite import ParallelRewriteContext, parallelize_source
 from skills.parallel_impl.scenario import scenario_yaml
 
 PRISTINE = Path("agentic") / "migrated_models"
+_PARALLEL_ATTR = re.compile(r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
+                            r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead)\(")
 _INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
 
 
@@ -72,8 +74,10 @@ def _migrated_sources(model_dir: Path) -> dict[str, str]:
     return files
 
 
-def _rewrite(sources: dict[str, str], entry_class: str) -> tuple[dict[str, str], list[str]]:
-    out, done = dict(sources), []
+def _rewrite(sources: dict[str, str], entry_class: str
+             ) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]]]:
+    """(rewritten files, what changed, fused attribute -> its checkpoint parts)."""
+    out, done, fused = dict(sources), [], {}
     for name, text in sources.items():
         if not name.startswith("modeling_"):
             continue
@@ -84,7 +88,10 @@ def _rewrite(sources: dict[str, str], entry_class: str) -> tuple[dict[str, str],
             raise UserError(f"skill parallelize cannot shard this model safely: {listed}. Nothing was written; "
                             "port these modules to the parallel layers by hand (see references/model_contract.md).")
         done += ctx.rewrites
-    return out, done
+        for attr, part, _ in ctx.fused:
+            fused.setdefault(attr.lstrip("."), ())
+            fused[attr.lstrip(".")] += (part.lstrip("."),)
+    return out, done, fused
 
 
 def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[int]:
@@ -138,10 +145,20 @@ class _Target:
     entry_class: str
     model_type: str
     plan: Plan
+    sources: dict[str, str]  # models/*.py as migrated
+    new_code: dict[str, str]  # the same files rewritten
+    code_rewrites: list[str]
+
+
+def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
+    """Attributes the rewritten code builds as parallel layers, fused ones under their checkpoint names."""
+    attrs = {a for text in new_code.values() for a in _PARALLEL_ATTR.findall(text)}
+    return frozenset(part for a in attrs for part in fused.get(a, (a,)))
 
 
 def _load(model_dir: Path, config_path: Path) -> _Target:
-    """Config loaded and validated against the model's shapes (ConfigError, exit 2, before anything else)."""
+    """Config validated against the model's shapes first (ConfigError, exit 2), then the rewrite made in memory
+    and planned from what it actually shards."""
     model_dir = model_dir.resolve()
     pc = load_parallel_config(config_path)
     yaml_path = base_yaml(model_dir)
@@ -149,8 +166,12 @@ def _load(model_dir: Path, config_path: Path) -> _Target:
     worker = ModelWorker(config, None, model_dir)
     model_cls, config_cls = worker.resolve_classes()
     hf_config = worker._load_hf_config(config_cls)
-    plan = make_plan(pc, hf_config, config.model_config.torch_dtype)
-    return _Target(model_dir, pc, yaml_path, config, model_cls.__name__, hf_config.model_type, plan)
+    validate(pc, hf_config)
+    sources = _migrated_sources(model_dir)
+    new_code, code_rewrites, fused = _rewrite(sources, model_cls.__name__)
+    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(new_code, fused))
+    return _Target(model_dir, pc, yaml_path, config, model_cls.__name__, hf_config.model_type, plan, sources,
+                   new_code, code_rewrites)
 
 
 def plan_for_model_dir(model_dir: Path, config_path: Path) -> Plan:
@@ -168,8 +189,7 @@ def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, for
     log(f"config valid for {t.model_type}: world_size {pc.world_size}, "
         f"{plan.per_rank_param_bytes / 2**20:.1f} MiB of parameters per rank")
 
-    sources = _migrated_sources(model_dir)
-    new_code, code_rewrites = _rewrite(sources, t.entry_class)
+    sources, new_code, code_rewrites = t.sources, t.new_code, t.code_rewrites
     scenario_name = yaml_name(config.model_name, pc, moe=any("MoE" in r for r in plan.rewrites))
     scenario_text = scenario_yaml(yaml_path.read_text(encoding="utf-8"), pc, f"config/{scenario_name}")
     scenario_config = InferenceConfig.from_dict(yaml.safe_load(scenario_text), source=scenario_name)

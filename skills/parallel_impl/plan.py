@@ -176,10 +176,11 @@ def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
             "embed_tokens": pc.embed_tp_size, "lm_head": pc.lmhead_tp_size}
 
 
-def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp: dict[str, int]) -> int:
+def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp: dict[str, int],
+          sharded: frozenset[str]) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name)
-    if module == "experts":  # expert TP / EP is not implemented: every rank holds every expert
+    if module.removeprefix("shared_") not in sharded:  # includes MoE experts: expert TP / EP is not implemented
         return numel
     size = tp.get(module, 1)
     if module in ("embed_tokens", "lm_head"):
@@ -189,7 +190,8 @@ def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp:
     return numel if module in _ROW and name.endswith("bias") else numel // size
 
 
-def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[str], dict[str, int]]:
+def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozenset[str]
+              ) -> tuple[list[str], dict[str, int]]:
     """The steps, in the seed's order, and the size of each comm group they use."""
     w, a, tp = pc.world_size, pc.attn_tp_size, _tp_sizes(pc)
     e, lm, d = tp["embed_tokens"], tp["lm_head"], tp["down_proj"]
@@ -211,6 +213,11 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[s
     if a > 1:
         steps.append(f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
                      "kv heads per rank")
+    whole = sorted((modules & {*_MLP, "embed_tokens", "lm_head"}) - sharded)
+    if whole:
+        steps.append(f"{'/'.join(whole)} stay replicated: the migrated code does not build them as plain "
+                     "nn.Linear / nn.Embedding layers the rules shard")
+    modules = modules - set(whole)
     dense = bool(modules & set(_MLP))
     if dense:
         i = s.intermediate
@@ -230,7 +237,7 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[s
         p = _padded(s.vocab, e)
         steps.append(f"embed_tokens -> VocabParallelEmbedding (embed_tp={e}: vocab {s.vocab} padded to {p}, "
                      f"{p // e} rows per rank){on('embed_tp_group', e)}")
-    if s.tied:
+    if s.tied and "lm_head" in sharded:
         steps.append(f"lm_head -> ParallelLMHead tied to embed_tokens: shares its vocab shards (tie_weights)"
                      f"{on('lmhead_tp_group', lm)}")
     elif "lm_head" in modules:
@@ -249,8 +256,15 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str]) -> tuple[list[s
     return steps, groups
 
 
-def make_plan(pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtype) -> Plan:
-    """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank."""
+SHARDABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", *_MLP, "embed_tokens", "lm_head"})
+
+
+def make_plan(pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
+              sharded: frozenset[str] = SHARDABLE) -> Plan:
+    """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank.
+
+    `sharded`: the modules the rewritten code builds as parallel layers (shared-expert MLPs follow the MLP names);
+    the others are planned whole on every rank."""
     s = _shapes(hf_config)
     if s.mla:
         raise UserError(f"{s.model_type} uses multi-head latent attention (kv_lora_rank); skill parallelize does not "
@@ -261,11 +275,11 @@ def make_plan(pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtyp
     if not {"q_proj", "k_proj", "v_proj", "o_proj"} <= modules:
         raise UserError(f"{s.model_type} has no separate q_proj / k_proj / v_proj / o_proj attention projections; "
                         "skill parallelize shards Llama-style attention only.")
-    steps, sizes = _rewrites(pc, s, modules)
+    steps, sizes = _rewrites(pc, s, modules, sharded)
     w = pc.world_size
     groups = [GroupSpec(name, w // n, n) for name, n in sizes.items()]
     tp = _tp_sizes(pc)
-    held = sum(_held(name, shape, pc, s, tp) for name, shape in shapes.items())
+    held = sum(_held(name, shape, pc, s, tp, sharded) for name, shape in shapes.items())
     total = sum(math.prod(shape) for shape in shapes.values())
     return Plan(w, groups, steps, held * dtype.itemsize, total * dtype.itemsize)
 
