@@ -1,6 +1,6 @@
-"""`skill convert-weights` on a tiny llama parallelized for 2 ranks: the offline YAML runs the saved shards with
-transformers' greedy tokens and the per-rank bytes convert-weights reported, and the shards refuse any other
-parallel config. Refusals (invalid config, existing OUT, unparallelized model) write nothing."""
+"""`skill convert-weights` on a tiny llama parallelized for 2 ranks: the output's layout and binding, shards that
+refuse any other parallel config, refusals (invalid config, existing OUT, unparallelized model) that write nothing.
+Runs of the shards are compared with transformers in test_parallelize_parity."""
 
 import json
 import shutil
@@ -79,7 +79,8 @@ def conv(tmp_path_factory):
     )
 
 
-def test_offline_yaml_runs_the_shards_like_transformers(conv):
+def test_offline_layout_and_binding(conv):
+    """(Running the shards against transformers is in test_parallelize_parity, for three architectures.)"""
     assert conv.done["world_size"] == 2 and conv.done["out"] == str(conv.out.resolve())
     assert conv.yaml == conv.model_dir / "config" / "llama_rank_2_2tp_offline.yaml"
     assert yaml.safe_load(conv.yaml.read_text())["model_config"]["model_path"] == str(conv.out.resolve())
@@ -101,10 +102,6 @@ def test_offline_yaml_runs_the_shards_like_transformers(conv):
     for rank, size in enumerate(conv.done["ranks"]):
         shard = load_file(conv.out / f"rank_{rank}" / "model.safetensors")
         assert sum(t.numel() * t.element_size() for t in shard.values()) == size
-
-    out = json.loads(ok(run_offline(conv.model_dir, conv.yaml)).stdout)
-    assert [o["token_ids"] for o in out["outputs"]] == conv.reference["tokens"]
-    assert out["param_bytes_per_rank"] == conv.done["ranks"]
 
 
 def test_shards_refuse_another_parallel_config(conv, tmp_path):
