@@ -91,11 +91,11 @@ def run(
 
     llm = OfflineInference(config, model_dir)
     setup_logging(llm.dist.rank)
-    try:
-        results = llm.generate(prompts, chat=not raw)
-        param_bytes = llm.param_bytes_per_rank()
-    finally:
-        destroy_distributed()  # every rank leaves the process group before exiting
+    results = llm.generate(prompts, chat=not raw)
+    param_bytes = llm.param_bytes_per_rank()
+    # Only after success: a rank that failed must not wait in a barrier while its peers sit in another
+    # collective; it exits and torchrun stops the others.
+    destroy_distributed()
     if llm.dist.rank == 0 and as_json:
         print(json.dumps({"outputs": [r.to_dict() for r in results], "prefill_ms": llm.prefill_avg_ms,
                           "decode_avg_ms": llm.decode_avg_ms, "param_bytes_per_rank": param_bytes},

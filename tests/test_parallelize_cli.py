@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import yaml
 from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
 
@@ -110,3 +111,13 @@ def test_standalone_tp2_matches_transformers(reference, tmp_path):
     out = run_json(["bash", str(model_dir / "infer.sh"), "--json", "--raw", "--max_new_tokens", str(NEW_TOKENS),
                     *prompts_args()])  # infer.sh now points at the TP2 YAML: torchrun, 2 ranks, rank 0 prints
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
+
+
+def test_bfloat16_model_shards_check_in_its_dtype(reference, tmp_path):
+    model_dir = migrate(reference, tmp_path / "models", "--dtype", "bfloat16")
+    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})),
+                 "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    done = json.loads(proc.stdout)
+    assert done["total_param_bytes"] == 2 * sum(
+        t.numel() for t in safetensors.torch.load_file(reference["ckpt"] / "model.safetensors").values())

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -66,7 +66,7 @@ class ModelWorker:
         pc = self.config.parallel_config
         self.comm_manager = CommManager(pc.world_size, self.dist.rank)
         start = time.perf_counter()
-        with torch.device(self.dist.device), _default_dtype(mc.torch_dtype):
+        with torch.device(self.dist.device), default_dtype(mc.torch_dtype):
             model = model_cls(self.hf_config, self.config, self.comm_manager, prefix="")
         model.eval().requires_grad_(False)
         if hasattr(model, "check_model_settings"):

@@ -82,14 +82,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Replicated layout: logits of the same rows on every rank. Sharded layout (attention-DP ranks hold
         different rows): the group's rows are gathered, and each rank keeps its own rows' full logits."""
-        if self.tp_size == 1 or not current_layout().sharded:
+        layout = current_layout()
+        # a group inside one attn-TP group (consecutive ranks, tp | attn_tp) already shares its rows
+        if not layout.sharded or layout.attn_tp_size % self.tp_size == 0:
             logits = all_gather(F.linear(hidden, self.weight, self.bias), self.group, dim=-1)
             return logits[..., : self.num_embeddings]
         n = hidden.shape[-2]
         most = int(all_gather(torch.tensor([n], device=hidden.device), self.group, dim=0).max())
         rows = all_gather(pad_rows(hidden, most), self.group, dim=-2)
         logits = all_gather(F.linear(rows, self.weight, self.bias), self.group, dim=-1)
-        return logits[..., self.tp_rank * most:self.tp_rank * most + n, : self.num_embeddings]
+        return logits[..., self.tp_rank * most:self.tp_rank * most + n, : self.num_embeddings].contiguous()
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Shares the embedding's weight; both layers must shard the vocab identically."""

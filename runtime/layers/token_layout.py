@@ -65,8 +65,7 @@ def use_layout(layout: TokenLayout) -> Iterator[None]:
 
 def needs_sharded_layout(pc: ParallelConfig) -> bool:
     """Attention DP with any TP module: DP ranks then share collectives and must step in lock-step."""
-    sizes = (pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size, pc.moe_tp_size,
-             pc.o_proj_tp_size)
+    sizes = (pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size)  # the sizes models shard by
     return pc.attn_dp_size > 1 and max(sizes) > 1
 
 

@@ -35,7 +35,7 @@ from runtime.engine.loader import (
     load_checkpoint,
     rank_dir,
 )
-from runtime.engine.model_worker import ModelWorker, _default_dtype
+from runtime.engine.model_worker import ModelWorker, default_dtype
 from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
 from skills.parallel_impl.config import yaml_name
@@ -93,16 +93,24 @@ def _entry(t: _Target, config_path: Path) -> tuple[type[nn.Module], PretrainedCo
 
 
 def _check_out(out: Path, source: Path, model_dir: Path, force: bool) -> None:
-    """OUT may not be or hold the checkpoint or the model directory, nor lie inside the checkpoint."""
+    """OUT may not be, hold or lie inside the checkpoint or the model directory; --force replaces only an earlier
+    convert-weights output (or an empty directory), never other files."""
     for path, what in ((source, "the source checkpoint"), (model_dir, "the model directory")):
-        if out == path or out in path.parents or (path == source and source in out.parents):
+        if out == path or out in path.parents or path in out.parents:
             raise UserError(
                 f"-o {out} overlaps {what} {path}; write the converted weights to a directory of their own."
             )
-    if out.exists() and not force:
+    if not out.exists():
+        return
+    if not force:
         raise UserError(
             f"{out} already exists; pass --force to replace it (once the new one is complete), or choose "
             "another -o."
+        )
+    if not (is_converted(out) or (out.is_dir() and not any(out.iterdir()))):
+        raise UserError(
+            f"{out} exists and is not a `skill convert-weights` output (no parallel_config.json), so --force will "
+            "not delete it; choose another -o or remove it yourself."
         )
 
 
@@ -132,7 +140,7 @@ def _build_rank(
     model_cls: type[nn.Module], hf_config: PretrainedConfig, config: InferenceConfig, rank: int
 ) -> nn.Module:
     comm_manager = CommManager(config.parallel_config.world_size, rank, create_groups=False)
-    with torch.device("cpu"), _default_dtype(config.model_config.torch_dtype):
+    with torch.device("cpu"), default_dtype(config.model_config.torch_dtype):
         model = model_cls(hf_config, config.with_rank(rank, rank), comm_manager, prefix="")
     return model.eval().requires_grad_(False)
 
@@ -165,7 +173,11 @@ def _install(staged: Path, out: Path) -> None:
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
     os.replace(out, aside / out.name)
-    os.replace(staged, out)
+    try:
+        os.replace(staged, out)
+    except OSError:
+        os.replace(aside / out.name, out)  # put the old one back
+        raise
     shutil.rmtree(aside)
 
 
@@ -188,6 +200,7 @@ def convert_weights(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staged.chmod(0o755)  # mkdtemp's 0700 would make OUT private
     try:
         shutil.copytree(
             source, staged, ignore=shutil.ignore_patterns(*WEIGHT_PATTERNS, ".*"), dirs_exist_ok=True

@@ -21,7 +21,7 @@ import yaml
 
 from runtime.config import InferenceConfig, ParallelConfig
 from runtime.config.comm_manager import CommManager
-from runtime.engine.model_worker import ModelWorker
+from runtime.engine.model_worker import ModelWorker, default_dtype
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from skills.migrator.codestyle import tidy
@@ -31,6 +31,8 @@ from skills.parallel_impl.rewrite import ParallelRewriteContext, parallelize_sou
 from skills.parallel_impl.scenario import scenario_yaml
 
 PRISTINE = Path("agentic") / "migrated_models"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 _PARALLEL_ATTR = re.compile(r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
                             r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead)\(")
 _INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
@@ -101,7 +103,7 @@ def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[
     hf_config = worker._load_hf_config(config_cls)
     sizes = []
     for rank in range(world_size):
-        with torch.device("meta"):
+        with torch.device("meta"), default_dtype(config.model_config.torch_dtype):
             model = model_cls(hf_config, config, CommManager(world_size, rank, create_groups=False), prefix="")
         sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
     return sizes
@@ -120,11 +122,14 @@ def _write(path: Path, text: str) -> None:
     """Atomic: a reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    if path.exists():
-        os.chmod(tmp, path.stat().st_mode)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, path.stat().st_mode if path.exists() else 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _refuse_overwrite(path: Path, new: str, allowed: tuple[str, ...], force: bool) -> None:
@@ -208,8 +213,13 @@ def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, for
     _refuse_overwrite(target_yaml, scenario_text, (), force)
 
     written = []
-    if not (model_dir / PRISTINE).is_dir():
-        shutil.copytree(model_dir / "models", model_dir / PRISTINE, ignore=shutil.ignore_patterns("__pycache__"))
+    if not (model_dir / PRISTINE).is_dir():  # copied whole, then renamed: never a partial source
+        (model_dir / PRISTINE).parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".migrated_models.", dir=(model_dir / PRISTINE).parent))
+        shutil.copytree(model_dir / "models", staging, ignore=shutil.ignore_patterns("__pycache__"),
+                        dirs_exist_ok=True)
+        staging.chmod(0o777 & ~_UMASK)
+        staging.rename(model_dir / PRISTINE)
         written.append(str(PRISTINE))
     for name, text in new_code.items():
         path = model_dir / "models" / name

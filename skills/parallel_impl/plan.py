@@ -26,8 +26,11 @@ from runtime.errors import ConfigError, UserError
 VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
 _WORLD_SPLITS = ("attn_tp_size", "dense_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size",
                  "o_proj_tp_size", "shared_tp_size", "cp_size")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-_ROW = ("o_proj", "down_proj", "shared_down_proj")  # input split: the bias stays whole
+# MLP projections the mlp rule shards over dense_tp_group: column (output split) then row (input split)
+_MLP_COLUMN = ("gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h")
+_MLP_ROW = ("down_proj", "fc2", "c_proj", "dense_4h_to_h")
+_MLP = (*_MLP_COLUMN, *_MLP_ROW)
+_ROW = ("o_proj", *_MLP_ROW, "shared_down_proj")  # input split: the bias stays whole
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def _module(name: str) -> str:
 
 def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
     a, d = pc.attn_tp_size, pc.dense_tp_size
-    return {"q_proj": a, "k_proj": a, "v_proj": a, "o_proj": a, "gate_proj": d, "up_proj": d, "down_proj": d,
+    return {"q_proj": a, "k_proj": a, "v_proj": a, "o_proj": a, **dict.fromkeys(_MLP, d),
             "shared_gate_proj": d, "shared_up_proj": d, "shared_down_proj": d,
             "embed_tokens": pc.embed_tp_size, "lm_head": pc.lmhead_tp_size}
 
@@ -221,9 +224,12 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozen
     dense = bool(modules & set(_MLP))
     if dense:
         i = s.intermediate
-        steps.append(f"gate_proj/up_proj -> MergedColumnParallelLinear (dense_tp={d}: intermediate {i} -> {i // d} "
-                     f"per rank){on('dense_tp_group', d)}")
-        steps.append(f"down_proj -> RowParallelLinear (dense_tp={d}){on('dense_tp_group', d)}")
+        column = [m for m in _MLP_COLUMN if m in modules]
+        kind = "MergedColumnParallelLinear" if len(column) > 1 else "ColumnParallelLinear"
+        steps.append(f"{'/'.join(column)} -> {kind} (dense_tp={d}: intermediate {i} -> {i // d} per rank)"
+                     f"{on('dense_tp_group', d)}")
+        steps.append(f"{'/'.join(m for m in _MLP_ROW if m in modules)} -> RowParallelLinear (dense_tp={d})"
+                     f"{on('dense_tp_group', d)}")
     if s.shared_intermediate and "shared_down_proj" in modules:
         i = s.shared_intermediate
         steps.append(f"shared expert gate_proj/up_proj -> MergedColumnParallelLinear, down_proj -> "
@@ -249,7 +255,9 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozen
                      "layers, all_gather before QKV and reduce_scatter after o_proj on attn_tp_group (not all_reduce); "
                      f"tokens padded to a multiple of {a}; prefill all_gathers hidden before picking last tokens")
     elif a == 1 and w > 1:
-        steps.append(f"plain DP: requests split over {w} attention-DP ranks; attention needs no TP group")
+        lockstep = (" that step together: the other TP groups span them, so each rank holds its tokens padded to "
+                    "the longest rank's" if max(e, lm, d if dense else 1) > 1 else "")
+        steps.append(f"plain DP: requests split over {w} attention-DP ranks{lockstep}; attention needs no TP group")
     neighbours = [("embed_tokens", e)] + ([("MLP", d)] if dense else []) + [("lm_head", lm)]
     steps += [f"re-layout all_gather/reduce_scatter between attention (tp={a}) and {m} (tp={t})"
               for m, t in neighbours if t != a]

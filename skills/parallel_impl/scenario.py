@@ -12,7 +12,8 @@ from runtime.errors import ConfigError
 # Written always (seed 002's block); the other sizes only when they differ from their default.
 _ALWAYS = ("world_size", "attn_tp_size", "dense_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size",
            "o_proj_tp_size")
-_SECTION = re.compile(r"^parallel_config:[^\n]*\n(?:(?:[ \t]+[^\n]*|)\n)*", re.MULTILINE)
+# the section up to the next top-level key (its comments and blank lines included) or the end of the file
+_SECTION = re.compile(r"^parallel_config:.*?(?=^[A-Za-z_][\w-]*:|\Z)", re.MULTILINE | re.DOTALL)
 
 
 def _parallel_block(pc: ParallelConfig) -> str:
@@ -38,5 +39,6 @@ def scenario_yaml(base_text: str, pc: ParallelConfig, source: str) -> str:
         return f"{m[1]}{-(-int(m[2]) // dp) * dp}"
 
     text = re.sub(r"^(  batch_size: )(\d+)", round_batch, text, count=1, flags=re.MULTILINE)
-    InferenceConfig.from_dict(yaml.safe_load(text), source=source)
+    written = InferenceConfig.from_dict(yaml.safe_load(text), source=source)
+    assert written.parallel_config == pc and written.world_size == pc.world_size, f"{source}: rewrite lost a size"
     return text

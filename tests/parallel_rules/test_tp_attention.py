@@ -181,6 +181,10 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
         "built before q_proj": BEFORE.replace(
             "        # projections\n", "        self.attn = Attention(num_heads=8, head_dim=64, scale=1.0)\n"
         ).replace("        self.attn = Attention(\n", "        self.attn2 = Other(\n"),
+        "is sized for all heads": BEFORE.replace(  # OLMo2's q_norm over the whole q projection
+            "        self.attn = Attention(",
+            "        self.q_norm = RMSNorm(config.num_attention_heads * self.head_dim)\n        self.attn = Attention(",
+        ),
         "computed after q_proj": BEFORE.replace("head_dim=self.head_dim", "head_dim=self.head_dim2").replace(
             "        self.attn = Attention(", "        self.head_dim2 = 64\n        self.attn = Attention("
         ),

@@ -125,3 +125,21 @@ def test_unshardable_mlp_stays_replicated(run_rule, make_ctx):
         ctx = make_ctx()
         assert run_rule(rule, code, ctx) == code
         assert ctx.rewrites == ctx.fused == ctx.findings == []
+
+
+def test_fused_gate_up_column_stays_replicated(run_rule, make_ctx):
+    # ChatGLM-style: gate and up stacked in one column that forward chunks; a contiguous shard would mix them.
+    code = dedent("""\
+        class GLMMLP(nn.Module):
+            def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+                super().__init__()
+                self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=False)
+                self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+
+            def forward(self, x):
+                gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
+                return self.dense_4h_to_h(F.silu(gate) * up)
+        """)
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    assert ctx.rewrites == ctx.fused == ctx.findings == []

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import add_imports, assigned_names, classes, free_names, method
+from skills.migrator.cst_utils import add_imports, assigned_names, called_name, classes, free_names, method
 from skills.parallel_impl.rules._units import (
     LINEAR,
     LINEAR_IMPORT,
@@ -49,6 +49,22 @@ GLOBAL_SIZES = re.compile(
     r"\b(num_heads|num_attention_heads|num_key_value_heads|num_kv_heads|hidden_size|"
     r"embed_dim|all_head_size)\b"
 )
+
+
+# a module or parameter built in __init__ with these is sized for every head, not a rank's share
+HEAD_COUNTS = re.compile(r"\b(num_attention_heads|num_key_value_heads|num_heads|num_kv_heads)\b")
+
+
+def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> str | None:
+    """Source of the first other __init__ statement that builds a module / parameter from the head counts."""
+    for statement in init.body.body:
+        if any(statement is s for s in skip):
+            continue
+        for call in m.findall(statement, m.Call()):
+            callee = called_name(call).split(".")[-1]
+            if (callee[:1].isupper() or callee == "Parameter") and HEAD_COUNTS.search(code(call)):
+                return code(statement).strip()
+    return None
 
 
 def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
@@ -111,6 +127,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return "the Attention layer is built before q_proj, whose per-rank head counts it takes"
     if _computed_later(init, sizes, linears["q_proj"].line, attn.line):
         return "the Attention head counts use values computed after q_proj"
+    skip = [linears[a].line for a in (*QKV, out)] + [attn.line]
+    if whole := _whole_head_module(init, skip):
+        return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     if found := GLOBAL_SIZES.search(code(fwd.body)):
         return f"forward uses the whole model's `{found.group()}`, which a rank no longer has"
     if not returns_output_of(fwd, out):

@@ -7,6 +7,7 @@ named `gate`, extra arguments) is left as it is, without a finding."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import libcst as cst
@@ -18,6 +19,7 @@ from skills.parallel_impl.rules._units import (
     REGION_IMPORTS,
     Layer,
     LinearArgs,
+    code,
     edit_body,
     fuse_calls,
     has_region,
@@ -41,6 +43,7 @@ GATED = ("gate_proj", "up_proj")
 COLUMN = ("fc1", "c_fc", "dense_h_to_4h", "up_proj")
 ROW = ("fc2", "c_proj", "dense_4h_to_h", "down_proj")
 STACKED = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+_SPLITS = re.compile(r"\.(chunk|split|unbind|tensor_split)\(|\[\s*\.\.\.\s*,|\bswiglu\(")
 
 
 def _unit(linears: dict[str, Layer]) -> tuple[tuple[str, ...], str] | None:
@@ -79,6 +82,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
             "MergedColumnParallelLinear",
             f"[{first.out_features}, {up.out_features}]",
         )
+    elif _SPLITS.search(
+        code(fwd.body)
+    ):  # e.g. gate and up fused in one column: a contiguous shard would mix them
+        return None
     else:
         attr, ctor, out = columns[0], "ColumnParallelLinear", first.out_features
     fwd = wrap_region(fwd)
