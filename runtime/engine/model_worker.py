@@ -20,6 +20,11 @@ from runtime.kv_cache import KVCacheManager, blocks_for_batch
 logger = logging.getLogger(__name__)
 
 
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
     saved = torch.get_default_dtype()
@@ -59,10 +64,14 @@ class ModelWorker:
         return AutoConfig.from_pretrained(self.model_path,
                                           trust_remote_code=self.config.model_config.trust_remote_code)
 
+    def model_class_and_config(self) -> tuple[type[torch.nn.Module], PretrainedConfig]:
+        """The model directory's entry class and the checkpoint's HF config (through its config class if any)."""
+        model_cls, config_cls = self.resolve_classes()
+        return model_cls, self._load_hf_config(config_cls)
+
     def init(self) -> None:
         mc = self.config.model_config
-        model_cls, config_cls = self.resolve_classes()
-        self.hf_config = self._load_hf_config(config_cls)
+        model_cls, self.hf_config = self.model_class_and_config()
         pc = self.config.parallel_config
         self.comm_manager = CommManager(pc.world_size, self.dist.rank)
         start = time.perf_counter()
@@ -82,7 +91,7 @@ class ModelWorker:
             logger.warning("parallel_config asks for TP %d but %s has no parallel layers (run `skill parallelize`); "
                            "every rank computes the whole model", tp, model_cls.__name__)
         self.model = model
-        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.param_bytes = param_bytes(model)
         logger.info("[Main] model %s loaded in %.1f s (%s, %s), %d parameter bytes on rank %d", model_cls.__name__,
                     time.perf_counter() - start, self.dist.device, mc.dtype, self.param_bytes, self.dist.rank)
 

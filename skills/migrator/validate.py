@@ -23,8 +23,7 @@ def validate_model_dir(model_dir: Path, yaml_path: Path) -> None:
     config = InferenceConfig.from_yaml(yaml_path)
     config.model_config.trust_remote_code = True  # the code was only parsed so far; nothing runs from it here
     worker = ModelWorker(config, None, model_dir)
-    model_cls, config_cls = worker.resolve_classes()
-    hf_config = worker._load_hf_config(config_cls)
+    model_cls, hf_config = worker.model_class_and_config()
     try:
         with torch.device("meta"):
             model = model_cls(hf_config, config, None, prefix="")

@@ -35,11 +35,10 @@ from runtime.engine.loader import (
     load_checkpoint,
     rank_dir,
 )
-from runtime.engine.model_worker import ModelWorker, default_dtype
+from runtime.engine.model_worker import default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
-from skills.parallel_impl.config import yaml_name
-from skills.parallel_impl.pipeline import _load, _Target, _write
+from skills.parallel_impl.pipeline import _load, _Target, _write, scenario_yaml_name
 from skills.parallel_impl.scenario import scenario_yaml
 
 # Checkpoint files that are (or index) weights: converted, not copied. Hidden files (.cache/) are skipped too.
@@ -79,17 +78,14 @@ def _source(t: _Target) -> Path:
     return source
 
 
-def _entry(t: _Target, config_path: Path) -> tuple[type[nn.Module], PretrainedConfig]:
-    """The model class, which must already be rewritten to parallel layers, and its HF config."""
-    worker = ModelWorker(t.config, None, t.model_dir)
-    model_cls, config_cls = worker.resolve_classes()
-    if not hasattr(model_cls, "init_parallel_comm_group"):
+def _require_parallel_code(t: _Target, config_path: Path) -> None:
+    """The model class must already be rewritten to parallel layers."""
+    if not hasattr(t.model_cls, "init_parallel_comm_group"):
         raise UserError(
-            f"{t.model_dir} holds the single-rank code of {model_cls.__name__} (no "
+            f"{t.model_dir} holds the single-rank code of {t.model_cls.__name__} (no "
             "init_parallel_comm_group), so its weights cannot be sharded; run `skill parallelize "
             f"{t.model_dir} --config {config_path}` first."
         )
-    return model_cls, worker._load_hf_config(config_cls)
 
 
 def _check_out(out: Path, source: Path, model_dir: Path, force: bool) -> None:
@@ -116,8 +112,7 @@ def _check_out(out: Path, source: Path, model_dir: Path, force: bool) -> None:
 
 def _offline_yaml(t: _Target, out: Path) -> tuple[str, str]:
     """(file name, text): the model's YAML with the parallel config applied and model_path set to `out`."""
-    moe = any("MoE" in r for r in t.plan.rewrites)
-    name = yaml_name(t.config.model_name, t.pc, moe=moe, scenario="offline")
+    name = scenario_yaml_name(t, scenario="offline")
     text = scenario_yaml(t.yaml_path.read_text(encoding="utf-8"), t.pc, f"config/{name}")
     text = _MODEL_PATH.sub(lambda m: f"{m[1]} {json.dumps(str(out))}", text, count=1)
     if (yaml.safe_load(text).get("model_config") or {}).get("model_path") != str(out):
@@ -152,14 +147,14 @@ def _save_rank(model: nn.Module, source: Path, folder: Path) -> int:
     folder.mkdir()
     save_file(state, folder / SHARD_FILE, metadata={"format": "pt"})
     os.chmod(folder / SHARD_FILE, folder.stat().st_mode & 0o666)  # safetensors creates it 0600
-    return sum(t.numel() * t.element_size() for t in state.values())
+    return param_bytes(model)
 
 
 def _meta(t: _Target, source: Path, ranks: list[int]) -> dict:
     fingerprint = {str(f.relative_to(source)): f.stat().st_size for f in checkpoint_files(source)}
     return {
         "parallel_config": t.pc.model_dump(),
-        "entry_class": t.entry_class,
+        "entry_class": t.model_cls.__name__,
         "source": str(source),
         "source_fingerprint": fingerprint,
         "param_bytes_per_rank": ranks,
@@ -196,7 +191,7 @@ def convert_weights(
     target_yaml = t.model_dir / "config" / name
     _refuse_overwrite(target_yaml, text, force)
     config = InferenceConfig.from_dict(yaml.safe_load(text), source=str(target_yaml))
-    model_cls, hf_config = _entry(t, config_path)
+    _require_parallel_code(t, config_path)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -207,7 +202,7 @@ def convert_weights(
         )
         ranks = []
         for rank in range(t.pc.world_size):
-            model = _build_rank(model_cls, hf_config, config, rank)
+            model = _build_rank(t.model_cls, t.hf_config, config, rank)
             ranks.append(_save_rank(model, source, rank_dir(staged, rank)))
             del model
             gc.collect()  # parameters and their weight_loaders reference each other: free before the next rank

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 import yaml
+from transformers import PretrainedConfig
 
 from runtime.config import InferenceConfig, ParallelConfig
 from runtime.config.comm_manager import CommManager
-from runtime.engine.model_worker import ModelWorker, default_dtype
+from runtime.engine.model_worker import ModelWorker, default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from skills.migrator.codestyle import tidy
@@ -98,14 +99,12 @@ def _rewrite(sources: dict[str, str], entry_class: str
 
 def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[int]:
     """Parameter bytes each rank holds, from the model built on the meta device with that rank's shards."""
-    worker = ModelWorker(config, None, model_dir)
-    model_cls, config_cls = worker.resolve_classes()
-    hf_config = worker._load_hf_config(config_cls)
+    model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
     sizes = []
     for rank in range(world_size):
         with torch.device("meta"), default_dtype(config.model_config.torch_dtype):
             model = model_cls(hf_config, config, CommManager(world_size, rank, create_groups=False), prefix="")
-        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+        sizes.append(param_bytes(model))
     return sizes
 
 
@@ -147,8 +146,8 @@ class _Target:
     pc: ParallelConfig
     yaml_path: Path  # the migrated YAML
     config: InferenceConfig
-    entry_class: str
-    model_type: str
+    model_cls: type[torch.nn.Module]  # the entry class of models/ as it is now
+    hf_config: PretrainedConfig
     plan: Plan
     sources: dict[str, str]  # models/*.py as migrated
     new_code: dict[str, str]  # the same files rewritten
@@ -168,15 +167,17 @@ def _load(model_dir: Path, config_path: Path) -> _Target:
     pc = load_parallel_config(config_path)
     yaml_path = base_yaml(model_dir)
     config = InferenceConfig.from_yaml(yaml_path)
-    worker = ModelWorker(config, None, model_dir)
-    model_cls, config_cls = worker.resolve_classes()
-    hf_config = worker._load_hf_config(config_cls)
+    model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
     validate(pc, hf_config)
     sources = _migrated_sources(model_dir)
     new_code, code_rewrites, fused = _rewrite(sources, model_cls.__name__)
     plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(new_code, fused))
-    return _Target(model_dir, pc, yaml_path, config, model_cls.__name__, hf_config.model_type, plan, sources,
-                   new_code, code_rewrites)
+    return _Target(model_dir, pc, yaml_path, config, model_cls, hf_config, plan, sources, new_code, code_rewrites)
+
+
+def scenario_yaml_name(t: _Target, scenario: str = "") -> str:
+    """config/<this name> for the target's parallel config (seed 002's naming; MoE models name their EP size)."""
+    return yaml_name(t.config.model_name, t.pc, moe=any("MoE" in r for r in t.plan.rewrites), scenario=scenario)
 
 
 def plan_for_model_dir(model_dir: Path, config_path: Path) -> Plan:
@@ -186,16 +187,16 @@ def plan_for_model_dir(model_dir: Path, config_path: Path) -> Plan:
 def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, force: bool = False,
                 log: Callable[[str], None] = lambda msg: None) -> ParallelizeResult:
     t = _load(model_dir, config_path)
-    model_dir, pc, yaml_path, config, plan = t.model_dir, t.pc, t.yaml_path, t.config, t.plan
+    model_dir, pc, yaml_path, plan = t.model_dir, t.pc, t.yaml_path, t.plan
     found = directory_mode(model_dir)
     if mode is not None and mode != found:
         raise UserError(f"{model_dir} was migrated in {found} mode, not {mode}; re-run `skill migrate --mode {mode} "
                         "--force` first, or drop --mode.")
-    log(f"config valid for {t.model_type}: world_size {pc.world_size}, "
+    log(f"config valid for {t.hf_config.model_type}: world_size {pc.world_size}, "
         f"{plan.per_rank_param_bytes / 2**20:.1f} MiB of parameters per rank")
 
     sources, new_code, code_rewrites = t.sources, t.new_code, t.code_rewrites
-    scenario_name = yaml_name(config.model_name, pc, moe=any("MoE" in r for r in plan.rewrites))
+    scenario_name = scenario_yaml_name(t)
     scenario_text = scenario_yaml(yaml_path.read_text(encoding="utf-8"), pc, f"config/{scenario_name}")
     scenario_config = InferenceConfig.from_dict(yaml.safe_load(scenario_text), source=scenario_name)
 
