@@ -98,7 +98,8 @@ def run(
     destroy_distributed()
     if llm.dist.rank == 0 and as_json:
         print(json.dumps({"outputs": [r.to_dict() for r in results], "prefill_ms": llm.prefill_avg_ms,
-                          "decode_avg_ms": llm.decode_avg_ms, "param_bytes_per_rank": param_bytes},
+                          "decode_avg_ms": llm.decode_avg_ms, "param_bytes_per_rank": param_bytes,
+                          "kv_cache": llm.engine.kv.stats()},
                          ensure_ascii=False))
     elif llm.dist.rank == 0:
         for r in results:

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from runtime.errors import UserError
 from runtime.kv_cache import (
     NULL_BLOCK,
     BlockPool,
@@ -23,8 +24,10 @@ def test_pool_allocate_free_and_usage():
     assert pool.usage == 0.75
     pool.free([2])
     assert pool.num_free_blocks == 2
-    assert pool.allocate(2) == [4, 2]
-    assert pool.usage == 1.0
+    assert pool.allocate(2) == [2, 4]  # lowest free ids first
+    assert pool.usage == 1.0 and pool.peak_used_blocks == 4
+    pool.free([1, 3])
+    assert pool.peak_used_blocks == 4
 
 
 def test_pool_exhaustion_is_all_or_nothing():
@@ -155,7 +158,7 @@ def test_manager_all_or_nothing_across_groups():
     assert not kv.allocate_slots("b", 0, 8)
     assert not kv.has_request("b")
     assert kv.allocate_slots("a", 12, 4)
-    assert kv.block_tables(["a"]) == {"full": [[1, 2, 3, 4]], "sliding_window_4": [[0, 0, 3, 4]]}
+    assert kv.block_tables(["a"]) == {"full": [[1, 2, 3, 4]], "sliding_window_4": [[0, 0, 3, 1]]}  # 1 reused
 
 
 def test_manager_free_usage_and_summary():
@@ -164,9 +167,10 @@ def test_manager_free_usage_and_summary():
     assert kv.allocate_slots(7, 0, 4)
     assert kv.has_request("a") and kv.has_request(7)
     assert kv.usage() == {"full": 5 / 8, "sliding_window_4": 5 / 8}
-    assert "full 62.5% (3/8 free)" in kv.usage_summary()
+    assert "full 62.5% (3/8 free, peak 5 used)" in kv.usage_summary()
     kv.free("a")
     assert not kv.has_request("a")
+    assert kv.stats() == {"layout": "paged", "num_blocks": 8, "block_size": 4, "peak_used_blocks": 5}
     assert kv.usage() == {"full": 1 / 8, "sliding_window_4": 1 / 8}
     with pytest.raises(KeyError, match="'a'"):
         kv.free("a")
@@ -177,7 +181,7 @@ def test_manager_free_usage_and_summary():
 def test_sizing():
     assert blocks_for_batch(batch_size=3, max_seq_len=17, block_size=16) == 3 * 2 + 1
     assert blocks_for_memory(free_bytes=1000, fraction=0.5, bytes_per_block=100) == 5
-    with pytest.raises(RuntimeError, match="at least 2"):
+    with pytest.raises(UserError, match="at least 2"):
         blocks_for_memory(free_bytes=1000, fraction=0.1, bytes_per_block=100)
     with pytest.raises(ValueError):
         blocks_for_memory(free_bytes=1000, fraction=0.0, bytes_per_block=100)

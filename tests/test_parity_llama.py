@@ -42,6 +42,13 @@ def test_skill_run_matches_transformers_generate(tmp_path, tiny_llama_dir, refer
     assert [o["prompt_token_ids"] for o in out["outputs"]] == reference["ids"]
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
     assert out["prefill_ms"] > 0 and out["decode_avg_ms"] > 0
+    kv = out["kv_cache"]
+    assert kv["layout"] == kv_layout
+    if kv_layout == "paged":  # sized for 4 requests of 64 + 16 tokens in blocks of 8; taken as requests grow
+        assert kv["num_blocks"] == 4 * 10
+        assert 0 < kv["peak_used_blocks"] <= sum(-(-(len(x) + NEW_TOKENS) // 8) for x in reference["ids"])
+    else:
+        assert (kv["num_blocks"], kv["peak_used_blocks"]) == (4, 4)
 
 
 @pytest.mark.parametrize("kv_layout", ["paged", "legacy"])

@@ -133,7 +133,7 @@ def test_finish_reasons_and_kv_release(params: dict, tokens: list[int], reason: 
         assert done == ([r] if i == len(tokens) - 1 else [])
     assert r.status is Status.FINISHED and r.is_finished and r.finish_reason == reason
     assert r.output_token_ids == tokens
-    assert s.finished == [r] and not s.has_work() and s.schedule() is None
+    assert not s.has_work() and s.schedule() is None
     assert not kv.has_request(r.request_id) and free_blocks(kv) == 7
 
 
@@ -181,7 +181,7 @@ def test_many_requests_under_kv_pressure_all_finish_with_consistent_outputs():
     drain(s)
     assert sum(r.num_preemptions for r in reqs) > 0
     assert all(r.finish_reason == "length" and r.output_token_ids == expected_outputs(r) for r in reqs)
-    assert s.finished and sorted(map(id, s.finished)) == sorted(map(id, reqs))
+    assert all(r.is_finished for r in reqs) and not s.has_work()
     assert free_blocks(kv) == 8
 
 
@@ -219,3 +219,18 @@ def test_legacy_rows_reject_sequences_longer_than_max_seq_len(prompt_len: int, m
     s = sched(LegacyCacheRows(num_rows=2, max_seq_len=8), req(prompt_len, max_new=max_new))
     with pytest.raises(UserError, match="legacy KV cache rows hold 8"):
         drain(s)
+
+
+def test_abort_frees_blocks_of_running_and_drops_waiting_requests():
+    kv = paged(7)
+    a, b, c = req(4, max_new=8), req(4, max_new=8), req(4, max_new=8)
+    s = sched(kv, a, b, c, max_batch=2)
+    step(s)  # a, b running; c waiting
+    assert a.status is Status.RUNNING and c.status is Status.WAITING
+    s.abort(a)
+    s.abort(c)
+    assert (a.finish_reason, c.finish_reason) == ("abort", "abort") and a.is_finished and c.is_finished
+    assert not kv.has_request(a.request_id) and s.running == [b] and not s.waiting
+    s.abort(a)  # finished already: nothing happens
+    drain(s)
+    assert b.finish_reason == "length" and free_blocks(kv) == 6

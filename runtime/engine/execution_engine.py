@@ -1,22 +1,38 @@
-"""Drives one step: packs a Batch into tensors, runs the model, samples, writes results back."""
+"""The long-lived engine: requests in (`add_request`), one scheduler step at a time out (`step`).
+
+Offline inference adds every prompt and steps until done; a server drives the same object from its own loop.
+"""
 import logging
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed
+from transformers import GenerationConfig
 
 from runtime.config import InferenceConfig
 from runtime.distributed import DistInfo
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.model_worker import ModelWorker
-from runtime.engine.request import Batch, Request, SamplingParams
+from runtime.engine.request import Batch, Request, SamplingParams, StepOutput
 from runtime.engine.sampler import Sampler
-from runtime.layers.token_layout import ATTN_GROUP, step_layout, use_layout
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.step_inputs import build_step_inputs
+from runtime.layers.token_layout import ATTN_GROUP, any_rank, needs_sharded_layout, step_layout, use_layout
 
 logger = logging.getLogger(__name__)
 
 
 def _long(device, values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+@dataclass
+class StepStats:
+    prefill_ms: list[float] = field(default_factory=list)
+    decode_ms: list[float] = field(default_factory=list)
+
+    def record(self, is_prefill: bool, ms: float) -> None:
+        (self.prefill_ms if is_prefill else self.decode_ms).append(ms)
 
 
 class ExecutionEngine:
@@ -26,39 +42,83 @@ class ExecutionEngine:
         self.sampler = Sampler()
         self.kv = None
         self.tokenizer = None
+        self.scheduler: Scheduler | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.requests: dict[int, Request] = {}  # unfinished requests by id
+        self.stats = StepStats()
+        # Attention-DP ranks share the collectives of TP modules: they step together (dummy steps when idle).
+        self.lockstep = needs_sharded_layout(config.parallel_config)
 
     def init(self) -> None:
         self.worker.init()
         self.tokenizer = self.worker.load_tokenizer()
         self.kv = self.worker.init_kvcache()
+        self.eos_token_ids = self._eos_token_ids()
+        sc = self.config.scheduler_config
+        self.scheduler = Scheduler(self.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens,
+                                   self.eos_token_ids)
 
-    def _build_model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, ForwardMetaData]:
-        tokens = batch.new_token_ids()
-        lens_q = [len(t) for t in tokens]
-        kv_len = [0 if batch.is_prefill else r.computed_len for r in batch.requests]
-        dev = self.device
-        input_ids = _long(dev, [t for seq in tokens for t in seq])
-        q, kv = _long(dev, lens_q), _long(dev, kv_len)
-        cu_q = torch.nn.functional.pad(q.cumsum(0), (1, 0))
-        if batch.is_prefill:
-            req_of_token = torch.repeat_interleave(torch.arange(len(batch), device=dev), q)
-            positions = torch.arange(input_ids.numel(), device=dev) - cu_q[:-1][req_of_token]
-        else:
-            req_of_token, positions = torch.arange(len(batch), device=dev), kv
-        kv_total = kv + q
-        md = ForwardMetaData(
-            is_prefill=batch.is_prefill, kv_len=kv, actual_seq_lengths_q=q, actual_seq_lengths_kv=kv_total,
-            actual_seq_lengths_cu_q=cu_q, positions=positions, max_seq_len_q=max(lens_q),
-            max_seq_len_kv=max(k + n for k, n in zip(kv_len, lens_q)),
-            prompt_tokens=[len(r.prompt_token_ids) for r in batch.requests])
-        block_size = self.kv.block_size
-        width = -(-md.max_seq_len_kv // block_size)  # blocks covering the longest context this step
-        for group, tables in self.kv.block_tables([r.request_id for r in batch.requests]).items():
-            table = _long(dev, [t[:width] + [0] * (width - len(t[:width])) for t in tables])
-            md.block_table[group] = table
-            md.slot_mapping[group] = table[req_of_token, positions // block_size] * block_size + positions % block_size
-        return input_ids, positions, md
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        try:
+            eos = GenerationConfig.from_pretrained(self.worker.model_path).eos_token_id
+        except OSError:
+            eos = self.worker.hf_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
+    # --- the request API -------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
+                    prompt: str = "") -> int:
+        """Queue a request; returns its id. It joins the running batch at the next step that has room."""
+        if not prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        request = Request(list(prompt_token_ids), sampling or SamplingParams(), prompt=prompt)
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request now and free its KV blocks; False if it is unknown or already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request)
+        self.sampler.release(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def any_unfinished(self) -> bool:
+        """has_unfinished() on any rank that steps with this one (a collective in lock-step: all ranks call it)."""
+        busy = self.has_unfinished()
+        return any_rank(busy, self.device) if self.lockstep else busy
+
+    def step(self) -> list[StepOutput]:
+        """One scheduler step: a prefill of newly admitted requests or one decode token for every running one.
+        A lock-step rank without work runs a dummy step and returns nothing."""
+        if not self.scheduler.has_work():
+            if self.lockstep:
+                self.dummy_step()
+            return []
+        batch = self.scheduler.schedule()
+        assert batch is not None, "scheduler has work but scheduled nothing"
+        out = self.forward_batch(batch)
+        self.stats.record(batch.is_prefill, out["infer_time_ms"])
+        logger.info("[Main] Inference time (%s): %.2f ms", "prefill" if batch.is_prefill else "decode",
+                     out["infer_time_ms"])
+        finished = {r.request_id for r in self.scheduler.process_batch_output(batch, out["next_tokens"])}
+        outputs = []
+        for r, token in zip(batch.requests, out["next_tokens"]):
+            done = r.request_id in finished
+            outputs.append(StepOutput(r.request_id, [token], done, r.finish_reason))
+            if done:
+                self.sampler.release(r)
+                self.requests.pop(r.request_id, None)
+        return outputs
+
+    # --- one forward --------------------------------------------------------------------------------------------
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, md: ForwardMetaData):
         layout = step_layout(self.config.parallel_config, self.worker.comm_manager, input_ids.numel(), self.device)
         with use_layout(layout):
@@ -66,7 +126,8 @@ class ExecutionEngine:
 
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> dict:
-        input_ids, position_ids, md = self._build_model_inputs(batch)
+        tables = self.kv.block_tables([r.request_id for r in batch.requests])
+        input_ids, position_ids, md = build_step_inputs(batch, tables, self.kv.block_size, self.device)
         logits, infer_ms = self._run(input_ids, position_ids, md)
         next_tokens = self._agree(self.sampler(logits[:, -1, :], batch.requests)).tolist()
         return {"next_tokens": next_tokens, "logits": logits, "infer_time_ms": infer_ms}

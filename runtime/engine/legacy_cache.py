@@ -15,6 +15,7 @@ class LegacyCacheRows:
         self.group_keys = [LEGACY]
         self._free = deque(range(num_rows))
         self._rows: dict = {}
+        self._num_rows, self._peak = num_rows, 0
 
     def allocate_slots(self, request_id, computed_tokens: int, num_new_tokens: int,
                        lookahead_tokens: int = 0) -> bool:
@@ -26,6 +27,7 @@ class LegacyCacheRows:
             if not self._free:
                 return False
             self._rows[request_id] = self._free.popleft()
+            self._peak = max(self._peak, len(self._rows))
         return True
 
     def free(self, request_id) -> None:
@@ -34,5 +36,9 @@ class LegacyCacheRows:
     def block_tables(self, request_ids) -> dict[str, list[list[int]]]:
         return {LEGACY: [[self._rows[r]] for r in request_ids]}
 
+    def stats(self) -> dict:
+        return {"layout": "legacy", "num_blocks": self._num_rows, "block_size": self.block_size,
+                "peak_used_blocks": self._peak}
+
     def usage_summary(self) -> str:
-        return f"legacy kv cache: {len(self._rows)} rows in use"
+        return f"legacy kv cache: {len(self._rows)} rows in use, peak {self._peak} of {self._num_rows}"

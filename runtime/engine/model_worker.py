@@ -15,7 +15,8 @@ from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.engine.loader import init_dummy_weights, load_checkpoint
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
-from runtime.kv_cache import KVCacheManager, blocks_for_batch
+from runtime.device_memory import free_memory_bytes, lazy_zeros
+from runtime.kv_cache import KVCacheManager, blocks_for_batch, blocks_for_memory
 
 logger = logging.getLogger(__name__)
 
@@ -118,17 +119,26 @@ class ModelWorker:
                 m.k_cache = torch.zeros(batch, max_seq, *m.cache_unit, dtype=dtype, device=self.dist.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
             return LegacyCacheRows(batch, max_seq)
-        num_blocks = sc.num_kv_blocks or blocks_for_batch(batch, max_seq, sc.block_size)
+        num_blocks = sc.num_kv_blocks or self._blocks_from_memory(info.bytes_per_block(sc.block_size))
         manager = KVCacheManager(info, num_blocks, sc.block_size)
         for entries in manager.groups.values():
             for e in entries:
                 shape = (num_blocks, sc.block_size, e.num_kv_heads, e.head_dim)
                 module = modules[e.name]
-                module.k_cache = torch.zeros(shape, dtype=e.dtype, device=self.dist.device)
-                module.v_cache = torch.zeros_like(module.k_cache)
-        logger.info("[Main] paged KV cache: %d blocks x %d tokens, %s", num_blocks, sc.block_size,
-                    ", ".join(manager.group_keys))
+                module.k_cache = lazy_zeros(shape, e.dtype, self.dist.device)
+                module.v_cache = lazy_zeros(shape, e.dtype, self.dist.device)
+        logger.info("[Main] paged KV cache: %d blocks x %d tokens (%.1f MiB), %s", num_blocks, sc.block_size,
+                    num_blocks * info.bytes_per_block(sc.block_size) / 2**20, ", ".join(manager.group_keys))
         return manager
+
+    def _blocks_from_memory(self, bytes_per_block: int) -> int:
+        """``mem_fraction_static`` of the memory free after the weights, but no more blocks than the scheduler can
+        ever hold at once (batch_size_per_dp_rank requests of max_seq_len tokens)."""
+        sc = self.config.scheduler_config
+        free = free_memory_bytes(self.dist.device)
+        fits = blocks_for_memory(free, sc.mem_fraction_static, bytes_per_block)
+        most = blocks_for_batch(self.config.batch_size_per_dp_rank, self.config.max_seq_len, sc.block_size)
+        return min(fits, most)
 
     def inference(self, input_ids, position_ids, forward_metadata) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()

@@ -56,6 +56,16 @@ class Request:
         return self.status is Status.FINISHED
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step produced for one request: enough to stream it."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+
+
 @dataclass
 class Batch:
     """The requests of one step: a prefill of whole sequences or one decode token each."""

@@ -25,7 +25,6 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: list[Request] = []
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -76,6 +75,17 @@ class Scheduler:
             return self._schedule_prefill()
         return Batch(scheduled, is_prefill=False)
 
+    def abort(self, request: Request) -> None:
+        """Take a request out of the queue or the running batch, freeing its KV blocks at once."""
+        if request.status is Status.FINISHED:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self.kv.free(request.request_id)
+        else:
+            self.waiting.remove(request)
+        request.finish_reason, request.status = "abort", Status.FINISHED
+
     def _preempt(self, request: Request) -> None:
         """Free the request's KV and queue it for recomputation from its tokens so far."""
         self.kv.free(request.request_id)
@@ -96,7 +106,6 @@ class Scheduler:
                 self.running.remove(request)
                 self.kv.free(request.request_id)
                 done.append(request)
-        self.finished.extend(done)
         return done
 
     def _finish_reason(self, request: Request) -> str | None:

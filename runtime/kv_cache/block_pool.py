@@ -1,6 +1,10 @@
-"""Free list of fixed-size KV cache blocks. Block 0 is the null block: padding in block tables, never handed out."""
+"""Free list of fixed-size KV cache blocks. Block 0 is the null block: padding in block tables, never handed out.
 
-from collections import deque
+The lowest free ids go out first, so a pool sized from memory touches (and, on the host, makes resident) only
+as many blocks as were ever in use at once.
+"""
+
+import heapq
 from collections.abc import Iterable
 
 NULL_BLOCK = 0
@@ -15,8 +19,9 @@ class BlockPool:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (null block + 1), got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: list[int] = list(range(1, num_blocks))  # a heap
         self._is_free = [False] + [True] * (num_blocks - 1)
+        self.peak_used_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -31,9 +36,10 @@ class BlockPool:
         assert n >= 0, n
         if n > len(self._free):
             raise KVCacheExhausted(f"need {n} KV cache blocks, only {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [heapq.heappop(self._free) for _ in range(n)]
         for b in ids:
             self._is_free[b] = False
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - 1 - len(self._free))
         return ids
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -50,4 +56,4 @@ class BlockPool:
             seen.add(b)
         for b in ids:
             self._is_free[b] = True
-        self._free.extend(ids)
+            heapq.heappush(self._free, b)

@@ -61,9 +61,16 @@ class KVCacheManager:
     def usage(self) -> dict[str, float]:
         return {key: m.pool.usage for key, m in self._managers.items()}
 
+    def stats(self) -> dict:
+        """Pool size and the most blocks any group had in use at once."""
+        pools = [m.pool for m in self._managers.values()]
+        return {"layout": "paged", "num_blocks": pools[0].num_blocks - 1, "block_size": self.block_size,
+                "peak_used_blocks": max(p.peak_used_blocks for p in pools)}
+
     def usage_summary(self) -> str:
         parts = (
-            f"{key} {m.pool.usage:.1%} ({m.pool.num_free_blocks}/{m.pool.num_blocks - 1} free)"
+            f"{key} {m.pool.usage:.1%} ({m.pool.num_free_blocks}/{m.pool.num_blocks - 1} free, "
+            f"peak {m.pool.peak_used_blocks} used)"
             for key, m in self._managers.items()
         )
         return f"kv cache: {len(self._requests)} requests, " + ", ".join(parts)

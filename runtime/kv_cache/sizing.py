@@ -1,4 +1,5 @@
 """How many KV cache blocks to allocate."""
+from runtime.errors import UserError
 
 
 def cdiv(a: int, b: int) -> int:
@@ -16,9 +17,10 @@ def blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int) ->
         raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
     n = int(free_bytes * fraction) // bytes_per_block
     if n < 2:
-        raise RuntimeError(
+        raise UserError(
             f"only {n} KV cache block(s) fit in {fraction:.0%} of {free_bytes / 2**20:.1f} MiB free memory "
             f"({bytes_per_block} bytes per block); at least 2 are needed. "
-            "Raise the memory fraction, use a smaller block size, or free device memory."
+            "Raise scheduler_config.mem_fraction_static, use a smaller block_size, set num_kv_blocks, or free "
+            "device memory."
         )
     return n

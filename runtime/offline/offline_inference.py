@@ -1,17 +1,14 @@
-"""Offline batch inference: tokenize prompts, run the scheduler loop to completion, decode outputs."""
+"""Offline batch inference on the persistent engine: tokenize prompts, add them all, step until done."""
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch.distributed
-from transformers import GenerationConfig
 
 from runtime.config import InferenceConfig
 from runtime.distributed import init_distributed
 from runtime.engine.execution_engine import ExecutionEngine
-from runtime.engine.request import Request, SamplingParams
-from runtime.engine.scheduler import Scheduler
-from runtime.layers.token_layout import any_rank, needs_sharded_layout
+from runtime.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +37,6 @@ class OfflineInference:
         self.engine.init()
         self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer
-        self.eos_token_ids = self._eos_token_ids()
-        self.prefill_ms: list[float] = []
-        self.decode_ms: list[float] = []
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        path = self.engine.worker.model_path
-        try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:
-            eos = self.engine.worker.hf_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
     def tokenize(self, prompt: str, chat: bool) -> list[int]:
         if chat and self.tokenizer.chat_template:
@@ -73,17 +57,22 @@ class OfflineInference:
         return SamplingParams(max_new_tokens=sc.max_new_tokens, stop_token_ids=tuple(sc.stop_token_ids),
                               ignore_eos=sc.ignore_eos)
 
-    def generate(self, prompts: list[str], sampling: SamplingParams | None = None,
+    def generate(self, prompts: list[str], sampling: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = True) -> list[GenerationOutput]:
-        """All prompts' outputs, in order, on every rank. With attention DP each DP rank runs its share."""
+        """All prompts' outputs, in order, on every rank. With attention DP each DP rank runs its share.
+        ``sampling`` is one set of parameters for all prompts or one per prompt."""
         pc = self.config.parallel_config
+        params = sampling if isinstance(sampling, list) else [sampling or self.default_sampling()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
         share = -(-len(prompts) // pc.attn_dp_size)
         dp_rank = self.dist.rank // pc.attn_tp_size
-        mine = self._generate(prompts[dp_rank * share:(dp_rank + 1) * share], sampling, chat)
+        mine = slice(dp_rank * share, (dp_rank + 1) * share)
+        outputs = self.generate_ids([self.tokenize(p, chat) for p in prompts[mine]], params[mine], prompts[mine])
         if self.dist.world_size == 1:
-            return mine
+            return outputs
         gathered: list = [None] * self.dist.world_size
-        torch.distributed.all_gather_object(gathered, mine)
+        torch.distributed.all_gather_object(gathered, outputs)
         return [out for dp in range(pc.attn_dp_size) for out in gathered[dp * pc.attn_tp_size]]
 
     def param_bytes_per_rank(self) -> list[int]:
@@ -95,45 +84,34 @@ class OfflineInference:
         torch.distributed.all_gather_object(gathered, mine)
         return gathered
 
-    def _generate(self, prompts: list[str], sampling: SamplingParams | None, chat: bool) -> list[GenerationOutput]:
-        sampling = sampling or self.default_sampling()
-        requests = [Request(self.tokenize(p, chat), sampling, prompt=p) for p in prompts]
-        sc = self.config.scheduler_config
-        scheduler = Scheduler(self.engine.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens,
-                              self.eos_token_ids)
-        for r in requests:
-            scheduler.add_request(r)
-        # Attention-DP ranks sharing TP collectives step together; one without work runs dummy steps.
-        lockstep = needs_sharded_layout(self.config.parallel_config)
-        while True:
-            busy = scheduler.has_work()
-            if not (any_rank(busy, self.dist.device) if lockstep else busy):
-                break
-            if not busy:
-                self.engine.dummy_step()
-                continue
-            batch = scheduler.schedule()
-            assert batch is not None, "scheduler has work but scheduled nothing"
-            out = self.engine.forward_batch(batch)
-            stage = "prefill" if batch.is_prefill else "decode"
-            (self.prefill_ms if batch.is_prefill else self.decode_ms).append(out["infer_time_ms"])
-            logger.info("[Main] Inference time (%s): %.2f ms", stage, out["infer_time_ms"])
-            for r in scheduler.process_batch_output(batch, out["next_tokens"]):
-                self.engine.sampler.release(r)
-        results = [GenerationOutput(r.prompt, r.prompt_token_ids, r.output_token_ids,
-                                    self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
-                                    r.finish_reason) for r in requests]
+    def generate_ids(self, prompts_ids: list[list[int]], params: list[SamplingParams],
+                     prompts: list[str] | None = None) -> list[GenerationOutput]:
+        """This rank's requests from token ids: add them all, step the engine until every rank is done."""
+        engine = self.engine
+        prompts = prompts or [""] * len(prompts_ids)
+        ids = [engine.add_request(p, s, prompt=text) for p, s, text in zip(prompts_ids, params, prompts, strict=True)]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        reasons: dict[int, str] = {}
+        while engine.any_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        results = [GenerationOutput(text, p, tokens[i], self.tokenizer.decode(tokens[i], skip_special_tokens=True),
+                                    reasons[i]) for i, p, text in zip(ids, prompts_ids, prompts)]
         for i, res in enumerate(results):
             logger.info("Request %d: outputs: %s", i, res.text)
         logger.info("%s decode average inference time cost is %.2f ms", self.config.model_name,
                     self.decode_avg_ms)
+        logger.info("[Main] %s", engine.kv.usage_summary())
         return results
 
     @property
     def prefill_avg_ms(self) -> float:
-        return _mean(self.prefill_ms)
+        return _mean(self.engine.stats.prefill_ms)
 
     @property
     def decode_avg_ms(self) -> float:
         """Mean decode step time without the first (cold) step."""
-        return _mean(self.decode_ms[1:] or self.decode_ms)
+        decode = self.engine.stats.decode_ms
+        return _mean(decode[1:] or decode)

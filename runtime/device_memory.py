@@ -1,0 +1,30 @@
+"""Device memory helpers for the KV pool: what is free after the weights, and zeroed buffers that cost only
+what is used."""
+import math
+import os
+
+import numpy as np
+import torch
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Bytes still free on ``device``: the allocator's view on CUDA / NPU, MemAvailable on the host."""
+    if device.type in ("cuda", "npu"):
+        return getattr(torch, device.type).mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the host it comes from calloc'd pages that the OS commits only when written, so a KV
+    pool sized from memory makes resident just the blocks requests have used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
