@@ -10,12 +10,12 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
+from runtime.device_memory import free_memory_bytes, lazy_zeros
 from runtime.distributed import DistInfo
 from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.engine.loader import init_dummy_weights, load_checkpoint
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
-from runtime.device_memory import free_memory_bytes, lazy_zeros
 from runtime.kv_cache import KVCacheManager, blocks_for_batch, blocks_for_memory
 
 logger = logging.getLogger(__name__)
