@@ -110,6 +110,47 @@ def run(
 
 @app.command()
 @user_errors
+def bench(
+    model_dir: Annotated[Path, typer.Argument(help="Model directory (models/ + config/).")],
+    yaml_file: Annotated[Path | None, typer.Option("--yaml", help="YAML to run (default: config/<dir>.yaml).")] = None,
+    workload: Annotated[str, typer.Option(help="decode1 | mixed64 | prefill | all.")] = "all",
+    dtype: Annotated[str, typer.Option(help="bfloat16 | float32 | float16.")] = "bfloat16",
+    threads: Annotated[int | None, typer.Option(min=1, help="Torch threads for every engine (default: all cores).")] = None,
+    compare: Annotated[str, typer.Option(help="transformers | none: the peer timed in the same run.")] = "none",
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per engine and workload; the median is reported.")] = 3,
+    quick: Annotated[bool, typer.Option("--quick", help="Tiny sizes: checks the bench, measures nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of tokens/s per workload.")] = None,
+):
+    """Time the runtime (and transformers) on fixed workloads; table on stderr, JSON on stdout."""
+    from skills.bench.report import plot as write_plot
+    from skills.bench.report import print_table
+    from skills.bench.run import BenchOptions, run_bench
+    from skills.bench.workloads import WORKLOADS
+
+    names = list(WORKLOADS) if workload == "all" else [workload]
+    if any(n not in WORKLOADS for n in names):
+        raise UserError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)} or all.")
+    if compare not in ("transformers", "none"):
+        raise UserError(f"--compare {compare!r}: the only peer is 'transformers' (or 'none').")
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise UserError(f"--dtype {dtype!r}: choose bfloat16, float32 or float16.")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise UserError(f"--plot {plot}: the plot is a PNG; give a path ending in .png.")
+    opts = BenchOptions(model_dir, find_yaml(model_dir, yaml_file), names, dtype, threads or os.cpu_count() or 1,
+                        compare == "transformers", repeats, quick,
+                        log=lambda msg: err.print(f"[cyan]bench[/] {msg}", highlight=False))
+    report = run_bench(opts)
+    print_table(report, err)
+    if plot is not None:
+        write_plot(report, plot)
+        err.print(f"[cyan]bench[/] plot written to {plot}", highlight=False)
+    if as_json:
+        print(json.dumps(report))
+
+
+@app.command()
+@user_errors
 def migrate(
     source: Annotated[str, typer.Argument(help="Local checkpoint dir, https://huggingface.co/ORG/REPO or ORG/REPO.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Parent directory of the model directory.")] = Path("models"),

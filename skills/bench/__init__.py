@@ -1,0 +1,1 @@
+"""`skill bench`: the runtime against transformers `generate` on the same model, dtype and threads."""

@@ -1,0 +1,62 @@
+"""The bench's rich table (stderr) and its plot."""
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(report: dict, console: Console) -> None:
+    m = report["machine"]
+    table = Table(title=f"skill bench: {report['model_dir']} ({report['dtype']}, {m['threads']} threads, "
+                        f"read bandwidth {report['bandwidth_gb_s']:.1f} GB/s)")
+    for col in ("workload", "ours tok/s", "peer tok/s", "ratio", "MBU", "TTFT p50/p99 ms (ours)",
+                "TTFT p99 ms (peer)", "TPOT ms ours/peer", "peak RSS MB ours/peer", "greedy spot check"):
+        table.add_column(col, justify="left" if col == "workload" else "right")
+    for name, w in report["workloads"].items():
+        spot = w["spot_check"]
+        table.add_row(
+            name, _f(w["ours_tok_s"]), _f(w["peer_tok_s"]), _f(w["ratio"], ".2f") + ("x" if w["ratio"] else ""),
+            _f(w["mbu"] and 100 * w["mbu"], ".0f") + ("%" if w["mbu"] else ""),
+            f"{_f(w['ttft_p50_ms'], '.0f')} / {_f(w['ttft_p99_ms'], '.0f')}", _f(w["peer_ttft_p99_ms"], ".0f"),
+            f"{_f(w['tpot_ms']['ours'])} / {_f(w['tpot_ms']['peer'])}",
+            f"{_f(w['peak_rss_mb']['ours'], '.0f')} / {_f(w['peak_rss_mb']['peer'], '.0f')}",
+            "-" if spot is None else f"{spot['identical']}/{spot['checked']} identical")
+    console.print(table)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        w = report["workloads"][name]
+        labels, values = ["ours"], [w["ours_tok_s"]]
+        if w["peer_tok_s"] is not None:
+            labels.append("transformers")
+            values.append(w["peer_tok_s"])
+        bars = ax.bar(labels, values, color=["tab:blue", "tab:gray"][:len(values)])
+        ax.bar_label(bars, fmt="%.1f")
+        if w["bandwidth_limit_tok_s"]:
+            ax.axhline(w["bandwidth_limit_tok_s"], color="tab:red", linestyle="--",
+                       label=f"bandwidth limit {w['bandwidth_limit_tok_s']:.0f} tok/s")
+            ax.legend(loc="lower right")
+        unit = "prompt tok/s" if name == "prefill" else "output tok/s"
+        title = name + (f" ({w['ratio']:.2f}x)" if w["ratio"] else "")
+        ax.set(title=title, ylabel=unit)
+    m = report["machine"]
+    fig.suptitle(f"{Path(report['model_dir']).name}, {report['dtype']}, {m['threads']} threads, {m['cpu']}",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,67 @@
+"""One engine in its own process (so its peak RSS is its own), driven over stdin/stdout by `skill bench`.
+
+    python -m skills.bench.worker ours|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS [--quick]
+
+Prints ``READY {...}``, then answers each ``run`` line with ``RESULT {...}`` and ``quit`` with
+``DONE {"peak_rss_mb": ...}``; the peer also answers ``reference N`` with greedy outputs of the first N requests
+run one at a time (no padding), for the spot check. Everything else it prints goes to stderr.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+PREFIXES = ("READY", "RESULT", "DONE")
+
+
+def _say(out, tag: str, payload: dict) -> None:
+    out.write(f"{tag} {json.dumps(payload)}\n")
+    out.flush()
+
+
+def peak_rss_mb() -> float:
+    """This process's high-water RSS (VmHWM starts afresh at exec, unlike ru_maxrss)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def main(argv: list[str]) -> int:
+    engine, model_dir, yaml_file, workload_name, dtype, threads = argv[:6]
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # libraries that print to stdout cannot break the protocol
+    import torch
+
+    from skills.bench.workloads import make_workload
+
+    torch.set_num_threads(int(threads))
+    workload = make_workload(workload_name, quick="--quick" in argv)
+    if engine == "ours":
+        from skills.bench.engines import Ours
+
+        runner = Ours(Path(model_dir), Path(yaml_file), dtype, workload.num_requests, max(workload.prompt_lens),
+                      max(workload.output_lens))
+        weights, kv = runner.bytes_per_token()
+        info = {"weight_bytes": weights, "kv_bytes_per_token": kv}
+    else:
+        from runtime.config import InferenceConfig
+        from skills.bench.engines import Peer
+
+        checkpoint = Path(InferenceConfig.from_yaml(yaml_file).model_config.model_path).expanduser()
+        runner, info = Peer(checkpoint, dtype, workload.peer_batch), {}
+    prompts = workload.prompts(runner.vocab_size)
+    _say(protocol, "READY", info)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            _say(protocol, "RESULT", runner.run(prompts, workload.output_lens).to_dict())
+        elif line.startswith("reference "):
+            n = int(line.split()[1])
+            outputs = [runner.run([p], [o]).outputs[0] for p, o in zip(prompts[:n], workload.output_lens)]
+            _say(protocol, "RESULT", {"outputs": outputs})
+        elif line.strip() == "quit":
+            break
+    _say(protocol, "DONE", {"peak_rss_mb": peak_rss_mb()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,42 @@
+"""`skill bench` smoke test: every workload at a tiny size on a tiny checkpoint (the bench's code, not timing)."""
+import json
+import subprocess
+import sys
+
+from model_dirs import make_model_dir
+
+
+def skill_bench(model_dir, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skills.cli", "bench", str(model_dir), *args], check=False,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
+    model_dir = make_model_dir(tmp_path, tiny_llama_dir)
+    plot = tmp_path / "bench.png"
+    proc = skill_bench(model_dir, "--quick", "--compare", "transformers", "--repeats", "2", "--threads", "1",
+                       "--dtype", "float32", "--json", "--plot", str(plot))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["bandwidth_gb_s"] > 0 and report["machine"]["threads"] == 1
+    assert set(report["workloads"]) == {"decode1", "mixed64", "prefill"}
+    for name, w in report["workloads"].items():
+        assert w["ours_tok_s"] > 0 and w["peer_tok_s"] > 0
+        assert abs(w["ratio"] - w["ours_tok_s"] / w["peer_tok_s"]) < 1e-9
+        assert 0 < w["ttft_p50_ms"] <= w["ttft_p99_ms"] and w["peer_ttft_p99_ms"] > 0
+        assert w["peak_rss_mb"]["ours"] > 0 and w["peak_rss_mb"]["peer"] > 0
+        assert w["spot_check"]["checked"] > 0 and w["spot_check"]["passed"], (name, w["spot_check"])
+    decode = report["workloads"]["decode1"]
+    assert 0 < decode["mbu"] and decode["bandwidth_limit_tok_s"] > 0
+    assert abs(decode["achieved_gb_s"] / report["bandwidth_gb_s"] - decode["mbu"]) < 1e-9
+    assert report["workloads"]["prefill"]["mbu"] is None
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "skill bench" in proc.stderr  # the table
+
+
+def test_bad_options_are_refused_before_anything_runs(tmp_path, tiny_llama_dir):
+    model_dir = make_model_dir(tmp_path, tiny_llama_dir)
+    for args, message in [(["--workload", "decode2"], "unknown workload"), (["--compare", "vllm"], "only peer"),
+                          (["--plot", str(tmp_path / "x.jpg")], "PNG")]:
+        proc = skill_bench(model_dir, *args)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
