@@ -1,5 +1,5 @@
-"""Device memory helpers for the KV pool: what is free after the weights, and zeroed buffers that cost only
-what is used."""
+"""Device helpers: free memory after the weights, zeroed KV buffers that cost only what is used, and a sync
+for timing."""
 import math
 import os
 
@@ -28,3 +28,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so host timers measure it (a no-op on the host)."""
+    if device.type in ("cuda", "npu"):
+        getattr(torch, device.type).synchronize(device)
