@@ -115,6 +115,7 @@ def bench(
     yaml_file: Annotated[Path | None, typer.Option("--yaml", help="YAML to run (default: config/<dir>.yaml).")] = None,
     workload: Annotated[str, typer.Option(help="decode1 | mixed64 | prefill | all.")] = "all",
     dtype: Annotated[str, typer.Option(help="bfloat16 | float32 | float16.")] = "bfloat16",
+    exe_mode: Annotated[str | None, typer.Option(help="eager | compile (default: the YAML's).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="Torch threads for every engine (default: all cores).")] = None,
     compare: Annotated[str, typer.Option(help="transformers | none: the peer timed in the same run.")] = "none",
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per engine and workload; the median is reported.")] = 3,
@@ -137,8 +138,10 @@ def bench(
         raise UserError(f"--dtype {dtype!r}: choose bfloat16, float32 or float16.")
     if plot is not None and plot.suffix.lower() != ".png":
         raise UserError(f"--plot {plot}: the plot is a PNG; give a path ending in .png.")
+    if exe_mode not in (None, "eager", "compile"):
+        raise UserError(f"--exe-mode {exe_mode!r}: choose eager or compile.")
     opts = BenchOptions(model_dir, find_yaml(model_dir, yaml_file), names, dtype, threads or os.cpu_count() or 1,
-                        compare == "transformers", repeats, quick,
+                        compare == "transformers", exe_mode, repeats, quick,
                         log=lambda msg: err.print(f"[cyan]bench[/] {msg}", highlight=False))
     report = run_bench(opts)
     print_table(report, err)

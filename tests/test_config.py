@@ -3,6 +3,7 @@ import textwrap
 import pytest
 import torch
 
+from runtime.config.inference_config import npu_importable
 from runtime.config import InferenceConfig, ParallelConfig
 from runtime.errors import ConfigError
 
@@ -173,9 +174,18 @@ def test_invalid_dtype():
     rejects({"model_config": {"dtype": "fp8"}}, "`model_config.dtype`", "'fp8'", "'bfloat16'")
 
 
+@pytest.mark.skipif(npu_importable(), reason="torch_npu is installed: the graph modes are accepted")
 @pytest.mark.parametrize("mode", ["ge_graph", "npugraph_ex"])
-def test_graph_exe_mode_rejected(mode):
-    rejects({"model_config": {"exe_mode": mode}}, "`model_config.exe_mode`", "graph engine", '"eager"')
+def test_npu_graph_modes_need_torch_npu_and_point_to_compile(mode):
+    rejects({"model_config": {"exe_mode": mode}}, "`model_config.exe_mode`", "needs torch_npu", '"compile"')
+
+
+def test_unknown_exe_mode_lists_the_modes():
+    rejects({"model_config": {"exe_mode": "graph"}}, "`model_config.exe_mode`", "'graph'", '"compile"')
+
+
+def test_compile_mode_is_accepted():
+    assert InferenceConfig.from_dict({"model_config": {"exe_mode": "compile"}}).model_config.exe_mode == "compile"
 
 
 def test_inconsistent_derived_key():

@@ -80,3 +80,15 @@ def test_one_batch_mixes_sampling_parameters(llm, prompt_ids):
 def test_add_request_rejects_an_empty_prompt(llm):
     with pytest.raises(ValueError, match="prompt token"):
         llm.engine.add_request([], greedy())
+
+
+def test_profiler_writes_traces_of_the_first_prefill_and_decode_steps(tmp_path, tiny_llama_dir, prompt_ids):
+    model_dir = make_model_dir(tmp_path, tiny_llama_dir)
+    config = InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml")
+    config.model_config.enable_profiler = True
+    llm = OfflineInference(config, model_dir)
+    llm.generate_ids(prompt_ids[:2], [greedy()] * 2)
+    prefill = sorted((model_dir / "prof" / "prefill").glob("*.json"))
+    decode = sorted((model_dir / "prof" / "decode").glob("*.json"))
+    assert len(prefill) == 1 and len(decode) == 3
+    assert all('"traceEvents"' in p.read_text() for p in prefill + decode)

@@ -52,3 +52,20 @@ def test_standalone_mode_matches_transformers(arch, tmp_path, kv):
 def test_prefill_logits_match_transformers(arch, tmp_path):
     logits = prefill_logits(migrate(arch, tmp_path), arch["ids"])
     torch.testing.assert_close(logits, arch["logits"], atol=1e-4, rtol=0)
+
+
+def _set_exe_mode(model_dir: Path, mode: str) -> None:
+    yaml_file = model_dir / "config" / f"{model_dir.name}.yaml"
+    text = yaml_file.read_text()
+    assert 'exe_mode: "eager"' in text
+    yaml_file.write_text(text.replace('exe_mode: "eager"', f'exe_mode: "{mode}"'))
+
+
+@pytest.mark.parametrize("name", [pytest.param(a, marks=() if a == "llama" else pytest.mark.slow)
+                                  for a in ("llama", "qwen3", "gemma3_text")])
+def test_compile_mode_matches_transformers(name, tmp_path_factory, tmp_path):
+    """exe_mode: compile (torch.compile of the decode step, compiled during warm-up) keeps greedy parity."""
+    reference = build_reference(name, tmp_path_factory)
+    model_dir = migrate(reference, tmp_path)
+    _set_exe_mode(model_dir, "compile")
+    assert_framework_run_matches(reference, model_dir)

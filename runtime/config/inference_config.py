@@ -19,6 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from runtime.errors import ConfigError
 
+NPU_GRAPH_MODES = ("ge_graph", "npugraph_ex")
+
+
+def npu_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_npu") is not None
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, protected_namespaces=())
@@ -51,12 +59,14 @@ class ModelConfig(_Section):
 
     @field_validator("exe_mode")
     @classmethod
-    def _eager_only(cls, v: str) -> str:
-        if v in ("ge_graph", "npugraph_ex"):
-            raise ValueError(f"{v!r} needs Ascend's graph engine, which this runtime does not provide; "
-                             "use \"eager\"")
-        if v != "eager":
-            raise ValueError("the only supported mode is \"eager\"")
+    def _known_mode(cls, v: str) -> str:
+        if v in NPU_GRAPH_MODES:
+            if not npu_importable():
+                raise ValueError(f"{v!r} is an Ascend graph mode and needs torch_npu, which is not installed "
+                                 "here; use \"compile\" (torch.compile of the decode step) or \"eager\"")
+        elif v not in ("eager", "compile"):
+            raise ValueError(f"unknown mode {v!r}: use \"eager\", \"compile\" (torch.compile of the decode step), "
+                             "or with torch_npu \"ge_graph\" / \"npugraph_ex\"")
         return v
 
     @property

@@ -2,8 +2,10 @@
 
 Offline inference adds every prompt and steps until done; a server drives the same object from its own loop.
 """
+import contextlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed
@@ -13,6 +15,7 @@ from runtime.config import InferenceConfig
 from runtime.distributed import DistInfo
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.model_worker import ModelWorker
+from runtime.engine.profiler import StepProfiler
 from runtime.engine.request import Batch, Request, SamplingParams, StepOutput
 from runtime.engine.sampler import Sampler
 from runtime.engine.scheduler import Scheduler
@@ -46,6 +49,7 @@ class ExecutionEngine:
         self.eos_token_ids: tuple[int, ...] = ()
         self.requests: dict[int, Request] = {}  # unfinished requests by id
         self.stats = StepStats()
+        self.profiler: StepProfiler | None = None
         # Attention-DP ranks share the collectives of TP modules: they step together (dummy steps when idle).
         self.lockstep = needs_sharded_layout(config.parallel_config)
 
@@ -57,6 +61,10 @@ class ExecutionEngine:
         sc = self.config.scheduler_config
         self.scheduler = Scheduler(self.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens,
                                    self.eos_token_ids)
+        mc = self.config.model_config
+        if mc.enable_profiler:
+            out = Path(mc.output_path).expanduser() if mc.output_path else Path(self.worker.model_dir or ".")
+            self.profiler = StepProfiler(out, self.device)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         try:
@@ -104,7 +112,8 @@ class ExecutionEngine:
             return []
         batch = self.scheduler.schedule()
         assert batch is not None, "scheduler has work but scheduled nothing"
-        out = self.forward_batch(batch)
+        with self.profiler.step(batch.is_prefill) if self.profiler else contextlib.nullcontext():
+            out = self.forward_batch(batch)
         self.stats.record(batch.is_prefill, out["infer_time_ms"])
         logger.info("[Main] Inference time (%s): %.2f ms", "prefill" if batch.is_prefill else "decode",
                      out["infer_time_ms"])
@@ -127,8 +136,10 @@ class ExecutionEngine:
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> dict:
         tables = self.kv.block_tables([r.request_id for r in batch.requests])
-        input_ids, position_ids, md = build_step_inputs(batch, tables, self.kv.block_size, self.device)
+        min_rows = 1 if batch.is_prefill or self.config.model_config.exe_mode == "eager" else 2
+        input_ids, position_ids, md = build_step_inputs(batch, tables, self.kv.block_size, self.device, min_rows)
         logits, infer_ms = self._run(input_ids, position_ids, md)
+        logits = logits[:len(batch)]  # rows padded for a compiled graph carry no request
         next_tokens = self._agree(self.sampler(logits[:, -1, :], batch.requests)).tolist()
         return {"next_tokens": next_tokens, "logits": logits, "infer_time_ms": infer_ms}
 

@@ -12,6 +12,7 @@ from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
 from runtime.device_memory import free_memory_bytes, lazy_zeros, synchronize
 from runtime.distributed import DistInfo
+from runtime.engine.graph_mode import compile_decode
 from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.engine.loader import init_dummy_weights, load_checkpoint
 from runtime.engine.registry import resolve_model
@@ -42,6 +43,7 @@ class ModelWorker:
         self.config, self.dist, self.model_dir = config, dist, model_dir
         self.model_path = Path(config.model_config.model_path).expanduser()
         self.model = None
+        self.decode_model = None  # the model, or its compiled decode graph (exe_mode)
         self.hf_config: PretrainedConfig | None = None
         self.comm_manager: CommManager | None = None
 
@@ -96,6 +98,7 @@ class ModelWorker:
         self.param_bytes = param_bytes(model)
         if mc.exe_mode == "eager" and (packed := pack_host_linears(model)):
             logger.info("[Main] %d linear layers run on oneDNN with prepacked weights", packed)
+        self.decode_model = compile_decode(model, mc.exe_mode, self.dist.device)
         logger.info("[Main] model %s loaded in %.1f s (%s, %s), %d parameter bytes on rank %d", model_cls.__name__,
                     time.perf_counter() - start, self.dist.device, mc.dtype, self.param_bytes, self.dist.rank)
 
@@ -146,7 +149,8 @@ class ModelWorker:
     def inference(self, input_ids, position_ids, forward_metadata) -> tuple[torch.Tensor, float]:
         """The model's logits and the step's time in ms, measured after the device has finished it."""
         start = time.perf_counter()
-        logits = self.model(input_ids, position_ids, forward_metadata)
+        model = self.model if forward_metadata.is_prefill else self.decode_model
+        logits = model(input_ids, position_ids, forward_metadata)
         if isinstance(logits, tuple):  # (logits, prev_hidden_states) for MTP models
             logits = logits[0]
         synchronize(self.dist.device)

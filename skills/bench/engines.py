@@ -26,8 +26,8 @@ class RunResult:
 class Ours:
     """The runtime's persistent engine, configured from the model directory's YAML for this workload."""
 
-    def __init__(self, model_dir: Path, yaml_file: Path, dtype: str, num_requests: int, max_prompt: int,
-                 max_output: int):
+    def __init__(self, model_dir: Path, yaml_file: Path, dtype: str, exe_mode: str | None, num_requests: int,
+                 max_prompt: int, max_output: int):
         from runtime.config import InferenceConfig
         from runtime.offline import OfflineInference
 
@@ -36,6 +36,7 @@ class Ours:
             raise UserError(f"{yaml_file} runs {config.world_size} ranks; skill bench measures one rank, "
                             "pass a single-rank YAML with --yaml.")
         config.model_config.dtype = dtype
+        config.model_config.exe_mode = exe_mode or config.model_config.exe_mode
         config.scheduler_config.batch_size = num_requests
         config.scheduler_config.max_new_tokens = max_output
         config.data_config.input_truncated_len = max_prompt

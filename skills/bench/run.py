@@ -19,6 +19,7 @@ class BenchOptions:
     dtype: str
     threads: int
     compare: bool
+    exe_mode: str | None = None  # None: the YAML's
     repeats: int = 3
     quick: bool = False
     timeout_s: float = 3600.0
@@ -52,7 +53,7 @@ def _summary(workload: Workload, runs: list[dict]) -> dict:
 
 def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
     workload = make_workload(name, opts.quick)
-    args = [str(opts.model_dir), str(opts.yaml_file), name, opts.dtype, str(opts.threads)]
+    args = [str(opts.model_dir), str(opts.yaml_file), name, opts.dtype, str(opts.threads), opts.exe_mode or "-"]
     args += ["--quick"] if opts.quick else []
     engines = {"ours": Worker("ours", args, opts.timeout_s)}
     try:
@@ -98,4 +99,5 @@ def run_bench(opts: BenchOptions) -> dict:
         opts.log(f"{name}: starting")
         workloads[name] = bench_workload(opts, name, bandwidth)
     return {"machine": describe(opts.threads), "model_dir": str(opts.model_dir), "dtype": opts.dtype,
+            "exe_mode": opts.exe_mode or "from the YAML",
             "quick": opts.quick, "repeats": opts.repeats, "bandwidth_gb_s": bandwidth, "workloads": workloads}

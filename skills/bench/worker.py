@@ -1,6 +1,6 @@
 """One engine in its own process (so its peak RSS is its own), driven over stdin/stdout by `skill bench`.
 
-    python -m skills.bench.worker ours|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS [--quick]
+    python -m skills.bench.worker ours|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS EXE_MODE|- [--quick]
 
 Prints ``READY {...}``, then answers each ``run`` line with ``RESULT {...}`` and ``quit`` with
 ``DONE {"peak_rss_mb": ...}``; the peer also answers ``reference N`` with greedy outputs of the first N requests
@@ -26,7 +26,7 @@ def peak_rss_mb() -> float:
 
 
 def main(argv: list[str]) -> int:
-    engine, model_dir, yaml_file, workload_name, dtype, threads = argv[:6]
+    engine, model_dir, yaml_file, workload_name, dtype, threads, exe_mode = argv[:7]
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # libraries that print to stdout cannot break the protocol
     import torch
@@ -38,8 +38,8 @@ def main(argv: list[str]) -> int:
     if engine == "ours":
         from skills.bench.engines import Ours
 
-        runner = Ours(Path(model_dir), Path(yaml_file), dtype, workload.num_requests, max(workload.prompt_lens),
-                      max(workload.output_lens))
+        runner = Ours(Path(model_dir), Path(yaml_file), dtype, None if exe_mode == "-" else exe_mode,
+                      workload.num_requests, max(workload.prompt_lens), max(workload.output_lens))
         weights, kv = runner.bytes_per_token()
         info = {"weight_bytes": weights, "kv_bytes_per_token": kv}
     else:

@@ -14,7 +14,8 @@ from runtime.errors import UserError
 class Worker:
     def __init__(self, engine: str, args: list[str], timeout_s: float):
         self.engine, self.timeout_s = engine, timeout_s
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{engine}-", suffix=".log", delete=False)
+        # kept open for the life of the worker: its stderr goes there
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{engine}-", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "SKILL_LOG_LEVEL": os.environ.get("SKILL_LOG_LEVEL", "WARNING")}
         self.proc = subprocess.Popen([sys.executable, "-m", "skills.bench.worker", engine, *args], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
