@@ -3,8 +3,8 @@ import textwrap
 import pytest
 import torch
 
-from runtime.config.inference_config import npu_importable
 from runtime.config import InferenceConfig, ParallelConfig
+from runtime.config.inference_config import npu_importable
 from runtime.errors import ConfigError
 
 SEED_YAML = """\

@@ -1,0 +1,27 @@
+"""Host kernels built from C++ on first use (torch.utils.cpp_extension, cached across runs).
+
+Each loader returns the compiled module, or None where it cannot be built (no compiler, set
+``SKILL_HOST_KERNELS=0`` to skip them); callers then take their portable PyTorch path.
+"""
+import functools
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).parent
+
+
+@functools.cache
+def host_decode_attention():
+    if os.environ.get("SKILL_HOST_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="skill_paged_decode_attention", sources=[str(_SOURCES / "paged_decode_attention.cpp")],
+                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the portable path
+        logger.warning("host decode-attention kernel unavailable (%s); using the gather + SDPA path", e)
+        return None
