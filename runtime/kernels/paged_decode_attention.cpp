@@ -2,13 +2,24 @@
 //
 // One query token per request: out[b, h] = softmax(scale * q[b, h] . K[ctx(b)]) V[ctx(b)], where ctx(b) are the
 // request's cached positions [start, len) reached through its block table, start = len - window with a sliding
-// window. Scores are kept in float; soft-capping is tanh(s / cap) * cap as in Gemma 2.
+// window. The query heads sharing a KV head are done together, so each cached row is read once; scores and sums
+// are float. Soft-capping is tanh(s / cap) * cap as in Gemma 2.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(at::Half x) { return static_cast<float>(x); }
+static inline float to_float(at::BFloat16 x) {  // a shift, so the loops below vectorise
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 template <typename T>
 static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
@@ -16,38 +27,50 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
                           int64_t block_size, int64_t width, float scale, int64_t window, float soft_cap) {
   const int64_t group = H / Hkv;
   const int64_t token_stride = Hkv * D, block_stride = block_size * token_stride;
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(D), qf(D);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H, kvh = h / group;
-      const int64_t len = lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      scores.assign(len - start, 0.f);
-      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[bh * D + d]);
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t j = start; j < len; ++j) {
-        const T* k = k_cache + tables[b * width + j / block_size] * block_stride + (j % block_size) * token_stride +
-                     kvh * D;
-        float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) s += qf[d] * static_cast<float>(k[d]);
-        s *= scale;
-        if (soft_cap > 0.f) s = std::tanh(s / soft_cap) * soft_cap;
-        scores[j - start] = s;
-        best = std::max(best, s);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * D), qf(group * D), kf(D);
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int64_t b = bk / Hkv, kvh = bk % Hkv, n = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0, len = n - start;
+      const T* qb = q + (b * H + kvh * group) * D;
+      for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qb[i]) * scale;
+      scores.assign(group * len, 0.f);
+      for (int64_t j = start; j < n; ++j) {
+        const T* k = k_cache + tables[b * width + j / block_size] * block_stride +
+                     (j % block_size) * token_stride + kvh * D;
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(k[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
+          scores[g * len + j - start] = soft_cap > 0.f ? std::tanh(s / soft_cap) * soft_cap : s;
+        }
       }
-      float total = 0.f;
-      for (auto& s : scores) total += (s = std::exp(s - best));
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float best = -std::numeric_limits<float>::infinity(), total = 0.f;
+        for (int64_t j = 0; j < len; ++j) best = std::max(best, sg[j]);
+        for (int64_t j = 0; j < len; ++j) total += (sg[j] = std::exp(sg[j] - best));
+        for (int64_t j = 0; j < len; ++j) sg[j] /= total;
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = start; j < len; ++j) {
-        const T* v = v_cache + tables[b * width + j / block_size] * block_stride + (j % block_size) * token_stride +
-                     kvh * D;
-        const float p = scores[j - start] / total;
-        for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
+      for (int64_t j = start; j < n; ++j) {
+        const T* v = v_cache + tables[b * width + j / block_size] * block_stride +
+                     (j % block_size) * token_stride + kvh * D;
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(v[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + j - start];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
+        }
       }
-      for (int64_t d = 0; d < D; ++d) out[bh * D + d] = static_cast<T>(acc[d]);
+      T* ob = out + (b * H + kvh * group) * D;
+      for (int64_t i = 0; i < group * D; ++i) ob[i] = static_cast<T>(acc[i]);
     }
   });
 }
-
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor lens, double scale, int64_t window,
                                      double soft_cap) {

@@ -1,7 +1,8 @@
 """Attention over packed variable-length requests, with the KV cache owned by the layer.
 
 Prefill: each request attends causally to its own fresh tokens (prompts are packed back to
-back in ``[T]``). Decode: one query per request reads its context through the block table.
+back in ``[T]``). Decode: one query per request reads its context through the block table; on the host a
+C++ kernel reads the cache in place (elsewhere, and inside a compiled graph, the context is gathered for SDPA).
 The cache is written by ``slot_mapping`` in both phases. The legacy ``cache_unit`` layout is the
 same mechanism with one block of ``max_seq_len`` slots per batch row.
 """
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine.forward_metadata import ForwardMetaData
+from runtime.kernels import host_decode_attention
 
 LEGACY = "legacy"
 
@@ -84,6 +86,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
         o = _sdpa(pad(q), pad(k), pad(v), _prefill_mask(md, sliding_window), scale, soft_cap)
         return o.transpose(1, 2).reshape(B * L, heads, head_dim)[index]
     table = md.block_table[group]
+    if q.device.type == "cpu" and not torch.compiler.is_compiling() and (kernel := host_decode_attention()):
+        return kernel.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, md.actual_seq_lengths_kv,
+                                             scale, sliding_window or 0, soft_cap or 0.0)
     B = table.shape[0]
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
