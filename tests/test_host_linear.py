@@ -3,11 +3,11 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.layers.host_linear import HostPackedLinear, pack_host_linears
+from runtime.layers.host_linear import FLOAT32_ROWS, HostPackedLinear, pack_host_linears
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, FLOAT32_ROWS])
 def test_packed_linear_matches_nn_linear_in_bf16(bias, rows):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias, dtype=torch.bfloat16)

@@ -1,17 +1,21 @@
 """bf16 / fp16 linear layers on the host through oneDNN with their weights reordered once, after loading.
 
 ``F.linear`` on a CPU bf16 weight re-lays the weight out on every call; oneDNN's prepacked form skips that
-(measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). float32 stays on
-``F.linear`` (MKL is already at the memory bandwidth there).
+(measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). From
+``FLOAT32_ROWS`` rows on (long prefills) the product runs in float32 instead: on AVX-512 hosts MKL's float32
+GEMM does about 290 GFLOP/s against oneDNN bf16's 170, which pays for unpacking the weight each call (a
+4096-row prefill GEMM: 90 -> 69 ms). float32 models stay on ``F.linear`` (MKL is at the memory bandwidth).
 """
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
+FLOAT32_ROWS = 1024
 
 
 def _onednn_ok() -> bool:
@@ -34,8 +38,12 @@ class HostPackedLinear(nn.Module):
         return self._meta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                                 "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] >= FLOAT32_ROWS:
+            bias = None if self.bias is None else self.bias.float()
+            out = F.linear(rows.float(), self.packed.to_dense().float(), bias).to(x.dtype)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -116,6 +116,20 @@ class Peer:
                                   streamer=clock)
         return out[:, width:], clock.times
 
+    @torch.inference_mode()
+    def reference(self, prompt: list[int], new_tokens: int) -> tuple[list[int], list[bool]]:
+        """Greedy tokens of one unpadded request and, per step, whether its top two logits tie within the
+        dtype's rounding (where any other kernel may rightly pick the other token)."""
+        out = self.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad,
+                                  output_logits=True, return_dict_in_generate=True)
+        eps = torch.finfo(self.model.dtype).eps
+        ties = []
+        for logits in out.logits:
+            top = logits[0].float().topk(2).values
+            ties.append(bool(top[0] - top[1] <= 2 * eps * max(1.0, abs(float(top[0])))))
+        return out.sequences[0, len(prompt):].tolist(), ties
+
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
         start = time.perf_counter()
         ttft, finish, outputs = [], [], []

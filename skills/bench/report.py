@@ -24,7 +24,8 @@ def print_table(report: dict, console: Console) -> None:
             f"{_f(w['ttft_p50_ms'], '.0f')} / {_f(w['ttft_p99_ms'], '.0f')}", _f(w["peer_ttft_p99_ms"], ".0f"),
             f"{_f(w['tpot_ms']['ours'])} / {_f(w['tpot_ms']['peer'])}",
             f"{_f(w['peak_rss_mb']['ours'], '.0f')} / {_f(w['peak_rss_mb']['peer'], '.0f')}",
-            "-" if spot is None else f"{spot['identical']}/{spot['checked']} identical")
+            "-" if spot is None else f"{spot['identical']}/{spot['checked']} identical"
+            + ("" if spot["passed"] else " (FAILED)") + "".join(f"; {v}" for v in spot["verdicts"] if v != "identical"))
     console.print(table)
 
 

@@ -4,7 +4,7 @@
 
 Prints ``READY {...}``, then answers each ``run`` line with ``RESULT {...}`` and ``quit`` with
 ``DONE {"peak_rss_mb": ...}``; the peer also answers ``reference N`` with greedy outputs of the first N requests
-run one at a time (no padding), for the spot check. Everything else it prints goes to stderr.
+run one at a time (no padding) and where their top two logits tie, for the spot check. Everything else it prints goes to stderr.
 """
 import json
 import os
@@ -55,8 +55,8 @@ def main(argv: list[str]) -> int:
             _say(protocol, "RESULT", runner.run(prompts, workload.output_lens).to_dict())
         elif line.startswith("reference "):
             n = int(line.split()[1])
-            outputs = [runner.run([p], [o]).outputs[0] for p, o in zip(prompts[:n], workload.output_lens)]
-            _say(protocol, "RESULT", {"outputs": outputs})
+            refs = [runner.reference(p, o) for p, o in zip(prompts[:n], workload.output_lens)]
+            _say(protocol, "RESULT", {"outputs": [r[0] for r in refs], "ties": [r[1] for r in refs]})
         elif line.strip() == "quit":
             break
     _say(protocol, "DONE", {"peak_rss_mb": peak_rss_mb()})

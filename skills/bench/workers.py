@@ -47,9 +47,9 @@ class Worker:
         self._send("run")
         return self._expect("RESULT")
 
-    def reference(self, n: int) -> list[list[int]]:
+    def reference(self, n: int) -> dict:
         self._send(f"reference {n}")
-        return self._expect("RESULT")["outputs"]
+        return self._expect("RESULT")
 
     def quit(self) -> dict:
         self._send("quit")
