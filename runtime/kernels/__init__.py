@@ -4,13 +4,25 @@ Each loader returns the compiled module, or None where it cannot be built (no co
 ``SKILL_HOST_KERNELS=0`` to skip them); callers then take their portable PyTorch path.
 """
 import functools
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
+
+
+def _cpu_tag() -> str:
+    """The build is tuned to this CPU (-march=native), so the cache key names the CPU's feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
 @functools.cache
@@ -20,8 +32,10 @@ def host_decode_attention():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="skill_paged_decode_attention", sources=[str(_SOURCES / "paged_decode_attention.cpp")],
-                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name=f"skill_paged_decode_attention_{_cpu_tag()}",
+                    sources=[str(_SOURCES / "paged_decode_attention.cpp")],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the portable path
         logger.warning("host decode-attention kernel unavailable (%s); using the gather + SDPA path", e)
         return None
