@@ -17,6 +17,7 @@ from runtime.errors import UserError
 
 CONVERTED_META = "parallel_config.json"
 SHARD_FILE = "model.safetensors"
+REMAP_EVERY = 16  # tensors read through one mapping of a safetensors file
 
 
 def checkpoint_files(model_path: Path) -> list[Path]:
@@ -47,9 +48,13 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, object]]:
             continue
         try:
             with safe_open(str(file), framework="pt") as f:
-                names = f.keys()
-                for name in names:
-                    yield name, f.get_slice(name)
+                names = list(f.keys())
+            for start in range(0, len(names), REMAP_EVERY):
+                # A fresh mapping per group of tensors: the pages read so far leave this process's resident set
+                # when the old one closes, so loading never holds the whole file mapped beside the model.
+                with safe_open(str(file), framework="pt") as f:
+                    for name in names[start:start + REMAP_EVERY]:
+                        yield name, f.get_slice(name)
         except (SafetensorError, OSError) as e:
             raise _unreadable(file, e) from e
 
