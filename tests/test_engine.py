@@ -5,6 +5,7 @@ from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoTokenizer
 
 from runtime.config import InferenceConfig
+from runtime.engine.execution_engine import PhaseTimes
 from runtime.engine.request import SamplingParams
 from runtime.offline import OfflineInference
 
@@ -92,3 +93,11 @@ def test_profiler_writes_traces_of_the_first_prefill_and_decode_steps(tmp_path, 
     decode = sorted((model_dir / "prof" / "decode").glob("*.json"))
     assert len(prefill) == 1 and len(decode) == 3
     assert all('"traceEvents"' in p.read_text() for p in prefill + decode)
+
+
+def test_phase_times_keep_constant_memory_and_skip_the_cold_step():
+    times = PhaseTimes()
+    assert times.mean() == 0.0 and times.mean(skip_first=True) == 0.0
+    for ms in (90.0, 10.0, 20.0):
+        times.add(ms)
+    assert times.mean() == 40.0 and times.mean(skip_first=True) == 15.0

@@ -25,10 +25,6 @@ class GenerationOutput:
         return asdict(self)
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
-
-
 class OfflineInference:
     def __init__(self, config: InferenceConfig, model_dir: Path):
         self.config = config
@@ -108,10 +104,9 @@ class OfflineInference:
 
     @property
     def prefill_avg_ms(self) -> float:
-        return _mean(self.engine.stats.prefill_ms)
+        return self.engine.stats.prefill.mean()
 
     @property
     def decode_avg_ms(self) -> float:
         """Mean decode step time without the first (cold) step."""
-        decode = self.engine.stats.decode_ms
-        return _mean(decode[1:] or decode)
+        return self.engine.stats.decode.mean(skip_first=True)
