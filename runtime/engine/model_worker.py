@@ -125,7 +125,8 @@ class ModelWorker:
                 m.k_cache = torch.zeros(batch, max_seq, *m.cache_unit, dtype=dtype, device=self.dist.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
             return LegacyCacheRows(batch, max_seq)
-        num_blocks = sc.num_kv_blocks or self._blocks_from_memory(info.bytes_per_block(sc.block_size))
+        bytes_per_block = info.bytes_per_block(sc.block_size)
+        num_blocks = sc.num_kv_blocks or self._blocks_from_memory(bytes_per_block)
         manager = KVCacheManager(info, num_blocks, sc.block_size)
         for entries in manager.groups.values():
             for e in entries:
@@ -134,7 +135,7 @@ class ModelWorker:
                 module.k_cache = lazy_zeros(shape, e.dtype, self.dist.device)
                 module.v_cache = lazy_zeros(shape, e.dtype, self.dist.device)
         logger.info("[Main] paged KV cache: %d blocks x %d tokens (%.1f MiB), %s", num_blocks, sc.block_size,
-                    num_blocks * info.bytes_per_block(sc.block_size) / 2**20, ", ".join(manager.group_keys))
+                    num_blocks * bytes_per_block / 2**20, ", ".join(manager.group_keys))
         return manager
 
     def _blocks_from_memory(self, bytes_per_block: int) -> int:

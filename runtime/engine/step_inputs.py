@@ -23,11 +23,11 @@ def build_step_inputs(batch: Batch, block_tables: dict[str, list[list[int]]], bl
     that many blocks, so a compiled decode graph never sees a size of 1 (which torch.compile specialises on)."""
     tokens = batch.new_token_ids()
     kv_len = [0 if batch.is_prefill else r.computed_len for r in batch.requests]
-    tables_in = dict(block_tables)
+    tables_in = block_tables
     if len(tokens) < min_rows:
         pad = min_rows - len(tokens)
         tokens, kv_len = tokens + [[0]] * pad, kv_len + [0] * pad
-        tables_in = {g: t + [[0]] * pad for g, t in tables_in.items()}
+        tables_in = {g: t + [[0]] * pad for g, t in block_tables.items()}
     lens_q = [len(t) for t in tokens]
     lens_kv = [k + q for k, q in zip(kv_len, lens_q)]
     positions = [p for k, q in zip(kv_len, lens_q) for p in range(k, k + q)]

@@ -6,13 +6,9 @@
 GEMM does about 290 GFLOP/s against oneDNN bf16's 170, which pays for unpacking the weight each call (a
 4096-row prefill GEMM: 90 -> 69 ms). float32 models stay on ``F.linear`` (MKL is at the memory bandwidth).
 """
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 FLOAT32_ROWS = 1024

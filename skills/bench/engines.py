@@ -19,9 +19,6 @@ class RunResult:
     finish_s: list[float]
     outputs: list[list[int]]
 
-    def to_dict(self) -> dict:
-        return {"seconds": self.seconds, "ttft_s": self.ttft_s, "finish_s": self.finish_s, "outputs": self.outputs}
-
 
 class Ours:
     """The runtime's persistent engine, configured from the model directory's YAML for this workload."""

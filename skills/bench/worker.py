@@ -3,15 +3,15 @@
     python -m skills.bench.worker ours|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS EXE_MODE|- [--quick]
 
 Prints ``READY {...}``, then answers each ``run`` line with ``RESULT {...}`` and ``quit`` with
-``DONE {"peak_rss_mb": ...}``; the peer also answers ``reference N`` with greedy outputs of the first N requests
-run one at a time (no padding) and where their top two logits tie, for the spot check. Everything else it prints goes to stderr.
+``DONE {"peak_rss_mb": ...}``; the peer also answers ``reference N`` with greedy outputs of the first N
+requests run one at a time (no padding) and where their top two logits tie, for the spot check. Everything else
+it prints goes to stderr.
 """
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
-
-PREFIXES = ("READY", "RESULT", "DONE")
 
 
 def _say(out, tag: str, payload: dict) -> None:
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     _say(protocol, "READY", info)
     for line in sys.stdin:
         if line.strip() == "run":
-            _say(protocol, "RESULT", runner.run(prompts, workload.output_lens).to_dict())
+            _say(protocol, "RESULT", asdict(runner.run(prompts, workload.output_lens)))
         elif line.startswith("reference "):
             n = int(line.split()[1])
             refs = [runner.reference(p, o) for p, o in zip(prompts[:n], workload.output_lens)]
