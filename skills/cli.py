@@ -50,15 +50,11 @@ def find_yaml(model_dir: Path, yaml_file: Path | None) -> Path:
 
 def relaunch_with_torchrun(world_size: int) -> int:
     """The same `skill` command line, once per rank, under torchrun on this machine."""
-    import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), "-m", "skills.cli", *sys.argv[1:]]
-    return subprocess.call(cmd)
+    from runtime.launch import torchrun_command
+
+    return subprocess.call(torchrun_command(world_size, ["skills.cli", *sys.argv[1:]]))
 
 
 @app.command()
@@ -106,6 +102,33 @@ def run(
             err.print(f"[bold]> {r.prompt}[/]", highlight=False)
             sys.stdout.write(r.text + "\n")
     leave_worker()
+
+
+@app.command()
+@user_errors
+def serve(
+    model_dir: Annotated[Path, typer.Argument(help="Model directory (models/ + config/).")],
+    yaml_file: Annotated[Path | None, typer.Option("--yaml", help="YAML to run (default: config/<dir>.yaml).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback unless told otherwise).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="SKILL_API_KEY",
+                                                help="Require `Authorization: Bearer KEY` on /v1.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(min=2, help="Prompt + output tokens per request "
+                                                      "(default: input_truncated_len + max_new_tokens).")] = None,
+    max_queue: Annotated[int, typer.Option(min=0, help="Requests that may wait beyond the running batch; "
+                                           "more get HTTP 429.")] = 256,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: model_name; "
+                                                          "`default` is accepted too).")] = None,
+    grace_period: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get after SIGTERM.")] = 30.0,
+):
+    """Serve a model directory over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from runtime.logging_config import setup_logging
+    from runtime.online.server import ServeSettings, run_server
+
+    setup_logging()
+    settings = ServeSettings(host=host, port=port, api_key=api_key, max_model_len=max_model_len,
+                             max_queue=max_queue, served_model_name=served_model_name, grace_s=grace_period)
+    run_server(model_dir, find_yaml(model_dir, yaml_file), settings)
 
 
 @app.command()

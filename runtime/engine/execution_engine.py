@@ -17,7 +17,7 @@ from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.model_worker import ModelWorker
 from runtime.engine.profiler import StepProfiler
 from runtime.engine.request import Batch, Request, SamplingParams, StepOutput
-from runtime.engine.sampler import Sampler
+from runtime.engine.sampler import Sampler, token_logprobs
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.step_inputs import build_step_inputs
 from runtime.layers.token_layout import ATTN_GROUP, any_rank, needs_sharded_layout, step_layout, use_layout
@@ -136,11 +136,12 @@ class ExecutionEngine:
         self.stats.record(batch.is_prefill, out["infer_time_ms"])
         logger.info("[Main] Inference time (%s): %.2f ms", "prefill" if batch.is_prefill else "decode",
                      out["infer_time_ms"])
+        logprobs = token_logprobs(out["logits"][:, -1, :], batch.requests, out["next_tokens"])
         finished = {r.request_id for r in self.scheduler.process_batch_output(batch, out["next_tokens"])}
         outputs = []
-        for r, token in zip(batch.requests, out["next_tokens"]):
+        for r, token, lp in zip(batch.requests, out["next_tokens"], logprobs):
             done = r.request_id in finished
-            outputs.append(StepOutput(r.request_id, [token], done, r.finish_reason))
+            outputs.append(StepOutput(r.request_id, [token], done, r.finish_reason, None if lp is None else [lp]))
             if done:
                 self.sampler.release(r)
                 self.requests.pop(r.request_id, None)

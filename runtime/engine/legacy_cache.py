@@ -38,7 +38,7 @@ class LegacyCacheRows:
 
     def stats(self) -> dict:
         return {"layout": "legacy", "num_blocks": self._num_rows, "block_size": self.block_size,
-                "peak_used_blocks": self._peak}
+                "used_blocks": len(self._rows), "peak_used_blocks": self._peak}
 
     def usage_summary(self) -> str:
         return f"legacy kv cache: {len(self._rows)} rows in use, peak {self._peak} of {self._num_rows}"

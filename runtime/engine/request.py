@@ -15,9 +15,11 @@ class SamplingParams:
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k = the sampled token's log-probability and the k most likely
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
+        if (self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1
+                or (self.logprobs is not None and self.logprobs < 0)):
             raise ValueError(f"invalid sampling parameters: {self}")
 
     @property
@@ -57,6 +59,15 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of a sampled token under the model's raw distribution, and the most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What one engine step produced for one request: enough to stream it."""
 
@@ -64,6 +75,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass

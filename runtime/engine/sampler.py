@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, with optional per-request seeds."""
 import torch
 
-from runtime.engine.request import Request
+from runtime.engine.request import Request, TokenLogprob
 
 
 class Sampler:
@@ -46,3 +46,19 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float
     keep = (ranks < k) & (mass_before < p)  # the top token is always kept
     filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
     return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[TokenLogprob | None]:
+    """logits [B, V]: each sampled token's log-probability (and the top k) for the requests that asked."""
+    rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(requests)
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device)).squeeze(1).tolist()
+    k = max(requests[i].sampling.logprobs for i in rows)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    for j, i in enumerate(rows):
+        n = requests[i].sampling.logprobs
+        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist())))
+    return out

@@ -1,0 +1,32 @@
+"""torchrun command lines: one process per local rank, joined by torchrun's static rendezvous."""
+import socket
+import sys
+from dataclasses import dataclass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where this launch sits among the nodes of one world (one machine: the defaults)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free local port (single node only)
+
+
+SINGLE_NODE = NodeLayout()
+
+
+def torchrun_command(world_size: int, module_args: list[str], nodes: NodeLayout = SINGLE_NODE) -> list[str]:
+    """`python -m <module_args>` once per local rank; world_size ranks spread evenly over the nodes."""
+    assert world_size % nodes.nnodes == 0, f"world_size {world_size} is not a multiple of {nodes.nnodes} nodes"
+    port = nodes.master_port or free_port(nodes.master_addr)
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes.nnodes),
+            "--node-rank", str(nodes.node_rank), "--nproc-per-node", str(world_size // nodes.nnodes),
+            "--master-addr", nodes.master_addr, "--master-port", str(port), "-m", *module_args]

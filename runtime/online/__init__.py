@@ -1,0 +1,1 @@
+"""Online serving: an OpenAI-compatible HTTP server (parent process) over engine workers (one per rank)."""

@@ -1,0 +1,176 @@
+"""The worker side of `skill serve`: every rank runs the engine loop; DP leaders talk ZMQ to the parent.
+
+Each loop turn a DP leader drains its request queue, the DP leaders agree over `dp_leader_group` whether any
+of them has work (attention-DP ranks step in lock-step) or must stop, and each leader broadcasts the commands
+and that verdict to its attn-TP peers over `tp_cpu_group`. Then every rank steps (a dummy step when idle in
+lock-step) and the leader sends the step's outputs back.
+"""
+import argparse
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from runtime.distributed import leave_worker
+from runtime.engine.request import StepOutput
+from runtime.logging_config import setup_logging
+from runtime.offline import OfflineInference
+from runtime.online.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    Shutdown,
+    StepResult,
+    WorkerAddresses,
+    WorkerFailed,
+    WorkerReady,
+)
+from runtime.online.serving_config import serving_config
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50  # how long an idle leader waits for a request before the next turn (one DP group)
+LOCKSTEP_POLL_MS = 2  # the same with several DP groups, whose leaders meet in a collective every turn
+
+
+class OnlineInference(OfflineInference):
+    def __init__(self, config, model_dir: Path, addresses: WorkerAddresses, parent_pid: int | None = None):
+        super().__init__(config, model_dir)
+        self.parent_pid = parent_pid
+        tp = config.parallel_config.attn_tp_size
+        self.dp_rank, self.is_leader = divmod(self.dist.rank, tp)[0], self.dist.rank % tp == 0
+        self.tp_group = self.dp_group = None
+        cm = self.engine.worker.comm_manager
+        if self.dist.world_size > 1:
+            cm.init_cpu_groups(tp)
+            self.tp_group, self.dp_group = cm.get_group("tp_cpu_group"), cm.get_group("dp_leader_group")
+            self.tp_leader = cm.get_ranks("tp_cpu_group")[0]
+        self.engine_ids: dict[int, int] = {}  # parent rid -> engine request id
+        self.rids: dict[int, int] = {}  # engine request id -> parent rid
+        self.ctx = zmq.Context()
+        if self.is_leader:
+            self.inbox = self.ctx.socket(zmq.PULL)
+            self.inbox.connect(addresses.requests[self.dp_rank])
+            self.outbox = self.ctx.socket(zmq.PUSH)
+            self.outbox.connect(addresses.results)
+            self.outbox.send_pyobj(WorkerReady(self.dp_rank, self.engine_stats(), self.engine.kv.block_size))
+
+    def engine_stats(self) -> EngineStats:
+        kv, sched = self.engine.kv.stats(), self.engine.scheduler
+        return EngineStats(len(sched.running), len(sched.waiting), kv["used_blocks"], kv["num_blocks"])
+
+    def _receive(self, wait_ms: int) -> list:
+        commands = []
+        if self.inbox.poll(wait_ms):
+            while True:
+                try:
+                    commands.append(self.inbox.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    return commands
+        return commands
+
+    def _apply(self, commands: list) -> bool:
+        """Apply add / abort commands; True when one asks to stop."""
+        stop = False
+        for c in commands:
+            if isinstance(c, AddRequest):
+                eid = self.engine.add_request(c.prompt_token_ids, c.sampling)
+                self.engine_ids[c.rid], self.rids[eid] = eid, c.rid
+            elif isinstance(c, AbortRequest):
+                eid = self.engine_ids.pop(c.rid, None)
+                if eid is not None:
+                    self.engine.abort(eid)
+                    del self.rids[eid]
+            else:
+                assert isinstance(c, Shutdown), f"unknown command {c!r}"
+                stop = True
+        return stop
+
+    def _turn(self, idle: bool) -> tuple[list, bool, bool]:
+        """This turn's commands and the agreed (busy, stop)."""
+        commands, busy, stop = [], False, False
+        if self.is_leader:
+            commands = self._receive(0 if not idle else LOCKSTEP_POLL_MS if self.dp_group else IDLE_POLL_MS)
+            stop = self._apply(commands) or (idle and not self._parent_alive())
+            busy = self.engine.has_unfinished()
+            if self.dp_group is not None:
+                flags = torch.tensor([int(busy), int(stop)])
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+                busy, stop = bool(flags[0]), bool(flags[1])
+        if self.tp_group is not None:
+            box = [(commands, busy, stop)]
+            dist.broadcast_object_list(box, src=self.tp_leader, group=self.tp_group)
+            commands, busy, stop = box[0]
+            if not self.is_leader:
+                self._apply(commands)
+        return commands, busy, stop
+
+    def _parent_alive(self) -> bool:
+        """False once the server process is gone (killed without a chance to stop its workers)."""
+        if self.parent_pid is None:
+            return True
+        try:
+            os.kill(self.parent_pid, 0)
+        except ProcessLookupError:
+            logger.error("the server process %d is gone; stopping", self.parent_pid)
+            return False
+        return True
+
+    def serve_forever(self) -> None:
+        idle = True
+        while True:
+            commands, busy, stop = self._turn(idle)
+            if stop:
+                return
+            outputs = self.engine.step() if busy else []
+            idle = not busy
+            if self.is_leader and (outputs or commands):
+                self.outbox.send_pyobj(StepResult(self.dp_rank, self._to_parent(outputs), self.engine_stats()))
+
+    def _to_parent(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        mine = []
+        for out in outputs:
+            rid = self.rids[out.request_id]
+            if out.finished:
+                del self.rids[out.request_id], self.engine_ids[rid]
+            mine.append(dataclasses.replace(out, request_id=rid))
+        return mine
+
+    def report_failure(self, error: BaseException) -> None:
+        if self.is_leader:
+            self.outbox.send_pyobj(WorkerFailed(self.dp_rank, f"{type(error).__name__}: {error}"))
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=1000)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="An engine worker of `skill serve` (launched by the server).")
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--yaml", type=Path, required=True)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--requests", required=True, help="comma-separated ZMQ endpoints, one per DP leader")
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--parent-pid", type=int, help="stop when this process (the server) is gone")
+    args = parser.parse_args(argv)
+    config = serving_config(args.yaml, args.max_model_len)
+    worker = OnlineInference(config, args.model_dir, WorkerAddresses(args.requests.split(","), args.results),
+                             args.parent_pid)
+    setup_logging(worker.dist.rank)
+    logging.getLogger("runtime.engine.execution_engine").setLevel(logging.WARNING)  # no line per step
+    try:
+        worker.serve_forever()
+    except BaseException as e:
+        worker.report_failure(e)
+        raise
+    finally:
+        worker.close()
+    leave_worker()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""`skill serve`: FastAPI + uvicorn in the parent process, engine workers behind a DPDispatcher."""
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from transformers import AutoTokenizer
+
+from runtime.errors import UserError
+from runtime.kv_cache.sizing import cdiv
+from runtime.launch import SINGLE_NODE, NodeLayout
+from runtime.online.context import ServerContext
+from runtime.online.dp_dispatcher import DPDispatcher, WorkerError
+from runtime.online.metrics import ServerMetrics
+from runtime.online.openai_api import router
+from runtime.online.protocol import APIError
+from runtime.online.serving_config import max_model_len, serving_config
+from runtime.online.worker_manager import WorkerManager
+
+logger = logging.getLogger(__name__)
+HEALTH_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_model_len: int | None = None
+    max_queue: int = 256
+    served_model_name: str | None = None
+    grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    startup_timeout_s: float = 900.0
+    nodes: NodeLayout = SINGLE_NODE
+
+
+def _require_api_key(request: Request) -> None:
+    key = request.app.state.ctx.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise APIError(401, "missing or wrong API key; send `Authorization: Bearer <key>`", kind="authentication_error")
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})",
+                        "body").response()
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or "body"
+    return APIError(400, f"`{param}`: {err['msg']}", param).response()
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="model-infer-skills", docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.add_exception_handler(APIError, lambda request, exc: exc.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, lambda request, exc: APIError(exc.status_code, str(exc.detail)).response())
+    app.include_router(router, dependencies=[Depends(_require_api_key)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if ctx.healthy() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        ctx.metrics.set_engine(ctx.dispatcher.stats)
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(_require_api_key)])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "model-infer-skills", "max_model_len": ctx.max_model_len}
+                                           for name in (ctx.model_name, *ctx.served_names)]}
+
+    return app
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+
+
+async def _watch_workers(ctx: ServerContext) -> None:
+    while ctx.manager.alive():
+        await asyncio.sleep(HEALTH_POLL_S)
+    ctx.dispatcher.fail(f"the engine workers exited (code {ctx.manager.proc.returncode})")
+
+
+async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
+    config = serving_config(yaml_path, settings.max_model_len)
+    limit = max_model_len(config, settings.max_model_len)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_path,
+                                              trust_remote_code=config.model_config.trust_remote_code)
+    dispatcher = DPDispatcher(config.parallel_config.attn_dp_size)
+    manager = WorkerManager(model_dir, yaml_path, config.world_size, dispatcher.addresses, settings.max_model_len,
+                            settings.nodes)
+    name = settings.served_model_name or config.model_name
+    ctx = ServerContext(dispatcher, manager, ServerMetrics(name), tokenizer, name, limit,
+                        config.scheduler_config.batch_size + settings.max_queue, settings.api_key,
+                        ("default",) if name != "default" else ())
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # until uvicorn takes over
+    manager.start()
+    try:
+        try:
+            await dispatcher.wait_ready(manager.alive, settings.startup_timeout_s)
+        except WorkerError as e:
+            raise UserError(f"the engine did not start: {e}; see the worker log above") from None
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # uvicorn re-raises the signal that stopped it once it has shut down; that is a clean exit here.
+            signal.signal(sig, lambda *_: None)
+        smallest = min(s.kv_total_blocks for s in dispatcher.stats)
+        if dispatcher.block_size and cdiv(limit, dispatcher.block_size) > smallest:
+            raise UserError(f"the KV cache holds {smallest} blocks of {dispatcher.block_size} tokens, fewer than "
+                            f"one request of --max-model-len {limit} needs; lower --max-model-len or raise "
+                            "scheduler_config.num_kv_blocks / mem_fraction_static")
+        watcher = asyncio.create_task(_watch_workers(ctx))
+        server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,
+                                               timeout_graceful_shutdown=settings.grace_s, log_level="info"))
+        logger.info("serving %s on http://%s:%d/v1 (max model length %d)", name, settings.host, settings.port,
+                    limit)
+        await server.serve()
+        ctx.accepting = False
+        watcher.cancel()
+    except asyncio.CancelledError:
+        logger.info("stopped before the server started")
+    finally:
+        ctx.accepting = False
+        with contextlib.suppress(Exception):
+            dispatcher.shutdown()
+        manager.stop(settings.grace_s)
+        dispatcher.close()
+
+
+def run_server(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
+    serving_config(yaml_path, settings.max_model_len)  # a bad YAML fails here, before any process starts
+    _check_port_free(settings.host, settings.port)
+    asyncio.run(_serve(model_dir, yaml_path, settings))

@@ -1,0 +1,17 @@
+"""The engine configuration a server runs: the model directory's YAML with the server's context length."""
+from pathlib import Path
+
+from runtime.config import InferenceConfig
+
+
+def serving_config(yaml_path: Path, max_model_len: int | None = None) -> InferenceConfig:
+    """`max_model_len` (prompt + output tokens) sizes the KV cache per request; by default the YAML's
+    input_truncated_len + max_new_tokens."""
+    config = InferenceConfig.from_yaml(yaml_path)
+    if max_model_len is not None:
+        config.data_config.input_truncated_len = max_model_len
+    return config
+
+
+def max_model_len(config: InferenceConfig, requested: int | None) -> int:
+    return requested if requested is not None else config.max_seq_len
