@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,3 +46,15 @@ def run_json(cmd: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
+
+
+def parallel_yaml(path: Path, world: int, attn: int, dense: int, embed: int, lmhead: int) -> Path:
+    path.write_text(yaml.safe_dump({"parallel_config": {
+        "world_size": world, "attn_tp_size": attn, "dense_tp_size": dense, "embed_tp_size": embed,
+        "lmhead_tp_size": lmhead}}))
+    return path
+
+
+def parallelize(model_dir: Path, config: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skills.cli", "parallelize", str(model_dir), "--config", str(config),
+                           *flags], capture_output=True, text=True, check=False)

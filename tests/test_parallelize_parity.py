@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
+from hf_reference import (
+    NEW_TOKENS,
+    build_reference,
+    migrate,
+    parallel_yaml,
+    parallelize,
+    prompts_args,
+    run_json,
+)
 
 ARCHS = ["llama", "qwen3", "mistral"]
 # qkv bias (qwen2); sliding-window layers with a scaled embedding the rules leave replicated, tied to the head (gemma3)
@@ -19,18 +27,6 @@ SCENARIOS = {
     "dp2_dense_tp2": (2, 1, 2, 2, 2),
     "tp2_dp2_dense_tp4": (4, 2, 4, 4, 4),  # the TP+DP pattern
 }
-
-
-def parallel_yaml(path: Path, world: int, attn: int, dense: int, embed: int, lmhead: int) -> Path:
-    path.write_text(yaml.safe_dump({"parallel_config": {
-        "world_size": world, "attn_tp_size": attn, "dense_tp_size": dense, "embed_tp_size": embed,
-        "lmhead_tp_size": lmhead}}))
-    return path
-
-
-def parallelize(model_dir: Path, config: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "skills.cli", "parallelize", str(model_dir), "--config", str(config),
-                           *flags], capture_output=True, text=True, check=False)
 
 
 def run(model_dir: Path, yaml_path: Path | None = None) -> dict:
