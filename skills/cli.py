@@ -107,7 +107,7 @@ def run(
 @app.command()
 @user_errors
 def serve(
-    model_dir: Annotated[Path, typer.Argument(help="Model directory (models/ + config/).")],
+    model_dir: Annotated[Path | None, typer.Argument(help="Model directory (not for --pd-role router).")] = None,
     yaml_file: Annotated[Path | None, typer.Option("--yaml", help="YAML to run (default: config/<dir>.yaml).")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback unless told otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
@@ -120,14 +120,39 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: model_name; "
                                                           "`default` is accepted too).")] = None,
     grace_period: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get after SIGTERM.")] = 30.0,
+    pd_role: Annotated[str, typer.Option(help="none, or prefill / decode / router for prefill-decode "
+                                         "disaggregation.")] = "none",
+    bootstrap_host: Annotated[str, typer.Option(help="PD: the prefill leader's bootstrap address.")] = "127.0.0.1",
+    bootstrap_port: Annotated[int, typer.Option(help="PD: the prefill leader's bootstrap port.")] = 18800,
+    local_ip: Annotated[str, typer.Option(help="PD: this node's address for KV transfer.")] = "127.0.0.1",
+    engine_backend: Annotated[str, typer.Option(help="PD: KV transfer engine (bundled: zmq).")] = "zmq",
+    kv_timeout: Annotated[float, typer.Option(min=0.1, help="PD: seconds a request waits for its KV.")] = 30.0,
+    prefill: Annotated[list[str] | None, typer.Option(help="PD router: a prefill instance URL; repeat.")] = None,
+    decode: Annotated[list[str] | None, typer.Option(help="PD router: a decode instance URL; repeat.")] = None,
 ):
     """Serve a model directory over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from runtime.config import DisaggConfig
     from runtime.logging_config import setup_logging
+    from runtime.online.router import RouterSettings, run_router
     from runtime.online.server import ServeSettings, run_server
 
     setup_logging()
+    roles = ("none", "prefill", "decode", "router")
+    if pd_role not in roles:
+        raise UserError(f"--pd-role {pd_role!r} is not one of {', '.join(roles)}")
+    if pd_role == "router":
+        if not prefill or not decode:
+            raise UserError("--pd-role router needs at least one --prefill URL and one --decode URL")
+        return run_router(RouterSettings([u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode],
+                                         host, port))
+    if model_dir is None:
+        raise UserError("pass the model directory to serve (MODEL_DIR)")
+    disagg = DisaggConfig(disaggregation_mode="NONE" if pd_role == "none" else pd_role.upper(),
+                          bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port, local_ip=local_ip,
+                          engine_backend=engine_backend, kv_timeout_s=kv_timeout)
     settings = ServeSettings(host=host, port=port, api_key=api_key, max_model_len=max_model_len,
-                             max_queue=max_queue, served_model_name=served_model_name, grace_s=grace_period)
+                             max_queue=max_queue, served_model_name=served_model_name, grace_s=grace_period,
+                             pd_role=pd_role, disagg=disagg)
     run_server(model_dir, find_yaml(model_dir, yaml_file), settings)
 
 

@@ -1,4 +1,5 @@
 """Start `skill serve` on 127.0.0.1 in a subprocess and stop it; every wait is bounded."""
+import asyncio
 import json
 import signal
 import subprocess
@@ -8,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
+from tiny_checkpoint import PARITY_PROMPTS
 
 from runtime.launch import free_port
 
@@ -49,11 +52,12 @@ class Server:
 
 
 @contextmanager
-def serving(model_dir: Path, log: Path, *args: str):
+def serving(model_dir: Path | None, log: Path, *args: str):
     port = free_port()
+    where = [str(model_dir)] if model_dir else []
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "skills.cli", "serve", str(model_dir), "--port", str(port),
-                                 *args], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "skills.cli", "serve", *where, "--port", str(port), *args],
+                                stdout=out, stderr=subprocess.STDOUT)
     server = Server(proc, port, log)
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -80,3 +84,40 @@ def offline_outputs(model_dir: Path, prompts: list[str], new_tokens: int, *flags
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)["outputs"]
+
+
+def migrated_with_layouts(tmp_path_factory, layouts: dict[str, tuple[int, ...]]) -> tuple[Path, dict[str, Path]]:
+    """A migrated tiny llama parallelized for each named layout (world, attn_tp, dense_tp, embed_tp, lmhead_tp);
+    its base YAML runs the parallel code on one rank."""
+    from hf_reference import build_reference, migrate, parallel_yaml, parallelize
+
+    reference = build_reference("llama", tmp_path_factory)
+    root = tmp_path_factory.mktemp("served")
+    model_dir = migrate(reference, root / "models")
+    yamls = {}
+    for name, sizes in layouts.items():
+        proc = parallelize(model_dir, parallel_yaml(root / f"{name}.yaml", *sizes), "--json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        yamls[name] = Path(json.loads(proc.stdout)["yaml"])
+    return model_dir, yamls
+
+
+def served_texts(url: str, model: str, new_tokens: int) -> list[str]:
+    """The prompts twice over, all at once: streamed completions, then chat."""
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def complete(prompt: str) -> str:
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=new_tokens,
+                                                     temperature=0, stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+
+        async def chat(prompt: str) -> str:
+            r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=new_tokens, temperature=0)
+            return r.choices[0].message.content
+
+        jobs = [complete(p) for p in PARITY_PROMPTS * 2] + [chat(p) for p in PARITY_PROMPTS]
+        return await asyncio.wait_for(asyncio.gather(*jobs), 240)
+
+    return asyncio.run(main())

@@ -154,6 +154,8 @@ class DisaggConfig(_Section):
     bootstrap_port: int = 18800
     local_ip: str = "127.0.0.1"
     store_url: str = ""
+    engine_backend: str = "zmq"  # the KV TransferEngine
+    kv_timeout_s: float = Field(30.0, gt=0)  # a request whose KV has not arrived by then fails
 
 
 _SECTIONS: dict[str, type[_Section]] = {"data_config": DataConfig, "model_config": ModelConfig,

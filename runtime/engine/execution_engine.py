@@ -4,6 +4,7 @@ Offline inference adds every prompt and steps until done; a server drives the sa
 """
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,8 +59,10 @@ class StepStats:
 
 
 class ExecutionEngine:
-    def __init__(self, config: InferenceConfig, dist: DistInfo, model_dir=None):
+    def __init__(self, config: InferenceConfig, dist: DistInfo, model_dir=None,
+                 scheduler_cls: type[Scheduler] = Scheduler):
         self.config, self.device = config, dist.device
+        self.scheduler_cls = scheduler_cls
         self.worker = ModelWorker(config, dist, model_dir)
         self.sampler = Sampler()
         self.kv = None
@@ -78,7 +81,7 @@ class ExecutionEngine:
         self.kv = self.worker.init_kvcache()
         self.eos_token_ids = self._eos_token_ids()
         sc = self.config.scheduler_config
-        self.scheduler = Scheduler(self.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens,
+        self.scheduler = self.scheduler_cls(self.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens,
                                    self.eos_token_ids)
         mc = self.config.model_config
         if mc.enable_profiler:
@@ -104,6 +107,20 @@ class ExecutionEngine:
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
         return request.request_id
+
+    def add_prefilled(self, prompt_token_ids: list[int], sampling: SamplingParams, first_token: int,
+                      write_kv: Callable[[dict[str, list[list[int]]]], None]) -> StepOutput | None:
+        """A request prefilled elsewhere joins the running batch with its first token; write_kv(block tables)
+        fills its fresh blocks with the prompt's KV. None while there is no room (try again later)."""
+        request = Request(list(prompt_token_ids), sampling)
+        request.output_token_ids.append(first_token)
+        if not self.scheduler.admit_running(request):
+            return None
+        write_kv(self.kv.block_tables([request.request_id]))
+        finished = self.scheduler.finish_if_done(request)
+        if not finished:
+            self.requests[request.request_id] = request
+        return StepOutput(request.request_id, [first_token], finished, request.finish_reason)
 
     def abort(self, request_id: int) -> bool:
         """Drop a request now and free its KV blocks; False if it is unknown or already finished."""

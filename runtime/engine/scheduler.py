@@ -98,15 +98,28 @@ class Scheduler:
 
     def process_batch_output(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
         batch.update_requests_from_batch(next_tokens)
-        done = []
-        for request in batch.requests:
-            reason = self._finish_reason(request)
-            if reason:
-                request.finish_reason, request.status = reason, Status.FINISHED
-                self.running.remove(request)
-                self.kv.free(request.request_id)
-                done.append(request)
-        return done
+        return [request for request in batch.requests if self.finish_if_done(request)]
+
+    def admit_running(self, request: Request) -> bool:
+        """A request whose prompt KV was computed elsewhere (and whose first token is in output_token_ids)
+        joins the running batch; False while there is no batch slot or KV room for it."""
+        n = len(request.prompt_token_ids)
+        if len(self.running) >= self.max_batch_size or not self.kv.allocate_slots(request.request_id, 0, n):
+            return False
+        request.computed_len, request.status = n, Status.RUNNING
+        self.running.append(request)
+        return True
+
+    def finish_if_done(self, request: Request) -> bool:
+        reason = self._finish_reason(request)
+        if reason:
+            request.finish_reason, request.status = reason, Status.FINISHED
+            self.running.remove(request)
+            self.release_finished(request)
+        return reason is not None
+
+    def release_finished(self, request: Request) -> None:
+        self.kv.free(request.request_id)
 
     def _finish_reason(self, request: Request) -> str | None:
         params, last = request.sampling, request.output_token_ids[-1]

@@ -9,6 +9,7 @@ from runtime.config import InferenceConfig
 from runtime.distributed import init_distributed
 from runtime.engine.execution_engine import ExecutionEngine
 from runtime.engine.request import SamplingParams
+from runtime.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +27,10 @@ class GenerationOutput:
 
 
 class OfflineInference:
-    def __init__(self, config: InferenceConfig, model_dir: Path):
+    def __init__(self, config: InferenceConfig, model_dir: Path, scheduler_cls: type[Scheduler] = Scheduler):
         self.config = config
         self.dist = init_distributed()
-        self.engine = ExecutionEngine(config, self.dist, model_dir)
+        self.engine = ExecutionEngine(config, self.dist, model_dir, scheduler_cls)
         self.engine.init()
         self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer

@@ -1,4 +1,5 @@
 """What every HTTP handler of one server shares."""
+import dataclasses
 from dataclasses import dataclass, field
 
 from runtime.engine.request import SamplingParams
@@ -20,6 +21,7 @@ class ServerContext:
     max_in_flight: int  # running batch + queue; beyond it requests get 429
     api_key: str | None = None
     served_names: tuple[str, ...] = field(default=())
+    pd_role: str = "none"  # "prefill" | "decode": one half of a disaggregated deployment
     accepting: bool = True
 
     def healthy(self) -> bool:
@@ -51,6 +53,16 @@ class ServerContext:
             raise APIError(429, f"the server is full ({self.dispatcher.in_flight} requests in flight, at most "
                            f"{self.max_in_flight}); retry later", kind="rate_limit_error")
 
-    def generation(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                   stop_strings: list[str]) -> Generation:
-        return Generation(self.dispatcher, self.metrics, self.tokenizer, prompt_token_ids, sampling, stop_strings)
+    def generation(self, prompt_token_ids: list[int], sampling: SamplingParams, stop_strings: list[str],
+                   bootstrap_room: int | None) -> Generation:
+        """The request as this server's role runs it: a prefill instance computes the first token only."""
+        if self.pd_role == "none":
+            bootstrap_room = None
+        elif bootstrap_room is None:
+            raise APIError(400, f"this is the {self.pd_role} instance of a disaggregated deployment; send "
+                           "requests to its router", "bootstrap_room")
+        if self.pd_role == "prefill":
+            sampling = dataclasses.replace(sampling, max_new_tokens=1, ignore_eos=True, stop_token_ids=())
+            stop_strings = []
+        return Generation(self.dispatcher, self.metrics, self.tokenizer, prompt_token_ids, sampling, stop_strings,
+                          bootstrap_room)

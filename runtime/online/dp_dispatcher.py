@@ -38,6 +38,7 @@ class DPDispatcher:
         ports = [s.bind_to_random_port(f"tcp://{host}") for s in self.leaders]
         self.addresses = WorkerAddresses([f"tcp://{host}:{p}" for p in ports], f"tcp://{host}:{port}")
         self.stats: list[EngineStats | None] = [None] * dp_size
+        self.kv_addresses: list[str | None] = [None] * dp_size  # prefill leaders' KV transfer endpoints
         self.block_size = 0
         self.failure: str | None = None
         self.on_output: Callable[[StepOutput], None] = lambda out: None
@@ -76,18 +77,21 @@ class DPDispatcher:
             except TimeoutError:
                 pass
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Send a reserved request to the least loaded DP group; its StepOutputs (or a WorkerError) arrive on
-        the queue."""
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+               bootstrap_room: int | None = None) -> tuple[int, asyncio.Queue]:
+        """Send a reserved request to the least loaded DP group (DP group room % dp_size for a disaggregated
+        request); its StepOutputs (or a WorkerError) arrive on the queue."""
         if self.failure:
             self._reserved -= 1
             raise WorkerError(self.failure)
         self._reserved -= 1
-        rid, dp = next(self._ids), min(range(len(self._load)), key=self._load.__getitem__)
+        rid = next(self._ids)
+        dp = (min(range(len(self._load)), key=self._load.__getitem__) if bootstrap_room is None
+              else bootstrap_room % len(self._load))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid], self._owner[rid] = queue, dp
         self._load[dp] += 1
-        if not self._send(dp, AddRequest(rid, list(prompt_token_ids), sampling)):
+        if not self._send(dp, AddRequest(rid, list(prompt_token_ids), sampling, bootstrap_room)):
             self._forget(rid)
             raise WorkerError(f"the engine worker of DP group {dp} is not connected")
         return rid, queue
@@ -123,6 +127,7 @@ class DPDispatcher:
                     self._deliver(out)
             elif isinstance(msg, WorkerReady):
                 self.stats[msg.dp_rank], self.block_size = msg.stats, msg.block_size
+                self.kv_addresses[msg.dp_rank] = msg.kv_address
                 if all(s is not None for s in self.stats):
                     self._ready.set()
             else:

@@ -9,6 +9,8 @@ from runtime.online.detokenizer import IncrementalDetokenizer
 from runtime.online.dp_dispatcher import DPDispatcher, WorkerError
 from runtime.online.metrics import ServerMetrics
 
+KV_TRANSFER_FAILED = "the request's KV did not arrive from the prefill instance in time"
+
 
 @dataclass
 class Delta:
@@ -30,9 +32,9 @@ class Completion:
 
 class Generation:
     def __init__(self, dispatcher: DPDispatcher, metrics: ServerMetrics, tokenizer, prompt_token_ids: list[int],
-                 sampling: SamplingParams, stop_strings: list[str]):
+                 sampling: SamplingParams, stop_strings: list[str], bootstrap_room: int | None = None):
         self.dispatcher, self.metrics = dispatcher, metrics
-        self.prompt_token_ids, self.sampling = prompt_token_ids, sampling
+        self.prompt_token_ids, self.sampling, self.bootstrap_room = prompt_token_ids, sampling, bootstrap_room
         self.detok = IncrementalDetokenizer(tokenizer, stop_strings)
         self.rid: int | None = None
         self.finished = False
@@ -42,16 +44,16 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         last = time.perf_counter()  # arrival: the first gap is the time to first token
         try:
-            self.rid, queue = self.dispatcher.submit(self.prompt_token_ids, self.sampling)
+            self.rid, queue = self.dispatcher.submit(self.prompt_token_ids, self.sampling, self.bootstrap_room)
         except WorkerError:
             self.finished = True
             raise
         self.metrics.prompt_tokens.inc(len(self.prompt_token_ids))
         while not self.finished:
             out: StepOutput | WorkerError = await queue.get()
-            if isinstance(out, WorkerError):
+            if isinstance(out, WorkerError) or out.finish_reason == "error":
                 self.finished = True
-                raise out
+                raise out if isinstance(out, WorkerError) else WorkerError(KV_TRANSFER_FAILED)
             now = time.perf_counter()
             (self.metrics.tpot if self.num_output_tokens else self.metrics.ttft).observe(now - last)
             last = now

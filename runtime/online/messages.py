@@ -18,6 +18,7 @@ class AddRequest:
     rid: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    bootstrap_room: int | None = None  # prefill-decode disaggregation: pairs the two halves of a request
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class WorkerReady:
     dp_rank: int
     stats: EngineStats
     block_size: int
+    kv_address: str | None = None  # a prefill leader's KV transfer endpoint
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Each loop turn a DP leader drains its request queue, the DP leaders agree over `dp_leader_group` whether any
 of them has work (attention-DP ranks step in lock-step) or must stop, and each leader broadcasts the commands
 and that verdict to its attn-TP peers over `tp_cpu_group`. Then every rank steps (a dummy step when idle in
-lock-step) and the leader sends the step's outputs back.
+lock-step) and the leader sends the step's outputs back. With prefill-decode disaggregation a PrefillSide or
+DecodeSide adds the KV hand-over to the turn.
 """
 import argparse
 import dataclasses
@@ -15,10 +16,15 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from runtime.config import DisaggConfig
 from runtime.distributed import leave_worker
 from runtime.engine.request import StepOutput
+from runtime.engine.scheduler import Scheduler
 from runtime.logging_config import setup_logging
 from runtime.offline import OfflineInference
+from runtime.online.disagg.decode import DecodeSide, KVArrived, KVFailed
+from runtime.online.disagg.prefill import PrefillSide
+from runtime.online.disagg.schedulers import PrefillDisaggScheduler
 from runtime.online.messages import (
     AbortRequest,
     AddRequest,
@@ -34,15 +40,17 @@ from runtime.online.serving_config import serving_config
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50  # how long an idle leader waits for a request before the next turn (one DP group)
-LOCKSTEP_POLL_MS = 2  # the same with several DP groups, whose leaders meet in a collective every turn
+BUSY_POLL_MS = 2  # the same with several DP groups (their leaders meet every turn) or KV on its way
+SIDES = {"PREFILL": (PrefillSide, PrefillDisaggScheduler), "DECODE": (DecodeSide, Scheduler)}
 
 
 class OnlineInference(OfflineInference):
     def __init__(self, config, model_dir: Path, addresses: WorkerAddresses, parent_pid: int | None = None):
-        super().__init__(config, model_dir)
+        side_cls, scheduler_cls = SIDES.get(config.disagg_config.disaggregation_mode, (None, Scheduler))
+        super().__init__(config, model_dir, scheduler_cls)
         self.parent_pid = parent_pid
-        tp = config.parallel_config.attn_tp_size
-        self.dp_rank, self.is_leader = divmod(self.dist.rank, tp)[0], self.dist.rank % tp == 0
+        self.tp_size = tp = config.parallel_config.attn_tp_size
+        self.dp_rank, self.is_leader = self.dist.rank // tp, self.dist.rank % tp == 0
         self.tp_group = self.dp_group = None
         cm = self.engine.worker.comm_manager
         if self.dist.world_size > 1:
@@ -51,17 +59,23 @@ class OnlineInference(OfflineInference):
             self.tp_leader = cm.get_ranks("tp_cpu_group")[0]
         self.engine_ids: dict[int, int] = {}  # parent rid -> engine request id
         self.rids: dict[int, int] = {}  # engine request id -> parent rid
+        self.side = side_cls(self) if side_cls else None
         self.ctx = zmq.Context()
         if self.is_leader:
             self.inbox = self.ctx.socket(zmq.PULL)
             self.inbox.connect(addresses.requests[self.dp_rank])
             self.outbox = self.ctx.socket(zmq.PUSH)
             self.outbox.connect(addresses.results)
-            self.outbox.send_pyobj(WorkerReady(self.dp_rank, self.engine_stats(), self.engine.kv.block_size))
+            self.outbox.send_pyobj(WorkerReady(self.dp_rank, self.engine_stats(), self.engine.kv.block_size,
+                                               self.side.address if self.side else None))
 
     def engine_stats(self) -> EngineStats:
         kv, sched = self.engine.kv.stats(), self.engine.scheduler
         return EngineStats(len(sched.running), len(sched.waiting), kv["used_blocks"], kv["num_blocks"])
+
+    def map_request(self, rid: int, eid: int, finished: bool) -> None:
+        if not finished:
+            self.engine_ids[rid], self.rids[eid] = eid, rid
 
     def _receive(self, wait_ms: int) -> list:
         commands = []
@@ -73,29 +87,48 @@ class OnlineInference(OfflineInference):
                     return commands
         return commands
 
-    def _apply(self, commands: list) -> bool:
-        """Apply add / abort commands; True when one asks to stop."""
-        stop = False
+    def _apply(self, commands: list) -> tuple[bool, list[StepOutput]]:
+        """Apply the turn's commands; (a command asks to stop, outputs they produced)."""
+        stop, outputs = False, []
         for c in commands:
-            if isinstance(c, AddRequest):
+            if isinstance(c, AddRequest) and self.side is not None and isinstance(self.side, DecodeSide):
+                if self.is_leader:
+                    self.side.take(c)  # runs once its KV is here (KVArrived)
+            elif isinstance(c, AddRequest):
                 eid = self.engine.add_request(c.prompt_token_ids, c.sampling)
-                self.engine_ids[c.rid], self.rids[eid] = eid, c.rid
+                self.map_request(c.rid, eid, False)
+                if self.side:
+                    self.side.on_add(eid, c.bootstrap_room)
             elif isinstance(c, AbortRequest):
                 eid = self.engine_ids.pop(c.rid, None)
                 if eid is not None:
                     self.engine.abort(eid)
                     del self.rids[eid]
+                elif isinstance(self.side, DecodeSide) and self.is_leader:
+                    self.side.forget(c.rid)
+            elif isinstance(c, (KVArrived, KVFailed)):
+                outputs += self.side.apply(c)
             else:
                 assert isinstance(c, Shutdown), f"unknown command {c!r}"
                 stop = True
-        return stop
+        return stop, outputs
 
-    def _turn(self, idle: bool) -> tuple[list, bool, bool]:
-        """This turn's commands and the agreed (busy, stop)."""
-        commands, busy, stop = [], False, False
+    def _wait_ms(self, idle: bool) -> int:
+        if not idle:
+            return 0
+        return BUSY_POLL_MS if self.dp_group is not None or (self.side and self.side.waiting) else IDLE_POLL_MS
+
+    def _turn(self, idle: bool) -> tuple[list, list[StepOutput], bool, bool]:
+        """This turn's commands, the outputs they produced and the agreed (busy, stop)."""
+        commands, outputs, busy, stop = [], [], False, False
         if self.is_leader:
-            commands = self._receive(0 if not idle else LOCKSTEP_POLL_MS if self.dp_group else IDLE_POLL_MS)
-            stop = self._apply(commands) or (idle and not self._parent_alive())
+            commands = self._receive(self._wait_ms(idle))
+            stop, outputs = self._apply(commands)
+            if self.side is not None:
+                extra = self.side.poll()
+                outputs += self._apply(extra)[1]
+                commands += extra
+            stop = stop or (idle and not self._parent_alive())
             busy = self.engine.has_unfinished()
             if self.dp_group is not None:
                 flags = torch.tensor([int(busy), int(stop)])
@@ -107,7 +140,7 @@ class OnlineInference(OfflineInference):
             commands, busy, stop = box[0]
             if not self.is_leader:
                 self._apply(commands)
-        return commands, busy, stop
+        return commands, outputs, busy, stop
 
     def _parent_alive(self) -> bool:
         """False once the server process is gone (killed without a chance to stop its workers)."""
@@ -123,13 +156,16 @@ class OnlineInference(OfflineInference):
     def serve_forever(self) -> None:
         idle = True
         while True:
-            commands, busy, stop = self._turn(idle)
+            commands, outputs, busy, stop = self._turn(idle)
             if stop:
                 return
-            outputs = self.engine.step() if busy else []
+            stepped = self.engine.step() if busy else []
+            if self.side is not None:
+                self.side.after_step(stepped)
+            outputs += self._to_parent(stepped)
             idle = not busy
             if self.is_leader and (outputs or commands):
-                self.outbox.send_pyobj(StepResult(self.dp_rank, self._to_parent(outputs), self.engine_stats()))
+                self.outbox.send_pyobj(StepResult(self.dp_rank, outputs, self.engine_stats()))
 
     def _to_parent(self, outputs: list[StepOutput]) -> list[StepOutput]:
         mine = []
@@ -145,6 +181,8 @@ class OnlineInference(OfflineInference):
             self.outbox.send_pyobj(WorkerFailed(self.dp_rank, f"{type(error).__name__}: {error}"))
 
     def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
         self.ctx.destroy(linger=1000)
 
 
@@ -156,8 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", required=True, help="comma-separated ZMQ endpoints, one per DP leader")
     parser.add_argument("--results", required=True)
     parser.add_argument("--parent-pid", type=int, help="stop when this process (the server) is gone")
+    parser.add_argument("--disagg", help="DisaggConfig as JSON (prefill-decode disaggregation)")
     args = parser.parse_args(argv)
     config = serving_config(args.yaml, args.max_model_len)
+    if args.disagg:
+        config.disagg_config = DisaggConfig.model_validate_json(args.disagg)
     worker = OnlineInference(config, args.model_dir, WorkerAddresses(args.requests.split(","), args.results),
                              args.parent_pid)
     setup_logging(worker.dist.rank)

@@ -134,7 +134,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         budget = ctx.output_budget(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
         requests.append((ids, _sampling(body, budget, body.logprobs)))
     ctx.admit(len(requests))
-    gens = [ctx.generation(ids, sampling, body.stop_strings()) for ids, sampling in requests]
+    room = body.bootstrap_room
+    gens = [ctx.generation(ids, sampling, body.stop_strings(), None if room is None else room + i)  # a room each
+            for i, (ids, sampling) in enumerate(requests)]
     rid, model = f"cmpl-{uuid.uuid4().hex}", body.model
     want_lp = body.logprobs is not None
     if body.stream:
@@ -179,7 +181,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     top = body.top_logprobs or 0 if body.logprobs else None
     sampling = _sampling(body, budget, top)
     ctx.admit(1)
-    gen = ctx.generation(ids, sampling, body.stop_strings())
+    gen = ctx.generation(ids, sampling, body.stop_strings(), body.bootstrap_room)
     rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model
     if body.stream:
         def chunk(index, delta):

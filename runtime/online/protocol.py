@@ -24,6 +24,7 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    bootstrap_room: int | None = Field(None, ge=0)  # set by the PD router
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []

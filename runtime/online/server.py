@@ -6,7 +6,7 @@ import logging
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -16,10 +16,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from transformers import AutoTokenizer
 
+from runtime.config import DisaggConfig
 from runtime.errors import UserError
 from runtime.kv_cache.sizing import cdiv
 from runtime.launch import SINGLE_NODE, NodeLayout
 from runtime.online.context import ServerContext
+from runtime.online.disagg.transfer_engine import BACKENDS, make_transfer_engine
 from runtime.online.dp_dispatcher import DPDispatcher, WorkerError
 from runtime.online.metrics import ServerMetrics
 from runtime.online.openai_api import router
@@ -42,6 +44,8 @@ class ServeSettings:
     grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     startup_timeout_s: float = 900.0
     nodes: NodeLayout = SINGLE_NODE
+    pd_role: str = "none"  # "prefill" | "decode" (the router is runtime.online.router)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 def _require_api_key(request: Request) -> None:
@@ -80,6 +84,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
         ctx.metrics.set_engine(ctx.dispatcher.stats)
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    if ctx.pd_role == "prefill":
+        @app.get("/bootstrap/rank_table")
+        async def rank_table() -> dict:
+            """Where decode leaders fetch KV: the KV endpoint of each DP leader (bootstrap_room % dp_size)."""
+            return {"leaders": ctx.dispatcher.kv_addresses}
+
     @app.get("/v1/models", dependencies=[Depends(_require_api_key)])
     async def models() -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
@@ -89,13 +99,25 @@ def build_app(ctx: ServerContext) -> FastAPI:
     return app
 
 
+def ignore_reraised_signals() -> None:
+    """uvicorn re-raises the SIGTERM / SIGINT that stopped it once it has shut down; that is a clean exit here."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another port or host") from None
+    return s
+
+
 def _check_port_free(host: str, port: int) -> None:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+    _listen(host, port).close()
 
 
 async def _watch_workers(ctx: ServerContext) -> None:
@@ -111,11 +133,11 @@ async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> N
                                               trust_remote_code=config.model_config.trust_remote_code)
     dispatcher = DPDispatcher(config.parallel_config.attn_dp_size)
     manager = WorkerManager(model_dir, yaml_path, config.world_size, dispatcher.addresses, settings.max_model_len,
-                            settings.nodes)
+                            settings.nodes, settings.disagg if settings.pd_role != "none" else None)
     name = settings.served_model_name or config.model_name
     ctx = ServerContext(dispatcher, manager, ServerMetrics(name), tokenizer, name, limit,
                         config.scheduler_config.batch_size + settings.max_queue, settings.api_key,
-                        ("default",) if name != "default" else ())
+                        ("default",) if name != "default" else (), settings.pd_role)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # until uvicorn takes over
     manager.start()
@@ -126,20 +148,21 @@ async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> N
             raise UserError(f"the engine did not start: {e}; see the worker log above") from None
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            # uvicorn re-raises the signal that stopped it once it has shut down; that is a clean exit here.
-            signal.signal(sig, lambda *_: None)
+        ignore_reraised_signals()
         smallest = min(s.kv_total_blocks for s in dispatcher.stats)
         if dispatcher.block_size and cdiv(limit, dispatcher.block_size) > smallest:
             raise UserError(f"the KV cache holds {smallest} blocks of {dispatcher.block_size} tokens, fewer than "
                             f"one request of --max-model-len {limit} needs; lower --max-model-len or raise "
                             "scheduler_config.num_kv_blocks / mem_fraction_static")
         watcher = asyncio.create_task(_watch_workers(ctx))
-        server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=settings.host, port=settings.port,
-                                               timeout_graceful_shutdown=settings.grace_s, log_level="info"))
-        logger.info("serving %s on http://%s:%d/v1 (max model length %d)", name, settings.host, settings.port,
-                    limit)
-        await server.serve()
+        server = uvicorn.Server(uvicorn.Config(build_app(ctx), timeout_graceful_shutdown=settings.grace_s,
+                                               log_level="info"))
+        sockets = [_listen(settings.host, settings.port)]
+        if settings.pd_role == "prefill":  # the bootstrap endpoint: same app, its own port
+            sockets.append(_listen(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port))
+        logger.info("serving %s on http://%s:%d/v1 (max model length %d%s)", name, settings.host, settings.port,
+                    limit, f", {settings.pd_role} instance" if settings.pd_role != "none" else "")
+        await server.serve(sockets=sockets)
         ctx.accepting = False
         watcher.cancel()
     except asyncio.CancelledError:
@@ -155,4 +178,8 @@ async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> N
 def run_server(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
     serving_config(yaml_path, settings.max_model_len)  # a bad YAML fails here, before any process starts
     _check_port_free(settings.host, settings.port)
+    if settings.pd_role == "prefill":
+        _check_port_free(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port)
+    if settings.pd_role != "none" and settings.disagg.engine_backend not in BACKENDS:
+        make_transfer_engine(settings.disagg.engine_backend, settings.pd_role, "", 0)  # raises the UserError
     asyncio.run(_serve(model_dir, yaml_path, settings))

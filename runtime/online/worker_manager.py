@@ -4,6 +4,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from runtime.config import DisaggConfig
 from runtime.launch import SINGLE_NODE, NodeLayout, torchrun_command
 from runtime.online.messages import WorkerAddresses
 
@@ -12,12 +13,15 @@ logger = logging.getLogger(__name__)
 
 class WorkerManager:
     def __init__(self, model_dir: Path, yaml_path: Path, world_size: int, addresses: WorkerAddresses,
-                 max_model_len: int | None = None, nodes: NodeLayout = SINGLE_NODE):
+                 max_model_len: int | None = None, nodes: NodeLayout = SINGLE_NODE,
+                 disagg: DisaggConfig | None = None):
         args = ["runtime.online.online_inference", "--model-dir", str(model_dir), "--yaml", str(yaml_path),
                 "--requests", ",".join(addresses.requests), "--results", addresses.results,
                 "--parent-pid", str(os.getpid())]
         if max_model_len is not None:
             args += ["--max-model-len", str(max_model_len)]
+        if disagg is not None:
+            args += ["--disagg", disagg.model_dump_json()]
         self.cmd = torchrun_command(world_size, args, nodes)
         self.proc: subprocess.Popen | None = None
 

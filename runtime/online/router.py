@@ -1,0 +1,123 @@
+"""The PD router (`skill serve --pd-role router`): gives each request a bootstrap_room, sends it to prefill
+instance room % P (for the KV and first token) and decode instance room % D at once, and answers with the
+decode instance's response, streamed when asked. A backend that cannot be reached gives 503."""
+import asyncio
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from runtime.online.protocol import APIError
+from runtime.online.server import ignore_reraised_signals
+
+logger = logging.getLogger(__name__)
+ROUTED = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    prefill: list[str]  # base URLs, e.g. http://127.0.0.1:8100
+    decode: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout_s: float = 600.0
+
+
+def _unreachable(role: str, url: str, error: Exception) -> APIError:
+    return APIError(503, f"the {role} instance at {url} failed: {type(error).__name__}: {error}",
+                    kind="server_error")
+
+
+def _passthrough(r: httpx.Response) -> Response:
+    return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+
+def build_router(settings: RouterSettings) -> FastAPI:
+    app = FastAPI(title="model-infer-skills PD router", docs_url=None, redoc_url=None)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=5.0))
+    app.add_exception_handler(APIError, lambda request, exc: exc.response())
+
+    async def route(request: Request, path: str) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON", "body") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", "body")
+        room = secrets.randbits(62)
+        body["bootstrap_room"] = room
+        prefill = settings.prefill[room % len(settings.prefill)]
+        decode = settings.decode[room % len(settings.decode)]
+        headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+        first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        prefill_call = asyncio.ensure_future(client.post(prefill + path, json=first, headers=headers))
+        if not body.get("stream"):
+            p, d = await asyncio.gather(prefill_call, client.post(decode + path, json=body, headers=headers),
+                                        return_exceptions=True)
+            for role, url, r in (("prefill", prefill, p), ("decode", decode, d)):
+                if isinstance(r, Exception):
+                    raise _unreachable(role, url, r)
+            return _passthrough(p if p.status_code != 200 else d)
+        try:
+            stream = await client.send(client.build_request("POST", decode + path, json=body, headers=headers),
+                                       stream=True)
+        except httpx.HTTPError as e:
+            prefill_call.cancel()
+            raise _unreachable("decode", decode, e) from None
+        if stream.status_code != 200:
+            await stream.aread()
+            await stream.aclose()
+            return _passthrough(stream)
+
+        async def relay():
+            try:
+                async for chunk in stream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                error = {"message": _unreachable("decode", decode, e).message, "type": "server_error", "code": 503}
+                yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
+            finally:
+                await stream.aclose()
+                prefill_call.cancel()
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    def endpoint(path: str):
+        async def handler(request: Request) -> Response:
+            return await route(request, path)
+        return handler
+
+    for path in ROUTED:
+        app.add_api_route(path, endpoint(path), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        async def ok(url: str) -> bool:
+            try:
+                return (await client.get(f"{url}/health", timeout=5)).status_code == 200
+            except httpx.HTTPError:
+                return False
+        results = await asyncio.gather(*(ok(u) for u in settings.prefill + settings.decode))
+        return Response(status_code=200 if all(results) else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+        try:
+            return _passthrough(await client.get(f"{settings.decode[0]}/v1/models", headers=headers))
+        except httpx.HTTPError as e:
+            raise _unreachable("decode", settings.decode[0], e) from None
+
+    return app
+
+
+def run_router(settings: RouterSettings) -> None:
+    logger.info("routing http://%s:%d/v1 to prefill %s and decode %s", settings.host, settings.port,
+                settings.prefill, settings.decode)
+    ignore_reraised_signals()
+    uvicorn.run(build_router(settings), host=settings.host, port=settings.port, log_level="info")
