@@ -3,6 +3,10 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from runtime.errors import UserError
+
+DEFAULT_MASTER_PORT = 29500
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -18,6 +22,20 @@ class NodeLayout:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free local port (single node only)
+
+
+    @classmethod
+    def of(cls, nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> "NodeLayout":
+        if not 0 <= node_rank < nnodes:
+            raise UserError(f"--node-rank {node_rank} is outside --nnodes {nnodes} (0 .. {nnodes - 1})")
+        if nnodes > 1 and master_port is None:
+            master_port = DEFAULT_MASTER_PORT  # every node must name the same one
+        return cls(nnodes, node_rank, master_addr, master_port)
+
+    def check(self, world_size: int) -> None:
+        if world_size % self.nnodes:
+            raise UserError(f"world_size {world_size} does not split evenly over {self.nnodes} nodes; use a "
+                            "node count that divides it")
 
 
 SINGLE_NODE = NodeLayout()

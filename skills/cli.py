@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from runtime.errors import UserError
+from runtime.launch import NodeLayout
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Port Hugging Face causal LMs to the runtime contract, parallelize and run them.")
@@ -48,13 +49,21 @@ def find_yaml(model_dir: Path, yaml_file: Path | None) -> Path:
                     f"{[c.name for c in candidates] or 'none'}); pass --yaml FILE.")
 
 
-def relaunch_with_torchrun(world_size: int) -> int:
-    """The same `skill` command line, once per rank, under torchrun on this machine."""
+NNodes = Annotated[int, typer.Option(min=1, help="Nodes of the world (torchrun --nnodes); 1 = this machine.")]
+NodeRank = Annotated[int, typer.Option(min=0, help="This node's index, 0 = the master node.")]
+MasterAddr = Annotated[str, typer.Option(help="The master node's address (torchrun rendezvous).")]
+MasterPort = Annotated[int | None, typer.Option(help="The rendezvous port (default: a free one on one node, "
+                                                     "29500 across nodes).")]
+
+
+def relaunch_with_torchrun(world_size: int, nodes: NodeLayout) -> int:
+    """The same `skill` command line, once per local rank, under torchrun (this node's share of the world)."""
     import subprocess
 
     from runtime.launch import torchrun_command
 
-    return subprocess.call(torchrun_command(world_size, ["skills.cli", *sys.argv[1:]]))
+    nodes.check(world_size)
+    return subprocess.call(torchrun_command(world_size, ["skills.cli", *sys.argv[1:]], nodes))
 
 
 @app.command()
@@ -68,6 +77,10 @@ def run(
     raw: Annotated[bool, typer.Option("--raw", help="Feed prompts as plain text, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow running model code that came from the checkpoint.")] = False,
+    nnodes: NNodes = 1,
+    node_rank: NodeRank = 0,
+    master_addr: MasterAddr = "127.0.0.1",
+    master_port: MasterPort = None,
 ):
     """Run offline inference on a model directory."""
     from runtime.config import InferenceConfig
@@ -75,8 +88,9 @@ def run(
     from runtime.offline import OfflineInference, prompts_from_config, read_prompts_file
 
     config = InferenceConfig.from_yaml(find_yaml(model_dir, yaml_file))
-    if config.world_size > 1 and "WORLD_SIZE" not in os.environ:
-        raise typer.Exit(relaunch_with_torchrun(config.world_size))
+    nodes = NodeLayout.of(nnodes, node_rank, master_addr, master_port)
+    if (config.world_size > 1 or nnodes > 1) and "WORLD_SIZE" not in os.environ:
+        raise typer.Exit(relaunch_with_torchrun(config.world_size, nodes))
     if max_new_tokens is not None:
         config.scheduler_config.max_new_tokens = max_new_tokens
     if trust_remote_code:
@@ -129,6 +143,10 @@ def serve(
     kv_timeout: Annotated[float, typer.Option(min=0.1, help="PD: seconds a request waits for its KV.")] = 30.0,
     prefill: Annotated[list[str] | None, typer.Option(help="PD router: a prefill instance URL; repeat.")] = None,
     decode: Annotated[list[str] | None, typer.Option(help="PD router: a decode instance URL; repeat.")] = None,
+    nnodes: NNodes = 1,
+    node_rank: NodeRank = 0,
+    master_addr: MasterAddr = "127.0.0.1",
+    master_port: MasterPort = None,
 ):
     """Serve a model directory over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from runtime.config import DisaggConfig
@@ -152,7 +170,8 @@ def serve(
                           engine_backend=engine_backend, kv_timeout_s=kv_timeout)
     settings = ServeSettings(host=host, port=port, api_key=api_key, max_model_len=max_model_len,
                              max_queue=max_queue, served_model_name=served_model_name, grace_s=grace_period,
-                             pd_role=pd_role, disagg=disagg)
+                             pd_role=pd_role, disagg=disagg,
+                             nodes=NodeLayout.of(nnodes, node_rank, master_addr, master_port))
     run_server(model_dir, find_yaml(model_dir, yaml_file), settings)
 
 

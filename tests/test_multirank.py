@@ -4,20 +4,31 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 from model_dirs import make_model_dir
 from tiny_checkpoint import PARITY_PROMPTS
 
+from runtime.launch import free_port
+
+
+def run_cmd(model_dir, yaml_path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "skills.cli", "run", str(model_dir), "--yaml", str(yaml_path), "--json", "--raw",
+            "--max-new-tokens", "16", *[a for p in PARITY_PROMPTS for a in ("--prompt", p)], *flags]
+
+
+def tokens(stdout: str) -> list[list[int]]:
+    return [o["token_ids"] for o in json.loads(stdout)["outputs"]]
+
 
 def run_tokens(model_dir, yaml_path) -> list[list[int]]:
-    cmd = [sys.executable, "-m", "skills.cli", "run", str(model_dir), "--yaml", str(yaml_path), "--json", "--raw",
-           "--max-new-tokens", "16", *[a for p in PARITY_PROMPTS for a in ("--prompt", p)]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(run_cmd(model_dir, yaml_path), capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [o["token_ids"] for o in json.loads(proc.stdout)["outputs"]]
+    return tokens(proc.stdout)
 
 
-def test_data_parallel_world_2_matches_single_rank(tmp_path, tiny_llama_dir):
+@pytest.fixture()
+def dp2(tmp_path, tiny_llama_dir):
     model_dir = make_model_dir(tmp_path, tiny_llama_dir)
     single = model_dir / "config" / "contract_llama.yaml"
     doc = yaml.safe_load(single.read_text())
@@ -25,4 +36,22 @@ def test_data_parallel_world_2_matches_single_rank(tmp_path, tiny_llama_dir):
     doc["parallel_config"] = {"world_size": 2}  # attn_tp 1 -> attn_dp 2: requests split over the ranks
     dp2 = model_dir / "config" / "dp2.yaml"
     dp2.write_text(yaml.safe_dump(doc))
-    assert run_tokens(model_dir, dp2) == run_tokens(model_dir, single)
+    return model_dir, single, dp2
+
+
+def test_data_parallel_world_2_matches_single_rank(dp2):
+    model_dir, single, parallel = dp2
+    assert run_tokens(model_dir, parallel) == run_tokens(model_dir, single)
+
+
+def test_two_nodes_on_one_host_match_a_single_node(dp2):
+    """Two launches, one per "node" (torchrun --nnodes 2 over loopback): node 0 prints the single-node answer."""
+    model_dir, single, parallel = dp2
+    port = str(free_port())
+    nodes = [subprocess.Popen(run_cmd(model_dir, parallel, "--nnodes", "2", "--node-rank", str(rank),
+                                      "--master-addr", "127.0.0.1", "--master-port", port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert outs[1][0] == ""  # only global rank 0 prints
+    assert tokens(outs[0][0]) == run_tokens(model_dir, single)

@@ -45,7 +45,8 @@ SIDES = {"PREFILL": (PrefillSide, PrefillDisaggScheduler), "DECODE": (DecodeSide
 
 
 class OnlineInference(OfflineInference):
-    def __init__(self, config, model_dir: Path, addresses: WorkerAddresses, parent_pid: int | None = None):
+    def __init__(self, config, model_dir: Path, addresses: WorkerAddresses | None, parent_pid: int | None = None):
+        """`addresses` on global rank 0 at least: ranks of other nodes take them from it."""
         side_cls, scheduler_cls = SIDES.get(config.disagg_config.disaggregation_mode, (None, Scheduler))
         super().__init__(config, model_dir, scheduler_cls)
         self.parent_pid = parent_pid
@@ -60,6 +61,10 @@ class OnlineInference(OfflineInference):
         self.engine_ids: dict[int, int] = {}  # parent rid -> engine request id
         self.rids: dict[int, int] = {}  # engine request id -> parent rid
         self.side = side_cls(self) if side_cls else None
+        if self.dist.world_size > 1:
+            box = [addresses]
+            dist.broadcast_object_list(box, src=0)
+            addresses = box[0]
         self.ctx = zmq.Context()
         if self.is_leader:
             self.inbox = self.ctx.socket(zmq.PULL)
@@ -191,16 +196,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--yaml", type=Path, required=True)
     parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--requests", required=True, help="comma-separated ZMQ endpoints, one per DP leader")
-    parser.add_argument("--results", required=True)
+    parser.add_argument("--requests", help="comma-separated ZMQ endpoints, one per DP leader (node 0 only)")
+    parser.add_argument("--results")
     parser.add_argument("--parent-pid", type=int, help="stop when this process (the server) is gone")
     parser.add_argument("--disagg", help="DisaggConfig as JSON (prefill-decode disaggregation)")
     args = parser.parse_args(argv)
     config = serving_config(args.yaml, args.max_model_len)
     if args.disagg:
         config.disagg_config = DisaggConfig.model_validate_json(args.disagg)
-    worker = OnlineInference(config, args.model_dir, WorkerAddresses(args.requests.split(","), args.results),
-                             args.parent_pid)
+    addresses = WorkerAddresses(args.requests.split(","), args.results) if args.requests else None
+    worker = OnlineInference(config, args.model_dir, addresses, args.parent_pid)
     setup_logging(worker.dist.rank)
     logging.getLogger("runtime.engine.execution_engine").setLevel(logging.WARNING)  # no line per step
     try:

@@ -131,7 +131,9 @@ async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> N
     limit = max_model_len(config, settings.max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_path,
                                               trust_remote_code=config.model_config.trust_remote_code)
-    dispatcher = DPDispatcher(config.parallel_config.attn_dp_size)
+    nodes = settings.nodes
+    dispatcher = DPDispatcher(config.parallel_config.attn_dp_size, nodes.master_addr if nodes.nnodes > 1 else
+                              "127.0.0.1")
     manager = WorkerManager(model_dir, yaml_path, config.world_size, dispatcher.addresses, settings.max_model_len,
                             settings.nodes, settings.disagg if settings.pd_role != "none" else None)
     name = settings.served_model_name or config.model_name
@@ -175,8 +177,32 @@ async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> N
         dispatcher.close()
 
 
+def run_worker_node(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
+    """Node k > 0 of a multi-node server: this node's engine workers only; node 0 serves HTTP."""
+    config = serving_config(yaml_path, settings.max_model_len)
+    settings.nodes.check(config.world_size)
+    manager = WorkerManager(model_dir, yaml_path, config.world_size, None, settings.max_model_len, settings.nodes,
+                            settings.disagg if settings.pd_role != "none" else None)
+    stop = {"requested": False}
+
+    def on_signal(*_) -> None:
+        stop["requested"] = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    manager.start()
+    while manager.alive() and not stop["requested"]:
+        time.sleep(HEALTH_POLL_S)
+    code = manager.stop(settings.grace_s)
+    if code and not stop["requested"]:
+        raise UserError(f"the engine workers of node {settings.nodes.node_rank} exited with code {code}")
+
+
 def run_server(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
-    serving_config(yaml_path, settings.max_model_len)  # a bad YAML fails here, before any process starts
+    if settings.nodes.node_rank > 0:
+        return run_worker_node(model_dir, yaml_path, settings)
+    config = serving_config(yaml_path, settings.max_model_len)  # a bad YAML fails here, before any process starts
+    settings.nodes.check(config.world_size)
     _check_port_free(settings.host, settings.port)
     if settings.pd_role == "prefill":
         _check_port_free(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port)

@@ -12,12 +12,13 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerManager:
-    def __init__(self, model_dir: Path, yaml_path: Path, world_size: int, addresses: WorkerAddresses,
+    def __init__(self, model_dir: Path, yaml_path: Path, world_size: int, addresses: WorkerAddresses | None,
                  max_model_len: int | None = None, nodes: NodeLayout = SINGLE_NODE,
                  disagg: DisaggConfig | None = None):
         args = ["runtime.online.online_inference", "--model-dir", str(model_dir), "--yaml", str(yaml_path),
-                "--requests", ",".join(addresses.requests), "--results", addresses.results,
                 "--parent-pid", str(os.getpid())]
+        if addresses is not None:  # node 0; the ranks of other nodes get them from global rank 0
+            args += ["--requests", ",".join(addresses.requests), "--results", addresses.results]
         if max_model_len is not None:
             args += ["--max-model-len", str(max_model_len)]
         if disagg is not None:
