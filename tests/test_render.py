@@ -208,3 +208,33 @@ def test_standalone_runner_refuses_remote_code_without_trust(tmp_path, tiny_llam
     spec.loader.exec_module(module)
     with pytest.raises(UserError, match="trust_remote_code: True"):
         module.ContractLlamaRunner(str(model_dir / "config" / "contract_llama.yaml"))
+
+
+def test_infer_sh_online_mode_and_node_lists(tmp_path):
+    """--mode online runs `skill serve`; IPS / PREFILL_IPS (the seed's set_env.sh) become torchrun's node flags."""
+    bin_dir, model_dir = tmp_path / "bin", tmp_path / "model"
+    bin_dir.mkdir()
+    _stub(bin_dir / "skill", '# skills.cli stand-in\necho "skill $*"')
+    _stub(bin_dir / "torchrun", 'echo "torchrun $*"')
+    _stub(bin_dir / "python", f'exec {sys.executable} "$@"')
+    write(model_dir, render_artifacts(make_ctx(mode="framework", world_size=2, skill_executable=str(bin_dir / "skill"))))
+    env = {k: v for k, v in os.environ.items() if k not in ("SKILL", "YAML", "RES_PATH", "IPS", "NODE_RANK")}
+    env["PATH"] = "/usr/bin:/bin"
+    skill, yaml_path = bin_dir / "skill", model_dir / "config" / "tiny_llama.yaml"
+    out = infer_sh(model_dir, "--mode", "online", "--pd-role", "prefill", "--port", "9000", env=env)
+    assert out.stdout == f"skill serve {model_dir} --yaml {yaml_path} --pd-role prefill --port 9000\n", out.stderr
+    nodes = {**env, "IPS": "10.0.0.1 10.0.0.2", "NODE_RANK": "1"}
+    out = infer_sh(model_dir, "--raw", env=nodes)
+    assert out.stdout == (f"torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
+                          f"--nproc-per-node 1 {skill} run {model_dir} --yaml {yaml_path} --raw\n"), out.stderr
+    out = infer_sh(model_dir, "--mode=online", "--pd-role", "decode", env={**nodes, "DECODE_IPS": "10.0.1.1 10.0.1.2",
+                                                                           "MASTER_PORT": "4000"})
+    assert out.stdout == (f"skill serve {model_dir} --yaml {yaml_path} --nnodes 2 --node-rank 1 --master-addr "
+                          "10.0.1.1 --master-port 4000 --pd-role decode\n"), out.stderr
+    out = infer_sh(model_dir, env={**env, "IPS": "10.255.0.1 10.255.0.2"})
+    assert out.returncode == 2 and "set NODE_RANK" in out.stderr
+    out = infer_sh(model_dir, "--mode", "serve", env=env)
+    assert out.returncode == 2 and "offline or online" in out.stderr
+    write(model_dir, render_artifacts(make_ctx(mode="standalone", skill_executable=str(skill))))
+    out = infer_sh(model_dir, "--mode", "online", env=env)
+    assert out.returncode == 2 and "framework mode" in out.stderr
