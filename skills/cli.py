@@ -185,6 +185,8 @@ def bench(
     exe_mode: Annotated[str | None, typer.Option(help="eager | compile (default: the YAML's).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="Torch threads for every engine (default: all cores).")] = None,
     compare: Annotated[str, typer.Option(help="transformers | none: the peer timed in the same run.")] = "none",
+    serve: Annotated[bool, typer.Option("--serve", help="Also time `skill serve` over HTTP (streamed requests, "
+                                        "all at once) on each workload.")] = False,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per engine and workload; the median is reported.")] = 3,
     quick: Annotated[bool, typer.Option("--quick", help="Tiny sizes: checks the bench, measures nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")] = False,
@@ -208,7 +210,7 @@ def bench(
     if exe_mode not in (None, "eager", "compile"):
         raise UserError(f"--exe-mode {exe_mode!r}: choose eager or compile.")
     opts = BenchOptions(model_dir, find_yaml(model_dir, yaml_file), names, dtype, threads or os.cpu_count() or 1,
-                        compare == "transformers", exe_mode, repeats, quick,
+                        compare == "transformers", exe_mode, serve, repeats, quick,
                         log=lambda msg: err.print(f"[cyan]bench[/] {msg}", highlight=False))
     report = run_bench(opts)
     print_table(report, err)

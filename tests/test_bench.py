@@ -14,8 +14,8 @@ def skill_bench(model_dir, *args: str) -> subprocess.CompletedProcess:
 def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
     model_dir = make_model_dir(tmp_path, tiny_llama_dir)
     plot = tmp_path / "bench.png"
-    proc = skill_bench(model_dir, "--quick", "--compare", "transformers", "--repeats", "2", "--threads", "1",
-                       "--dtype", "float32", "--json", "--plot", str(plot))
+    proc = skill_bench(model_dir, "--quick", "--compare", "transformers", "--serve", "--repeats", "2", "--threads",
+                       "1", "--dtype", "float32", "--json", "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["bandwidth_gb_s"] > 0 and report["machine"]["threads"] == 1
@@ -26,6 +26,9 @@ def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
         assert 0 < w["ttft_p50_ms"] <= w["ttft_p99_ms"] and w["peer_ttft_p99_ms"] > 0
         assert w["peak_rss_mb"]["ours"] > 0 and w["peak_rss_mb"]["peer"] > 0
         assert w["spot_check"]["checked"] > 0 and w["spot_check"]["passed"], (name, w["spot_check"])
+        served = w["served"]  # the same engine over HTTP: the same tokens as the offline engine
+        assert served["outputs_match_ours"] and served["tok_s"] > 0 and served["peak_rss_mb"] > 0, (name, served)
+        assert abs(served["vs_ours"] - served["tok_s"] / w["ours_tok_s"]) < 1e-9
     decode = report["workloads"]["decode1"]
     assert 0 < decode["mbu"] and decode["bandwidth_limit_tok_s"] > 0
     assert abs(decode["achieved_gb_s"] / report["bandwidth_gb_s"] - decode["mbu"]) < 1e-9

@@ -52,8 +52,9 @@ def test_completions_equal_offline_streamed_or_not(client, offline_raw):
         assert (r.choices[0].text, r.choices[0].finish_reason) == (ref["text"], ref["finish_reason"])
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref["prompt_token_ids"]),
                                                                       len(ref["token_ids"]))
-        by_ids = client.completions.create(model=MODEL, prompt=ref["prompt_token_ids"], max_tokens=NEW, temperature=0)
-        assert by_ids.choices[0].text == ref["text"]
+        by_ids = client.completions.create(model=MODEL, prompt=ref["prompt_token_ids"], max_tokens=NEW, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        assert by_ids.choices[0].text == ref["text"] and by_ids.choices[0].token_ids == ref["token_ids"]
         chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
@@ -77,6 +78,9 @@ def test_chat_equals_offline_streamed_or_not(client, offline_chat):
                                                      stream=True))
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+        ids = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0,
+                                             stream=True, extra_body={"return_token_ids": True})
+        assert [t for c in ids for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == ref["token_ids"]
         assert chunks[-1].choices[0].finish_reason == ref["finish_reason"]
 
 

@@ -74,6 +74,10 @@ async def _collect(request: Request, gens: list[Generation]) -> list[Completion]
             g.close()
 
 
+def _with_ids(body: _GenerationRequest, choice: dict, token_ids: list[int]) -> dict:
+    return {**choice, "token_ids": token_ids} if body.return_token_ids else choice
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -148,15 +152,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 return head
             lp = _completion_logprobs(ctx, delta.logprobs, offsets[index]) if want_lp else None
             offsets[index] += len(delta.text)
-            return {**head, "choices": [{"index": index, "text": delta.text, "logprobs": lp,
-                                         "finish_reason": delta.finish_reason}]}
+            choice = {"index": index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}
+            return {**head, "choices": [_with_ids(body, choice, delta.token_ids)]}
         return StreamingResponse(_stream(gens, chunk, body.include_usage), media_type="text/event-stream")
     results = await _collect(request, gens)
     if results is None:
         return Response(status_code=499)
-    choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason,
-                "logprobs": _completion_logprobs(ctx, r.logprobs, 0) if want_lp else None}
-               for i, r in enumerate(results)]
+    choices = [_with_ids(body, {"index": i, "text": r.text, "finish_reason": r.finish_reason,
+                                "logprobs": _completion_logprobs(ctx, r.logprobs, 0) if want_lp else None},
+                         r.token_ids) for i, r in enumerate(results)]
     return JSONResponse({**_header("text_completion", model, rid), "choices": choices, "usage": _usage(gens)})
 
 
@@ -188,11 +192,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             head = _header("chat.completion.chunk", model, rid)
             if delta is None:
                 return head
-            if not delta.text and not delta.finish_reason and not delta.logprobs:
+            if not delta.text and not delta.finish_reason and not delta.logprobs and not body.return_token_ids:
                 return None
-            return {**head, "choices": [{"index": 0, "delta": {"content": delta.text} if delta.text else {},
-                                         "logprobs": _chat_logprobs(ctx, delta.logprobs) if body.logprobs else None,
-                                         "finish_reason": delta.finish_reason}]}
+            choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": _chat_logprobs(ctx, delta.logprobs) if body.logprobs else None,
+                      "finish_reason": delta.finish_reason}
+            return {**head, "choices": [_with_ids(body, choice, delta.token_ids)]}
         first = {**_header("chat.completion.chunk", model, rid),
                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]}
@@ -201,6 +206,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if results is None:
         return Response(status_code=499)
     r = results[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
-              "logprobs": _chat_logprobs(ctx, r.logprobs) if body.logprobs else None}
+    choice = _with_ids(body, {"index": 0, "message": {"role": "assistant", "content": r.text},
+                              "finish_reason": r.finish_reason,
+                              "logprobs": _chat_logprobs(ctx, r.logprobs) if body.logprobs else None}, r.token_ids)
     return JSONResponse({**_header("chat.completion", model, rid), "choices": [choice], "usage": _usage([gen])})

@@ -25,6 +25,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     bootstrap_room: int | None = Field(None, ge=0)  # set by the PD router
+    return_token_ids: bool = False  # each choice (and stream chunk) also carries its generated token ids
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []

@@ -1,15 +1,27 @@
-"""The two engines the bench times on one workload: the runtime (`Ours`) and transformers `generate` (`Peer`).
+"""The engines the bench times on one workload: the runtime (`Ours`), the same runtime behind `skill serve`
+over HTTP (`Served`) and transformers `generate` (`Peer`).
 
-Both take token-id prompts and per-request output lengths and return a `RunResult`: the wall time of the
+All take token-id prompts and per-request output lengths and return a `RunResult`: the wall time of the
 whole workload, each request's time to first token and finish time (from submission), and its tokens.
 """
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
+import yaml
 
 from runtime.errors import UserError
+from runtime.launch import free_port
+
+SERVER_STARTUP_S = 600
 
 
 @dataclass
@@ -20,23 +32,29 @@ class RunResult:
     outputs: list[list[int]]
 
 
+def bench_config(yaml_file: Path, dtype: str, exe_mode: str | None, num_requests: int, max_prompt: int,
+                 max_output: int):
+    """The model directory's YAML, sized for the workload (every request in one batch)."""
+    from runtime.config import InferenceConfig
+
+    config = InferenceConfig.from_yaml(yaml_file)
+    if config.world_size > 1:
+        raise UserError(f"{yaml_file} runs {config.world_size} ranks; skill bench measures one rank, "
+                        "pass a single-rank YAML with --yaml.")
+    config.model_config.dtype = dtype
+    config.model_config.exe_mode = exe_mode or config.model_config.exe_mode
+    config.scheduler_config.batch_size = num_requests
+    config.scheduler_config.max_new_tokens = max_output
+    config.data_config.input_truncated_len = max_prompt
+    return config
+
+
 class Ours:
     """The runtime's persistent engine, configured from the model directory's YAML for this workload."""
 
-    def __init__(self, model_dir: Path, yaml_file: Path, dtype: str, exe_mode: str | None, num_requests: int,
-                 max_prompt: int, max_output: int):
-        from runtime.config import InferenceConfig
+    def __init__(self, model_dir: Path, config):
         from runtime.offline import OfflineInference
 
-        config = InferenceConfig.from_yaml(yaml_file)
-        if config.world_size > 1:
-            raise UserError(f"{yaml_file} runs {config.world_size} ranks; skill bench measures one rank, "
-                            "pass a single-rank YAML with --yaml.")
-        config.model_config.dtype = dtype
-        config.model_config.exe_mode = exe_mode or config.model_config.exe_mode
-        config.scheduler_config.batch_size = num_requests
-        config.scheduler_config.max_new_tokens = max_output
-        config.data_config.input_truncated_len = max_prompt
         self.llm = OfflineInference(config, model_dir)
         self.engine = self.llm.engine
 
@@ -67,6 +85,83 @@ class Ours:
                 if out.finished:
                     finish[i] = now
         return RunResult(time.perf_counter() - start, ttft, finish, outputs)
+
+
+class Served:
+    """`skill serve` on the workload's configuration, every request sent at once as a streamed completion."""
+
+    def __init__(self, model_dir: Path, config, threads: int):
+        from transformers import AutoConfig
+
+        self.vocab_size = AutoConfig.from_pretrained(config.model_config.model_path).vocab_size
+        self.dir = tempfile.TemporaryDirectory(prefix="bench-serve-")
+        yaml_file = Path(self.dir.name) / "served.yaml"
+        yaml_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "skills.cli", "serve", str(model_dir), "--yaml",
+                                      str(yaml_file), "--port", self.url.rsplit(":", 1)[1], "--max-queue",
+                                      str(config.scheduler_config.batch_size)], env=env, stdout=sys.stderr)
+        deadline = time.monotonic() + SERVER_STARTUP_S
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise UserError(f"`skill serve` did not come up for the bench (exit code {self.proc.returncode})")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def peak_rss_mb(self) -> float:
+        """High-water RSS of the server and every process under it (HTTP parent, torchrun, the rank)."""
+        def tree(pid: int) -> list[int]:
+            kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            return [pid] + [p for k in kids for p in tree(k)]
+        total = 0.0
+        for pid in tree(self.proc.pid):
+            status = Path(f"/proc/{pid}/status").read_text()
+            total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+        return total / 1024
+
+    def run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+        return asyncio.run(self._run(prompts, output_lens))
+
+    async def _run(self, prompts: list[list[int]], output_lens: list[int]) -> RunResult:
+        n = len(prompts)
+        ttft, finish, outputs = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
+        limits = httpx.Limits(max_connections=n + 1)
+        async with httpx.AsyncClient(timeout=SERVER_STARTUP_S, limits=limits) as client:
+            start = time.perf_counter()
+
+            async def one(i: int) -> None:
+                body = {"model": "default", "prompt": prompts[i], "max_tokens": output_lens[i], "temperature": 0,
+                        "ignore_eos": True, "stream": True, "return_token_ids": True}
+                async with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise UserError(f"the bench's server answered {r.status_code}: {await r.aread()}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        ids = json.loads(line[6:])["choices"][0]["token_ids"]
+                        if ids and not outputs[i]:
+                            ttft[i] = time.perf_counter() - start
+                        outputs[i] += ids
+                finish[i] = time.perf_counter() - start
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+            return RunResult(time.perf_counter() - start, ttft, finish, outputs)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.dir.cleanup()
 
 
 class _StepClock:

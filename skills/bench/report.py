@@ -9,12 +9,20 @@ def _f(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _served(s: dict | None) -> str:
+    if s is None:
+        return "-"
+    same = "" if s["outputs_match_ours"] else ", OUTPUTS DIFFER"
+    return f"{s['tok_s']:.1f} ({s['vs_ours']:.2f}x{same}), {s['ttft_p99_ms']:.0f}"
+
+
 def print_table(report: dict, console: Console) -> None:
     m = report["machine"]
     table = Table(title=f"skill bench: {report['model_dir']} ({report['dtype']}, {m['threads']} threads, "
                         f"read bandwidth {report['bandwidth_gb_s']:.1f} GB/s)")
     for col in ("workload", "ours tok/s", "peer tok/s", "ratio", "MBU", "TTFT p50/p99 ms (ours)",
-                "TTFT p99 ms (peer)", "TPOT ms ours/peer", "peak RSS MB ours/peer", "greedy spot check"):
+                "TTFT p99 ms (peer)", "TPOT ms ours/peer", "peak RSS MB ours/peer", "greedy spot check",
+                "served tok/s (vs ours), TTFT p99 ms"):
         table.add_column(col, justify="left" if col == "workload" else "right")
     for name, w in report["workloads"].items():
         spot = w["spot_check"]
@@ -25,7 +33,8 @@ def print_table(report: dict, console: Console) -> None:
             f"{_f(w['tpot_ms']['ours'])} / {_f(w['tpot_ms']['peer'])}",
             f"{_f(w['peak_rss_mb']['ours'], '.0f')} / {_f(w['peak_rss_mb']['peer'], '.0f')}",
             "-" if spot is None else f"{spot['identical']}/{spot['checked']} identical"
-            + ("" if spot["passed"] else " (FAILED)") + "".join(f"; {v}" for v in spot["verdicts"] if v != "identical"))
+            + ("" if spot["passed"] else " (FAILED)") + "".join(f"; {v}" for v in spot["verdicts"] if v != "identical"),
+            _served(w["served"]))
     console.print(table)
 
 
@@ -39,11 +48,12 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         w = report["workloads"][name]
-        labels, values = ["ours"], [w["ours_tok_s"]]
+        bars = [("ours", w["ours_tok_s"], "tab:blue")]
+        if w.get("served"):
+            bars.append(("served (HTTP)", w["served"]["tok_s"], "tab:cyan"))
         if w["peer_tok_s"] is not None:
-            labels.append("transformers")
-            values.append(w["peer_tok_s"])
-        bars = ax.bar(labels, values, color=["tab:blue", "tab:gray"][:len(values)])
+            bars.append(("transformers", w["peer_tok_s"], "tab:gray"))
+        bars = ax.bar(*zip(*[(label, value) for label, value, _ in bars]), color=[c for *_, c in bars])
         ax.bar_label(bars, fmt="%.1f")
         if w["bandwidth_limit_tok_s"]:
             ax.axhline(w["bandwidth_limit_tok_s"], color="tab:red", linestyle="--",

@@ -20,6 +20,7 @@ class BenchOptions:
     threads: int
     compare: bool
     exe_mode: str | None = None  # None: the YAML's
+    serve: bool = False  # also time `skill serve` over HTTP on the same workload
     repeats: int = 3
     quick: bool = False
     timeout_s: float = 3600.0
@@ -70,6 +71,8 @@ def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
     args += ["--quick"] if opts.quick else []
     engines = {"ours": Worker("ours", args, opts.timeout_s)}
     try:
+        if opts.serve:
+            engines["served"] = Worker("served", args, opts.timeout_s)
         if opts.compare:
             engines["peer"] = Worker("peer", args, opts.timeout_s)
         runs: dict[str, list[dict]] = {e: [] for e in engines}
@@ -91,7 +94,11 @@ def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
            "achieved_gb_s": None, "ttft_p50_ms": ours["ttft_p50_ms"], "ttft_p99_ms": ours["ttft_p99_ms"],
            "peer_ttft_p50_ms": peer and peer["ttft_p50_ms"], "peer_ttft_p99_ms": peer and peer["ttft_p99_ms"],
            "tpot_ms": {"ours": ours["tpot_ms"], "peer": peer and peer["tpot_ms"]},
-           "peak_rss_mb": {"ours": rss["ours"], "peer": rss.get("peer")}, "spot_check": None}
+           "peak_rss_mb": {"ours": rss["ours"], "peer": rss.get("peer")}, "spot_check": None, "served": None}
+    if opts.serve:
+        served = _summary(workload, runs["served"])
+        out["served"] = {**served, "vs_ours": served["tok_s"] / ours["tok_s"], "peak_rss_mb": rss["served"],
+                         "outputs_match_ours": all(r["outputs"] == runs["ours"][0]["outputs"] for r in runs["served"])}
     if name == "decode1":  # batch 1: every step reads all weights plus the context's KV
         context = workload.prompt_lens[0] + workload.output_lens[0] / 2
         step_bytes = info["weight_bytes"] + info["kv_bytes_per_token"] * context

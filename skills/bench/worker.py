@@ -1,11 +1,11 @@
 """One engine in its own process (so its peak RSS is its own), driven over stdin/stdout by `skill bench`.
 
-    python -m skills.bench.worker ours|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS EXE_MODE|- [--quick]
+    python -m skills.bench.worker ours|served|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS EXE_MODE|- [--quick]
 
 Prints ``READY {...}``, then answers each ``run`` line with ``RESULT {...}`` and ``quit`` with
 ``DONE {"peak_rss_mb": ...}``; the peer also answers ``reference N`` with greedy outputs of the first N
-requests run one at a time (no padding) and where their top two logits tie, for the spot check. Everything else
-it prints goes to stderr.
+requests run one at a time (no padding) and where their top two logits tie, for the spot check. `served`
+reports the peak RSS of the server's processes, not its own. Everything else it prints goes to stderr.
 """
 import json
 import os
@@ -35,13 +35,13 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(int(threads))
     workload = make_workload(workload_name, quick="--quick" in argv)
-    if engine == "ours":
-        from skills.bench.engines import Ours
+    if engine in ("ours", "served"):
+        from skills.bench.engines import Ours, Served, bench_config
 
-        runner = Ours(Path(model_dir), Path(yaml_file), dtype, None if exe_mode == "-" else exe_mode,
-                      workload.num_requests, max(workload.prompt_lens), max(workload.output_lens))
-        weights, kv = runner.bytes_per_token()
-        info = {"weight_bytes": weights, "kv_bytes_per_token": kv}
+        config = bench_config(Path(yaml_file), dtype, None if exe_mode == "-" else exe_mode, workload.num_requests,
+                              max(workload.prompt_lens), max(workload.output_lens))
+        runner = Ours(Path(model_dir), config) if engine == "ours" else Served(Path(model_dir), config, int(threads))
+        info = dict(zip(("weight_bytes", "kv_bytes_per_token"), runner.bytes_per_token())) if engine == "ours" else {}
     else:
         from runtime.config import InferenceConfig
         from skills.bench.engines import Peer
@@ -59,7 +59,9 @@ def main(argv: list[str]) -> int:
             _say(protocol, "RESULT", {"outputs": [r[0] for r in refs], "ties": [r[1] for r in refs]})
         elif line.strip() == "quit":
             break
-    _say(protocol, "DONE", {"peak_rss_mb": peak_rss_mb()})
+    _say(protocol, "DONE", {"peak_rss_mb": runner.peak_rss_mb() if engine == "served" else peak_rss_mb()})
+    if engine == "served":
+        runner.close()
     return 0
 
 
