@@ -9,23 +9,21 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        labels, name = ["model_name"], {"model_name": model_name}
-        self.running = Gauge("skill_num_requests_running", "Requests in the running batch", labels,
-                             registry=r).labels(**name)
-        self.waiting = Gauge("skill_num_requests_waiting", "Requests waiting for a batch slot", labels,
-                             registry=r).labels(**name)
-        self.kv_used = Gauge("skill_kv_cache_used_blocks", "KV cache blocks in use", labels,
-                             registry=r).labels(**name)
-        self.kv_total = Gauge("skill_kv_cache_total_blocks", "KV cache blocks in the pool", labels,
-                              registry=r).labels(**name)
-        self.prompt_tokens = Counter("skill_prompt_tokens", "Prompt tokens of admitted requests", labels,
-                                     registry=r).labels(**name)
-        self.generation_tokens = Counter("skill_generation_tokens", "Generated tokens", labels,
-                                         registry=r).labels(**name)
-        self.ttft = Histogram("skill_time_to_first_token_seconds", "Time from arrival to the first token",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r).labels(**name)
-        self.tpot = Histogram("skill_time_per_output_token_seconds", "Time between output tokens", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r).labels(**name)
+        labels, mine = ["model_name"], {"model_name": model_name}
+
+        def metric(kind, name: str, doc: str, **kw):
+            return kind(name, doc, labels, registry=r, **kw).labels(**mine)
+
+        self.running = metric(Gauge, "skill_num_requests_running", "Requests in the running batch")
+        self.waiting = metric(Gauge, "skill_num_requests_waiting", "Requests waiting for a batch slot")
+        self.kv_used = metric(Gauge, "skill_kv_cache_used_blocks", "KV cache blocks in use")
+        self.kv_total = metric(Gauge, "skill_kv_cache_total_blocks", "KV cache blocks in the pool")
+        self.prompt_tokens = metric(Counter, "skill_prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = metric(Counter, "skill_generation_tokens", "Generated tokens")
+        self.ttft = metric(Histogram, "skill_time_to_first_token_seconds", "Time from arrival to the first token",
+                           buckets=_LATENCY_BUCKETS)
+        self.tpot = metric(Histogram, "skill_time_per_output_token_seconds", "Time between output tokens",
+                           buckets=_LATENCY_BUCKETS)
         self._finished = Counter("skill_request_success", "Finished requests by finish reason",
                                  [*labels, "finished_reason"], registry=r)
         self._name = model_name
