@@ -21,3 +21,17 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = make_tokenizer(out, config.vocab_size)
     pick_seed(config, out, [tokenizer(p)["input_ids"] for p in PARITY_PROMPTS])
     return out
+
+
+@pytest.fixture(scope="session")
+def served_llama(tmp_path_factory: pytest.TempPathFactory):
+    """A migrated tiny llama parallelized for TP 2 and for attention DP 2 (+ TP 2 dense), and the offline
+    answers the serving tests compare with: (model_dir, {layout: yaml}, {"raw": texts, "chat": texts})."""
+    from hf_reference import NEW_TOKENS
+    from serve_harness import migrated_with_layouts, offline_outputs
+
+    model_dir, yamls = migrated_with_layouts(tmp_path_factory, {"tp2": (2, 2, 2, 2, 2),
+                                                                "attn_dp2": (2, 1, 2, 2, 2)})
+    texts = {kind: [o["text"] for o in offline_outputs(model_dir, PARITY_PROMPTS, NEW_TOKENS, *flags)]
+             for kind, flags in (("raw", ["--raw"]), ("chat", []))}
+    return model_dir, yamls, texts

@@ -150,6 +150,7 @@ def test_errors_get_openai_statuses_and_the_server_keeps_serving(server):
     _error(_post(server, "/v1/completions", {**ok, "max_tokens": -1}), 400, "max_tokens")
     _error(_post(server, "/v1/completions", {**ok, "temperature": "hot"}), 400, "temperature")
     _error(_post(server, "/v1/completions", {**ok, "n": 2}), 400, "n")
+    _error(_post(server, "/v1/completions", {**ok, "seed": 2 ** 70}), 400, "seed")  # never reaches the engine
     _error(_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
     _error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
     _error(_post(server, "/v1/completions", {**ok, "prompt": [10 ** 9]}), 400, "prompt")

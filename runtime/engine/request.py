@@ -74,7 +74,7 @@ class StepOutput:
     request_id: int
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (PD: KV lost) once finished
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 

@@ -32,7 +32,8 @@ class ServerContext:
             raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                            "model", "not_found_error")
 
-    def output_budget(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
+    def output_budget(self, prompt_len: int, requested: int | None, default: int | None, param: str,
+                      prompt_param: str) -> int:
         """max_tokens for a prompt: as requested (checked against the context length) or the default."""
         room = self.max_model_len - prompt_len
         if requested is not None and requested > room:
@@ -41,7 +42,7 @@ class ServerContext:
                            f"({prompt_len + requested} in all); shorten the prompt or lower {param}", param)
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens and the "
-                           f"prompt alone has {prompt_len}; shorten the prompt", "messages")
+                           f"prompt alone has {prompt_len}; shorten the prompt", prompt_param)
         return requested or min(room, default or room)
 
     def admit(self, n: int) -> None:
@@ -54,7 +55,7 @@ class ServerContext:
                            f"{self.max_in_flight}); retry later", kind="rate_limit_error")
 
     def generation(self, prompt_token_ids: list[int], sampling: SamplingParams, stop_strings: list[str],
-                   bootstrap_room: int | None) -> Generation:
+                   bootstrap_room: int | None, bootstrap_url: str | None = None) -> Generation:
         """The request as this server's role runs it: a prefill instance computes the first token only."""
         if self.pd_role == "none":
             bootstrap_room = None
@@ -65,4 +66,4 @@ class ServerContext:
             sampling = dataclasses.replace(sampling, max_new_tokens=1, ignore_eos=True, stop_token_ids=())
             stop_strings = []
         return Generation(self.dispatcher, self.metrics, self.tokenizer, prompt_token_ids, sampling, stop_strings,
-                          bootstrap_room)
+                          bootstrap_room, bootstrap_url)

@@ -41,7 +41,6 @@ class DPDispatcher:
         self.kv_addresses: list[str | None] = [None] * dp_size  # prefill leaders' KV transfer endpoints
         self.block_size = 0
         self.failure: str | None = None
-        self.on_output: Callable[[StepOutput], None] = lambda out: None
         self._streams: dict[int, asyncio.Queue] = {}
         self._owner: dict[int, int] = {}  # rid -> DP rank
         self._load = [0] * dp_size
@@ -74,11 +73,11 @@ class DPDispatcher:
                 raise WorkerError(f"the engine workers were not ready after {timeout_s:.0f} s")
             try:
                 await asyncio.wait_for(self._ready.wait(), 0.5)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
                 pass
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
-               bootstrap_room: int | None = None) -> tuple[int, asyncio.Queue]:
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, bootstrap_room: int | None = None,
+               bootstrap_url: str | None = None) -> tuple[int, asyncio.Queue]:
         """Send a reserved request to the least loaded DP group (DP group room % dp_size for a disaggregated
         request); its StepOutputs (or a WorkerError) arrive on the queue."""
         if self.failure:
@@ -91,7 +90,7 @@ class DPDispatcher:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid], self._owner[rid] = queue, dp
         self._load[dp] += 1
-        if not self._send(dp, AddRequest(rid, list(prompt_token_ids), sampling, bootstrap_room)):
+        if not self._send(dp, AddRequest(rid, list(prompt_token_ids), sampling, bootstrap_room, bootstrap_url)):
             self._forget(rid)
             raise WorkerError(f"the engine worker of DP group {dp} is not connected")
         return rid, queue
@@ -138,7 +137,6 @@ class DPDispatcher:
         queue = self._streams.get(out.request_id)
         if queue is None:
             return  # aborted meanwhile
-        self.on_output(out)
         queue.put_nowait(out)
         if out.finished:
             self._forget(out.request_id)

@@ -9,7 +9,8 @@ from runtime.online.detokenizer import IncrementalDetokenizer
 from runtime.online.dp_dispatcher import DPDispatcher, WorkerError
 from runtime.online.metrics import ServerMetrics
 
-KV_TRANSFER_FAILED = "the request's KV did not arrive from the prefill instance in time"
+KV_TRANSFER_FAILED = ("the request's KV did not arrive from the prefill instance in time, or did not fit this "
+                      "decode instance (its log says which)")
 
 
 @dataclass
@@ -32,9 +33,11 @@ class Completion:
 
 class Generation:
     def __init__(self, dispatcher: DPDispatcher, metrics: ServerMetrics, tokenizer, prompt_token_ids: list[int],
-                 sampling: SamplingParams, stop_strings: list[str], bootstrap_room: int | None = None):
+                 sampling: SamplingParams, stop_strings: list[str], bootstrap_room: int | None = None,
+                 bootstrap_url: str | None = None):
         self.dispatcher, self.metrics = dispatcher, metrics
-        self.prompt_token_ids, self.sampling, self.bootstrap_room = prompt_token_ids, sampling, bootstrap_room
+        self.prompt_token_ids, self.sampling = prompt_token_ids, sampling
+        self.bootstrap = bootstrap_room, bootstrap_url
         self.detok = IncrementalDetokenizer(tokenizer, stop_strings)
         self.rid: int | None = None
         self.finished = False
@@ -44,7 +47,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         last = time.perf_counter()  # arrival: the first gap is the time to first token
         try:
-            self.rid, queue = self.dispatcher.submit(self.prompt_token_ids, self.sampling, self.bootstrap_room)
+            self.rid, queue = self.dispatcher.submit(self.prompt_token_ids, self.sampling, *self.bootstrap)
         except WorkerError:
             self.finished = True
             raise
@@ -53,6 +56,7 @@ class Generation:
             out: StepOutput | WorkerError = await queue.get()
             if isinstance(out, WorkerError) or out.finish_reason == "error":
                 self.finished = True
+                self.metrics.finished("error")
                 raise out if isinstance(out, WorkerError) else WorkerError(KV_TRANSFER_FAILED)
             now = time.perf_counter()
             (self.metrics.tpot if self.num_output_tokens else self.metrics.ttft).observe(now - last)

@@ -19,6 +19,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     bootstrap_room: int | None = None  # prefill-decode disaggregation: pairs the two halves of a request
+    bootstrap_url: str | None = None  # where the decode side finds the prefill instance's rank table
 
 
 @dataclass(frozen=True)

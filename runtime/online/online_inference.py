@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50  # how long an idle leader waits for a request before the next turn (one DP group)
 BUSY_POLL_MS = 2  # the same with several DP groups (their leaders meet every turn) or KV on its way
+PARENT_CHECK_S = 1.0
 SIDES = {"PREFILL": (PrefillSide, PrefillDisaggScheduler), "DECODE": (DecodeSide, Scheduler)}
 
 
@@ -49,7 +51,7 @@ class OnlineInference(OfflineInference):
         """`addresses` on global rank 0 at least: ranks of other nodes take them from it."""
         side_cls, scheduler_cls = SIDES.get(config.disagg_config.disaggregation_mode, (None, Scheduler))
         super().__init__(config, model_dir, scheduler_cls)
-        self.parent_pid = parent_pid
+        self.parent_pid, self._parent_checked = parent_pid, time.monotonic()
         self.tp_size = tp = config.parallel_config.attn_tp_size
         self.dp_rank, self.is_leader = self.dist.rank // tp, self.dist.rank % tp == 0
         self.tp_group = self.dp_group = None
@@ -70,13 +72,22 @@ class OnlineInference(OfflineInference):
             self.inbox = self.ctx.socket(zmq.PULL)
             self.inbox.connect(addresses.requests[self.dp_rank])
             self.outbox = self.ctx.socket(zmq.PUSH)
+            self.outbox.sndhwm = 0  # never drop a step's tokens while the server is there
             self.outbox.connect(addresses.results)
-            self.outbox.send_pyobj(WorkerReady(self.dp_rank, self.engine_stats(), self.engine.kv.block_size,
+            self._send(WorkerReady(self.dp_rank, self.engine_stats(), self.engine.kv.block_size,
                                                self.side.address if self.side else None))
 
     def engine_stats(self) -> EngineStats:
         kv, sched = self.engine.kv.stats(), self.engine.scheduler
-        return EngineStats(len(sched.running), len(sched.waiting), kv["used_blocks"], kv["num_blocks"])
+        waiting = len(sched.waiting) + (self.side.num_waiting if self.side else 0)
+        return EngineStats(len(sched.running), waiting, kv["used_blocks"], kv["num_blocks"])
+
+    def _send(self, message) -> None:
+        """To the server, without blocking: with no server connected (it was killed) the message is dropped."""
+        try:
+            self.outbox.send_pyobj(message, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def map_request(self, rid: int, eid: int, finished: bool) -> None:
         if not finished:
@@ -109,8 +120,10 @@ class OnlineInference(OfflineInference):
                 if eid is not None:
                     self.engine.abort(eid)
                     del self.rids[eid]
-                elif isinstance(self.side, DecodeSide) and self.is_leader:
-                    self.side.forget(c.rid)
+                    if self.side:
+                        self.side.on_abort(eid)
+                elif isinstance(self.side, DecodeSide):
+                    self.side.forget(c.rid)  # still waiting for its KV or a batch slot
             elif isinstance(c, (KVArrived, KVFailed)):
                 outputs += self.side.apply(c)
             else:
@@ -131,9 +144,9 @@ class OnlineInference(OfflineInference):
             stop, outputs = self._apply(commands)
             if self.side is not None:
                 extra = self.side.poll()
-                outputs += self._apply(extra)[1]
+                outputs += self._apply(extra)[1] + self.side.admit_ready()
                 commands += extra
-            stop = stop or (idle and not self._parent_alive())
+            stop = stop or not self._parent_alive()
             busy = self.engine.has_unfinished()
             if self.dp_group is not None:
                 flags = torch.tensor([int(busy), int(stop)])
@@ -145,12 +158,15 @@ class OnlineInference(OfflineInference):
             commands, busy, stop = box[0]
             if not self.is_leader:
                 self._apply(commands)
+                if self.side is not None:
+                    self.side.admit_ready()  # what the leader admitted before broadcasting
         return commands, outputs, busy, stop
 
     def _parent_alive(self) -> bool:
         """False once the server process is gone (killed without a chance to stop its workers)."""
-        if self.parent_pid is None:
+        if self.parent_pid is None or time.monotonic() - self._parent_checked < PARENT_CHECK_S:
             return True
+        self._parent_checked = time.monotonic()
         try:
             os.kill(self.parent_pid, 0)
         except ProcessLookupError:
@@ -170,7 +186,7 @@ class OnlineInference(OfflineInference):
             outputs += self._to_parent(stepped)
             idle = not busy
             if self.is_leader and (outputs or commands):
-                self.outbox.send_pyobj(StepResult(self.dp_rank, outputs, self.engine_stats()))
+                self._send(StepResult(self.dp_rank, outputs, self.engine_stats()))
 
     def _to_parent(self, outputs: list[StepOutput]) -> list[StepOutput]:
         mine = []
@@ -183,7 +199,7 @@ class OnlineInference(OfflineInference):
 
     def report_failure(self, error: BaseException) -> None:
         if self.is_leader:
-            self.outbox.send_pyobj(WorkerFailed(self.dp_rank, f"{type(error).__name__}: {error}"))
+            self._send(WorkerFailed(self.dp_rank, f"{type(error).__name__}: {error}"))
 
     def close(self) -> None:
         if self.side is not None:

@@ -70,6 +70,7 @@ async def _collect(request: Request, gens: list[Generation]) -> list[Completion]
     except WorkerError as e:
         raise APIError(503, f"the engine cannot serve requests now: {e}", kind="server_error") from None
     finally:
+        task.cancel()
         for g in gens:
             g.close()
 
@@ -135,12 +136,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             raise APIError(400, "the prompt is empty", "prompt")
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
-        budget = ctx.output_budget(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
+        budget = ctx.output_budget(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens", "prompt")
         requests.append((ids, _sampling(body, budget, body.logprobs)))
     ctx.admit(len(requests))
     room = body.bootstrap_room
-    gens = [ctx.generation(ids, sampling, body.stop_strings(), None if room is None else room + i)  # a room each
-            for i, (ids, sampling) in enumerate(requests)]
+    gens = [ctx.generation(ids, sampling, body.stop_strings(), None if room is None else room + i,  # a room each
+                           body.bootstrap_url) for i, (ids, sampling) in enumerate(requests)]
     rid, model = f"cmpl-{uuid.uuid4().hex}", body.model
     want_lp = body.logprobs is not None
     if body.stream:
@@ -181,11 +182,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx.check_model(body.model)
     ids = _chat_prompt(ctx, body)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    budget = ctx.output_budget(len(ids), body.output_limit, None, param)
+    budget = ctx.output_budget(len(ids), body.output_limit, None, param, "messages")
     top = body.top_logprobs or 0 if body.logprobs else None
     sampling = _sampling(body, budget, top)
     ctx.admit(1)
-    gen = ctx.generation(ids, sampling, body.stop_strings(), body.bootstrap_room)
+    gen = ctx.generation(ids, sampling, body.stop_strings(), body.bootstrap_room, body.bootstrap_url)
     rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model
     if body.stream:
         def chunk(index, delta):

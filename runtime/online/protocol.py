@@ -16,15 +16,16 @@ class _GenerationRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: off
-    seed: int | None = None
+    top_k: int = Field(0, ge=-1, lt=2**31)  # 0 or -1: off
+    seed: int | None = Field(None, ge=0, lt=2**63)  # torch.Generator's range
     stop: str | list[str | int] | None = None  # strings matched on the text; ints are stop token ids
     stop_token_ids: list[int] = []
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    bootstrap_room: int | None = Field(None, ge=0)  # set by the PD router
+    bootstrap_room: int | None = Field(None, ge=0, lt=2**63)  # set by the PD router
+    bootstrap_url: str | None = None  # the PD router: the prefill instance that owns bootstrap_room
     return_token_ids: bool = False  # each choice (and stream chunk) also carries its generated token ids
 
     def stop_strings(self) -> list[str]:

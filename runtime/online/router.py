@@ -1,7 +1,10 @@
 """The PD router (`skill serve --pd-role router`): gives each request a bootstrap_room, sends it to prefill
 instance room % P (for the KV and first token) and decode instance room % D at once, and answers with the
-decode instance's response, streamed when asked. A backend that cannot be reached gives 503."""
+decode instance's response, streamed when asked. The prefill's answer is awaited first: its error (a bad
+request, a full queue) is the client's answer, and the decode half is dropped. A backend that cannot be
+reached gives 503."""
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -39,7 +42,9 @@ def _passthrough(r: httpx.Response) -> Response:
 
 def build_router(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="model-infer-skills PD router", docs_url=None, redoc_url=None)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=5.0))
+    timeout, unlimited = httpx.Timeout(settings.timeout_s, connect=5.0), httpx.Limits(max_connections=None)
+    # one pool per side: decode streams waiting for their KV must not hold the connections prefills need
+    prefills, decodes = (httpx.AsyncClient(timeout=timeout, limits=unlimited) for _ in range(2))
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
 
     async def route(request: Request, path: str) -> Response:
@@ -50,25 +55,28 @@ def build_router(settings: RouterSettings) -> FastAPI:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", "body")
         room = secrets.randbits(62)
-        body["bootstrap_room"] = room
         prefill = settings.prefill[room % len(settings.prefill)]
         decode = settings.decode[room % len(settings.decode)]
+        body["bootstrap_room"], body["bootstrap_url"] = room, prefill  # it serves the rank table too
         headers = {k: v for k, v in request.headers.items() if k == "authorization"}
         first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        prefill_call = asyncio.ensure_future(client.post(prefill + path, json=first, headers=headers))
-        if not body.get("stream"):
-            p, d = await asyncio.gather(prefill_call, client.post(decode + path, json=body, headers=headers),
-                                        return_exceptions=True)
-            for role, url, r in (("prefill", prefill, p), ("decode", decode, d)):
-                if isinstance(r, Exception):
-                    raise _unreachable(role, url, r)
-            return _passthrough(p if p.status_code != 200 else d)
+        outgoing = decodes.build_request("POST", decode + path, json=body, headers=headers)
+        decode_call = asyncio.ensure_future(decodes.send(outgoing, stream=bool(body.get("stream"))))
         try:
-            stream = await client.send(client.build_request("POST", decode + path, json=body, headers=headers),
-                                       stream=True)
+            p = await prefills.post(prefill + path, json=first, headers=headers)
         except httpx.HTTPError as e:
-            prefill_call.cancel()
+            p = _unreachable("prefill", prefill, e)
+        if isinstance(p, APIError) or p.status_code != 200:
+            decode_call.cancel()  # a connection already open is closed, and the decode side aborts the request
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await (await decode_call).aclose()
+            return p.response() if isinstance(p, APIError) else _passthrough(p)
+        try:
+            stream = await decode_call
+        except httpx.HTTPError as e:
             raise _unreachable("decode", decode, e) from None
+        if not body.get("stream"):
+            return _passthrough(stream)
         if stream.status_code != 200:
             await stream.aread()
             await stream.aclose()
@@ -83,7 +91,6 @@ def build_router(settings: RouterSettings) -> FastAPI:
                 yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
             finally:
                 await stream.aclose()
-                prefill_call.cancel()
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
@@ -99,7 +106,7 @@ def build_router(settings: RouterSettings) -> FastAPI:
     async def health() -> Response:
         async def ok(url: str) -> bool:
             try:
-                return (await client.get(f"{url}/health", timeout=5)).status_code == 200
+                return (await decodes.get(f"{url}/health", timeout=5)).status_code == 200
             except httpx.HTTPError:
                 return False
         results = await asyncio.gather(*(ok(u) for u in settings.prefill + settings.decode))
@@ -109,7 +116,7 @@ def build_router(settings: RouterSettings) -> FastAPI:
     async def models(request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k == "authorization"}
         try:
-            return _passthrough(await client.get(f"{settings.decode[0]}/v1/models", headers=headers))
+            return _passthrough(await decodes.get(f"{settings.decode[0]}/v1/models", headers=headers))
         except httpx.HTTPError as e:
             raise _unreachable("decode", settings.decode[0], e) from None
 

@@ -34,14 +34,22 @@ class PrefillSide:
     def address(self) -> str | None:
         return self.transfer.address if self.transfer else None
 
-    @property
-    def waiting(self) -> bool:
-        return False
+    waiting = False  # nothing arrives from elsewhere
 
     def on_add(self, eid: int, room: int | None) -> None:
         if room is None:
             raise ValueError("a prefill instance takes requests from the router only (no bootstrap_room)")
         self.rooms[eid] = room
+
+    def on_abort(self, eid: int) -> None:
+        self.rooms.pop(eid, None)
+
+    def admit_ready(self) -> list[StepOutput]:
+        return []
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
 
     def after_step(self, outputs: list[StepOutput]) -> None:
         """On every rank, in the same order: stage and free what finished this step."""
