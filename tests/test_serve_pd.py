@@ -24,7 +24,7 @@ def pd(served_llama, tmp_path_factory):
     model_dir, yamls, offline = served_llama
     logs = tmp_path_factory.mktemp("pd_logs")
     bootstrap = str(free_port())  # the W=1 prefill's; the router names each prefill to the decode side
-    pd_args = ["--kv-timeout", KV_TIMEOUT]
+    pd_args = ["--kv-timeout", KV_TIMEOUT, "--max-model-len", "4000"]
     with ExitStack() as stack:
         p1 = stack.enter_context(serving(model_dir, logs / "prefill1.log", "--pd-role", "prefill", *pd_args,
                                          "--bootstrap-port", bootstrap))
@@ -62,6 +62,12 @@ def test_lost_kv_bad_requests_and_a_dead_decode_instance(pd):
     assert no_room.status_code == 400 and no_room.json()["error"]["param"] == "bootstrap_room"
     bad = httpx.post(f"{router.url}/v1/completions", json={**routed, "n": 2}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+    before = decode.metrics()["skill_generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed client that gives up: the router drops both halves
+        httpx.post(f"{router.url}/v1/completions", json={**routed, "max_tokens": 3900, "ignore_eos": True},
+                   timeout=1.0)
+    m = decode.wait_idle()
+    assert m["skill_kv_cache_used_blocks"] == 0 and m["skill_generation_tokens_total"] - before < 3900
     os.kill(decode.proc.pid, signal.SIGKILL)
     decode.proc.wait(30)
     start = time.monotonic()

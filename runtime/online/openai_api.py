@@ -11,13 +11,13 @@ from jinja2 import TemplateError
 
 from runtime.engine.request import SamplingParams, TokenLogprob
 from runtime.online.context import ServerContext
+from runtime.online.disconnect import ClientGone, unless_disconnected
 from runtime.online.dp_dispatcher import WorkerError
 from runtime.online.generation import Completion, Generation
 from runtime.online.protocol import APIError, ChatCompletionRequest, CompletionRequest, _GenerationRequest
 
 router = APIRouter()
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
-DISCONNECT_POLL_S = 0.25
 
 
 def _sampling(body: _GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -58,19 +58,13 @@ def _chat_logprobs(ctx: ServerContext, lps: list[TokenLogprob]) -> dict:
 
 async def _collect(request: Request, gens: list[Generation]) -> list[Completion] | None:
     """Every generation's result, or None when the client went away (its requests are aborted)."""
-    task = asyncio.ensure_future(asyncio.gather(*(g.collect() for g in gens)))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                return None
+        return await unless_disconnected(request, asyncio.gather(*(g.collect() for g in gens)))
+    except ClientGone:
+        return None
     except WorkerError as e:
         raise APIError(503, f"the engine cannot serve requests now: {e}", kind="server_error") from None
     finally:
-        task.cancel()
         for g in gens:
             g.close()
 

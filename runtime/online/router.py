@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from runtime.online.disconnect import ClientGone, unless_disconnected
 from runtime.online.protocol import APIError
 from runtime.online.server import ignore_reraised_signals
 
@@ -40,6 +41,13 @@ def _passthrough(r: httpx.Response) -> Response:
     return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
 
+async def _drop(call: asyncio.Future) -> None:
+    """Cancel a backend call, closing its connection if it was open (the backend then aborts the request)."""
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await (await call).aclose()
+
+
 def build_router(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="model-infer-skills PD router", docs_url=None, redoc_url=None)
     timeout, unlimited = httpx.Timeout(settings.timeout_s, connect=5.0), httpx.Limits(max_connections=None)
@@ -63,18 +71,21 @@ def build_router(settings: RouterSettings) -> FastAPI:
         outgoing = decodes.build_request("POST", decode + path, json=body, headers=headers)
         decode_call = asyncio.ensure_future(decodes.send(outgoing, stream=bool(body.get("stream"))))
         try:
-            p = await prefills.post(prefill + path, json=first, headers=headers)
+            p = await unless_disconnected(request, prefills.post(prefill + path, json=first, headers=headers))
         except httpx.HTTPError as e:
             p = _unreachable("prefill", prefill, e)
-        if isinstance(p, APIError) or p.status_code != 200:
-            decode_call.cancel()  # a connection already open is closed, and the decode side aborts the request
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await (await decode_call).aclose()
-            return p.response() if isinstance(p, APIError) else _passthrough(p)
+        except ClientGone:
+            p = None
+        if p is None or isinstance(p, APIError) or p.status_code != 200:
+            await _drop(decode_call)
+            return Response(status_code=499) if p is None else p.response() if isinstance(p, APIError) \
+                else _passthrough(p)
         try:
-            stream = await decode_call
+            stream = await unless_disconnected(request, decode_call)
         except httpx.HTTPError as e:
             raise _unreachable("decode", decode, e) from None
+        except ClientGone:  # the decode side sees its connection closed and aborts the request
+            return Response(status_code=499)
         if not body.get("stream"):
             return _passthrough(stream)
         if stream.status_code != 200:
