@@ -23,7 +23,6 @@ class NodeLayout:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free local port (single node only)
 
-
     @classmethod
     def of(cls, nnodes: int, node_rank: int, master_addr: str, master_port: int | None) -> "NodeLayout":
         if not 0 <= node_rank < nnodes:

@@ -107,7 +107,7 @@ class OnlineInference(OfflineInference):
         """Apply the turn's commands; (a command asks to stop, outputs they produced)."""
         stop, outputs = False, []
         for c in commands:
-            if isinstance(c, AddRequest) and self.side is not None and isinstance(self.side, DecodeSide):
+            if isinstance(c, AddRequest) and isinstance(self.side, DecodeSide):
                 if self.is_leader:
                     self.side.take(c)  # runs once its KV is here (KVArrived)
             elif isinstance(c, AddRequest):
@@ -134,7 +134,7 @@ class OnlineInference(OfflineInference):
     def _wait_ms(self, idle: bool) -> int:
         if not idle:
             return 0
-        return BUSY_POLL_MS if self.dp_group is not None or (self.side and self.side.waiting) else IDLE_POLL_MS
+        return BUSY_POLL_MS if self.dp_group is not None or (self.side and self.side.num_waiting) else IDLE_POLL_MS
 
     def _turn(self, idle: bool) -> tuple[list, list[StepOutput], bool, bool]:
         """This turn's commands, the outputs they produced and the agreed (busy, stop)."""

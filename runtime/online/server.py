@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from transformers import AutoTokenizer
 
-from runtime.config import DisaggConfig
+from runtime.config import DisaggConfig, InferenceConfig
 from runtime.errors import UserError
 from runtime.kv_cache.sizing import cdiv
 from runtime.launch import SINGLE_NODE, NodeLayout
@@ -26,7 +26,7 @@ from runtime.online.dp_dispatcher import DPDispatcher, WorkerError
 from runtime.online.metrics import ServerMetrics
 from runtime.online.openai_api import router
 from runtime.online.protocol import APIError
-from runtime.online.serving_config import max_model_len, serving_config
+from runtime.online.serving_config import serving_config
 from runtime.online.worker_manager import WorkerManager
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,11 @@ class ServeSettings:
     nodes: NodeLayout = SINGLE_NODE
     pd_role: str = "none"  # "prefill" | "decode" (the router is runtime.online.router)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    @property
+    def worker_disagg(self) -> DisaggConfig | None:
+        """What the engine workers are told about disaggregation (nothing in a combined server)."""
+        return self.disagg if self.pd_role != "none" else None
 
 
 def _require_api_key(request: Request) -> None:
@@ -126,16 +131,15 @@ async def _watch_workers(ctx: ServerContext) -> None:
     ctx.dispatcher.fail(f"the engine workers exited (code {ctx.manager.proc.returncode})")
 
 
-async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
-    config = serving_config(yaml_path, settings.max_model_len)
-    limit = max_model_len(config, settings.max_model_len)
+async def _serve(model_dir: Path, yaml_path: Path, config: InferenceConfig, settings: ServeSettings) -> None:
+    limit = config.max_seq_len  # serving_config made it --max-model-len when given
     tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_path,
                                               trust_remote_code=config.model_config.trust_remote_code)
     nodes = settings.nodes
     dispatcher = DPDispatcher(config.parallel_config.attn_dp_size, nodes.master_addr if nodes.nnodes > 1 else
                               "127.0.0.1")
     manager = WorkerManager(model_dir, yaml_path, config.world_size, dispatcher.addresses, settings.max_model_len,
-                            settings.nodes, settings.disagg if settings.pd_role != "none" else None)
+                            settings.nodes, settings.worker_disagg)
     name = settings.served_model_name or config.model_name
     ctx = ServerContext(dispatcher, manager, ServerMetrics(name), tokenizer, name, limit,
                         config.scheduler_config.batch_size + settings.max_queue, settings.api_key,
@@ -165,7 +169,6 @@ async def _serve(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> N
         logger.info("serving %s on http://%s:%d/v1 (max model length %d%s)", name, settings.host, settings.port,
                     limit, f", {settings.pd_role} instance" if settings.pd_role != "none" else "")
         await server.serve(sockets=sockets)
-        ctx.accepting = False
         watcher.cancel()
     except asyncio.CancelledError:
         logger.info("stopped before the server started")
@@ -182,7 +185,7 @@ def run_worker_node(model_dir: Path, yaml_path: Path, settings: ServeSettings) -
     config = serving_config(yaml_path, settings.max_model_len)
     settings.nodes.check(config.world_size)
     manager = WorkerManager(model_dir, yaml_path, config.world_size, None, settings.max_model_len, settings.nodes,
-                            settings.disagg if settings.pd_role != "none" else None)
+                            settings.worker_disagg)
     stop = {"requested": False}
 
     def on_signal(*_) -> None:
@@ -208,4 +211,4 @@ def run_server(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> Non
         _check_port_free(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port)
     if settings.pd_role != "none" and settings.disagg.engine_backend not in BACKENDS:
         make_transfer_engine(settings.disagg.engine_backend, settings.pd_role, "", 0)  # raises the UserError
-    asyncio.run(_serve(model_dir, yaml_path, settings))
+    asyncio.run(_serve(model_dir, yaml_path, config, settings))

@@ -13,7 +13,3 @@ def serving_config(yaml_path: Path, max_model_len: int | None = None) -> Inferen
         sc.max_new_tokens = min(sc.max_new_tokens, max_model_len - 1)
         config.data_config.input_truncated_len = max_model_len - sc.max_new_tokens
     return config
-
-
-def max_model_len(config: InferenceConfig, requested: int | None) -> int:
-    return requested if requested is not None else config.max_seq_len

@@ -57,10 +57,6 @@ class DecodeSide:
     def num_waiting(self) -> int:
         return len(self.pending) + len(self.ready)
 
-    @property
-    def waiting(self) -> bool:
-        return bool(self.num_waiting)
-
     def take(self, add: AddRequest) -> None:
         """Leader: a request from the router; ask its prefill leader for the KV."""
         self.pending[add.rid] = _Pending(add, time.monotonic() + self.timeout_s)
@@ -141,9 +137,6 @@ class DecodeSide:
             lp = [payload.first_logprob] if payload.first_logprob and add.sampling.logprobs is not None else None
             outputs.append(StepOutput(rid, out.new_token_ids, out.finished, out.finish_reason, lp))
         return outputs
-
-    def on_add(self, eid: int, room: int | None) -> None:
-        pass
 
     def on_abort(self, eid: int) -> None:
         pass

@@ -34,7 +34,7 @@ class PrefillSide:
     def address(self) -> str | None:
         return self.transfer.address if self.transfer else None
 
-    waiting = False  # nothing arrives from elsewhere
+    num_waiting = 0  # nothing arrives from elsewhere
 
     def on_add(self, eid: int, room: int | None) -> None:
         if room is None:
@@ -46,10 +46,6 @@ class PrefillSide:
 
     def admit_ready(self) -> list[StepOutput]:
         return []
-
-    @property
-    def num_waiting(self) -> int:
-        return 0
 
     def after_step(self, outputs: list[StepOutput]) -> None:
         """On every rank, in the same order: stage and free what finished this step."""
@@ -71,9 +67,6 @@ class PrefillSide:
         if self.transfer:
             self.transfer.poll()
         return []
-
-    def apply(self, command) -> list[StepOutput]:
-        raise AssertionError(f"a prefill worker got {command!r}")
 
     def close(self) -> None:
         if self.transfer:
