@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from model_dirs import make_model_dir
 
@@ -9,6 +10,13 @@ from model_dirs import make_model_dir
 def skill_bench(model_dir, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "skills.cli", "bench", str(model_dir), *args], check=False,
                           capture_output=True, text=True, timeout=600)
+
+
+def _cmdline(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace").replace("\0", " ")
+    except OSError:  # the process ended meanwhile
+        return ""
 
 
 def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
@@ -35,6 +43,8 @@ def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
     assert report["workloads"]["prefill"]["mbu"] is None
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "skill bench" in proc.stderr  # the table
+    assert not [c for c in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if str(model_dir) in c], \
+        "the bench left a server of its own running"
 
 
 def test_bad_options_are_refused_before_anything_runs(tmp_path, tiny_llama_dir):

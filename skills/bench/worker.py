@@ -59,9 +59,10 @@ def main(argv: list[str]) -> int:
             _say(protocol, "RESULT", {"outputs": [r[0] for r in refs], "ties": [r[1] for r in refs]})
         elif line.strip() == "quit":
             break
-    _say(protocol, "DONE", {"peak_rss_mb": runner.peak_rss_mb() if engine == "served" else peak_rss_mb()})
+    rss = runner.peak_rss_mb() if engine == "served" else peak_rss_mb()
     if engine == "served":
-        runner.close()
+        runner.close()  # before DONE: the parent kills this process once it has read it
+    _say(protocol, "DONE", {"peak_rss_mb": rss})
     return 0
 
 
