@@ -5,7 +5,6 @@ import json
 import os
 import re
 import statistics
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -16,6 +15,7 @@ from rich.table import Table
 
 from runtime.config.inference_config import ModelConfig
 from runtime.errors import UserError
+from skills.atomic_write import write_text_atomic
 
 # `HH:MM:SS [rankN ]LEVEL message`, as runtime.logging_config writes it
 _PREFIX = re.compile(r"\d{2}:\d{2}:\d{2} (?:\[rank\d+\] )?(?P<level>[A-Z]+) ")
@@ -154,15 +154,6 @@ def _mean(values: list[float]) -> float | None:
     return round(statistics.fmean(values), 2) if values else None
 
 
-def _write_atomic(output: Path, data: dict) -> None:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=output.parent, prefix=f".{output.name}.",
-                                     suffix=".tmp", delete=False) as tmp:
-        json.dump(data, tmp, ensure_ascii=False, indent=2)
-        tmp.write("\n")
-    os.replace(tmp.name, output)
-
-
 def collect_baseline(log_path: Path, output: Path, yaml_file: Path, rank: int | None = None,
                      model_source: str = "") -> dict:
     """Parse a run's log(s), write baseline_metadata.json to `output` atomically and return its content."""
@@ -185,7 +176,7 @@ def collect_baseline(log_path: Path, output: Path, yaml_file: Path, rank: int | 
         "verification": {"all_ranks_success": not any(p.failed for p in parsed.values())
                          and any(p.outputs for p in parsed.values())},
     }
-    _write_atomic(Path(output), data)
+    write_text_atomic(Path(output), json.dumps(data, ensure_ascii=False, indent=2) + "\n")
     return data
 
 

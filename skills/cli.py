@@ -1,4 +1,5 @@
 """The `skill` command line."""
+import dataclasses
 import functools
 import json
 import os
@@ -75,6 +76,8 @@ def run(
     prompts_file: Annotated[Path | None, typer.Option(help="JSON list of prompts, or one per line.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(min=1, help="Override scheduler_config.max_new_tokens.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Feed prompts as plain text, without the chat template.")] = False,
+    logprobs: Annotated[int | None, typer.Option(min=0, help="With --json: each token's log-probability and the "
+                                                            "N most likely tokens.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow running model code that came from the checkpoint.")] = False,
     nnodes: NNodes = 1,
@@ -101,7 +104,8 @@ def run(
 
     llm = OfflineInference(config, model_dir)
     setup_logging(llm.dist.rank)
-    results = llm.generate(prompts, chat=not raw)
+    sampling = dataclasses.replace(llm.default_sampling(), logprobs=logprobs)
+    results = llm.generate(prompts, sampling, chat=not raw)
     param_bytes = llm.param_bytes_per_rank()
     # Only after success: a rank that failed must not wait in a barrier while its peers sit in another
     # collective; it exits and torchrun stops the others.
@@ -234,17 +238,24 @@ def migrate(
     no_run: Annotated[bool, typer.Option("--no-run", help="Write the model directory without running it.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Regenerate an existing model directory.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow running code that came from the checkpoint.")] = False,
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="Prompt(s) for the baseline run.")] = None,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="Prompt(s) for the baseline run and "
+                                                                       "the verification.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the comparison with transformers.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Write nothing when the verification finds a "
+                                                          "mismatch.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
-    """Port a Hugging Face causal LM into a runnable, baselined model directory."""
+    """Port a Hugging Face causal LM into a runnable, baselined model directory, verified against transformers
+    (exit 4 on a mismatch)."""
     from skills.migrator.mode import read_dispatch_prompt
     from skills.migrator.pipeline import EXIT_NEEDS_MULTI_CARD, MigrateOptions, dump
     from skills.migrator.pipeline import migrate as run_migration
+    from skills.verify.record import describe
+    from skills.verify.verify import EXIT_MISMATCH
 
     opts = MigrateOptions(source, out, name, mode, kv, dtype, read_dispatch_prompt(dispatch_prompt), not no_run,
-                          force, trust_remote_code, max_new_tokens, list(prompt or []))
+                          force, trust_remote_code, max_new_tokens, list(prompt or []), not no_verify, strict)
     result = run_migration(opts, log=lambda msg: err.print(f"[cyan]migrate[/] {msg}", highlight=False))
     if as_json:
         print(dump(result))
@@ -252,6 +263,10 @@ def migrate(
         _print_result(result)
     if result.status == "needs_multi_card":
         raise typer.Exit(EXIT_NEEDS_MULTI_CARD)
+    if result.status == "mismatch":
+        err.print(f"[bold red]verification failed:[/] {describe(result.verification)} The directory was written "
+                  "for debugging; `skill verify` re-checks it.", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_MISMATCH)
 
 
 def _print_result(result) -> None:
@@ -262,6 +277,49 @@ def _print_result(result) -> None:
     if result.baseline:
         sys.stdout.write(result.baseline["performance"]["output_text"] + "\n")
         Console().print(format_baseline_table(result.baseline))
+
+
+def _logger(command: str):
+    return lambda msg: err.print(f"[cyan]{command}[/] {msg}", highlight=False)
+
+
+def _verify_and_record(model_dir: Path, yaml_file: Path, log, **options):
+    """skill verify's comparison, written into the directory's metadata and README, and said on stderr."""
+    from skills.verify.record import describe, record
+    from skills.verify.verify import verify as run_verify
+
+    result = run_verify(model_dir, yaml_file, log=log, **options)
+    record(model_dir, result)
+    err.print(describe(result), highlight=False, soft_wrap=True)
+    return result
+
+
+@app.command()
+@user_errors
+def verify(
+    model_dir: Annotated[Path, typer.Argument(help="A model directory (migrated or parallelized).")],
+    yaml_file: Annotated[Path | None, typer.Option("--yaml", help="YAML to run (default: config/<dir>.yaml).")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(help="JSON list of prompts, or one per line (default: a "
+                                                           "fixed set).")] = None,
+    tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens compared per prompt.")] = 16,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16, for both sides.")] = "float32",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow running model code that came from the checkpoint.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+):
+    """Compare a model directory's greedy run with transformers on the same weights and record the result
+    (exit 0 identical, 4 mismatch, 1 when it cannot be checked here)."""
+    from runtime.offline import read_prompts_file
+    from skills.verify.verify import EXIT_MISMATCH
+
+    prompts = read_prompts_file(prompts_file) if prompts_file else None
+    result = _verify_and_record(model_dir, find_yaml(model_dir, yaml_file), _logger("verify"), prompts=prompts,
+                                tokens=tokens, dtype=dtype, trust_remote_code=trust_remote_code)
+    if as_json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+    if result.status == "mismatch":
+        raise typer.Exit(EXIT_MISMATCH)
+    if result.status == "skipped":
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -287,9 +345,12 @@ def parallelize(
     mode: Annotated[str | None, typer.Option(help="framework | standalone; must match how the model was migrated.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite files changed since they were generated.")] = False,
     plan: Annotated[bool, typer.Option("--plan", help="Only print the groups, rewrites and per-rank memory.")] = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip comparing the multi-rank run with "
+                                                                "transformers.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
-    """Shard a migrated model over ranks: validate the config, rewrite to parallel layers, write its YAML."""
+    """Shard a migrated model over ranks: validate the config, rewrite to parallel layers, write its YAML, and
+    verify the multi-rank run against transformers (exit 4 on a mismatch)."""
     from skills.parallel_impl.pipeline import parallelize as run_parallelize
     from skills.parallel_impl.pipeline import plan_for_model_dir
     from skills.parallel_impl.plan import format_plan
@@ -301,15 +362,19 @@ def parallelize(
         else:
             Console().print(format_plan(result))
         return
-    done = run_parallelize(model_dir, config, mode, force,
-                           log=lambda msg: err.print(f"[cyan]parallelize[/] {msg}", highlight=False))
+    from skills.verify.verify import EXIT_MISMATCH
+
+    done = run_parallelize(model_dir, config, mode, force, _logger("parallelize"))
+    verification = None if no_verify else _verify_and_record(model_dir, Path(done.yaml), _logger("verify"))
     if as_json:
-        print(json.dumps(done.to_dict()))
-        return
-    for step in done.rewrites:
-        err.print(f"  - {step}", highlight=False)
-    err.print(f"[green]wrote[/] {', '.join(done.written)}; run: skill run {done.model_dir} --yaml {done.yaml}",
-              highlight=False)
+        print(json.dumps({**done.to_dict(), "verification": verification and verification.to_dict()}))
+    else:
+        for step in done.rewrites:
+            err.print(f"  - {step}", highlight=False)
+        err.print(f"[green]wrote[/] {', '.join(done.written)}; run: skill run {done.model_dir} --yaml {done.yaml}",
+                  highlight=False)
+    if verification is not None and verification.status == "mismatch":
+        raise typer.Exit(EXIT_MISMATCH)
 
 
 @app.command("convert-weights")

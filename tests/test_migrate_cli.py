@@ -49,6 +49,9 @@ def test_existing_model_dir_scenarios_c_and_b(tiny_llama_dir, tmp_path):
     result = migrate_json(str(tiny_llama_dir), "-o", str(tmp_path), "--prompt", "The capital of",
                           "--max-new-tokens", "4")
     assert result["scenario"] == "A" and result["baseline"]["verification"]["all_ranks_success"]
+    metadata = json.loads((Path(result["model_dir"]) / "agentic" / "baseline" / "baseline_metadata.json").read_text())
+    assert metadata["verification"]["identical"] is True and metadata["verification"]["all_ranks_success"]
+    assert metadata["verification"]["prompts"] == ["The capital of"] and result["verification"]["identical"]
     again = migrate_json(str(tiny_llama_dir), "-o", str(tmp_path))
     assert again["scenario"] == "C" and again["baseline"]["performance"]["output_text"]
     yaml_path = Path(result["model_dir"]) / "config" / "llama.yaml"

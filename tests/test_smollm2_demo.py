@@ -1,5 +1,5 @@
 """The README's main job on the real SmolLM2-135M-Instruct: `skill migrate` prints the same answer as
-transformers greedy generation with the same chat prompt and length."""
+transformers greedy generation with the same chat prompt and length, and its own verification agrees."""
 import importlib.util
 import json
 import subprocess
@@ -25,6 +25,7 @@ def test_migrated_smollm2_answers_like_transformers(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["status"] == "ok" and result["scenario"] == "A"
+    assert result["verification"]["identical"], result["verification"]  # skill migrate's own check, fp32
     answer = result["baseline"]["performance"]["output_text"]
 
     tok = AutoTokenizer.from_pretrained(checkpoint)

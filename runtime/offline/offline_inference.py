@@ -8,7 +8,7 @@ import torch.distributed
 from runtime.config import InferenceConfig
 from runtime.distributed import init_distributed
 from runtime.engine.execution_engine import ExecutionEngine
-from runtime.engine.request import SamplingParams
+from runtime.engine.request import SamplingParams, TokenLogprob
 from runtime.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -21,9 +21,13 @@ class GenerationOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # one per token when the sampling parameters asked for them
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.logprobs is None:
+            del out["logprobs"]
+        return out
 
 
 class OfflineInference:
@@ -88,14 +92,17 @@ class OfflineInference:
         prompts = prompts or [""] * len(prompts_ids)
         ids = [engine.add_request(p, s, prompt=text) for p, s, text in zip(prompts_ids, params, prompts, strict=True)]
         tokens: dict[int, list[int]] = {i: [] for i in ids}
+        logprobs: dict[int, list[TokenLogprob]] = {i: [] for i, s in zip(ids, params) if s.logprobs is not None}
         reasons: dict[int, str] = {}
         while engine.any_unfinished():
             for out in engine.step():
                 tokens[out.request_id].extend(out.new_token_ids)
+                if out.logprobs:
+                    logprobs[out.request_id].extend(out.logprobs)
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
         results = [GenerationOutput(text, p, tokens[i], self.tokenizer.decode(tokens[i], skip_special_tokens=True),
-                                    reasons[i]) for i, p, text in zip(ids, prompts_ids, prompts)]
+                                    reasons[i], logprobs.get(i)) for i, p, text in zip(ids, prompts_ids, prompts)]
         for i, res in enumerate(results):
             logger.info("Request %d: outputs: %s", i, res.text)
         logger.info("%s decode average inference time cost is %.2f ms", self.config.model_name,

@@ -9,6 +9,7 @@ import yaml
 from transformers import AutoConfig, PretrainedConfig
 
 from runtime.errors import UserError
+from skills.atomic_write import write_text_atomic
 from skills.baseline import collect_baseline
 from skills.migrator.memory import available_memory, estimate_memory, fits
 from skills.migrator.render import RenderContext, render_artifacts
@@ -123,7 +124,7 @@ def collect_run(model_dir: Path, name: str, ctx: RenderContext, source: str, log
                         f"Use --no-run to inspect the files. Last output: {output.strip()[-400:]}")
     data = _baseline(model_dir, name, source)
     readme = render_artifacts(_with_baseline(ctx, data))["README.md"]
-    _atomic_write(model_dir / "README.md", readme)
+    write_text_atomic(model_dir / "README.md", readme)
     return {"status": "ok", "baseline": data}
 
 
@@ -137,13 +138,7 @@ def _write_multi_card(model_dir: Path, name: str, ctx: RenderContext, cards: int
                                      batch_size=max(ctx.batch_size, cards)))
     _yaml_of(model_dir, name).unlink()  # the single-card YAML cannot run here
     for rel in (f"config/{yaml_name}.yaml", "infer.sh", "README.md"):
-        _atomic_write(model_dir / rel, files[rel])
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+        write_text_atomic(model_dir / rel, files[rel])
 
 
 def baseline_or_doctor(model_dir: Path, name: str, mode: str, source: str, log):
@@ -166,7 +161,7 @@ def baseline_or_doctor(model_dir: Path, name: str, mode: str, source: str, log):
         if not issue.auto_fix(doc):
             raise UserError(f"`bash infer.sh` fails: {issue.cause}; the automatic fix cannot help further, "
                             f"{issue.fix} by hand.")
-        _atomic_write(yaml_path, yaml.safe_dump(doc, sort_keys=False))
+        write_text_atomic(yaml_path, yaml.safe_dump(doc, sort_keys=False))
         notes.append(f"round {round_}: {issue.cause} -> {issue.fix}")
         log(notes[-1])
         ok, output = _run(model_dir)

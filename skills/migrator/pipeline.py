@@ -17,6 +17,8 @@ from skills.migrator.rewrite import rewrite, rewrite_configuration
 from skills.migrator.source import resolve_source
 from skills.migrator.validate import validate_model_dir
 from skills.migrator.vendor import VendoredSource, locate_source, read_config_json, snake_name
+from skills.verify.compare import Verification
+from skills.verify.record import describe
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
           "bf16": "bfloat16", "fp16": "float16"}
@@ -37,6 +39,8 @@ class MigrateOptions:
     trust_remote_code: bool = False
     max_new_tokens: int = 32
     prompts: list[str] = field(default_factory=list)
+    verify: bool = True  # compare the written directory with transformers (needs run)
+    strict: bool = False  # a verification mismatch writes nothing
 
 
 @dataclass
@@ -45,15 +49,17 @@ class MigrateResult:
     model_name: str
     mode: str
     scenario: str
-    status: str  # "ok" | "needs_multi_card" | "failed"
+    status: str  # "ok" | "needs_multi_card" | "mismatch" (written, but not equal to transformers)
     files: list[str] = field(default_factory=list)
     baseline: dict | None = None
     notes: list[str] = field(default_factory=list)
+    verification: Verification | None = None
 
     def to_dict(self) -> dict:
         return {"model_dir": str(self.model_dir), "model_name": self.model_name, "mode": self.mode,
                 "scenario": self.scenario, "status": self.status, "files": self.files,
-                "baseline": self.baseline, "notes": self.notes}
+                "baseline": self.baseline, "notes": self.notes,
+                "verification": self.verification.to_dict() if self.verification else None}
 
 
 def checkpoint_dtype(config: dict, requested: str) -> str:
@@ -123,8 +129,21 @@ def plan_render(opts: MigrateOptions, src: VendoredSource, checkpoint: Path, nam
         model_source=opts.source, model_path=str(checkpoint.resolve()), dtype=checkpoint_dtype(config, opts.dtype),
         skill_executable=str(Path(sys.executable).with_name("skill")), batch_size=max(1, len(opts.prompts) or 4),
         max_new_tokens=opts.max_new_tokens, kv_layout=opts.kv, prompts=list(opts.prompts),
-        custom_params={"remote_code": True} if src.remote_code else {}, trust_remote_code=opts.trust_remote_code,
-        verified=["greedy tokens equal transformers generate (tests/test_migrate_parity.py)"])
+        custom_params={"remote_code": True} if src.remote_code else {}, trust_remote_code=opts.trust_remote_code)
+
+
+def verify_staged(staging: Path, name: str, opts: MigrateOptions, log) -> Verification:
+    """`skill verify` on the freshly written directory; the result goes into its metadata and README."""
+    from skills.verify.record import record
+    from skills.verify.verify import VerificationMismatch, verify
+
+    result = verify(staging, staging / "config" / f"{name}.yaml", opts.prompts or None,
+                    trust_remote_code=opts.trust_remote_code, log=log)
+    log(describe(result))
+    if result.status == "mismatch" and opts.strict:
+        raise VerificationMismatch(f"{describe(result)} Nothing was written (--strict).")
+    record(staging, result)
+    return result
 
 
 def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
@@ -152,6 +171,10 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
             from skills.migrator.doctor import collect_run
 
             outcome = collect_run(staging, name, render_ctx, resolved.source, log)
+        if opts.run and opts.verify and outcome["status"] == "ok":
+            outcome["verification"] = verify_staged(staging, name, opts, log)
+            if outcome["verification"].status == "mismatch":
+                outcome["status"] = "mismatch"
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -37,7 +37,6 @@ class RenderContext:
     block_size: int = 128
     kv_layout: Literal["paged", "legacy"] = "paged"
     baseline: dict[str, Any] | None = None  # prefill_ms, decode_avg_ms, output_text, device
-    verified: list[str] = field(default_factory=list)
     needs_multi_card: bool = False
     custom_params: dict[str, Any] = field(default_factory=dict)
     parallel: dict[str, int] | None = None  # *_tp_size overrides; unset sizes are world_size (pure TP)

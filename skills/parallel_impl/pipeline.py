@@ -9,7 +9,6 @@ code by building every rank's shards on the meta device, whose parameter bytes m
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shutil
 import tempfile
@@ -25,6 +24,7 @@ from runtime.config.comm_manager import CommManager
 from runtime.engine.model_worker import ModelWorker, default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
+from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.codestyle import tidy
 from skills.parallel_impl.config import load_parallel_config, yaml_name
 from skills.parallel_impl.plan import Plan, make_plan, validate
@@ -32,8 +32,6 @@ from skills.parallel_impl.rewrite import ParallelRewriteContext, parallelize_sou
 from skills.parallel_impl.scenario import scenario_yaml
 
 PRISTINE = Path("agentic") / "migrated_models"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 _PARALLEL_ATTR = re.compile(r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
                             r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead)\(")
 _INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
@@ -115,20 +113,6 @@ def _check_shards(staged: Path, config: InferenceConfig, plan: Plan) -> None:
         raise UserError(f"the rewritten model holds {measured} parameter bytes on ranks 0..{plan.world_size - 1}, "
                         f"but the plan expects {plan.per_rank_param_bytes} on each: a module was not sharded as "
                         "planned. Nothing was written; please report this model.")
-
-
-def _write(path: Path, text: str) -> None:
-    """Atomic: a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, path.stat().st_mode if path.exists() else 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _refuse_overwrite(path: Path, new: str, allowed: tuple[str, ...], force: bool) -> None:
@@ -219,22 +203,22 @@ def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, for
         staging = Path(tempfile.mkdtemp(prefix=".migrated_models.", dir=(model_dir / PRISTINE).parent))
         shutil.copytree(model_dir / "models", staging, ignore=shutil.ignore_patterns("__pycache__"),
                         dirs_exist_ok=True)
-        staging.chmod(0o777 & ~_UMASK)
+        staging.chmod(0o777 & ~UMASK)
         staging.rename(model_dir / PRISTINE)
         written.append(str(PRISTINE))
     for name, text in new_code.items():
         path = model_dir / "models" / name
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            _write(path, text)
+            write_text_atomic(path, text)
             written.append(f"models/{name}")
-    _write(target_yaml, scenario_text)
+    write_text_atomic(target_yaml, scenario_text)
     written.append(f"config/{scenario_name}")
     infer_sh = model_dir / "infer.sh"
     if infer_sh.is_file():
         text = infer_sh.read_text(encoding="utf-8")
         updated = _INFER_SH_YAML.sub(f'YAML="${{YAML:-$DIR/config/{scenario_name}}}"', text, count=1)
         if updated != text:
-            _write(infer_sh, updated)
+            write_text_atomic(infer_sh, updated)
             written.append("infer.sh")
     resolve_model.cache_clear()
     return ParallelizeResult(str(model_dir), str(target_yaml), pc.world_size,

@@ -1,0 +1,71 @@
+"""Compare the migrated model's greedy run with transformers': tokens exactly, log-probabilities within a
+tolerance that fits the dtype."""
+from dataclasses import asdict, dataclass, field
+
+from skills.verify.reference import Reference
+
+# |log p(migrated) - log p(transformers)| allowed on the tokens the migrated run ranked highest
+LOGPROB_ATOL = {"float32": 2e-3, "float16": 0.05, "bfloat16": 0.25}
+
+
+@dataclass(frozen=True)
+class Difference:
+    prompt_index: int
+    prompt: str
+    position: int  # index of the generated token, 0 = the prefill's token
+    migrated_token: int | None  # None: the migrated run stopped before this position
+    transformers_token: int
+    migrated_text: str
+    transformers_text: str
+
+
+@dataclass
+class Verification:
+    status: str  # "identical" | "mismatch" | "skipped"
+    reference: str = ""  # e.g. "transformers 4.57.1 LlamaForCausalLM"
+    dtype: str = ""
+    world_size: int = 1
+    yaml: str = ""
+    prompts: list[str] = field(default_factory=list)
+    tokens_per_prompt: int = 0
+    tokens_compared: int = 0
+    max_logprob_diff: float | None = None
+    logprob_atol: float | None = None
+    first_difference: Difference | None = None
+    reason: str = ""  # why a check was skipped, or why logits alone failed it
+    checked_at: str = ""
+
+    @property
+    def identical(self) -> bool:
+        return self.status == "identical"
+
+    def to_dict(self) -> dict:
+        return {"identical": self.identical, **asdict(self)}
+
+
+def compare(outputs: list[dict], references: list[Reference], dtype: str, decode) -> dict:
+    """Fields of a Verification for `skill run --json --logprobs K` outputs against the references, each up
+    to (and including) the first differing token; decode(ids) -> text."""
+    atol = LOGPROB_ATOL[dtype]
+    compared, worst, first = 0, 0.0, None
+    for i, (out, ref) in enumerate(zip(outputs, references, strict=True)):
+        for pos, theirs in enumerate(ref.tokens):
+            ours = out["token_ids"][pos] if pos < len(out["token_ids"]) else None
+            compared += 1
+            for token, logprob in out["logprobs"][pos]["top"] if ours is not None else []:
+                worst = max(worst, abs(logprob - float(ref.logprobs[pos, token])))
+            if ours != theirs:
+                text = decode([ours]) if ours is not None else "(stopped)"
+                first = Difference(i, out["prompt"], pos, ours, theirs, text, decode([theirs]))
+                break
+        if first:
+            break
+    fields = {"tokens_compared": compared, "max_logprob_diff": worst, "logprob_atol": atol,
+              "first_difference": first}
+    if first:
+        return {**fields, "status": "mismatch"}
+    if worst > atol:
+        return {**fields, "status": "mismatch",
+                "reason": f"greedy tokens are identical but log-probabilities differ by up to {worst:.3g} "
+                          f"(tolerance {atol:g} in {dtype})"}
+    return {**fields, "status": "identical"}

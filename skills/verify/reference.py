@@ -1,0 +1,43 @@
+"""transformers' side of `skill verify`: a plain greedy loop over the checkpoint (no generation config, no
+logits processors, no EOS stop), keeping every step's log-probabilities."""
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.errors import UserError
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    logprobs: torch.Tensor  # [steps, vocab], float32
+
+
+def load_reference_model(model_path: Path, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                    trust_remote_code=trust_remote_code).eval()
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"transformers cannot load {model_path} ({str(e).splitlines()[0][:300]}); verification "
+                        "needs a checkpoint transformers reads, with its model type in the installed "
+                        "transformers.") from e
+
+
+@torch.inference_mode()
+def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
+    # transformers 5.x renamed `past_key_values` to `cache` in forward() and its outputs, model by model
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens, logprobs = [], []
+    for step in range(steps):
+        logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        token = int(logp.argmax())
+        tokens.append(token)
+        logprobs.append(logp)
+        if step + 1 < steps:
+            out = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: getattr(out, cache_arg)})
+    return Reference(tokens, torch.stack(logprobs))

@@ -1,0 +1,89 @@
+"""`skill verify`: a migrated directory is compared with transformers on the same weights; a hand edit that
+changes greedy tokens is caught (exit 4, prompt and position named) and recorded, not hidden."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny_checkpoint import PARITY_PROMPTS
+
+
+def skill(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def migrated(tiny_llama_dir, tmp_path_factory) -> Path:
+    proc = skill("migrate", str(tiny_llama_dir), "-o", str(tmp_path_factory.mktemp("verify")), "--no-run", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return Path(json.loads(proc.stdout)["model_dir"])
+
+
+def verify(model_dir: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PARITY_PROMPTS[:2]))
+    proc = skill("verify", str(model_dir), "--prompts-file", str(prompts), "--tokens", "6", "--json")
+    return proc, json.loads(proc.stdout) if proc.stdout else {}
+
+
+def recorded(model_dir: Path) -> tuple[dict, str]:
+    metadata = json.loads((model_dir / "agentic" / "baseline" / "baseline_metadata.json").read_text())
+    readme = (model_dir / "README.md").read_text()
+    return metadata["verification"], readme[readme.index("## Verified"):]
+
+
+def test_unchanged_directory_is_identical(migrated, tmp_path):
+    proc, result = verify(migrated, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert result["identical"] and result["tokens_compared"] == 12 and result["first_difference"] is None
+    assert result["max_logprob_diff"] < result["logprob_atol"] == 2e-3
+    verification, section = recorded(migrated)
+    assert verification["identical"] is True and verification["prompts"] == PARITY_PROMPTS[:2]
+    assert section.startswith("## Verified\n\nGreedy tokens identical to transformers: 12 tokens compared")
+
+
+def test_altered_constant_is_a_mismatch_naming_prompt_and_position(migrated, tmp_path):
+    altered = tmp_path / "altered"
+    subprocess.run(["cp", "-r", str(migrated), str(altered)], check=True)
+    modeling = altered / "models" / "modeling_llama.py"
+    code, n = re.subn(r"self\.scaling = self\.head_dim\*\*-0\.5", "self.scaling = self.head_dim**0.5",
+                      modeling.read_text())
+    assert n == 1
+    modeling.write_text(code)
+    proc, result = verify(altered, tmp_path)
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    first = result["first_difference"]
+    assert not result["identical"] and first["prompt"] in PARITY_PROMPTS[:2]
+    assert first["migrated_token"] != first["transformers_token"]
+    named = f"on prompt {first['prompt_index']} ({first['prompt']!r}) at generated token {first['position']}"
+    assert named in " ".join(proc.stderr.split())
+    verification, section = recorded(altered)
+    assert verification["identical"] is False and verification["first_difference"] == first
+    assert section.startswith("## Verified\n\n**Mismatch** on prompt")
+
+
+def test_checkpoint_transformers_cannot_load_is_reported(migrated, tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a config without weights, like pre-sharded rank_<r>/ dirs
+    doc = yaml.safe_load((migrated / "config" / "llama.yaml").read_text())
+    doc["model_config"]["model_path"] = str(tmp_path)
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(doc))
+    proc = skill("verify", str(migrated), "--yaml", str(other))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "not a checkpoint transformers can load" in " ".join(proc.stderr.split())
+
+
+def test_parallelize_verifies_the_multi_rank_run(migrated, tmp_path):
+    tp2 = tmp_path / "tp2.yaml"
+    tp2.write_text(yaml.safe_dump({"parallel_config": {"world_size": 2, "attn_tp_size": 2, "dense_tp_size": 2,
+                                                      "embed_tp_size": 2, "lmhead_tp_size": 2}}))
+    proc = skill("parallelize", str(migrated), "--config", str(tp2), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    done = json.loads(proc.stdout)
+    verification = done["verification"]
+    assert verification["identical"] and verification["world_size"] == 2, verification
+    assert verification["yaml"] == str(Path(done["yaml"]).relative_to(migrated))
+    assert recorded(migrated)[0]["world_size"] == 2
