@@ -57,6 +57,32 @@ MasterPort = Annotated[int | None, typer.Option(help="The rendezvous port (defau
                                                      "29500 across nodes).")]
 
 
+def _rule_list(rules):
+    """An eager --list-rules flag: the rules' ids and descriptions, in the order they are applied."""
+    def show(value: bool) -> None:
+        if value:
+            for rule in rules():
+                print(f"{rule.ID}  {rule.__name__:<22} {rule.DESCRIPTION}")
+            raise typer.Exit()
+    return typer.Option("--list-rules", is_eager=True, callback=show, help="Print the rewrite rules and exit.")
+
+
+def _migrate_rules():
+    from skills.migrator.rules import MIGRATE_RULES
+
+    return MIGRATE_RULES
+
+
+def _parallel_rules():
+    from skills.parallel_impl.rules import PARALLEL_RULES
+
+    return PARALLEL_RULES
+
+
+Disable = Annotated[list[str] | None, typer.Option("--disable", metavar="ID",
+                                                   help="Skip a rewrite rule (repeatable; see --list-rules).")]
+
+
 def relaunch_with_torchrun(world_size: int, nodes: NodeLayout) -> int:
     """The same `skill` command line, once per local rank, under torchrun (this node's share of the world)."""
     import subprocess
@@ -244,6 +270,8 @@ def migrate(
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the comparison with transformers.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Write nothing when the verification finds a "
                                                           "mismatch.")] = False,
+    disable: Disable = None,
+    list_rules: Annotated[bool, _rule_list(_migrate_rules)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
     """Port a Hugging Face causal LM into a runnable, baselined model directory, verified against transformers
@@ -255,7 +283,8 @@ def migrate(
     from skills.verify.verify import EXIT_MISMATCH
 
     opts = MigrateOptions(source, out, name, mode, kv, dtype, read_dispatch_prompt(dispatch_prompt), not no_run,
-                          force, trust_remote_code, max_new_tokens, list(prompt or []), not no_verify, strict)
+                          force, trust_remote_code, max_new_tokens, list(prompt or []), not no_verify, strict,
+                          tuple(disable or ()))
     result = run_migration(opts, log=lambda msg: err.print(f"[cyan]migrate[/] {msg}", highlight=False))
     if as_json:
         print(dump(result))
@@ -347,6 +376,8 @@ def parallelize(
     plan: Annotated[bool, typer.Option("--plan", help="Only print the groups, rewrites and per-rank memory.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip comparing the multi-rank run with "
                                                                 "transformers.")] = False,
+    disable: Disable = None,
+    list_rules: Annotated[bool, _rule_list(_parallel_rules)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
     """Shard a migrated model over ranks: validate the config, rewrite to parallel layers, write its YAML, and
@@ -356,7 +387,7 @@ def parallelize(
     from skills.parallel_impl.plan import format_plan
 
     if plan:
-        result = plan_for_model_dir(model_dir, config)
+        result = plan_for_model_dir(model_dir, config, disable or ())
         if as_json:
             print(json.dumps({"model_dir": str(model_dir.resolve()), **result.to_dict()}))
         else:
@@ -364,7 +395,7 @@ def parallelize(
         return
     from skills.verify.verify import EXIT_MISMATCH
 
-    done = run_parallelize(model_dir, config, mode, force, _logger("parallelize"))
+    done = run_parallelize(model_dir, config, mode, force, _logger("parallelize"), disable or ())
     verification = None if no_verify else _verify_and_record(model_dir, Path(done.yaml), _logger("verify"))
     if as_json:
         print(json.dumps({**done.to_dict(), "verification": verification and verification.to_dict()}))

@@ -32,7 +32,7 @@ def source(model_type: str) -> VendoredSource:
 @functools.cache
 def converted(model_type: str, kv: str) -> dict[str, str]:
     """convert_code's files (2-4 s of CPU each); callers must not modify the dict."""
-    return convert_code(source(model_type), snake_name(model_type), kv)
+    return convert_code(source(model_type), snake_name(model_type), kv).files
 
 
 def paths(model_type: str) -> tuple[str, str]:

@@ -10,9 +10,11 @@ class Finding:
     scope: str  # class or function
     line: int
     what: str
+    rule: str = ""  # id of the rule that refused
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line} in {self.scope}: {self.what}"
+        by = f" [{self.rule}]" if self.rule else ""
+        return f"{self.file}:{self.line} in {self.scope}: {self.what}{by}"
 
 
 @dataclass
@@ -24,6 +26,8 @@ class RewriteContext:
     filename: str = "modeling.py"
     findings: list[Finding] = field(default_factory=list)
     scope_lines: dict[str, int] = field(default_factory=dict)  # class / function name -> line in the source
+    rule: str = ""  # id of the rule running now
+    applied: list[str] = field(default_factory=list)  # ids of the rules that changed this file, in order
 
     def unsupported(self, scope: str, line: int, what: str) -> None:
-        self.findings.append(Finding(self.filename, scope, line or self.scope_lines.get(scope, 0), what))
+        self.findings.append(Finding(self.filename, scope, line or self.scope_lines.get(scope, 0), what, self.rule))

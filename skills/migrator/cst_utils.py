@@ -1,6 +1,4 @@
 """Small libcst helpers shared by the rewrite rules."""
-from collections.abc import Iterable
-
 import libcst as cst
 
 
@@ -69,8 +67,6 @@ def assigned_names(stmt: cst.CSTNode) -> set[str]:
     return found
 
 
-
-
 def dotted(expr: cst.BaseExpression) -> str:
     """`a.b.c` for Name/Attribute chains, '' otherwise."""
     if isinstance(expr, cst.Name):
@@ -87,8 +83,6 @@ def called_name(call: cst.Call) -> str:
 
 def kwarg(call: cst.Call, name: str) -> cst.Arg | None:
     return next((a for a in call.args if a.keyword and a.keyword.value == name), None)
-
-
 
 
 def stmts(code: str) -> list[cst.BaseStatement]:
@@ -111,18 +105,3 @@ def method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
 def param_names(fn: cst.FunctionDef) -> list[str]:
     p = fn.params
     return [x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)]
-
-
-
-
-
-
-def add_imports(module: cst.Module, imports: Iterable[tuple[str, str]]) -> cst.Module:
-    """`from m import n` for each pair, unless already there (one libcst pass for all)."""
-    from libcst.codemod import CodemodContext
-    from libcst.codemod.visitors import AddImportsVisitor
-
-    context = CodemodContext()
-    for from_module, name in imports:
-        AddImportsVisitor.add_needed_import(context, from_module, name)
-    return AddImportsVisitor(context).transform_module(module)

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from skills.migrator.codestyle import tidy
 from skills.migrator.context import RewriteContext
 from skills.migrator.mode import decide_mode
 from skills.migrator.render import RenderContext, render_artifacts
-from skills.migrator.rewrite import rewrite, rewrite_configuration
+from skills.migrator.rewrite import check_rule_ids, rewrite, rewrite_configuration
+from skills.migrator.rules import MIGRATE_RULES
 from skills.migrator.source import resolve_source
 from skills.migrator.validate import validate_model_dir
 from skills.migrator.vendor import VendoredSource, locate_source, read_config_json, snake_name
@@ -41,6 +43,7 @@ class MigrateOptions:
     prompts: list[str] = field(default_factory=list)
     verify: bool = True  # compare the written directory with transformers (needs run)
     strict: bool = False  # a verification mismatch writes nothing
+    disabled_rules: tuple[str, ...] = ()  # rule ids (--disable) not to apply
 
 
 @dataclass
@@ -54,11 +57,12 @@ class MigrateResult:
     baseline: dict | None = None
     notes: list[str] = field(default_factory=list)
     verification: Verification | None = None
+    rules: dict[str, list[str]] = field(default_factory=dict)  # rewritten file -> ids of the rules that changed it
 
     def to_dict(self) -> dict:
         return {"model_dir": str(self.model_dir), "model_name": self.model_name, "mode": self.mode,
                 "scenario": self.scenario, "status": self.status, "files": self.files,
-                "baseline": self.baseline, "notes": self.notes,
+                "baseline": self.baseline, "notes": self.notes, "rules": self.rules,
                 "verification": self.verification.to_dict() if self.verification else None}
 
 
@@ -70,19 +74,30 @@ def checkpoint_dtype(config: dict, requested: str) -> str:
     return DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "float32")
 
 
-def convert_code(src: VendoredSource, name: str, kv: str) -> dict[str, str]:
+@dataclass
+class Conversion:
+    files: dict[str, str]  # models/modeling_<name>.py (and configuration_<name>.py) -> code
+    rules: dict[str, list[str]]  # the same paths -> ids of the rules that changed them
+
+
+def convert_code(src: VendoredSource, name: str, kv: str, disabled: Collection[str] = ()) -> Conversion:
     """models/modeling_<name>.py and models/configuration_<name>.py, rewritten and tidied."""
-    ctx = RewriteContext(entry_class=src.entry_class, config_module=f"configuration_{name}",
-                         hf_package=src.hf_package, kv_layout=kv, filename=str(src.modeling))
-    files = {f"models/modeling_{name}.py": tidy(rewrite(src.modeling.read_text(), ctx), f"modeling_{name}.py")}
+    check_rule_ids(disabled, MIGRATE_RULES)
+    sources = {f"models/modeling_{name}.py": (src.modeling, rewrite)}
     if src.configuration is not None:
-        code = rewrite_configuration(src.configuration.read_text(), ctx)
-        files[f"models/configuration_{name}.py"] = tidy(code, f"configuration_{name}.py")
-    if ctx.findings:
-        listed = "; ".join(str(f) for f in ctx.findings)
+        sources[f"models/configuration_{name}.py"] = (src.configuration, rewrite_configuration)
+    done, findings = Conversion({}, {}), []
+    for rel, (path, rules) in sources.items():
+        ctx = RewriteContext(entry_class=src.entry_class, config_module=f"configuration_{name}",
+                             hf_package=src.hf_package, kv_layout=kv, filename=str(path))
+        done.files[rel] = tidy(rules(path.read_text(), ctx, disabled=disabled), Path(rel).name)
+        done.rules[rel] = ctx.applied
+        findings += ctx.findings
+    if findings:
+        listed = "; ".join(str(f) for f in findings)
         raise UserError(f"{src.entry_class} uses constructs the migrator cannot convert safely: {listed}. "
                         "Nothing was written; extend the rules or port these parts by hand.")
-    return files
+    return done
 
 
 def stage(target: Path, files: dict[str, str], force: bool) -> Path:
@@ -161,7 +176,9 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
 
         return baseline_or_doctor(model_dir, name, mode, resolved.source, log)
     render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
-    files = {**convert_code(src, name, opts.kv), **render_artifacts(render_ctx)}
+    converted = convert_code(src, name, opts.kv, opts.disabled_rules)
+    log("rules applied: " + "; ".join(f"{Path(rel).name}: {' '.join(ids)}" for rel, ids in converted.rules.items()))
+    files = {**converted.files, **render_artifacts(render_ctx)}
     staging = stage(model_dir, files, opts.force)
     try:
         validate_model_dir(staging, staging / "config" / f"{name}.yaml")
@@ -181,7 +198,7 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     swap(staging, model_dir)
     log(f"wrote {model_dir}")
     written = sorted(str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file())
-    return replace(MigrateResult(model_dir, name, mode, "A", "ok", written), **outcome)
+    return replace(MigrateResult(model_dir, name, mode, "A", "ok", written, rules=converted.rules), **outcome)
 
 
 def dump(result: MigrateResult) -> str:

@@ -1,18 +1,47 @@
 """Run the rewrite rules over a vendored HF source file."""
-import ast
+from collections.abc import Collection, Sequence
 
 import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.metadata import MetadataWrapper, PositionProvider
 
+from runtime.errors import UserError
 from skills.migrator.context import RewriteContext
+from skills.migrator.rule import Rule
 from skills.migrator.rules import CONFIGURATION_RULES, MODELING_RULES
 
 
-def rewrite(source: str, ctx: RewriteContext, rules=MODELING_RULES) -> str:
+def _scope_lines(module: cst.Module) -> dict[str, int]:
+    """Class / function name -> the line it is defined on (the first definition of a name)."""
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    lines: dict[str, int] = {}
+    for node, position in positions.items():
+        if isinstance(node, (cst.ClassDef, cst.FunctionDef)):
+            lines.setdefault(node.name.value, position.start.line)
+    return lines
+
+
+def check_rule_ids(disabled: Collection[str], known: Sequence[type[Rule]]) -> None:
+    unknown = sorted(set(disabled) - {rule.ID for rule in known})
+    if unknown:
+        raise UserError(f"--disable {', '.join(unknown)}: no such rule; the rules are "
+                        f"{', '.join(rule.ID for rule in known)} (see --list-rules).")
+
+
+def rewrite(source: str, ctx: RewriteContext, rules: Sequence[type[Rule]] = MODELING_RULES,
+            disabled: Collection[str] = ()) -> str:
+    """Each rule not disabled, in order; ctx.applied names those that changed something."""
     module = cst.parse_module(source)
-    ctx.scope_lines = {n.name: n.lineno for n in ast.walk(ast.parse(source))
-                       if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    ctx.scope_lines = _scope_lines(module)
     for rule in rules:
-        module = rule.apply(module, ctx)
+        if rule.ID in disabled:
+            continue
+        ctx.rule = rule.ID
+        module = rule(CodemodContext(filename=ctx.filename), ctx).transform_module(module)
+        if module.code != source:
+            ctx.applied.append(rule.ID)
+            source = module.code
+    ctx.rule = ""
     try:
         compile(module.code, ctx.filename, "exec")
     except SyntaxError as e:
@@ -21,5 +50,5 @@ def rewrite(source: str, ctx: RewriteContext, rules=MODELING_RULES) -> str:
     return module.code
 
 
-def rewrite_configuration(source: str, ctx: RewriteContext) -> str:
-    return rewrite(source, ctx, CONFIGURATION_RULES)
+def rewrite_configuration(source: str, ctx: RewriteContext, disabled: Collection[str] = ()) -> str:
+    return rewrite(source, ctx, CONFIGURATION_RULES, disabled)

@@ -12,7 +12,7 @@ import dataclasses
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -26,9 +26,11 @@ from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.codestyle import tidy
+from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
 from skills.parallel_impl.plan import Plan, make_plan, validate
 from skills.parallel_impl.rewrite import ParallelRewriteContext, parallelize_source
+from skills.parallel_impl.rules import PARALLEL_RULES
 from skills.parallel_impl.scenario import scenario_yaml
 
 PRISTINE = Path("agentic") / "migrated_models"
@@ -47,6 +49,7 @@ class ParallelizeResult:
     per_rank_param_bytes: int
     total_param_bytes: int
     written: list[str]
+    rules: dict[str, list[str]]  # rewritten file -> ids of the rules that changed it
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -75,15 +78,18 @@ def _migrated_sources(model_dir: Path) -> dict[str, str]:
     return files
 
 
-def _rewrite(sources: dict[str, str], entry_class: str
-             ) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]]]:
-    """(rewritten files, what changed, fused attribute -> its checkpoint parts)."""
-    out, done, fused = dict(sources), [], {}
+def _rewrite(sources: dict[str, str], entry_class: str, disabled: Collection[str]
+             ) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]], dict[str, list[str]]]:
+    """(rewritten files, what changed, fused attribute -> its checkpoint parts, file -> ids of the rules that
+    changed it)."""
+    check_rule_ids(disabled, PARALLEL_RULES)
+    out, done, fused, rules = dict(sources), [], {}, {}
     for name, text in sources.items():
         if not name.startswith("modeling_"):
             continue
         ctx = ParallelRewriteContext(entry_class=entry_class, filename=name)
-        out[name] = tidy(parallelize_source(text, ctx), name)
+        out[name] = tidy(parallelize_source(text, ctx, disabled), name)
+        rules[f"models/{name}"] = ctx.applied
         if ctx.findings:
             listed = "; ".join(str(f) for f in ctx.findings)
             raise UserError(f"skill parallelize cannot shard this model safely: {listed}. Nothing was written; "
@@ -92,7 +98,7 @@ def _rewrite(sources: dict[str, str], entry_class: str
         for attr, part, _ in ctx.fused:
             fused.setdefault(attr.lstrip("."), ())
             fused[attr.lstrip(".")] += (part.lstrip("."),)
-    return out, done, fused
+    return out, done, fused, rules
 
 
 def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[int]:
@@ -136,6 +142,7 @@ class _Target:
     sources: dict[str, str]  # models/*.py as migrated
     new_code: dict[str, str]  # the same files rewritten
     code_rewrites: list[str]
+    rules: dict[str, list[str]]
 
 
 def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
@@ -144,7 +151,7 @@ def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]
     return frozenset(part for a in attrs for part in fused.get(a, (a,)))
 
 
-def _load(model_dir: Path, config_path: Path) -> _Target:
+def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> _Target:
     """Config validated against the model's shapes first (ConfigError, exit 2), then the rewrite made in memory
     and planned from what it actually shards."""
     model_dir = model_dir.resolve()
@@ -154,9 +161,10 @@ def _load(model_dir: Path, config_path: Path) -> _Target:
     model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
     validate(pc, hf_config)
     sources = _migrated_sources(model_dir)
-    new_code, code_rewrites, fused = _rewrite(sources, model_cls.__name__)
+    new_code, code_rewrites, fused, rules = _rewrite(sources, model_cls.__name__, disabled)
     plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(new_code, fused))
-    return _Target(model_dir, pc, yaml_path, config, model_cls, hf_config, plan, sources, new_code, code_rewrites)
+    return _Target(model_dir, pc, yaml_path, config, model_cls, hf_config, plan, sources, new_code, code_rewrites,
+                   rules)
 
 
 def scenario_yaml_name(t: _Target, scenario: str = "") -> str:
@@ -164,13 +172,14 @@ def scenario_yaml_name(t: _Target, scenario: str = "") -> str:
     return yaml_name(t.config.model_name, t.pc, moe=any("MoE" in r for r in t.plan.rewrites), scenario=scenario)
 
 
-def plan_for_model_dir(model_dir: Path, config_path: Path) -> Plan:
-    return _load(model_dir, config_path).plan
+def plan_for_model_dir(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> Plan:
+    return _load(model_dir, config_path, disabled).plan
 
 
 def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, force: bool = False,
-                log: Callable[[str], None] = lambda msg: None) -> ParallelizeResult:
-    t = _load(model_dir, config_path)
+                log: Callable[[str], None] = lambda msg: None, disabled: Collection[str] = ()
+                ) -> ParallelizeResult:
+    t = _load(model_dir, config_path, disabled)
     model_dir, pc, yaml_path, plan = t.model_dir, t.pc, t.yaml_path, t.plan
     found = directory_mode(model_dir)
     if mode is not None and mode != found:
@@ -223,4 +232,4 @@ def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, for
     resolve_model.cache_clear()
     return ParallelizeResult(str(model_dir), str(target_yaml), pc.world_size,
                              [dataclasses.asdict(g) for g in plan.groups], [*plan.rewrites, *code_rewrites],
-                             plan.per_rank_param_bytes, plan.total_param_bytes, written)
+                             plan.per_rank_param_bytes, plan.total_param_bytes, written, t.rules)

@@ -5,6 +5,7 @@ The output does not depend on a parallel_config: every layer reads its TP size f
 (a group that is not registered means TP 1), so one rewrite serves every configuration.
 """
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from skills.migrator.context import RewriteContext
@@ -26,6 +27,6 @@ class ParallelRewriteContext(RewriteContext):
     fused: list[StackedParam] = field(default_factory=list)
 
 
-def parallelize_source(source: str, ctx: ParallelRewriteContext) -> str:
+def parallelize_source(source: str, ctx: ParallelRewriteContext, disabled: Collection[str] = ()) -> str:
     """The rewritten source; anything the rules could not shard safely is in ctx.findings."""
-    return rewrite(source, ctx, PARALLEL_RULES)
+    return rewrite(source, ctx, PARALLEL_RULES, disabled)

@@ -1,10 +1,9 @@
 """Shared helpers for the parallelize rule tests: run one rule over a dedented snippet of migrated code."""
 
-import textwrap
-
-import libcst as cst
 import pytest
+from codemod_harness import run_codemod
 
+from skills.migrator.rule import Rule
 from skills.parallel_impl.rewrite import ParallelRewriteContext
 
 
@@ -22,10 +21,9 @@ def make_ctx():
 
 @pytest.fixture
 def run_rule():
-    """run_rule(rule_module, code, ctx=None) -> rewritten code; pass ctx to inspect rewrites / findings."""
+    """run_rule(RuleClass, code, ctx=None) -> rewritten code; pass ctx to inspect rewrites / findings."""
 
-    def run(rule, code: str, ctx: ParallelRewriteContext | None = None) -> str:
-        ctx = ctx if ctx is not None else make_parallel_context()
-        return rule.apply(cst.parse_module(textwrap.dedent(code)), ctx).code
+    def run(rule: type[Rule], code: str, ctx: ParallelRewriteContext | None = None) -> str:
+        return run_codemod(rule, code, ctx if ctx is not None else make_parallel_context())
 
     return run

@@ -4,7 +4,7 @@ around forward; attention that can't be sharded is a finding."""
 from textwrap import dedent
 
 from skills.parallel_impl.rewrite import parallelize_source
-from skills.parallel_impl.rules import attention as rule
+from skills.parallel_impl.rules.attention import ShardAttention as rule
 
 # The migrated llama attention, shortened.
 BEFORE = dedent('''\
@@ -141,6 +141,7 @@ def test_fused_qkv_on_disk_is_a_finding(make_ctx):
         "modeling_gpt_neox.py:1 in GPTNeoXAttention: attention projection "
         "`self.query_key_value` is fused q/k/v on disk"
     )
+    assert finding.rule == rule.ID and str(finding).endswith(f" [{rule.ID}]")  # which rule refused
 
 
 def _finding(run_rule, make_ctx, code: str) -> str:

@@ -2,7 +2,7 @@
 
 from textwrap import dedent
 
-from skills.parallel_impl.rules import comm_groups as rule
+from skills.parallel_impl.rules.comm_groups import RegisterCommGroups as rule
 
 LAYERS = dedent("""\
     class LlamaMLP(nn.Module):

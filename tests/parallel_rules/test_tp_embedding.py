@@ -2,7 +2,7 @@
 
 from textwrap import dedent
 
-from skills.parallel_impl.rules import embedding as rule
+from skills.parallel_impl.rules.embedding import ShardEmbedding as rule
 
 BEFORE = dedent("""\
     class LlamaModel(nn.Module):

@@ -3,7 +3,7 @@ before the last-token selection."""
 
 from textwrap import dedent
 
-from skills.parallel_impl.rules import lm_head as rule
+from skills.parallel_impl.rules.lm_head import ShardLMHead as rule
 
 EMBEDDING = dedent("""\
     class LlamaModel(nn.Module):

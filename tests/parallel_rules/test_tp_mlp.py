@@ -3,7 +3,7 @@ down projection -> RowParallelLinear, a TPRegion around forward; anything else s
 
 from textwrap import dedent
 
-from skills.parallel_impl.rules import mlp as rule
+from skills.parallel_impl.rules.mlp import ShardMLP as rule
 
 BEFORE = dedent("""\
     class LlamaMLP(nn.Module):

@@ -2,7 +2,7 @@
 
 from textwrap import dedent
 
-from skills.parallel_impl.rules import stacked_params as rule
+from skills.parallel_impl.rules.stacked_params import StackedParams as rule
 
 BEFORE = dedent('''\
     class LlamaForCausalLM(nn.Module):

@@ -1,12 +1,11 @@
 """Shared helpers for the per-rule tests: run one rewrite rule over a dedented snippet.
 
 Snippets are written `dedent('''\\ ...''')`-style; `run_rule` dedents again, so either form works."""
-import textwrap
-
-import libcst as cst
 import pytest
+from codemod_harness import run_codemod
 
 from skills.migrator.context import RewriteContext
+from skills.migrator.rule import Rule
 
 DEFAULT_CTX = {
     "entry_class": "LlamaForCausalLM",
@@ -21,10 +20,9 @@ def make_rewrite_context(**overrides) -> RewriteContext:
     return RewriteContext(**{**DEFAULT_CTX, **overrides})
 
 
-def apply_rule(rule, code: str, ctx: RewriteContext | None = None, **overrides) -> str:
-    """`rule.apply` on the dedented code; pass ctx to inspect its findings afterwards."""
-    ctx = ctx if ctx is not None else make_rewrite_context(**overrides)
-    return rule.apply(cst.parse_module(textwrap.dedent(code)), ctx).code
+def apply_rule(rule: type[Rule], code: str, ctx: RewriteContext | None = None, **overrides) -> str:
+    """The rule on the dedented code; pass ctx to inspect its findings afterwards."""
+    return run_codemod(rule, code, ctx if ctx is not None else make_rewrite_context(**overrides))
 
 
 @pytest.fixture
@@ -35,5 +33,5 @@ def make_ctx():
 
 @pytest.fixture
 def run_rule():
-    """run_rule(rule_module, code, ctx=None, **ctx_overrides) -> rewritten code."""
+    """run_rule(RuleClass, code, ctx=None, **ctx_overrides) -> rewritten code."""
     return apply_rule

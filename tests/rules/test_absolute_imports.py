@@ -1,7 +1,7 @@
 """absolute_imports: relative imports of a vendored HF modeling file become absolute."""
 from textwrap import dedent
 
-from skills.migrator.rules import absolute_imports as rule
+from skills.migrator.rules.absolute_imports import AbsoluteImports as rule
 
 # The import block of transformers/models/gemma3/modeling_gemma3.py, shortened.
 GEMMA3_IMPORTS = dedent("""\

@@ -5,7 +5,7 @@ from textwrap import dedent
 
 import pytest
 
-from skills.migrator.rules import causal_lm_entry as rule
+from skills.migrator.rules.causal_lm_entry import CausalLMEntry as rule
 
 # Gemma3ForCausalLM as causal_lm_entry sees it in the pipeline (HF-only parameters already folded).
 BEFORE = dedent('''\

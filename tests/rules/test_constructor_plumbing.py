@@ -5,7 +5,7 @@ from textwrap import dedent
 
 import pytest
 
-from skills.migrator.rules import constructor_plumbing as rule
+from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing as rule
 
 # The llama module tree (RMSNorm / rotary: no weighted children -> not plumbed; MLP / attention:
 # nn.Linear / runtime Attention -> plumbed; the decoder and model: plumbed children), plus an MoE-style
@@ -125,7 +125,9 @@ def test_plumbing_and_prefix_paths(run_rule):
 def test_plumbed_classes():
     import libcst as cst
 
-    assert rule.plumbed_classes(cst.parse_module(BEFORE), "LlamaForCausalLM") == {
+    from skills.migrator.rules.constructor_plumbing import plumbed_classes
+
+    assert plumbed_classes(cst.parse_module(BEFORE), "LlamaForCausalLM") == {
         "LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP"}
 
 

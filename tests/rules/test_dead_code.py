@@ -1,7 +1,7 @@
 """dead_code: unread locals, unread `self.x` attributes and `pass` beside real statements go."""
 from textwrap import dedent
 
-from skills.migrator.rules import dead_code as rule
+from skills.migrator.rules.dead_code import DeadCode as rule
 
 # LlamaAttention after runtime_attention: layer_idx, dropout rate, is_causal, num_key_value_groups are
 # only read by HF's cache / eager attention, which are gone.

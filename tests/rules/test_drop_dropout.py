@@ -1,10 +1,20 @@
-"""drop_dropout: dropout modules, their calls and functional dropout disappear."""
+"""drop_dropout: dropout modules, their calls and functional dropout disappear, found by qualified name."""
 from textwrap import dedent
 
-from skills.migrator.rules import drop_dropout as rule
+from codemod_harness import assert_codemod, assert_noop
+
+from skills.migrator.rules.drop_dropout import DropDropout as rule
+
+IMPORTS = dedent('''\
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    ''')
 
 # Shapes from Qwen2 / Phi / BLT-style code: a Dropout module, torch.nn.Dropout, functional dropout.
-BEFORE = dedent('''\
+BEFORE = IMPORTS + dedent('''\
     class PhiAttention(nn.Module):
         def __init__(self, config):
             super().__init__()
@@ -19,7 +29,8 @@ BEFORE = dedent('''\
             return F.dropout(attn_output, p=0.1, training=self.training)
     ''')
 
-AFTER = dedent('''\
+# `self.dropout` is a float rate here, not a module: its assignment stays (dead_code removes it later).
+AFTER = IMPORTS + dedent('''\
     class PhiAttention(nn.Module):
         def __init__(self, config):
             super().__init__()
@@ -31,25 +42,24 @@ AFTER = dedent('''\
     ''')
 
 
-def test_dropout_removed(run_rule):
-    # `self.dropout` is a float rate here, not a module: its assignment stays (dead_code removes it later).
-    assert run_rule(rule, BEFORE) == AFTER
+def test_dropout_removed_and_idempotent(make_ctx):
+    assert_codemod(rule, BEFORE, AFTER, make_ctx)
 
 
-def test_idempotent(run_rule):
-    assert run_rule(rule, AFTER) == AFTER
+def test_no_torch_dropout_untouched(make_ctx):
+    code = IMPORTS + dedent('''\
+        from mylib import layers
 
 
-def test_no_dropout_untouched(run_rule):
-    code = dedent('''\
         class LlamaMLP(nn.Module):
             def __init__(self, config):
                 super().__init__()
                 self.attention_dropout = config.attention_dropout
+                self.noise = layers.Dropout(0.5)  # not torch's: its meaning is unknown, so it stays
                 self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
 
             def forward(self, x):
-                y = self.down_proj(x)
+                y = self.noise(self.down_proj(x))
                 return attention_interface(self, y, dropout=0.0 if not self.training else self.attention_dropout)
         ''')
-    assert run_rule(rule, code) == code
+    assert_noop(rule, code, make_ctx)

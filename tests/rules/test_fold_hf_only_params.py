@@ -1,7 +1,7 @@
 """fold_hf_only_params: HF-only parameters leave every signature; branches on their known values fold."""
 from textwrap import dedent
 
-from skills.migrator.rules import fold_hf_only_params as rule
+from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams as rule
 
 # LlamaModel.forward, transformers v5.
 LLAMA_MODEL = dedent("""\

@@ -1,7 +1,7 @@
 """model_outputs: inner models return the last hidden state itself; transformers return annotations go."""
 from textwrap import dedent
 
-from skills.migrator.rules import model_outputs as rule
+from skills.migrator.rules.model_outputs import ModelOutputs as rule
 
 BEFORE = dedent("""\
     import torch

@@ -1,7 +1,7 @@
 """prune_unreachable: only definitions the entry class (or EntryClass) needs stay."""
 from textwrap import dedent
 
-from skills.migrator.rules import prune_unreachable as rule
+from skills.migrator.rules.prune_unreachable import PruneUnreachable as rule
 
 BEFORE = dedent('''\
     import torch

@@ -4,7 +4,7 @@ from textwrap import dedent
 
 import pytest
 
-from skills.migrator.rules import remove_mask_machinery as rule
+from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery as rule
 
 # LlamaModel.forward (transformers v5), after the HF-only parameters were folded away.
 LLAMA = dedent("""\

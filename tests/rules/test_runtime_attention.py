@@ -4,7 +4,7 @@ from textwrap import dedent
 
 import pytest
 
-from skills.migrator.rules import runtime_attention as rule
+from skills.migrator.rules.runtime_attention import RuntimeAttention as rule
 
 HEADER = dedent("""\
     from collections.abc import Callable

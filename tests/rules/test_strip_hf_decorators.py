@@ -1,7 +1,7 @@
 """strip_hf_decorators: decorators imported from transformers go, except numerics-changing rope helpers."""
 from textwrap import dedent
 
-from skills.migrator.rules import strip_hf_decorators as rule
+from skills.migrator.rules.strip_hf_decorators import StripHFDecorators as rule
 
 IMPORTS = dedent("""\
     import functools
@@ -73,7 +73,9 @@ def test_transformers_decorators_dropped_others_kept(run_rule):
 def test_transformers_names():
     import libcst as cst
 
-    assert rule.transformers_names(cst.parse_module(BEFORE)) == {
+    from skills.migrator.rules.strip_hf_decorators import transformers_names
+
+    assert transformers_names(cst.parse_module(BEFORE)) == {
         "use_kernel_forward_from_hub", "dynamic_rope_update", "auto_docstring", "can_return_tuple",
         "deprecate_kwarg", "with_defaults"}
 

@@ -1,7 +1,7 @@
 """unused_imports: imports nothing uses any more are removed."""
 from textwrap import dedent
 
-from skills.migrator.rules import unused_imports as rule
+from skills.migrator.rules.unused_imports import UnusedImports as rule
 
 BEFORE = dedent('''\
     from __future__ import annotations

@@ -1,24 +1,22 @@
-"""The rewrite rules, one per file, in the order the migrator applies them."""
-from skills.migrator.rules import (
-    absolute_imports,
-    causal_lm_entry,
-    classvar_annotations,
-    constructor_plumbing,
-    dead_code,
-    drop_dropout,
-    fold_hf_only_params,
-    model_outputs,
-    module_bases,
-    prune_unreachable,
-    remove_mask_machinery,
-    runtime_attention,
-    strip_hf_decorators,
-    unused_imports,
-)
+"""The migrator's rewrite rules, one codemod per file, in the order they are applied."""
+from skills.migrator.rules.absolute_imports import AbsoluteImports
+from skills.migrator.rules.causal_lm_entry import CausalLMEntry
+from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
+from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
+from skills.migrator.rules.dead_code import DeadCode
+from skills.migrator.rules.drop_dropout import DropDropout
+from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
+from skills.migrator.rules.model_outputs import ModelOutputs
+from skills.migrator.rules.module_bases import ModuleBases
+from skills.migrator.rules.prune_unreachable import PruneUnreachable
+from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
+from skills.migrator.rules.runtime_attention import RuntimeAttention
+from skills.migrator.rules.strip_hf_decorators import StripHFDecorators
+from skills.migrator.rules.unused_imports import UnusedImports
 
 MODELING_RULES = [
-    absolute_imports, strip_hf_decorators, remove_mask_machinery, fold_hf_only_params, runtime_attention,
-    model_outputs, causal_lm_entry, module_bases, drop_dropout, constructor_plumbing, prune_unreachable,
-    dead_code, unused_imports,
+    AbsoluteImports, StripHFDecorators, RemoveMaskMachinery, FoldHFOnlyParams, RuntimeAttention, ModelOutputs,
+    CausalLMEntry, ModuleBases, ConstructorPlumbing, PruneUnreachable, DropDropout, DeadCode, UnusedImports,
 ]
-CONFIGURATION_RULES = [absolute_imports, strip_hf_decorators, classvar_annotations, unused_imports]
+CONFIGURATION_RULES = [AbsoluteImports, StripHFDecorators, UnusedImports, ClassVarAnnotations]
+MIGRATE_RULES = sorted({*MODELING_RULES, *CONFIGURATION_RULES}, key=lambda rule: rule.ID)

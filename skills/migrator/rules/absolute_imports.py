@@ -3,6 +3,7 @@ by the name the runtime registers it under, other siblings under the model's tra
 import libcst as cst
 
 from skills.migrator.context import RewriteContext
+from skills.migrator.rule import Rule
 
 
 class _Absolute(cst.CSTTransformer):
@@ -23,5 +24,10 @@ class _Absolute(cst.CSTTransformer):
         return updated.with_changes(relative=[], module=cst.parse_expression(target))
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    return module.visit(_Absolute(ctx))
+class AbsoluteImports(Rule):
+    ID = "MG001"
+    DESCRIPTION = "Relative imports become absolute: transformers.x, the vendored configuration module."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        return module.visit(_Absolute(ctx))

@@ -4,9 +4,7 @@ on packed `[T]` inputs returning last-position logits `[B, 1, V]`, explicit weig
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import (
-    add_imports,
     assigned_names,
     called_name,
     classes,
@@ -16,6 +14,7 @@ from skills.migrator.cst_utils import (
     stmt,
     stmts,
 )
+from skills.migrator.rule import Rule
 
 FORWARD = '''
 def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata: ForwardMetaData,
@@ -80,35 +79,41 @@ def _logits_tail(fwd: cst.FunctionDef, head: str) -> list[cst.BaseStatement] | N
     return [head, *tail, stmt("return logits[:, None, :]\n")]
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    cls = classes(module).get(ctx.entry_class)
-    if cls is None:
-        ctx.unsupported(ctx.entry_class, 0, "entry class not found in the modeling file")
+class CausalLMEntry(Rule):
+    ID = "MG007"
+    DESCRIPTION = "The *ForCausalLM class takes the runtime contract: forward, load_weights, get_cache_info."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        cls = classes(module).get(ctx.entry_class)
+        if cls is None:
+            ctx.unsupported(ctx.entry_class, 0, "entry class not found in the modeling file")
+            return module
+        fwd, init = method(cls, "forward"), method(cls, "__init__")
+        if "forward_metadata" in cst.Module([]).code_for_node(fwd):
+            return module  # already in contract form
+        inner = _inner_model_attr(cls, module)
+        head = _vocab_projection(init)
+        tail = _logits_tail(fwd, head)
+        if inner is None or tail is None:
+            ctx.unsupported(ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward")
+            return module
+        new_fwd = cst.parse_module(FORWARD.format(inner=inner)).body[0]
+        new_fwd = new_fwd.with_changes(body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),
+                                       leading_lines=[cst.EmptyLine(indent=False)])
+        new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, *_tie_statement(cls, inner)]))
+        extra = [cst.parse_module(LOAD_WEIGHTS).body[0]]
+        if ctx.kv_layout == "paged":
+            extra.append(cst.parse_module(CACHE_INFO).body[0])
+        extra = [e.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for e in extra]
+        body = [new_fwd if s is fwd else new_init if s is init else s for s in cls.body.body]
+        new_cls = cls.with_changes(body=cls.body.with_changes(body=[*body, *extra]))
+        module = module.with_changes(body=[new_cls if s is cls else s for s in module.body]
+                                     + [stmt(f"EntryClass = {ctx.entry_class}\n").with_changes(
+                                         leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)])])
+        imports = [("runtime.engine.forward_metadata", "ForwardMetaData"), ("collections.abc", "Iterable"),
+                   ("runtime.layers.weights", "load_named_weights")]
+        if ctx.kv_layout == "paged":
+            imports += [("runtime.layers.attention", "cache_info_of"), ("runtime.kv_cache", "ModelCacheInfo")]
+        self.add_needed_imports(imports)
         return module
-    fwd, init = method(cls, "forward"), method(cls, "__init__")
-    if "forward_metadata" in cst.Module([]).code_for_node(fwd):
-        return module  # already in contract form
-    inner = _inner_model_attr(cls, module)
-    head = _vocab_projection(init)
-    tail = _logits_tail(fwd, head)
-    if inner is None or tail is None:
-        ctx.unsupported(ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward")
-        return module
-    new_fwd = cst.parse_module(FORWARD.format(inner=inner)).body[0]
-    new_fwd = new_fwd.with_changes(body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),
-                                   leading_lines=[cst.EmptyLine(indent=False)])
-    new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, *_tie_statement(cls, inner)]))
-    extra = [cst.parse_module(LOAD_WEIGHTS).body[0]]
-    if ctx.kv_layout == "paged":
-        extra.append(cst.parse_module(CACHE_INFO).body[0])
-    extra = [e.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for e in extra]
-    body = [new_fwd if s is fwd else new_init if s is init else s for s in cls.body.body]
-    new_cls = cls.with_changes(body=cls.body.with_changes(body=[*body, *extra]))
-    module = module.with_changes(body=[new_cls if s is cls else s for s in module.body]
-                                 + [stmt(f"EntryClass = {ctx.entry_class}\n").with_changes(
-                                     leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)])])
-    imports = [("runtime.engine.forward_metadata", "ForwardMetaData"), ("collections.abc", "Iterable"),
-               ("runtime.layers.weights", "load_named_weights")]
-    if ctx.kv_layout == "paged":
-        imports += [("runtime.layers.attention", "cache_info_of"), ("runtime.kv_cache", "ModelCacheInfo")]
-    return add_imports(module, imports)

@@ -3,8 +3,8 @@ it down to every in-file module that holds weights, with `prefix` naming the chi
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import add_imports, called_name, classes, method, param_names
+from skills.migrator.cst_utils import called_name, classes, method, param_names
+from skills.migrator.rule import Rule
 
 WEIGHTED = {"nn.Linear", "Linear", "Attention", "nn.Embedding", "Embedding"}
 
@@ -100,12 +100,18 @@ class _Plumb(cst.CSTTransformer):
         return updated.with_changes(body=updated.body.with_changes(body=body))
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    if ctx.entry_class not in classes(module):
-        return module
-    plumbed = plumbed_classes(module, ctx.entry_class)
-    new = module.visit(_Plumb(plumbed))
-    if new.deep_equals(module):
-        return module
-    return add_imports(new, [("runtime.config", "InferenceConfig"), ("runtime.config.comm_manager", "CommManager"),
-                             ("runtime.layers.prefix", "join_prefix")])
+class ConstructorPlumbing(Rule):
+    ID = "MG009"
+    DESCRIPTION = "Constructors take (config, ..., infer_config, comm_manager, prefix) and pass them down."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        if ctx.entry_class not in classes(module):
+            return module
+        plumbed = plumbed_classes(module, ctx.entry_class)
+        new = module.visit(_Plumb(plumbed))
+        if new.deep_equals(module):
+            return module
+        self.add_needed_imports([("runtime.config", "InferenceConfig"), ("runtime.config.comm_manager", "CommManager"),
+                                 ("runtime.layers.prefix", "join_prefix")])
+        return new

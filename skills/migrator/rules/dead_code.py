@@ -5,7 +5,7 @@ from functools import partial
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.context import RewriteContext
+from skills.migrator.rule import Rule
 
 KEEP_ATTRS = {"config"}
 
@@ -76,11 +76,15 @@ def _is_dead_attr(s: cst.BaseStatement, unused: set[str]) -> bool:
     return m.matches(target, m.Attribute(value=m.Name("self"))) and target.attr.value in unused
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    module = module.visit(_DeadLocals())
-    while True:
-        unused = _unused_attrs(module)
-        new = module.visit(_DropIf(partial(_is_dead_attr, unused=unused)))
-        if new.deep_equals(module):
-            return module
-        module = new
+class DeadCode(Rule):
+    ID = "MG012"
+    DESCRIPTION = "Locals and self attributes nobody reads, and pass next to real statements, go."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        module = module.visit(_DeadLocals())
+        while True:
+            unused = _unused_attrs(module)
+            new = module.visit(_DropIf(partial(_is_dead_attr, unused=unused)))
+            if new.deep_equals(module):
+                return module
+            module = new

@@ -1,43 +1,38 @@
-"""Dropout is training-only: `nn.Dropout` modules, their calls and functional dropout disappear."""
+"""Dropout is training-only: `torch.nn.Dropout` modules, their calls and functional dropout disappear.
+Calls are recognised by qualified name, whatever the import alias (`nn.Dropout`, `F.dropout`, ...)."""
 import libcst as cst
 import libcst.matchers as m
+from libcst.metadata import QualifiedNameProvider
 
-from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import called_name
+from skills.migrator.rule import VisitorRule
 
-FUNCTIONAL = {"nn.functional.dropout", "F.dropout", "torch.nn.functional.dropout", "torch.dropout"}
-
-
-def _dropout_attrs(module: cst.Module) -> set[str]:
-    found = set()
-    for a in m.findall(module, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())):
-        if called_name(a.value).split(".")[-1] == "Dropout":
-            found.add(a.targets[0].target.attr.value)
-    return found
+MODULES = {"torch.nn.Dropout", "torch.nn.Dropout1d", "torch.nn.Dropout2d", "torch.nn.Dropout3d"}
+FUNCTIONAL = {"torch.nn.functional.dropout", "torch.dropout"}
+SELF_ATTR = m.Attribute(value=m.Name("self"))
 
 
-class _Drop(cst.CSTTransformer):
-    def __init__(self, attrs: set[str]):
-        self.attrs = attrs
+class DropDropout(VisitorRule):
+    ID = "MG011"
+    DESCRIPTION = "Dropout is training-only: nn.Dropout modules, their calls and functional dropout go."
+    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
-    def _is_module_call(self, call: cst.Call) -> bool:
-        return m.matches(call.func, m.Attribute(value=m.Name("self"))) and call.func.attr.value in self.attrs
+    def _calls(self, call: cst.Call, names: set[str]) -> bool:
+        return any(q.name in names for q in self.get_metadata(QualifiedNameProvider, call.func, set()))
+
+    def visit_Module(self, node: cst.Module) -> None:
+        assigns = m.findall(node, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call()))
+        self.modules = {a.targets[0].target.attr.value for a in assigns if self._calls(a.value, MODULES)}
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        if self._is_module_call(updated) or called_name(updated) in FUNCTIONAL:
-            return updated.args[0].value
-        return updated
+        module_call = m.matches(updated.func, SELF_ATTR) and updated.func.attr.value in self.modules
+        return updated.args[0].value if module_call or self._calls(original, FUNCTIONAL) else updated
 
     def leave_SimpleStatementLine(self, original, updated):
         small = updated.body[0]
         if isinstance(small, cst.Assign) and len(updated.body) == 1:
             target = small.targets[0].target
-            if m.matches(target, m.Attribute(value=m.Name("self"))) and target.attr.value in self.attrs:
+            if m.matches(target, SELF_ATTR) and target.attr.value in self.modules:
                 return cst.RemoveFromParent()
             if isinstance(target, cst.Name) and m.matches(small.value, m.Name(target.value)):
                 return cst.RemoveFromParent()  # `x = x` left by removing `x = self.dropout(x)`
         return updated
-
-
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    return module.visit(_Drop(_dropout_attrs(module)))

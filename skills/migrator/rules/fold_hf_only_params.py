@@ -5,8 +5,8 @@ call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses it
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import assigned_names
+from skills.migrator.rule import Rule
 
 HF_ONLY: dict[str, object] = {
     "cache": None, "past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False,
@@ -162,5 +162,9 @@ class _Fold(cst.CSTTransformer):
         return updated.with_changes(params=new_params, body=_block(updated.body, body))
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    return module.visit(_Fold())
+class FoldHFOnlyParams(Rule):
+    ID = "MG004"
+    DESCRIPTION = "Parameters only HF's generate / training API uses are removed and branches on them folded."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        return module.visit(_Fold())

@@ -2,8 +2,8 @@
 `forward` methods lose return annotations that name transformers types."""
 import libcst as cst
 
-from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import kwarg, names_in
+from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 
@@ -22,5 +22,9 @@ class _Outputs(cst.CSTTransformer):
         return updated
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    return module.visit(_Outputs(transformers_names(module)))
+class ModelOutputs(Rule):
+    ID = "MG006"
+    DESCRIPTION = "Inner models return the last hidden state tensor, not an HF output dataclass."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        return module.visit(_Outputs(transformers_names(module)))

@@ -8,6 +8,7 @@ from torch import nn
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import classes, dotted
 from skills.migrator.reachability import reachable, top_level_names
+from skills.migrator.rule import Rule
 
 HF_BASES = {"PreTrainedModel", "GradientCheckpointingLayer", "GenerationMixin"}
 NN_MODULE = cst.Arg(cst.parse_expression("nn.Module"))
@@ -100,6 +101,11 @@ class _Bases(cst.CSTTransformer):
         return updated
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    used = {n for i in reachable(module, {ctx.entry_class}) for n in top_level_names(module.body[i])}
-    return module.visit(_Bases(hf_model_classes(module), ctx, used))
+class ModuleBases(Rule):
+    ID = "MG008"
+    DESCRIPTION = "HF base classes (PreTrainedModel, GradientCheckpointingLayer, ...) become nn.Module."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        used = {n for i in reachable(module, {ctx.entry_class}) for n in top_level_names(module.body[i])}
+        return module.visit(_Bases(hf_model_classes(module), ctx, used))

@@ -5,8 +5,8 @@ import re
 
 import libcst as cst
 
-from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import assigned_names, free_names, names_in
+from skills.migrator.rule import Rule
 
 MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IGNORECASE)
 
@@ -70,6 +70,9 @@ class _PerFunction(cst.CSTTransformer):
                 return updated
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    return module.visit(_PerFunction())
+class RemoveMaskMachinery(Rule):
+    ID = "MG003"
+    DESCRIPTION = "HF's 4-D attention mask building goes; the runtime's attention masks from ForwardMetaData."
 
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        return module.visit(_PerFunction())

@@ -8,7 +8,6 @@ import libcst.matchers as m
 
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import (
-    add_imports,
     assigned_names,
     called_name,
     classes,
@@ -18,6 +17,7 @@ from skills.migrator.cst_utils import (
     stmt,
 )
 from skills.migrator.reachability import reachable, top_level_names
+from skills.migrator.rule import Rule
 
 INTERFACE = {"attention_interface", "eager_attention_forward"}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
@@ -181,13 +181,19 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
         return updated
 
 
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    attn = attention_classes(module, ctx.entry_class)
-    if not attn:
-        if "forward_metadata" not in module.code:  # not yet converted: its attention is not the standard call
-            ctx.unsupported(ctx.entry_class, 0, "no attention class calls ALL_ATTENTION_FUNCTIONS / "
-                            "eager_attention_forward; custom attention code paths are not converted")
+class RuntimeAttention(Rule):
+    ID = "MG005"
+    DESCRIPTION = "The attention call becomes the runtime's Attention layer, which owns the KV cache."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        attn = attention_classes(module, ctx.entry_class)
+        if not attn:
+            if "forward_metadata" not in module.code:  # not yet converted: its attention is not the standard call
+                ctx.unsupported(ctx.entry_class, 0, "no attention class calls ALL_ATTENTION_FUNCTIONS / "
+                                "eager_attention_forward; custom attention code paths are not converted")
+            return module
+        module = module.visit(_Classes(ctx, attn))
+        self.add_needed_imports([("runtime.layers.attention", "Attention"),
+                                 ("runtime.engine.forward_metadata", "ForwardMetaData")])
         return module
-    module = module.visit(_Classes(ctx, attn))
-    return add_imports(module, [("runtime.layers.attention", "Attention"),
-                                ("runtime.engine.forward_metadata", "ForwardMetaData")])

@@ -1,9 +1,11 @@
 """Drop decorators that come from transformers (docstrings, kernels hub, output capture, kwarg
-deprecation...). Rotary helpers that change numerics (`dynamic_rope_update`) are kept."""
+deprecation...), recognised by qualified name. Rotary helpers that change numerics (`dynamic_rope_update`)
+are kept."""
 import libcst as cst
+from libcst.metadata import QualifiedNameProvider
 
-from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import dotted
+from skills.migrator.rule import VisitorRule
 
 KEEP = {"dynamic_rope_update"}
 
@@ -20,21 +22,23 @@ def transformers_names(module: cst.Module) -> set[str]:
     return names
 
 
-class _Strip(cst.CSTTransformer):
-    def __init__(self, hf_names: set[str]):
-        self.hf_names = hf_names
+class StripHFDecorators(VisitorRule):
+    ID = "MG002"
+    DESCRIPTION = "Decorators from transformers (docstrings, kernels hub, output capture) are dropped."
+    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
-    def _keep(self, d: cst.Decorator) -> bool:
+    def _from_transformers(self, d: cst.Decorator) -> bool:
         target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
-        name = dotted(target).split(".")[0]
-        return name not in self.hf_names or name in KEEP
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, target, set())}
+        return any((n.startswith(("transformers.", ".")) and n.split(".")[-1] not in KEEP) for n in names)
 
-    def leave_FunctionDef(self, original, updated):
-        return updated.with_changes(decorators=[d for d in updated.decorators if self._keep(d)])
+    def _strip(self, original, updated):
+        kept = [new for old, new in zip(original.decorators, updated.decorators, strict=True)
+                if not self._from_transformers(old)]
+        return updated.with_changes(decorators=kept)
 
-    def leave_ClassDef(self, original, updated):
-        return updated.with_changes(decorators=[d for d in updated.decorators if self._keep(d)])
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        return self._strip(original, updated)
 
-
-def apply(module: cst.Module, ctx: RewriteContext) -> cst.Module:
-    return module.visit(_Strip(transformers_names(module)))
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        return self._strip(original, updated)

@@ -1,6 +1,11 @@
-"""The `skill parallelize` rewrite rules, one per file, in the order they are applied: layers first, then the
-entry class's comm groups (collected from the layers) and weight loading (from the fusions made)."""
+"""The `skill parallelize` rewrite rules, one codemod per file, in the order they are applied: layers first,
+then the entry class's comm groups (collected from the layers) and weight loading (from the fusions made)."""
 
-from skills.parallel_impl.rules import attention, comm_groups, embedding, lm_head, mlp, stacked_params
+from skills.parallel_impl.rules.attention import ShardAttention
+from skills.parallel_impl.rules.comm_groups import RegisterCommGroups
+from skills.parallel_impl.rules.embedding import ShardEmbedding
+from skills.parallel_impl.rules.lm_head import ShardLMHead
+from skills.parallel_impl.rules.mlp import ShardMLP
+from skills.parallel_impl.rules.stacked_params import StackedParams
 
-PARALLEL_RULES = [attention, mlp, embedding, lm_head, comm_groups, stacked_params]
+PARALLEL_RULES = [ShardAttention, ShardMLP, ShardEmbedding, ShardLMHead, RegisterCommGroups, StackedParams]

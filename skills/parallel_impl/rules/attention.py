@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import add_imports, assigned_names, called_name, classes, free_names, method
+from skills.migrator.cst_utils import assigned_names, called_name, classes, free_names, method
+from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
     LINEAR_IMPORT,
@@ -184,29 +185,34 @@ def _is_attention(init: cst.FunctionDef) -> bool:
     return bool(self_layers(init, {"Attention"})) or any(a in QKV for a in self_layers(init, LINEAR))
 
 
-def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
-    new = {}
-    for name, cls in classes(module).items():
-        init = method(cls, "__init__")
-        if init is None or has_region(cls):
-            continue
-        fused = [a for a in FUSED_ON_DISK if a in self_layers(init, LINEAR)]
-        if fused:
-            ctx.unsupported(
-                name,
-                0,
-                f"attention projection `self.{fused[0]}` is fused q/k/v on disk; only "
-                "separate q_proj/k_proj/v_proj can be sharded by heads",
-            )
-        elif _is_attention(init):
-            result = _rewrite(cls, ctx)
-            if isinstance(result, str):
-                ctx.unsupported(name, 0, f"attention cannot be sharded by heads: {result}")
-            else:
-                new[name] = result
-    if not new:
-        return module
-    return add_imports(
-        replace_classes(module, new),
-        [(LINEAR_IMPORT, "QKVParallelLinear"), (LINEAR_IMPORT, "RowParallelLinear"), *REGION_IMPORTS],
-    )
+class ShardAttention(Rule):
+    ID = "PR001"
+    DESCRIPTION = "Attention is sharded by heads: QKVParallelLinear in, RowParallelLinear out (attn_tp_group)."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        new = {}
+        for name, cls in classes(module).items():
+            init = method(cls, "__init__")
+            if init is None or has_region(cls):
+                continue
+            fused = [a for a in FUSED_ON_DISK if a in self_layers(init, LINEAR)]
+            if fused:
+                ctx.unsupported(
+                    name,
+                    0,
+                    f"attention projection `self.{fused[0]}` is fused q/k/v on disk; only "
+                    "separate q_proj/k_proj/v_proj can be sharded by heads",
+                )
+            elif _is_attention(init):
+                result = _rewrite(cls, ctx)
+                if isinstance(result, str):
+                    ctx.unsupported(name, 0, f"attention cannot be sharded by heads: {result}")
+                else:
+                    new[name] = result
+        if not new:
+            return module
+        self.add_needed_imports(
+            [(LINEAR_IMPORT, "QKVParallelLinear"), (LINEAR_IMPORT, "RowParallelLinear"), *REGION_IMPORTS]
+        )
+        return replace_classes(module, new)

@@ -4,16 +4,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import add_imports, classes, method, param_names, stmt
+from skills.migrator.cst_utils import classes, method, param_names, stmt
+from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import edit_body, replace_classes
-
-if TYPE_CHECKING:
-    from skills.parallel_impl.rewrite import ParallelRewriteContext
 
 METHOD = "init_parallel_comm_group"
 ORDER = ("attn_tp_group", "dense_tp_group", "embed_tp_group", "lmhead_tp_group")
@@ -41,33 +37,38 @@ def _method(groups: list[str]) -> cst.FunctionDef:
     return fn.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
 
 
-def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
-    cls = classes(module).get(ctx.entry_class)
-    groups = used_groups(module)
-    if cls is None or not groups or method(cls, METHOD) is not None:
-        return module
-    init = method(cls, "__init__")
-    name = cls.name.value
-    supers = [s for s in init.body.body if m.matches(s, SUPER_INIT)] if init is not None else []
-    if not supers or not {"infer_config", "comm_manager"} <= set(param_names(init)):
-        ctx.unsupported(
-            name,
-            0,
-            "the entry class's __init__ lacks `super().__init__()` or the `infer_config` / "
-            "`comm_manager` parameters: cannot register the parallel groups",
+class RegisterCommGroups(Rule):
+    ID = "PR005"
+    DESCRIPTION = "The entry class registers the process groups its parallel layers use."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        cls = classes(module).get(ctx.entry_class)
+        groups = used_groups(module)
+        if cls is None or not groups or method(cls, METHOD) is not None:
+            return module
+        init = method(cls, "__init__")
+        name = cls.name.value
+        supers = [s for s in init.body.body if m.matches(s, SUPER_INIT)] if init is not None else []
+        if not supers or not {"infer_config", "comm_manager"} <= set(param_names(init)):
+            ctx.unsupported(
+                name,
+                0,
+                "the entry class's __init__ lacks `super().__init__()` or the `infer_config` / "
+                "`comm_manager` parameters: cannot register the parallel groups",
+            )
+            return module
+        call = stmt(f"self.{METHOD}(infer_config, comm_manager)\n")
+        init = edit_body(init, {id(supers[0]): [supers[0], call]})
+        old_init = method(cls, "__init__")
+        body = [new for s in cls.body.body for new in ([init, _method(groups)] if s is old_init else [s])]
+        ctx.rewrites.append(f"{name}: {METHOD} registers {', '.join(groups)}")
+        module = replace_classes(module, {name: cls.with_changes(body=cls.body.with_changes(body=body))})
+        self.add_needed_imports(
+            [
+                ("runtime.config.comm_manager", "register_tp_groups"),
+                ("runtime.config", "InferenceConfig"),
+                ("runtime.config.comm_manager", "CommManager"),
+            ]
         )
         return module
-    call = stmt(f"self.{METHOD}(infer_config, comm_manager)\n")
-    init = edit_body(init, {id(supers[0]): [supers[0], call]})
-    old_init = method(cls, "__init__")
-    body = [new for s in cls.body.body for new in ([init, _method(groups)] if s is old_init else [s])]
-    ctx.rewrites.append(f"{name}: {METHOD} registers {', '.join(groups)}")
-    module = replace_classes(module, {name: cls.with_changes(body=cls.body.with_changes(body=body))})
-    return add_imports(
-        module,
-        [
-            ("runtime.config.comm_manager", "register_tp_groups"),
-            ("runtime.config", "InferenceConfig"),
-            ("runtime.config.comm_manager", "CommManager"),
-        ],
-    )

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import libcst as cst
 
-from skills.migrator.cst_utils import add_imports, classes, method
+from skills.migrator.cst_utils import classes, method
+from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     EMBEDDING,
     PREFIX_IMPORT,
@@ -49,12 +50,16 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | N
     return replace_methods(cls, {"__init__": edit_body(init, changes)}) if changes else None
 
 
-def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
-    new = {
-        name: result for name, cls in classes(module).items() if (result := _rewrite(cls, ctx)) is not None
-    }
-    if not new:
-        return module
-    return add_imports(
-        replace_classes(module, new), [("runtime.layers.embedding", "VocabParallelEmbedding"), PREFIX_IMPORT]
-    )
+class ShardEmbedding(Rule):
+    ID = "PR003"
+    DESCRIPTION = "Token embeddings are sharded by vocab rows: VocabParallelEmbedding (embed_tp_group)."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        new = {
+            name: result for name, cls in classes(module).items() if (result := _rewrite(cls, ctx)) is not None
+        }
+        if not new:
+            return module
+        self.add_needed_imports([("runtime.layers.embedding", "VocabParallelEmbedding"), PREFIX_IMPORT])
+        return replace_classes(module, new)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import add_imports, classes, dotted, method, stmt
+from skills.migrator.cst_utils import classes, dotted, method, stmt
+from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
     PREFIX_IMPORT,
@@ -118,33 +119,41 @@ def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteConte
     return replace_methods(cls, {"__init__": init})
 
 
-def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
-    cls = classes(module).get(ctx.entry_class)
-    if cls is None:
-        return module
-    imports = []
-    new = _shard_head(cls, module, ctx)
-    if new is not cls:
-        imports += [("runtime.layers.embedding", "ParallelLMHead"), PREFIX_IMPORT]
-    fwd = method(new, "forward")
-    if fwd is not None and (new is not cls or "tp_group=" in module.code):  # some layer is parallel
-        gather = _GatherTokens()
-        new_fwd = fwd.visit(gather)
-        if gather.done:
-            new = replace_methods(new, {"forward": _chunk_input_ids(new_fwd)})
-            ctx.rewrites.append(
-                f"{cls.name.value}: forward feeds the model this rank's chunk of the input ids and gathers the "
-                "tokens of every rank before the LM head"
-            )
-            imports += [
-                ("runtime.layers.token_layout", "gather_tokens"),
-                ("runtime.layers.token_layout", "own_chunk"),
-            ]
-        elif not m.findall(fwd, m.Call(func=m.Name("gather_tokens"))):
-            ctx.unsupported(
-                cls.name.value,
-                0,
-                "forward has no `[..., forward_metadata.last_token_indices]` "
-                "selection to gather the tokens of every rank before the LM head",
-            )
-    return add_imports(replace_classes(module, {cls.name.value: new}), imports) if imports else module
+class ShardLMHead(Rule):
+    ID = "PR004"
+    DESCRIPTION = "The LM head is sharded by vocab rows: ParallelLMHead, which gathers the logits."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        cls = classes(module).get(ctx.entry_class)
+        if cls is None:
+            return module
+        imports = []
+        new = _shard_head(cls, module, ctx)
+        if new is not cls:
+            imports += [("runtime.layers.embedding", "ParallelLMHead"), PREFIX_IMPORT]
+        fwd = method(new, "forward")
+        if fwd is not None and (new is not cls or "tp_group=" in module.code):  # some layer is parallel
+            gather = _GatherTokens()
+            new_fwd = fwd.visit(gather)
+            if gather.done:
+                new = replace_methods(new, {"forward": _chunk_input_ids(new_fwd)})
+                ctx.rewrites.append(
+                    f"{cls.name.value}: forward feeds the model this rank's chunk of the input ids and gathers the "
+                    "tokens of every rank before the LM head"
+                )
+                imports += [
+                    ("runtime.layers.token_layout", "gather_tokens"),
+                    ("runtime.layers.token_layout", "own_chunk"),
+                ]
+            elif not m.findall(fwd, m.Call(func=m.Name("gather_tokens"))):
+                ctx.unsupported(
+                    cls.name.value,
+                    0,
+                    "forward has no `[..., forward_metadata.last_token_indices]` "
+                    "selection to gather the tokens of every rank before the LM head",
+                )
+        if not imports:
+            return module
+        self.add_needed_imports(imports)
+        return replace_classes(module, {cls.name.value: new})

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import libcst as cst
 
-from skills.migrator.cst_utils import add_imports, classes, method
+from skills.migrator.cst_utils import classes, method
+from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
     LINEAR_IMPORT,
@@ -113,17 +114,21 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
     return replace_methods(cls, {"__init__": edit_body(init, changes, [region(GROUP)]), "forward": fwd})
 
 
-def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
-    used: set[str] = set()
-    new = {
-        name: result
-        for name, cls in classes(module).items()
-        if method(cls, "__init__") is not None
-        and not has_region(cls)
-        and (result := _rewrite(cls, ctx, used)) is not None
-    }
-    if not new:
-        return module
-    return add_imports(
-        replace_classes(module, new), [*((LINEAR_IMPORT, c) for c in sorted(used)), *REGION_IMPORTS]
-    )
+class ShardMLP(Rule):
+    ID = "PR002"
+    DESCRIPTION = "Dense MLPs are sharded along the intermediate size: MergedColumn / RowParallelLinear."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        used: set[str] = set()
+        new = {
+            name: result
+            for name, cls in classes(module).items()
+            if method(cls, "__init__") is not None
+            and not has_region(cls)
+            and (result := _rewrite(cls, ctx, used)) is not None
+        }
+        if not new:
+            return module
+        self.add_needed_imports([*((LINEAR_IMPORT, c) for c in sorted(used)), *REGION_IMPORTS])
+        return replace_classes(module, new)

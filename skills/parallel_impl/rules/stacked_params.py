@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import classes, kwarg, method, stmt
+from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import is_docstring, replace_classes, replace_methods, with_kwarg
-
-if TYPE_CHECKING:
-    from skills.parallel_impl.rewrite import ParallelRewriteContext
 
 ATTR = "stacked_params_mapping"
 
@@ -29,33 +26,38 @@ class _PassMapping(cst.CSTTransformer):
         return with_kwarg(updated, ATTR, f"self.{ATTR}")
 
 
-def apply(module: cst.Module, ctx: ParallelRewriteContext) -> cst.Module:
-    cls = classes(module).get(ctx.entry_class)
-    entries = list(dict.fromkeys(ctx.fused))
-    if cls is None or not entries:
-        return module
-    load = method(cls, "load_weights")
-    passing = _PassMapping()
-    new_load = load.visit(passing) if load is not None else None
-    if not passing.done:
-        if not m.findall(cls, m.Arg(keyword=m.Name(ATTR))):
-            ctx.unsupported(
-                cls.name.value,
-                0,
-                "load_weights does not call `load_named_weights(self, weights)`: the "
-                "fused qkv_proj / gate_up_proj weights could not be loaded from the checkpoint",
-            )
-        return module
-    mapping = ", ".join(f"({', '.join(json.dumps(x) for x in e)})" for e in entries)
-    attr = stmt(f"{ATTR} = ({mapping}{',' if len(entries) == 1 else ''})\n")
-    cls = replace_methods(cls, {"load_weights": new_load})
-    body = list(cls.body.body)
-    at = 1 if is_docstring(body[0]) else 0
-    if at < len(body) and not body[at].leading_lines:
-        body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-    body.insert(at, attr)
-    ctx.rewrites.append(
-        f"{cls.name.value}: load_weights loads {', '.join(sorted({e[0][1:] for e in entries}))} "
-        f"from their checkpoint parts"
-    )
-    return replace_classes(module, {cls.name.value: cls.with_changes(body=cls.body.with_changes(body=body))})
+class StackedParams(Rule):
+    ID = "PR006"
+    DESCRIPTION = "The entry class maps the checkpoint's separate q/k/v, gate/up tensors onto the fused layers."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        cls = classes(module).get(ctx.entry_class)
+        entries = list(dict.fromkeys(ctx.fused))
+        if cls is None or not entries:
+            return module
+        load = method(cls, "load_weights")
+        passing = _PassMapping()
+        new_load = load.visit(passing) if load is not None else None
+        if not passing.done:
+            if not m.findall(cls, m.Arg(keyword=m.Name(ATTR))):
+                ctx.unsupported(
+                    cls.name.value,
+                    0,
+                    "load_weights does not call `load_named_weights(self, weights)`: the "
+                    "fused qkv_proj / gate_up_proj weights could not be loaded from the checkpoint",
+                )
+            return module
+        mapping = ", ".join(f"({', '.join(json.dumps(x) for x in e)})" for e in entries)
+        attr = stmt(f"{ATTR} = ({mapping}{',' if len(entries) == 1 else ''})\n")
+        cls = replace_methods(cls, {"load_weights": new_load})
+        body = list(cls.body.body)
+        at = 1 if is_docstring(body[0]) else 0
+        if at < len(body) and not body[at].leading_lines:
+            body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        body.insert(at, attr)
+        ctx.rewrites.append(
+            f"{cls.name.value}: load_weights loads {', '.join(sorted({e[0][1:] for e in entries}))} "
+            f"from their checkpoint parts"
+        )
+        return replace_classes(module, {cls.name.value: cls.with_changes(body=cls.body.with_changes(body=body))})
