@@ -1,15 +1,14 @@
 """The installed transformers' real modeling files, located and migrated (`convert_code`) once per test
 session: shared by the golden tests of `skill migrate` and of `skill parallelize`."""
 
-import functools
-import json
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from skills.migrator.pipeline import convert_code
-from skills.migrator.vendor import VendoredSource, locate_source, snake_name
+import snapshots
+
+from skills.migrator.vendor import snake_name
+
+source = snapshots.source  # VendoredSource of a model type, located once per session
 
 # config.json model_type -> the entry class locate_source must pick
 ARCHS = {
@@ -21,18 +20,9 @@ ARCHS = {
 }
 
 
-@functools.cache
-def source(model_type: str) -> VendoredSource:
-    """locate_source on a checkpoint dir holding only config.json, as `skill migrate` does."""
-    with tempfile.TemporaryDirectory() as ckpt:
-        (Path(ckpt) / "config.json").write_text(json.dumps({"model_type": model_type}))
-        return locate_source(Path(ckpt))
-
-
-@functools.cache
 def converted(model_type: str, kv: str) -> dict[str, str]:
-    """convert_code's files (2-4 s of CPU each); callers must not modify the dict."""
-    return convert_code(source(model_type), snake_name(model_type), kv).files
+    """convert_code's files, converted once per session (shared with the snapshots); do not modify."""
+    return snapshots.converted(model_type, kv).files
 
 
 def paths(model_type: str) -> tuple[str, str]:

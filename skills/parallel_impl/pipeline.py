@@ -78,7 +78,7 @@ def _migrated_sources(model_dir: Path) -> dict[str, str]:
     return files
 
 
-def _rewrite(sources: dict[str, str], entry_class: str, disabled: Collection[str]
+def rewrite_sources(sources: dict[str, str], entry_class: str, disabled: Collection[str] = ()
              ) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]], dict[str, list[str]]]:
     """(rewritten files, what changed, fused attribute -> its checkpoint parts, file -> ids of the rules that
     changed it)."""
@@ -161,7 +161,7 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
     model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
     validate(pc, hf_config)
     sources = _migrated_sources(model_dir)
-    new_code, code_rewrites, fused, rules = _rewrite(sources, model_cls.__name__, disabled)
+    new_code, code_rewrites, fused, rules = rewrite_sources(sources, model_cls.__name__, disabled)
     plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(new_code, fused))
     return _Target(model_dir, pc, yaml_path, config, model_cls, hf_config, plan, sources, new_code, code_rewrites,
                    rules)
