@@ -1,5 +1,6 @@
 """Device helpers: free memory after the weights, zeroed KV buffers that cost only what is used, and a sync
 for timing."""
+
 import math
 import os
 

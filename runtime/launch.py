@@ -1,4 +1,5 @@
 """torchrun command lines: one process per local rank, joined by torchrun's static rendezvous."""
+
 import socket
 import sys
 from dataclasses import dataclass
@@ -33,8 +34,10 @@ class NodeLayout:
 
     def check(self, world_size: int) -> None:
         if world_size % self.nnodes:
-            raise UserError(f"world_size {world_size} does not split evenly over {self.nnodes} nodes; use a "
-                            "node count that divides it")
+            raise UserError(
+                f"world_size {world_size} does not split evenly over {self.nnodes} nodes; use a "
+                "node count that divides it"
+            )
 
 
 SINGLE_NODE = NodeLayout()
@@ -42,8 +45,24 @@ SINGLE_NODE = NodeLayout()
 
 def torchrun_command(world_size: int, module_args: list[str], nodes: NodeLayout = SINGLE_NODE) -> list[str]:
     """`python -m <module_args>` once per local rank; world_size ranks spread evenly over the nodes."""
-    assert world_size % nodes.nnodes == 0, f"world_size {world_size} is not a multiple of {nodes.nnodes} nodes"
+    assert world_size % nodes.nnodes == 0, (
+        f"world_size {world_size} is not a multiple of {nodes.nnodes} nodes"
+    )
     port = nodes.master_port or free_port(nodes.master_addr)
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes.nnodes),
-            "--node-rank", str(nodes.node_rank), "--nproc-per-node", str(world_size // nodes.nnodes),
-            "--master-addr", nodes.master_addr, "--master-port", str(port), "-m", *module_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes.nnodes),
+        "--node-rank",
+        str(nodes.node_rank),
+        "--nproc-per-node",
+        str(world_size // nodes.nnodes),
+        "--master-addr",
+        nodes.master_addr,
+        "--master-port",
+        str(port),
+        "-m",
+        *module_args,
+    ]

@@ -1,4 +1,5 @@
 """One logging set-up for every entry point: stderr, level from SKILL_LOG_LEVEL (default INFO)."""
+
 import logging
 import os
 import sys
@@ -9,5 +10,10 @@ LOG_LEVEL_ENV = "SKILL_LOG_LEVEL"
 def setup_logging(rank: int = 0) -> None:
     level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
     prefix = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr, force=True,
-                        format=f"%(asctime)s {prefix}%(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s {prefix}%(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )

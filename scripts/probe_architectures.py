@@ -5,6 +5,7 @@
 Prints PASS / MISMATCH / MIGRATE-FAIL / RUN-FAIL / SETUP-FAIL per architecture. A dev helper for
 checking that the rewrite rules stay general; the suite pins a fixed set of architectures.
 """
+
 import json
 import subprocess
 import sys
@@ -19,7 +20,9 @@ NEW_TOKENS = 8
 
 
 def skill(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False
+    )
 
 
 def probe(model_type: str) -> str:
@@ -33,14 +36,25 @@ def probe(model_type: str) -> str:
         return f"SETUP-FAIL {type(e).__name__}: {e}"
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = [model.generate(torch.tensor([x]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(x):]
-               .tolist() for x in ids]
+        ref = [
+            model.generate(torch.tensor([x]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
+                0, len(x) :
+            ].tolist()
+            for x in ids
+        ]
     proc = skill("migrate", str(ckpt), "-o", tempfile.mkdtemp(), "--no-run", "--json")
     if proc.returncode:
         return "MIGRATE-FAIL " + proc.stderr.strip().replace("\n", " ")[-400:]
     model_dir = json.loads(proc.stdout)["model_dir"]
-    proc = skill("run", model_dir, "--json", "--raw", "--max-new-tokens", str(NEW_TOKENS),
-                 *[a for p in PARITY_PROMPTS for a in ("--prompt", p)])
+    proc = skill(
+        "run",
+        model_dir,
+        "--json",
+        "--raw",
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        *[a for p in PARITY_PROMPTS for a in ("--prompt", p)],
+    )
     if proc.returncode:
         return "RUN-FAIL " + proc.stderr.strip().replace("\n", " ")[-400:]
     got = [o["token_ids"] for o in json.loads(proc.stdout)["outputs"]]

@@ -5,6 +5,7 @@ and compared byte for byte by the suite: `skill migrate`'s code for llama, qwen3
     .venv/bin/python scripts/snapshots.py --update
 
 and review the diff: it is what the change does to real models."""
+
 import argparse
 import difflib
 import functools
@@ -54,8 +55,11 @@ def expected() -> dict[str, str]:
 
 
 def on_disk() -> dict[str, str]:
-    return {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8") for p in sorted(ROOT.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
+        for p in sorted(ROOT.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def differences(want: dict[str, str], have: dict[str, str]) -> list[str]:
@@ -64,8 +68,13 @@ def differences(want: dict[str, str], have: dict[str, str]) -> list[str]:
     for rel in sorted(want.keys() | have.keys()):
         old, new = have.get(rel, ""), want.get(rel, "")
         if old != new:
-            out.append("".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                                    f"snapshot/{rel}", f"now/{rel}")))
+            out.append(
+                "".join(
+                    difflib.unified_diff(
+                        old.splitlines(True), new.splitlines(True), f"snapshot/{rel}", f"now/{rel}"
+                    )
+                )
+            )
     return out
 
 
@@ -80,7 +89,9 @@ def update(want: dict[str, str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--update", action="store_true", help="rewrite tests/snapshots/ from the code as it is")
+    parser.add_argument(
+        "--update", action="store_true", help="rewrite tests/snapshots/ from the code as it is"
+    )
     args = parser.parse_args()
     want = expected()
     if args.update:

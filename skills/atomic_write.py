@@ -1,4 +1,5 @@
 """Atomic file writes: a reader sees the old file or the new one, never half of one."""
+
 import os
 import tempfile
 from pathlib import Path

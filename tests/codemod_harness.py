@@ -1,6 +1,7 @@
 """The one harness of both rule folders (tests/rules, tests/parallel_rules), in the shape of libcst's
 CodemodTest: a rule runs as a codemod command over a dedented snippet; `assert_codemod` checks before ->
 after and that the rule is idempotent (after -> after), `assert_noop` that it leaves code alone."""
+
 import textwrap
 from collections.abc import Callable
 

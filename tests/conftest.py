@@ -30,8 +30,11 @@ def served_llama(tmp_path_factory: pytest.TempPathFactory):
     from hf_reference import NEW_TOKENS
     from serve_harness import migrated_with_layouts, offline_outputs
 
-    model_dir, yamls = migrated_with_layouts(tmp_path_factory, {"tp2": (2, 2, 2, 2, 2),
-                                                                "attn_dp2": (2, 1, 2, 2, 2)})
-    texts = {kind: [o["text"] for o in offline_outputs(model_dir, PARITY_PROMPTS, NEW_TOKENS, *flags)]
-             for kind, flags in (("raw", ["--raw"]), ("chat", []))}
+    model_dir, yamls = migrated_with_layouts(
+        tmp_path_factory, {"tp2": (2, 2, 2, 2, 2), "attn_dp2": (2, 1, 2, 2, 2)}
+    )
+    texts = {
+        kind: [o["text"] for o in offline_outputs(model_dir, PARITY_PROMPTS, NEW_TOKENS, *flags)]
+        for kind, flags in (("raw", ["--raw"]), ("chat", []))
+    }
     return model_dir, yamls, texts

@@ -22,9 +22,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, setup: Setup, checks: dict[str, Check], out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _child(
+    rank: int, world_size: int, port: int, setup: Setup, checks: dict[str, Check], out: mp.Queue
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     failures: dict[str, str] = {}
     try:
         init_distributed("cpu")
@@ -42,13 +49,17 @@ def _child(rank: int, world_size: int, port: int, setup: Setup, checks: dict[str
     out.put(failures)
 
 
-def run_world(world_size: int, setup: Setup, checks: dict[str, Check], timeout: float = 60.0) -> dict[str, list[str]]:
+def run_world(
+    world_size: int, setup: Setup, checks: dict[str, Check], timeout: float = 60.0
+) -> dict[str, list[str]]:
     """Check name (or "<setup>") -> failure tracebacks from every rank; empty lists mean passed everywhere."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, setup, checks, out), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, setup, checks, out), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[str, list[str]] = {name: [] for name in ["<setup>", *checks]}

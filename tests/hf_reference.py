@@ -1,4 +1,5 @@
 """transformers references for tiny checkpoints, and the `skill` commands the parity tests run."""
+
 import json
 import subprocess
 import sys
@@ -22,15 +23,29 @@ def build_reference(model_type: str, tmp_path_factory) -> dict:
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
     with torch.no_grad():
-        tokens = [model.generate(torch.tensor([x]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)[0, len(x):].tolist() for x in ids]
+        tokens = [
+            model.generate(
+                torch.tensor([x]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id
+            )[0, len(x) :].tolist()
+            for x in ids
+        ]
         logits = torch.stack([model(torch.tensor([x])).logits[0, -1] for x in ids])
     return {"name": model_type, "ckpt": ckpt, "ids": ids, "tokens": tokens, "logits": logits}
 
 
 def migrate(arch, out: Path, *flags: str) -> Path:
-    cmd = [sys.executable, "-m", "skills.cli", "migrate", str(arch["ckpt"]), "-o", str(out), "--no-run", "--json",
-           *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "skills.cli",
+        "migrate",
+        str(arch["ckpt"]),
+        "-o",
+        str(out),
+        "--no-run",
+        "--json",
+        *flags,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Path(json.loads(proc.stdout)["model_dir"])
@@ -46,16 +61,38 @@ def run_json(cmd: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
-
-
 def parallel_yaml(path: Path, world: int, attn: int, dense: int, embed: int, lmhead: int) -> Path:
-    path.write_text(yaml.safe_dump({"parallel_config": {
-        "world_size": world, "attn_tp_size": attn, "dense_tp_size": dense, "embed_tp_size": embed,
-        "lmhead_tp_size": lmhead}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "parallel_config": {
+                    "world_size": world,
+                    "attn_tp_size": attn,
+                    "dense_tp_size": dense,
+                    "embed_tp_size": embed,
+                    "lmhead_tp_size": lmhead,
+                }
+            }
+        )
+    )
     return path
 
 
 def parallelize(model_dir: Path, config: Path, *flags: str) -> subprocess.CompletedProcess:
     """`skill parallelize` without its verification run: callers compare the runs themselves."""
-    return subprocess.run([sys.executable, "-m", "skills.cli", "parallelize", str(model_dir), "--config", str(config),
-                           "--no-verify", *flags], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "parallelize",
+            str(model_dir),
+            "--config",
+            str(config),
+            "--no-verify",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )

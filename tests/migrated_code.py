@@ -6,6 +6,7 @@ import sys
 
 import snapshots
 
+from skills.migrator.codestyle import LINE_LENGTH
 from skills.migrator.vendor import snake_name
 
 source = snapshots.source  # VendoredSource of a model type, located once per session
@@ -31,20 +32,10 @@ def paths(model_type: str) -> tuple[str, str]:
 
 
 def ruff_check(code: str, filename: str) -> str:
-    """ruff's default rules, no project configuration; '' when clean."""
+    """ruff's default rules at the project's line length, no other configuration; '' when clean."""
+    args = ["check", "--isolated", "--line-length", str(LINE_LENGTH), "--output-format", "concise"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ruff",
-            "check",
-            "--isolated",
-            "--output-format",
-            "concise",
-            "--stdin-filename",
-            filename,
-            "-",
-        ],
+        [sys.executable, "-m", "ruff", *args, "--stdin-filename", filename, "-"],
         input=code,
         capture_output=True,
         text=True,

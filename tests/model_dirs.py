@@ -1,4 +1,5 @@
 """Build runnable model directories (contract code + YAML) around test checkpoints."""
+
 import shutil
 from pathlib import Path
 
@@ -7,16 +8,27 @@ import yaml
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def make_model_dir(root: Path, checkpoint: Path, name: str = "contract_llama", kv_layout: str = "paged",
-                   models_src: Path = FIXTURES / "contract_llama" / "models", **scheduler) -> Path:
+def make_model_dir(
+    root: Path,
+    checkpoint: Path,
+    name: str = "contract_llama",
+    kv_layout: str = "paged",
+    models_src: Path = FIXTURES / "contract_llama" / "models",
+    **scheduler,
+) -> Path:
     model_dir = root / name
     shutil.copytree(models_src, model_dir / "models", dirs_exist_ok=True)
     (model_dir / "config").mkdir(parents=True, exist_ok=True)
     config = {
         "model_name": name,
         "world_size": 1,
-        "model_config": {"model_name": name, "model_path": str(checkpoint), "dtype": "float32",
-                         "with_ckpt": True, "custom_params": {"kv_layout": kv_layout}},
+        "model_config": {
+            "model_name": name,
+            "model_path": str(checkpoint),
+            "dtype": "float32",
+            "with_ckpt": True,
+            "custom_params": {"kv_layout": kv_layout},
+        },
         "data_config": {"dataset": "default", "input_truncated_len": 64},
         "parallel_config": {"world_size": 1},
         "scheduler_config": {"batch_size": 4, "max_new_tokens": 16, "block_size": 8, **scheduler},

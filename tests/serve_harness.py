@@ -1,4 +1,5 @@
 """Start `skill serve` on 127.0.0.1 in a subprocess and stop it; every wait is bounded."""
+
 import asyncio
 import json
 import signal
@@ -56,14 +57,19 @@ def serving(model_dir: Path | None, log: Path, *args: str):
     port = free_port()
     where = [str(model_dir)] if model_dir else []
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "skills.cli", "serve", *where, "--port", str(port), *args],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "skills.cli", "serve", *where, "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     server = Server(proc, port, log)
     try:
         deadline = time.monotonic() + STARTUP_S
         while True:
             assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server not healthy after {STARTUP_S} s:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"server not healthy after {STARTUP_S} s:\n{log.read_text()[-3000:]}"
+            )
             try:
                 if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
                     break
@@ -75,10 +81,22 @@ def serving(model_dir: Path | None, log: Path, *args: str):
         server.stop()
 
 
-def offline_outputs(model_dir: Path, prompts: list[str], new_tokens: int, *flags: str, yaml: Path | None = None):
+def offline_outputs(
+    model_dir: Path, prompts: list[str], new_tokens: int, *flags: str, yaml: Path | None = None
+):
     """`skill run --json` outputs for the prompts (the reference every served answer must equal)."""
-    cmd = [sys.executable, "-m", "skills.cli", "run", str(model_dir), "--json", "--max-new-tokens", str(new_tokens),
-           *flags, *[a for p in prompts for a in ("--prompt", p)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "skills.cli",
+        "run",
+        str(model_dir),
+        "--json",
+        "--max-new-tokens",
+        str(new_tokens),
+        *flags,
+        *[a for p in prompts for a in ("--prompt", p)],
+    ]
     if yaml:
         cmd += ["--yaml", str(yaml)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -86,7 +104,9 @@ def offline_outputs(model_dir: Path, prompts: list[str], new_tokens: int, *flags
     return json.loads(proc.stdout)["outputs"]
 
 
-def migrated_with_layouts(tmp_path_factory, layouts: dict[str, tuple[int, ...]]) -> tuple[Path, dict[str, Path]]:
+def migrated_with_layouts(
+    tmp_path_factory, layouts: dict[str, tuple[int, ...]]
+) -> tuple[Path, dict[str, Path]]:
     """A migrated tiny llama parallelized for each named layout (world, attn_tp, dense_tp, embed_tp, lmhead_tp);
     its base YAML runs the parallel code on one rank."""
     from hf_reference import build_reference, migrate, parallel_yaml, parallelize
@@ -104,17 +124,23 @@ def migrated_with_layouts(tmp_path_factory, layouts: dict[str, tuple[int, ...]])
 
 def served_texts(url: str, model: str, new_tokens: int) -> list[str]:
     """The prompts twice over, all at once: streamed completions, then chat."""
+
     async def main() -> list[str]:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
         async def complete(prompt: str) -> str:
-            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=new_tokens,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True
+            )
             return "".join([c.choices[0].text async for c in stream])
 
         async def chat(prompt: str) -> str:
-            r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                     max_tokens=new_tokens, temperature=0)
+            r = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=new_tokens,
+                temperature=0,
+            )
             return r.choices[0].message.content
 
         jobs = [complete(p) for p in PARITY_PROMPTS * 2] + [chat(p) for p in PARITY_PROMPTS]

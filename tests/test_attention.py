@@ -3,6 +3,7 @@
 Metadata is built like ExecutionEngine._build_model_inputs from the block tables of a real KVCacheManager
 (or LegacyCacheRows), so prefill, decode, sliding-window eviction and the legacy layout run as in the engine.
 """
+
 import shutil
 
 import pytest
@@ -40,7 +41,9 @@ def metadata(is_prefill, lens_q, kv_len, tables, block_size, group) -> ForwardMe
     req = torch.repeat_interleave(torch.arange(len(lens_q)), q)
     positions = torch.arange(int(q.sum())) - cu[:-1][req] + kv[req]
     total = kv + q
-    md = ForwardMetaData(is_prefill, kv, q, total, cu, positions, int(q.max()), int(total.max()), list(lens_q))
+    md = ForwardMetaData(
+        is_prefill, kv, q, total, cu, positions, int(q.max()), int(total.max()), list(lens_q)
+    )
     width = cdiv(md.max_seq_len_kv, block_size)
     table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
     md.block_table[group] = table
@@ -64,7 +67,9 @@ class Run:
         self.layer.k_cache, self.layer.v_cache = torch.zeros(shape), torch.zeros(shape)
         if not legacy:  # the null block is only ever read under the mask: make any leak show
             for c in (self.layer.k_cache, self.layer.v_cache):
-                c[NULL_BLOCK] = 100 * torch.randn(c[NULL_BLOCK].shape, generator=torch.Generator().manual_seed(7))
+                c[NULL_BLOCK] = 100 * torch.randn(
+                    c[NULL_BLOCK].shape, generator=torch.Generator().manual_seed(7)
+                )
         self.hist: dict = {}  # request id -> [q [L, H, D], k [L, KV, D], v [L, KV, D]]
 
     @property
@@ -91,9 +96,9 @@ class Run:
         out = self.layer(q.flatten(1), k.flatten(1), v.flatten(1), md).view(T, H, D)
         for r, c, n, a in zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist()):
             h = self.hist.setdefault(r, [q[:0], k[:0], v[:0]])
-            h[:] = [torch.cat([x, y[a:a + n]]) for x, y in zip(h, (q, k, v))]
+            h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v))]
             ref = naive(*h, range(c, c + n), self.window, self.cap)
-            torch.testing.assert_close(out[a:a + n].double(), ref, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[a : a + n].double(), ref, atol=1e-5, rtol=0)
         self.check_cache(rids, tables)
         return out
 
@@ -108,7 +113,9 @@ class Run:
                 if block == NULL_BLOCK and not self.legacy:
                     assert self.window and p <= len(k) - 1 - self.window, (r, p, table)
                     continue
-                assert torch.equal(kc[block * bs + p % bs], k[p]) and torch.equal(vc[block * bs + p % bs], v[p])
+                assert torch.equal(kc[block * bs + p % bs], k[p]) and torch.equal(
+                    vc[block * bs + p % bs], v[p]
+                )
 
 
 def prefill_then_decode(run, lens, steps, order=None):
@@ -119,15 +126,19 @@ def prefill_then_decode(run, lens, steps, order=None):
     return outs + [run.step({i: 1 for i in (rids if s % 2 else rids[::-1])}) for s in range(steps)]
 
 
-@pytest.mark.parametrize("lens, window, cap", [
-    (LENS, None, None),
-    ([7], None, None),
-    (LENS, 3, None),
-    (LENS, 6, None),
-    ([9], 3, None),
-    (LENS, None, 1.5),
-    (LENS, 3, 1.5),
-], ids=["full", "full-single", "window3", "window6", "window3-single", "softcap", "softcap-window3"])
+@pytest.mark.parametrize(
+    "lens, window, cap",
+    [
+        (LENS, None, None),
+        ([7], None, None),
+        (LENS, 3, None),
+        (LENS, 6, None),
+        ([9], 3, None),
+        (LENS, None, 1.5),
+        (LENS, 3, 1.5),
+    ],
+    ids=["full", "full-single", "window3", "window6", "window3-single", "softcap", "softcap-window3"],
+)
 def test_prefill_then_decode_matches_naive(lens, window, cap):
     run = Run(window, cap)
     prefill_then_decode(run, lens, steps=6)
@@ -145,7 +156,9 @@ def test_sliding_window_with_evicted_and_reused_blocks(window):
     assert all(t[0] == NULL_BLOCK for t in tables), tables
 
 
-@pytest.mark.parametrize("window, cap", [(None, None), (3, None), (None, 1.5)], ids=["full", "window3", "softcap"])
+@pytest.mark.parametrize(
+    "window, cap", [(None, None), (3, None), (None, 1.5)], ids=["full", "window3", "softcap"]
+)
 def test_legacy_layout_matches_paged(window, cap):
     paged, legacy = (Run(window, cap, legacy=flag) for flag in (False, True))
     order = [2, 0, 1]  # request 2 gets legacy row 0, so rows differ from request ids
@@ -168,7 +181,6 @@ def test_cache_holds_written_kv_at_mapped_slots():
         assert not cache[2, 3:].any() and not cache[4:].any()  # nothing else was written
 
 
-
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the portable path runs instead")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("window", "cap"), [(None, None), (5, None), (None, 2.0)])
@@ -181,8 +193,9 @@ def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, ca
     k_cache, v_cache = torch.randn(9, BS, KV, D, generator=gen), torch.randn(9, BS, KV, D, generator=gen)
     q = torch.randn(3, H, D, generator=gen)
     table, lens = torch.tensor([[7, 2, 0], [3, 0, 0], [4, 8, 6]]), torch.tensor([6, 1, 12])
-    got = kernel.paged_decode_attention(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, lens, SCALE,
-                                        window or 0, cap or 0.0)
+    got = kernel.paged_decode_attention(
+        q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, lens, SCALE, window or 0, cap or 0.0
+    )
     for b, n in enumerate(lens.tolist()):
         ctx_k, ctx_v = (c[table[b]].reshape(-1, KV, D)[:n] for c in (k_cache, v_cache))
         q_hist = torch.zeros(n, H, D)

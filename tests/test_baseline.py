@@ -1,4 +1,5 @@
 """Baseline collection from synthetic logs in the runtime's style and the seed runners' style."""
+
 import json
 from pathlib import Path
 
@@ -46,8 +47,12 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def collect(log: Path, model_dir: Path, **kw) -> dict:
-    return collect_baseline(log, model_dir / "agentic" / "baseline" / "baseline_metadata.json",
-                            model_dir / "config" / "tiny.yaml", **kw)
+    return collect_baseline(
+        log,
+        model_dir / "agentic" / "baseline" / "baseline_metadata.json",
+        model_dir / "config" / "tiny.yaml",
+        **kw,
+    )
 
 
 def test_runtime_log(tmp_path: Path, model_dir: Path):
@@ -57,8 +62,9 @@ def test_runtime_log(tmp_path: Path, model_dir: Path):
     perf = data["performance"]
     assert perf["prefill_ms"] == 151.0
     assert perf["decode_avg_ms"] == 62.0  # 900 ms cold step and the 1.00 ms summary left out
-    assert perf["output_text"] == ("The capital of France is Paris.\nIt is known for the Eiffel Tower.\n\n"
-                                   "It has ERROR-free croissants.")
+    assert perf["output_text"] == (
+        "The capital of France is Paris.\nIt is known for the Eiffel Tower.\n\nIt has ERROR-free croissants."
+    )
     assert data["verification"]["all_ranks_success"] is True
     assert data["yaml_path"] == "config/tiny.yaml"
     assert data["model_config"] == {"model_name": "tiny", "model_source": "https://huggingface.co/org/tiny"}
@@ -71,7 +77,11 @@ def test_seed_style_log(tmp_path: Path, model_dir: Path):
     log = tmp_path / "seed.log"
     log.write_text(SEED_LOG)
     perf = collect(log, model_dir)["performance"]
-    assert perf == {"prefill_ms": 200.5, "decode_avg_ms": 41.0, "output_text": "Hello there,\ngeneral Kenobi."}
+    assert perf == {
+        "prefill_ms": 200.5,
+        "decode_avg_ms": 41.0,
+        "output_text": "Hello there,\ngeneral Kenobi.",
+    }
 
 
 def test_environment_schema(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch):
@@ -82,7 +92,14 @@ def test_environment_schema(tmp_path: Path, model_dir: Path, monkeypatch: pytest
     log = tmp_path / "run.log"
     log.write_text(RUNTIME_LOG)
     data = collect(log, model_dir)
-    assert list(data) == ["timestamp", "yaml_path", "environment", "model_config", "performance", "verification"]
+    assert list(data) == [
+        "timestamp",
+        "yaml_path",
+        "environment",
+        "model_config",
+        "performance",
+        "verification",
+    ]
     env = data["environment"]
     assert env["cann_version"] == "8.0.RC3"
     assert env["pytorch_version"] == torch.__version__
@@ -105,7 +122,9 @@ def test_log_dir_defaults_to_rank0_and_checks_all_ranks(tmp_path: Path, model_di
     (logs / "log_0.log").write_text(RUNTIME_LOG.replace(" INFO ", " [rank0] INFO "))
     data = collect(logs, model_dir)
     assert data["performance"]["decode_avg_ms"] == 62.0 and data["verification"]["all_ranks_success"]
-    (logs / "log_1.log").write_text(SEED_LOG + "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n")
+    (logs / "log_1.log").write_text(
+        SEED_LOG + "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n"
+    )
     assert collect(logs, model_dir)["verification"]["all_ranks_success"] is False
     assert collect(logs, model_dir, rank=1)["performance"]["prefill_ms"] == 200.5
 
@@ -134,7 +153,9 @@ def test_ambiguous_dir_lists_candidates(tmp_path: Path, model_dir: Path):
 
 def test_no_timing_lines_names_the_log(tmp_path: Path, model_dir: Path):
     log = tmp_path / "empty.log"
-    log.write_text("10:00:00 INFO loading\n10:00:01 INFO tiny decode average inference time cost is 1.00 ms\n")
+    log.write_text(
+        "10:00:00 INFO loading\n10:00:01 INFO tiny decode average inference time cost is 1.00 ms\n"
+    )
     with pytest.raises(UserError, match="empty.log"):
         collect(log, model_dir)
     assert not (model_dir / "agentic").exists()

@@ -1,4 +1,5 @@
 """`skill bench` smoke test: every workload at a tiny size on a tiny checkpoint (the bench's code, not timing)."""
+
 import json
 import subprocess
 import sys
@@ -8,8 +9,13 @@ from model_dirs import make_model_dir
 
 
 def skill_bench(model_dir, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "skills.cli", "bench", str(model_dir), *args], check=False,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", "bench", str(model_dir), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _cmdline(path: Path) -> str:
@@ -22,8 +28,22 @@ def _cmdline(path: Path) -> str:
 def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
     model_dir = make_model_dir(tmp_path, tiny_llama_dir)
     plot = tmp_path / "bench.png"
-    proc = skill_bench(model_dir, "--quick", "--compare", "transformers", "--serve", "--repeats", "2", "--threads",
-                       "1", "--dtype", "float32", "--json", "--plot", str(plot))
+    proc = skill_bench(
+        model_dir,
+        "--quick",
+        "--compare",
+        "transformers",
+        "--serve",
+        "--repeats",
+        "2",
+        "--threads",
+        "1",
+        "--dtype",
+        "float32",
+        "--json",
+        "--plot",
+        str(plot),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["bandwidth_gb_s"] > 0 and report["machine"]["threads"] == 1
@@ -35,7 +55,10 @@ def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
         assert w["peak_rss_mb"]["ours"] > 0 and w["peak_rss_mb"]["peer"] > 0
         assert w["spot_check"]["checked"] > 0 and w["spot_check"]["passed"], (name, w["spot_check"])
         served = w["served"]  # the same engine over HTTP: the same tokens as the offline engine
-        assert served["outputs_match_ours"] and served["tok_s"] > 0 and served["peak_rss_mb"] > 0, (name, served)
+        assert served["outputs_match_ours"] and served["tok_s"] > 0 and served["peak_rss_mb"] > 0, (
+            name,
+            served,
+        )
         assert abs(served["vs_ours"] - served["tok_s"] / w["ours_tok_s"]) < 1e-9
     decode = report["workloads"]["decode1"]
     assert 0 < decode["mbu"] and decode["bandwidth_limit_tok_s"] > 0
@@ -43,13 +66,17 @@ def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
     assert report["workloads"]["prefill"]["mbu"] is None
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "skill bench" in proc.stderr  # the table
-    assert not [c for c in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if str(model_dir) in c], \
+    assert not [c for c in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if str(model_dir) in c], (
         "the bench left a server of its own running"
+    )
 
 
 def test_bad_options_are_refused_before_anything_runs(tmp_path, tiny_llama_dir):
     model_dir = make_model_dir(tmp_path, tiny_llama_dir)
-    for args, message in [(["--workload", "decode2"], "unknown workload"), (["--compare", "vllm"], "only peer"),
-                          (["--plot", str(tmp_path / "x.jpg")], "PNG")]:
+    for args, message in [
+        (["--workload", "decode2"], "unknown workload"),
+        (["--compare", "vllm"], "only peer"),
+        (["--plot", str(tmp_path / "x.jpg")], "PNG"),
+    ]:
         proc = skill_bench(model_dir, *args)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -1,4 +1,5 @@
 """Bad input exits non-zero with a one-paragraph message and no traceback."""
+
 import shutil
 import subprocess
 import sys
@@ -9,13 +10,15 @@ from model_dirs import make_model_dir
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "skills.cli", *args], check=False, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", *args], check=False, capture_output=True, text=True
+    )
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
-    message = proc.stderr[proc.stderr.index("error:"):]
+    message = proc.stderr[proc.stderr.index("error:") :]
     assert "\n\n" not in message.strip(), message  # one paragraph
     for needle in needles:
         assert needle in message, message

@@ -55,7 +55,13 @@ def test_init_distributed_single_process_makes_no_group(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     info = init_distributed("cpu")
-    assert (info.rank, info.world_size, info.local_rank, info.device.type, info.backend) == (0, 1, 0, "cpu", "gloo")
+    assert (info.rank, info.world_size, info.local_rank, info.device.type, info.backend) == (
+        0,
+        1,
+        0,
+        "cpu",
+        "gloo",
+    )
     assert not dist.is_initialized()
 
 
@@ -66,6 +72,7 @@ def test_backend_for_device_types():
 
 
 # ---- multi-process (gloo) ----
+
 
 def _setup(rank: int, world_size: int) -> CommManager:
     return CommManager(world_size, rank)
@@ -127,11 +134,20 @@ def check_collectives(cm: CommManager) -> None:
     gathered = all_gather(torch.full((2, 1), float(r)), group, dim=1)
     assert torch.equal(gathered, torch.arange(w, dtype=torch.float32).expand(2, w))
     full = torch.arange(2.0 * w).repeat(3, 1)  # same on every rank: the sum is w * full
-    assert torch.equal(reduce_scatter(full, group, dim=1), w * full[:, 2 * r:2 * r + 2])
+    assert torch.equal(reduce_scatter(full, group, dim=1), w * full[:, 2 * r : 2 * r + 2])
 
 
-CHECKS = {f.__name__: f for f in (check_stride_one, check_stride_two, check_physical_reuse,
-                                  check_single_rank_groups, check_cpu_groups, check_collectives)}
+CHECKS = {
+    f.__name__: f
+    for f in (
+        check_stride_one,
+        check_stride_two,
+        check_physical_reuse,
+        check_single_rank_groups,
+        check_cpu_groups,
+        check_collectives,
+    )
+}
 
 
 world_results, test_distributed = distributed_tests(_setup, CHECKS)

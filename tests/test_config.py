@@ -80,22 +80,38 @@ def test_empty_section_is_defaults():
 
 
 def test_derived_sizes():
-    cfg = InferenceConfig.from_dict({"parallel_config": {"world_size": 4, "attn_tp_size": 2, "moe_tp_size": 4},
-                                     "scheduler_config": {"batch_size": 8}})
+    cfg = InferenceConfig.from_dict(
+        {
+            "parallel_config": {"world_size": 4, "attn_tp_size": 2, "moe_tp_size": 4},
+            "scheduler_config": {"batch_size": 8},
+        }
+    )
     pc = cfg.parallel_config
-    assert (pc.attn_dp_size, pc.moe_ep_size, pc.embed_dp_size, pc.lmhead_dp_size, pc.dense_dp_size) == (2, 1, 4, 4, 4)
+    assert (pc.attn_dp_size, pc.moe_ep_size, pc.embed_dp_size, pc.lmhead_dp_size, pc.dense_dp_size) == (
+        2,
+        1,
+        4,
+        4,
+        4,
+    )
     assert cfg.batch_size_per_dp_rank == 4
 
 
 def test_consistent_derived_key_accepted():
-    cfg = InferenceConfig.from_dict({"parallel_config": {"world_size": 4, "attn_tp_size": 2, "attn_dp_size": 2},
-                                     "scheduler_config": {"batch_size": 2}})
+    cfg = InferenceConfig.from_dict(
+        {
+            "parallel_config": {"world_size": 4, "attn_tp_size": 2, "attn_dp_size": 2},
+            "scheduler_config": {"batch_size": 2},
+        }
+    )
     assert cfg.parallel_config.attn_dp_size == 2
     assert "attn_dp_size" not in cfg.to_dict()["parallel_config"]
 
 
 def test_with_rank():
-    cfg = InferenceConfig.from_dict({"parallel_config": {"world_size": 2}, "scheduler_config": {"batch_size": 2}})
+    cfg = InferenceConfig.from_dict(
+        {"parallel_config": {"world_size": 2}, "scheduler_config": {"batch_size": 2}}
+    )
     ranked = cfg.with_rank(1, 1)
     assert (ranked.parallel_config.global_rank, ranked.parallel_config.local_rank) == (1, 1)
     assert cfg.parallel_config.global_rank == 0
@@ -108,35 +124,46 @@ def test_round_trip(tmp_path):
     assert again == cfg and again.to_dict() == cfg.to_dict()
 
 
-@pytest.mark.parametrize("dtype,expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
-                                            ("float16", torch.float16)])
+@pytest.mark.parametrize(
+    "dtype,expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+)
 def test_torch_dtype(dtype, expected):
     assert InferenceConfig.from_dict({"model_config": {"dtype": dtype}}).model_config.torch_dtype == expected
 
 
 def test_unknown_top_level_key():
-    rejects({"modle_config": {}}, "unknown key `modle_config`", "did you mean `model_config`", "scheduler_config")
+    rejects(
+        {"modle_config": {}}, "unknown key `modle_config`", "did you mean `model_config`", "scheduler_config"
+    )
 
 
 def test_unknown_section_key():
-    msg = rejects({"data_config": {"promtps": ["hi"]}}, "unknown key `data_config.promtps`",
-                  "did you mean `prompts`")
+    msg = rejects(
+        {"data_config": {"promtps": ["hi"]}}, "unknown key `data_config.promtps`", "did you mean `prompts`"
+    )
     assert "input_truncated_len" in msg
 
 
 def test_unknown_parallel_key_lists_derived_keys():
-    rejects({"parallel_config": {"atn_tp_size": 2}}, "`parallel_config.atn_tp_size`", "`attn_tp_size`",
-            "attn_dp_size")
+    rejects(
+        {"parallel_config": {"atn_tp_size": 2}},
+        "`parallel_config.atn_tp_size`",
+        "`attn_tp_size`",
+        "attn_dp_size",
+    )
 
 
-@pytest.mark.parametrize("section,key,value", [
-    ("scheduler_config", "batch_size", "2"),
-    ("scheduler_config", "batch_size", 2.5),
-    ("scheduler_config", "batch_size", True),
-    ("model_config", "with_ckpt", "True"),
-    ("model_config", "with_ckpt", 1),
-    ("scheduler_config", "mem_fraction_static", "0.5"),
-])
+@pytest.mark.parametrize(
+    "section,key,value",
+    [
+        ("scheduler_config", "batch_size", "2"),
+        ("scheduler_config", "batch_size", 2.5),
+        ("scheduler_config", "batch_size", True),
+        ("model_config", "with_ckpt", "True"),
+        ("model_config", "with_ckpt", 1),
+        ("scheduler_config", "mem_fraction_static", "0.5"),
+    ],
+)
 def test_wrong_scalar_type(section, key, value):
     rejects({section: {key: value}}, f"`{section}.{key}`", repr(value))
 
@@ -145,29 +172,44 @@ def test_wrong_type_in_list():
     rejects({"data_config": {"prompts": ["ok", 3]}}, "`data_config.prompts[1]`", "string")
 
 
-@pytest.mark.parametrize("section,key,value,hint", [
-    ("scheduler_config", "batch_size", 0, "greater than or equal to 1"),
-    ("scheduler_config", "mem_fraction_static", 1.5, "less than or equal to 1"),
-    ("scheduler_config", "num_kv_blocks", 1, "greater than or equal to 2"),
-    ("data_config", "input_truncated_len", 0, "greater than 0"),
-])
+@pytest.mark.parametrize(
+    "section,key,value,hint",
+    [
+        ("scheduler_config", "batch_size", 0, "greater than or equal to 1"),
+        ("scheduler_config", "mem_fraction_static", 1.5, "less than or equal to 1"),
+        ("scheduler_config", "num_kv_blocks", 1, "greater than or equal to 2"),
+        ("data_config", "input_truncated_len", 0, "greater than 0"),
+    ],
+)
 def test_out_of_range(section, key, value, hint):
     rejects({section: {key: value}}, f"`{section}.{key}`", hint)
 
 
 def test_tp_size_must_divide_world_size():
-    rejects({"parallel_config": {"world_size": 4, "moe_tp_size": 3}}, "`parallel_config.moe_tp_size`", "is 3",
-            "1, 2, 4")
+    rejects(
+        {"parallel_config": {"world_size": 4, "moe_tp_size": 3}},
+        "`parallel_config.moe_tp_size`",
+        "is 3",
+        "1, 2, 4",
+    )
 
 
 def test_top_level_world_size_mismatch():
-    rejects({"world_size": 2, "parallel_config": {"world_size": 4}, "scheduler_config": {"batch_size": 4}},
-            "`world_size` is 2", "`parallel_config.world_size` is 4", "make them equal")
+    rejects(
+        {"world_size": 2, "parallel_config": {"world_size": 4}, "scheduler_config": {"batch_size": 4}},
+        "`world_size` is 2",
+        "`parallel_config.world_size` is 4",
+        "make them equal",
+    )
 
 
 def test_batch_size_not_divisible_by_attn_dp():
-    rejects({"parallel_config": {"world_size": 8, "attn_tp_size": 2}, "scheduler_config": {"batch_size": 6}},
-            "`scheduler_config.batch_size` is 6", "attn_dp_size 4", "4 or 8")
+    rejects(
+        {"parallel_config": {"world_size": 8, "attn_tp_size": 2}, "scheduler_config": {"batch_size": 6}},
+        "`scheduler_config.batch_size` is 6",
+        "attn_dp_size 4",
+        "4 or 8",
+    )
 
 
 def test_invalid_dtype():
@@ -185,13 +227,22 @@ def test_unknown_exe_mode_lists_the_modes():
 
 
 def test_compile_mode_is_accepted():
-    assert InferenceConfig.from_dict({"model_config": {"exe_mode": "compile"}}).model_config.exe_mode == "compile"
+    assert (
+        InferenceConfig.from_dict({"model_config": {"exe_mode": "compile"}}).model_config.exe_mode
+        == "compile"
+    )
 
 
 def test_inconsistent_derived_key():
-    rejects({"parallel_config": {"world_size": 4, "attn_tp_size": 2, "attn_dp_size": 4},
-             "scheduler_config": {"batch_size": 4}},
-            "`parallel_config.attn_dp_size` is 4", "attn_tp_size 2 = 2", "set it to 2")
+    rejects(
+        {
+            "parallel_config": {"world_size": 4, "attn_tp_size": 2, "attn_dp_size": 4},
+            "scheduler_config": {"batch_size": 4},
+        },
+        "`parallel_config.attn_dp_size` is 4",
+        "attn_tp_size 2 = 2",
+        "set it to 2",
+    )
 
 
 def test_top_level_not_mapping(tmp_path):
@@ -200,12 +251,15 @@ def test_top_level_not_mapping(tmp_path):
 
 
 def test_malformed_yaml_names_line(tmp_path):
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         model_config:
           dtype: "float32"
         scheduler_config:
           batch_size: [1, 2
-        """)
+        """,
+    )
     with pytest.raises(ConfigError) as e:
         InferenceConfig.from_yaml(path)
     assert str(path) in str(e.value) and "line 5" in str(e.value)

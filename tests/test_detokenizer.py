@@ -1,5 +1,6 @@
 """Incremental detokenization: released text concatenates to the full decode, stop strings cut it (also across
 token boundaries) and nothing after them leaks, partial UTF-8 characters are held back."""
+
 import pytest
 import torch
 from transformers import AutoTokenizer

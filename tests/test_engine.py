@@ -1,4 +1,5 @@
 """The persistent engine API: add_request / step / abort / has_unfinished on one long-lived ExecutionEngine."""
+
 import pytest
 from model_dirs import make_model_dir
 from tiny_checkpoint import PARITY_PROMPTS
@@ -15,7 +16,9 @@ NEW = 8
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, tiny_llama_dir) -> OfflineInference:
     model_dir = make_model_dir(tmp_path_factory.mktemp("engine"), tiny_llama_dir, batch_size=4)
-    return OfflineInference(InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml"), model_dir)
+    return OfflineInference(
+        InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml"), model_dir
+    )
 
 
 @pytest.fixture(scope="module")

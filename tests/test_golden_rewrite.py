@@ -1,6 +1,7 @@
 """Golden rewrites: the installed transformers' real modeling + configuration files of several
 architectures go through `convert_code` (every rule, then ruff) and come out as clean, self-contained,
 importable runtime code, for both KV layouts; rewriting the result again changes nothing."""
+
 import ast
 import re
 from pathlib import Path
@@ -22,8 +23,10 @@ KV = ["paged", "legacy"]
 CASES = [pytest.param(mt, kv, id=f"{mt}-{kv}") for mt in ARCHS for kv in KV]
 
 # HF machinery the converted code must not mention at all (word match: ModelCacheInfo is fine).
-FORBIDDEN = re.compile(r"\b(\w*PreTrainedModel|GenerationMixin|GradientCheckpointingLayer|Cache|DynamicCache|"
-                       r"create_\w*mask|ALL_ATTENTION_FUNCTIONS)\b")
+FORBIDDEN = re.compile(
+    r"\b(\w*PreTrainedModel|GenerationMixin|GradientCheckpointingLayer|Cache|DynamicCache|"
+    r"create_\w*mask|ALL_ATTENTION_FUNCTIONS)\b"
+)
 MODELING_MODULE = re.compile(r"^transformers\.models\.\w+\.modeling_\w+$")
 
 
@@ -88,8 +91,12 @@ def test_entry_class_contract(converted, model_type, kv):
     init = methods["__init__"].args
     assert [a.arg for a in init.args] == ["self", "config", "infer_config", "comm_manager", "prefix"]
     tree = ast.parse(code)
-    assert any(isinstance(s, ast.Assign) and [ast.unparse(t) for t in s.targets] == ["EntryClass"]
-               and ast.unparse(s.value) == ARCHS[model_type] for s in tree.body)
+    assert any(
+        isinstance(s, ast.Assign)
+        and [ast.unparse(t) for t in s.targets] == ["EntryClass"]
+        and ast.unparse(s.value) == ARCHS[model_type]
+        for s in tree.body
+    )
     assert ("legacy=True" in code) == (kv == "legacy")
 
 
@@ -115,7 +122,8 @@ def test_imports_and_builds_on_a_tiny_config(converted, tmp_path, model_type, kv
 # Rewriting costs 1-2 s of CPU per file: the paged result of every architecture, plus gemma3's legacy one
 # (the layouts differ only by `legacy=True` and get_cache_info, whose idempotency tests/rules cover).
 IDEMPOTENCY = [pytest.param(mt, "paged", id=f"{mt}-paged") for mt in ARCHS] + [
-    pytest.param("gemma3_text", "legacy", id="gemma3_text-legacy")]
+    pytest.param("gemma3_text", "legacy", id="gemma3_text-legacy")
+]
 
 
 @pytest.mark.parametrize("model_type,kv", IDEMPOTENCY)
@@ -124,8 +132,16 @@ def test_rewrite_is_idempotent(converted, sources, model_type, kv):
     name = snake_name(model_type)
     modeling, configuration = paths(model_type)
     files = converted(model_type, kv)
-    ctx = RewriteContext(entry_class=src.entry_class, config_module=f"configuration_{name}",
-                         hf_package=src.hf_package, kv_layout=kv, filename=modeling)
+    ctx = RewriteContext(
+        entry_class=src.entry_class,
+        config_module=f"configuration_{name}",
+        hf_package=src.hf_package,
+        kv_layout=kv,
+        filename=modeling,
+    )
     assert tidy(rewrite(files[modeling], ctx), Path(modeling).name) == files[modeling]
-    assert tidy(rewrite_configuration(files[configuration], ctx), Path(configuration).name) == files[configuration]
+    assert (
+        tidy(rewrite_configuration(files[configuration], ctx), Path(configuration).name)
+        == files[configuration]
+    )
     assert ctx.findings == []

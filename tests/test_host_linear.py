@@ -1,4 +1,5 @@
 """oneDNN-prepacked host linears compute what nn.Linear computes, and are only swapped in where they apply."""
+
 import pytest
 import torch
 from torch import nn

@@ -170,7 +170,13 @@ def test_manager_free_usage_and_summary():
     assert "full 62.5% (3/8 free, peak 5 used)" in kv.usage_summary()
     kv.free("a")
     assert not kv.has_request("a")
-    assert kv.stats() == {"layout": "paged", "num_blocks": 8, "block_size": 4, "used_blocks": 1, "peak_used_blocks": 5}
+    assert kv.stats() == {
+        "layout": "paged",
+        "num_blocks": 8,
+        "block_size": 4,
+        "used_blocks": 1,
+        "peak_used_blocks": 5,
+    }
     assert kv.usage() == {"full": 1 / 8, "sliding_window_4": 1 / 8}
     with pytest.raises(KeyError, match="'a'"):
         kv.free("a")

@@ -1,4 +1,5 @@
 """Checkpoint loading paths: safetensors (elsewhere), .bin through weights_only, dummy weights."""
+
 import shutil
 
 import pytest

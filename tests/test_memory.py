@@ -1,4 +1,5 @@
 """Memory estimate from config shapes, checked against real parameter counts of tiny transformers models."""
+
 from pathlib import Path
 
 import pytest
@@ -7,14 +8,25 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from skills.migrator.memory import MemoryEstimate, available_memory, estimate_memory, fits
 
-COMMON = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-          "num_attention_heads": 4, "num_key_value_heads": 2}
+COMMON = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 CONFIGS = {
     "llama": {"tie_word_embeddings": False},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": False},
     "gemma3_text": {"head_dim": 16},
-    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "mlp_only_layers": [0], "tie_word_embeddings": False},
+    "qwen3_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [0],
+        "tie_word_embeddings": False,
+    },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
 }
 

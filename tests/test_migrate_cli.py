@@ -1,5 +1,6 @@
 """`skill migrate` behaviour around the conversion: idempotent --force, scenarios B / C, the OOM path,
 and bad input that fails cleanly without leaving anything behind."""
+
 import json
 import shutil
 import subprocess
@@ -14,8 +15,14 @@ from safetensors.torch import load_file, save_file
 def skill(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False,
-                          env={**os.environ, **(env or {})}, input=stdin)
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **(env or {})},
+        input=stdin,
+    )
 
 
 def migrate_json(*args: str, env: dict | None = None) -> dict:
@@ -46,10 +53,13 @@ def test_force_rewrite_is_byte_identical(tiny_llama_dir, tmp_path):
 
 
 def test_existing_model_dir_scenarios_c_and_b(tiny_llama_dir, tmp_path):
-    result = migrate_json(str(tiny_llama_dir), "-o", str(tmp_path), "--prompt", "The capital of",
-                          "--max-new-tokens", "4")
+    result = migrate_json(
+        str(tiny_llama_dir), "-o", str(tmp_path), "--prompt", "The capital of", "--max-new-tokens", "4"
+    )
     assert result["scenario"] == "A" and result["baseline"]["verification"]["all_ranks_success"]
-    metadata = json.loads((Path(result["model_dir"]) / "agentic" / "baseline" / "baseline_metadata.json").read_text())
+    metadata = json.loads(
+        (Path(result["model_dir"]) / "agentic" / "baseline" / "baseline_metadata.json").read_text()
+    )
     assert metadata["verification"]["identical"] is True and metadata["verification"]["all_ranks_success"]
     assert metadata["verification"]["prompts"] == ["The capital of"] and result["verification"]["identical"]
     again = migrate_json(str(tiny_llama_dir), "-o", str(tmp_path))
@@ -64,8 +74,14 @@ def test_existing_model_dir_scenarios_c_and_b(tiny_llama_dir, tmp_path):
 
 
 def test_oom_path_writes_multi_card_placeholder(tiny_llama_dir, tmp_path):
-    proc = skill("migrate", str(tiny_llama_dir), "-o", str(tmp_path), "--json",
-                 env={"SKILL_MEMORY_LIMIT_BYTES": "100000"})
+    proc = skill(
+        "migrate",
+        str(tiny_llama_dir),
+        "-o",
+        str(tmp_path),
+        "--json",
+        env={"SKILL_MEMORY_LIMIT_BYTES": "100000"},
+    )
     assert proc.returncode == 3, proc.stderr
     result = json.loads(proc.stdout)
     model_dir = Path(result["model_dir"])
@@ -82,14 +98,16 @@ def test_unknown_architecture(tiny_llama_dir, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     config.update(model_type="not_a_real_arch", architectures=["NotARealForCausalLM"])
     (ckpt / "config.json").write_text(json.dumps(config))
-    assert_clean_failure(skill("migrate", str(ckpt), "-o", str(tmp_path / "out")), tmp_path / "out",
-                         "not_a_real_arch")
+    assert_clean_failure(
+        skill("migrate", str(ckpt), "-o", str(tmp_path / "out")), tmp_path / "out", "not_a_real_arch"
+    )
 
 
 def test_missing_config_json(tmp_path):
     (tmp_path / "ckpt").mkdir()
-    assert_clean_failure(skill("migrate", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")), tmp_path / "out",
-                         "config.json")
+    assert_clean_failure(
+        skill("migrate", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out")), tmp_path / "out", "config.json"
+    )
 
 
 def test_weights_missing_for_a_parameter(tiny_llama_dir, tmp_path):
@@ -98,8 +116,9 @@ def test_weights_missing_for_a_parameter(tiny_llama_dir, tmp_path):
     weights = load_file(ckpt / "model.safetensors")
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
-    assert_clean_failure(skill("migrate", str(ckpt), "-o", str(tmp_path / "out")), tmp_path / "out",
-                         "down_proj")
+    assert_clean_failure(
+        skill("migrate", str(ckpt), "-o", str(tmp_path / "out")), tmp_path / "out", "down_proj"
+    )
 
 
 def test_non_writable_out(tiny_llama_dir, tmp_path):
@@ -111,15 +130,30 @@ def test_non_writable_out(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("prompt", ["部署模式: 混合部署", "deployment mode: hybrid"])
 def test_dispatch_prompt_with_unknown_mode(tiny_llama_dir, tmp_path, prompt):
-    proc = subprocess.run([sys.executable, "-m", "skills.cli", "migrate", str(tiny_llama_dir), "-o",
-                           str(tmp_path / "out"), "--dispatch-prompt", "-"], input=prompt, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "migrate",
+            str(tiny_llama_dir),
+            "-o",
+            str(tmp_path / "out"),
+            "--dispatch-prompt",
+            "-",
+        ],
+        input=prompt,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert_clean_failure(proc, tmp_path / "out")
 
 
 def test_dispatch_prompt_selects_standalone(tiny_llama_dir, tmp_path):
     prompt = tmp_path / "dispatch.txt"
     prompt.write_text("请适配该模型。\n部署模式: 独立部署\n")
-    result = migrate_json(str(tiny_llama_dir), "-o", str(tmp_path / "out"), "--no-run", "--dispatch-prompt",
-                          str(prompt))
+    result = migrate_json(
+        str(tiny_llama_dir), "-o", str(tmp_path / "out"), "--no-run", "--dispatch-prompt", str(prompt)
+    )
     assert result["mode"] == "standalone" and "runner_llama.py" in result["files"]

@@ -1,5 +1,6 @@
 """`skill migrate` on tiny random checkpoints of several architectures: the converted model reproduces
 transformers' greedy tokens (framework + standalone modes, paged + legacy KV) and prefill logits."""
+
 import sys
 from pathlib import Path
 
@@ -24,8 +25,20 @@ def moe_arch(request, tmp_path_factory):
 
 
 def assert_framework_run_matches(reference: dict, model_dir: Path) -> None:
-    out = run_json([sys.executable, "-m", "skills.cli", "run", str(model_dir), "--json", "--raw",
-                    "--max-new-tokens", str(NEW_TOKENS), *prompts_args()])
+    out = run_json(
+        [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "run",
+            str(model_dir),
+            "--json",
+            "--raw",
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            *prompts_args(),
+        ]
+    )
     assert [o["prompt_token_ids"] for o in out["outputs"]] == reference["ids"]
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
 
@@ -44,8 +57,17 @@ def test_moe_checkpoints_load_and_match_transformers(moe_arch, tmp_path):
 def test_standalone_mode_matches_transformers(arch, tmp_path, kv):
     model_dir = migrate(arch, tmp_path, "--kv", kv, "--mode", "standalone")
     assert (model_dir / f"runner_{model_dir.name}.py").is_file()
-    out = run_json(["bash", str(model_dir / "infer.sh"), "--json", "--raw", "--max_new_tokens", str(NEW_TOKENS),
-                    *[a for p in PARITY_PROMPTS for a in ("--prompt", p)]])
+    out = run_json(
+        [
+            "bash",
+            str(model_dir / "infer.sh"),
+            "--json",
+            "--raw",
+            "--max_new_tokens",
+            str(NEW_TOKENS),
+            *[a for p in PARITY_PROMPTS for a in ("--prompt", p)],
+        ]
+    )
     assert [o["token_ids"] for o in out["outputs"]] == arch["tokens"]
 
 
@@ -61,8 +83,13 @@ def _set_exe_mode(model_dir: Path, mode: str) -> None:
     yaml_file.write_text(text.replace('exe_mode: "eager"', f'exe_mode: "{mode}"'))
 
 
-@pytest.mark.parametrize("name", [pytest.param(a, marks=() if a == "llama" else pytest.mark.slow)
-                                  for a in ("llama", "qwen3", "gemma3_text")])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(a, marks=() if a == "llama" else pytest.mark.slow)
+        for a in ("llama", "qwen3", "gemma3_text")
+    ],
+)
 def test_compile_mode_matches_transformers(name, tmp_path_factory, tmp_path):
     """exe_mode: compile (torch.compile of the decode step, compiled during warm-up) keeps greedy parity."""
     reference = build_reference(name, tmp_path_factory)

@@ -1,4 +1,5 @@
 """Deployment-mode decision: flag > dispatch prompt > output-directory self-check > framework."""
+
 import io
 from pathlib import Path
 
@@ -8,14 +9,17 @@ from runtime.errors import UserError
 from skills.migrator.mode import decide_mode, read_dispatch_prompt
 
 
-@pytest.mark.parametrize(("prompt", "mode"), [
-    ("任务：适配 qwen3\n部署模式: 框架部署\n", "framework"),
-    ("部署模式：独立部署", "standalone"),
-    ("部署模式 ：  独立部署模式。", "standalone"),
-    ("部署模式:框架部署请直接适配", "framework"),
-    ("Port it. Deployment Mode: STANDALONE.", "standalone"),
-    ("deployment mode: framework", "framework"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "mode"),
+    [
+        ("任务：适配 qwen3\n部署模式: 框架部署\n", "framework"),
+        ("部署模式：独立部署", "standalone"),
+        ("部署模式 ：  独立部署模式。", "standalone"),
+        ("部署模式:框架部署请直接适配", "framework"),
+        ("Port it. Deployment Mode: STANDALONE.", "standalone"),
+        ("deployment mode: framework", "framework"),
+    ],
+)
 def test_prompt(tmp_path: Path, prompt: str, mode: str):
     assert decide_mode(None, prompt, tmp_path, "m")[0] == mode
 
@@ -43,14 +47,22 @@ def write(path: Path, text: str = "") -> None:
 
 
 def test_own_runner_is_standalone(tmp_path: Path):
-    write(tmp_path / "m" / "runner_m.py", "import torch\nclass Runner:\n    pass\nclass R2(torch.nn.Module):\n    pass\n")
+    write(
+        tmp_path / "m" / "runner_m.py",
+        "import torch\nclass Runner:\n    pass\nclass R2(torch.nn.Module):\n    pass\n",
+    )
     mode, reason = decide_mode(None, "no mode here", tmp_path, "m")
     assert mode == "standalone" and "runner_m.py" in reason
 
 
-@pytest.mark.parametrize("source", ["from runtime.engine import ModelRunner\nclass R(ModelRunner): pass\n",
-                                    "import runtime.engine\nclass R(runtime.engine.ModelRunner): pass\n",
-                                    "from runtime import engine as e\nclass R(e.ModelRunner): pass\n"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from runtime.engine import ModelRunner\nclass R(ModelRunner): pass\n",
+        "import runtime.engine\nclass R(runtime.engine.ModelRunner): pass\n",
+        "from runtime import engine as e\nclass R(e.ModelRunner): pass\n",
+    ],
+)
 def test_runner_on_runtime_is_not_standalone(tmp_path: Path, source: str):
     write(tmp_path / "m" / "runner_m.py", source)
     assert decide_mode(None, None, tmp_path, "m")[0] == "framework"
@@ -64,7 +76,10 @@ def test_registered_framework_model(tmp_path: Path):
 
 
 def test_default(tmp_path: Path):
-    assert decide_mode(None, None, tmp_path, "new") == ("framework", "no deployment signal; framework is the default")
+    assert decide_mode(None, None, tmp_path, "new") == (
+        "framework",
+        "no deployment signal; framework is the default",
+    )
 
 
 def test_prompt_beats_directory(tmp_path: Path):

@@ -1,5 +1,6 @@
 """Multi-rank runs: `skill run` relaunches itself under torchrun (gloo) and attention-DP ranks split the
 requests; the tokens equal the single-rank run and transformers."""
+
 import json
 import subprocess
 import sys
@@ -13,8 +14,21 @@ from runtime.launch import free_port
 
 
 def run_cmd(model_dir, yaml_path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "skills.cli", "run", str(model_dir), "--yaml", str(yaml_path), "--json", "--raw",
-            "--max-new-tokens", "16", *[a for p in PARITY_PROMPTS for a in ("--prompt", p)], *flags]
+    return [
+        sys.executable,
+        "-m",
+        "skills.cli",
+        "run",
+        str(model_dir),
+        "--yaml",
+        str(yaml_path),
+        "--json",
+        "--raw",
+        "--max-new-tokens",
+        "16",
+        *[a for p in PARITY_PROMPTS for a in ("--prompt", p)],
+        *flags,
+    ]
 
 
 def tokens(stdout: str) -> list[list[int]]:
@@ -48,9 +62,26 @@ def test_two_nodes_on_one_host_match_a_single_node(dp2):
     """Two launches, one per "node" (torchrun --nnodes 2 over loopback): node 0 prints the single-node answer."""
     model_dir, single, parallel = dp2
     port = str(free_port())
-    nodes = [subprocess.Popen(run_cmd(model_dir, parallel, "--nnodes", "2", "--node-rank", str(rank),
-                                      "--master-addr", "127.0.0.1", "--master-port", port),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            run_cmd(
+                model_dir,
+                parallel,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert outs[1][0] == ""  # only global rank 0 prints

@@ -44,7 +44,7 @@ def load(param, loaded, shard_id=None):
 
 
 def rows(t, start, n):
-    return t[start:start + n]
+    return t[start : start + n]
 
 
 def test_column_shards_weight_and_bias_rows():
@@ -53,7 +53,9 @@ def test_column_shards_weight_and_bias_rows():
         layer = ColumnParallelLinear(3, 8, bias=True, comm_manager=FakeTP(2, rank))
         load(layer.weight, w)
         load(layer.bias, b)
-        assert torch.equal(layer.weight, rows(w, 4 * rank, 4)) and torch.equal(layer.bias, rows(b, 4 * rank, 4))
+        assert torch.equal(layer.weight, rows(w, 4 * rank, 4)) and torch.equal(
+            layer.bias, rows(b, 4 * rank, 4)
+        )
 
 
 def test_row_shards_weight_columns_and_keeps_bias_whole():
@@ -62,11 +64,15 @@ def test_row_shards_weight_columns_and_keeps_bias_whole():
         layer = RowParallelLinear(8, 3, bias=True, comm_manager=FakeTP(4, rank))
         load(layer.weight, w)
         load(layer.bias, b)
-        assert torch.equal(layer.weight, w[:, 2 * rank:2 * rank + 2]) and torch.equal(layer.bias, b)
+        assert torch.equal(layer.weight, w[:, 2 * rank : 2 * rank + 2]) and torch.equal(layer.bias, b)
 
 
 def _qkv_weights(heads: int, kv_heads: int, d: int, hidden: int = 3):
-    return torch.randn(heads * d, hidden), torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
+    return (
+        torch.randn(heads * d, hidden),
+        torch.randn(kv_heads * d, hidden),
+        torch.randn(kv_heads * d, hidden),
+    )
 
 
 def test_qkv_shard_ids_and_fused_on_disk():
@@ -118,13 +124,21 @@ def test_merged_shard_ids_and_fused_on_disk():
 
 
 def test_shape_mismatch_names_parameter_and_both_shapes():
-    layer = QKVParallelLinear(3, 2, 4, 2, comm_manager=FakeTP(2, 0), prefix="model.layers.0.self_attn.qkv_proj")
-    with pytest.raises(ValueError, match=re.escape(
+    layer = QKVParallelLinear(
+        3, 2, 4, 2, comm_manager=FakeTP(2, 0), prefix="model.layers.0.self_attn.qkv_proj"
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "model.layers.0.self_attn.qkv_proj.weight: checkpoint tensor has shape [6, 3], expected [4, 3] "
-            "(this rank keeps a [2, 3] shard of it)")):
+            "(this rank keeps a [2, 3] shard of it)"
+        ),
+    ):
         load(layer.weight, torch.randn(6, 3), "k")
     row = RowParallelLinear(8, 3, bias=True, comm_manager=FakeTP(2, 1), prefix="mlp.down_proj")
-    with pytest.raises(ValueError, match=re.escape("mlp.down_proj.weight: checkpoint tensor has shape [3, 6]")):
+    with pytest.raises(
+        ValueError, match=re.escape("mlp.down_proj.weight: checkpoint tensor has shape [3, 6]")
+    ):
         load(row.weight, torch.randn(3, 6))
     with pytest.raises(ValueError, match=re.escape("mlp.down_proj.bias: checkpoint tensor has shape [4]")):
         load(row.bias, torch.randn(4))
@@ -142,7 +156,12 @@ def test_vocab_shards_zero_their_padding_rows():
 
 
 def test_lazy_safetensors_slices(tmp_path):
-    tensors = {"col": torch.randn(8, 3), "row": torch.randn(3, 8), "k": torch.randn(4, 3), "emb": torch.randn(10, 3)}
+    tensors = {
+        "col": torch.randn(8, 3),
+        "row": torch.randn(3, 8),
+        "k": torch.randn(4, 3),
+        "emb": torch.randn(10, 3),
+    }
     save_file(tensors, tmp_path / "w.safetensors")
     col = ColumnParallelLinear(3, 8, comm_manager=FakeTP(2, 1))
     row = RowParallelLinear(8, 3, comm_manager=FakeTP(2, 1))
@@ -192,7 +211,10 @@ def test_replicated_and_single_rank_forward_match_f_linear():
 
 
 def test_tied_lm_head_shares_or_refuses():
-    emb, head = VocabParallelEmbedding(10, 3, comm_manager=FakeTP(2, 0)), ParallelLMHead(10, 3, comm_manager=FakeTP(2, 0))
+    emb, head = (
+        VocabParallelEmbedding(10, 3, comm_manager=FakeTP(2, 0)),
+        ParallelLMHead(10, 3, comm_manager=FakeTP(2, 0)),
+    )
     head.tie_weights(emb)
     assert head.weight is emb.weight
     with pytest.raises(ConfigError, match="embed_tp_size and lmhead_tp_size must be equal"):
@@ -208,7 +230,9 @@ def _setup(rank: int, world_size: int) -> CommManager:
     cm = CommManager(world_size, rank)
     for name in ("attn_tp_group", "embed_tp_group", "lmhead_tp_group"):
         cm.register_group(name, 1, world_size)
-    cm.register_group("dense_tp_group", world_size // 2, 2)  # TP 2 inside the world: one group at world 2, two at 4
+    cm.register_group(
+        "dense_tp_group", world_size // 2, 2
+    )  # TP 2 inside the world: one group at world 2, two at 4
     return cm
 
 
@@ -248,7 +272,13 @@ def check_qkv_row(cm: CommManager) -> None:
 
 def check_merged_row(cm: CommManager) -> None:
     torch.manual_seed(1)
-    gate, up, down, b_down, x = _rand(32, HIDDEN), _rand(32, HIDDEN), _rand(HIDDEN, 32), _rand(HIDDEN), _rand(3, HIDDEN)
+    gate, up, down, b_down, x = (
+        _rand(32, HIDDEN),
+        _rand(32, HIDDEN),
+        _rand(HIDDEN, 32),
+        _rand(HIDDEN),
+        _rand(3, HIDDEN),
+    )
     gate_up = MergedColumnParallelLinear(HIDDEN, [32, 32], comm_manager=cm)
     down_proj = RowParallelLinear(32, HIDDEN, bias=True, comm_manager=cm)
     load(gate_up.weight, torch.cat([gate, up]))
@@ -285,15 +315,19 @@ def check_lm_head(cm: CommManager) -> None:
     logits = head(h)
     assert logits.shape == (3, VOCAB)
     _close(logits, F.linear(h, w, b))
-    emb, tied = VocabParallelEmbedding(VOCAB, HIDDEN, comm_manager=cm, pad_to=8), ParallelLMHead(
-        VOCAB, HIDDEN, comm_manager=cm, tp_group="embed_tp_group", pad_to=8)
+    emb, tied = (
+        VocabParallelEmbedding(VOCAB, HIDDEN, comm_manager=cm, pad_to=8),
+        ParallelLMHead(VOCAB, HIDDEN, comm_manager=cm, tp_group="embed_tp_group", pad_to=8),
+    )
     load(emb.weight, w)
     tied.tie_weights(emb)
     _close(tied(h), F.linear(h, w))
 
 
-CHECKS = {f.__name__: f for f in (check_qkv_row, check_merged_row, check_column_gather, check_vocab_embedding,
-                                  check_lm_head)}
+CHECKS = {
+    f.__name__: f
+    for f in (check_qkv_row, check_merged_row, check_column_gather, check_vocab_embedding, check_lm_head)
+}
 
 
 world_results, test_distributed = distributed_tests(_setup, CHECKS)

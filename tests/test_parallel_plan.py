@@ -20,41 +20,92 @@ BF16 = torch.bfloat16.itemsize
 
 
 def llama(**kw) -> PretrainedConfig:
-    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-            "vocab_size": 500, "num_hidden_layers": 2}
+    base = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 500,
+        "num_hidden_layers": 2,
+    }
     return AutoConfig.for_model("llama", **{**base, **kw})
 
 
 def qwen3(**kw) -> PretrainedConfig:
-    return AutoConfig.for_model("qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                intermediate_size=128, vocab_size=512, num_hidden_layers=2, **kw)
+    return AutoConfig.for_model(
+        "qwen3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        num_hidden_layers=2,
+        **kw,
+    )
 
 
 def qwen3_moe() -> PretrainedConfig:
-    return AutoConfig.for_model("qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                head_dim=16, intermediate_size=128, vocab_size=512, num_hidden_layers=2, num_experts=4,
-                                moe_intermediate_size=32, num_experts_per_tok=2)
+    return AutoConfig.for_model(
+        "qwen3_moe",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        num_hidden_layers=2,
+        num_experts=4,
+        moe_intermediate_size=32,
+        num_experts_per_tok=2,
+    )
 
 
 def deepseek_v3() -> PretrainedConfig:
-    return AutoConfig.for_model("deepseek_v3", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                                intermediate_size=128, vocab_size=500, num_hidden_layers=2, n_routed_experts=4,
-                                moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                                qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_shared_experts=2,
-                                n_group=1, topk_group=1, num_experts_per_tok=2)
+    return AutoConfig.for_model(
+        "deepseek_v3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        vocab_size=500,
+        num_hidden_layers=2,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+    )
 
 
 def pc(world: int, attn: int = 1, dense: int = 1, embed: int = 1, lmhead: int = 1, **kw) -> ParallelConfig:
-    return ParallelConfig(world_size=world, attn_tp_size=attn, dense_tp_size=dense, embed_tp_size=embed,
-                          lmhead_tp_size=lmhead, **kw)
+    return ParallelConfig(
+        world_size=world,
+        attn_tp_size=attn,
+        dense_tp_size=dense,
+        embed_tp_size=embed,
+        lmhead_tp_size=lmhead,
+        **kw,
+    )
 
 
 class _Groups:
     """What the runtime layers ask a CommManager (tp_info), for one rank, without torch.distributed."""
 
     def __init__(self, p: ParallelConfig, rank: int):
-        sizes = {"attn_tp_group": p.attn_tp_size, "dense_tp_group": p.dense_tp_size,
-                 "embed_tp_group": p.embed_tp_size, "lmhead_tp_group": p.lmhead_tp_size}
+        sizes = {
+            "attn_tp_group": p.attn_tp_size,
+            "dense_tp_group": p.dense_tp_size,
+            "embed_tp_group": p.embed_tp_size,
+            "lmhead_tp_group": p.lmhead_tp_size,
+        }
         self.sizes, self.rank = {k: v for k, v in sizes.items() if v > 1}, rank
 
     def has_group(self, name: str) -> bool:
@@ -76,10 +127,12 @@ def hand_sharded_bytes(cfg: PretrainedConfig, p: ParallelConfig, rank: int) -> i
     with torch.device("meta"):
         layers: list[nn.Module] = []
         for _ in range(cfg.num_hidden_layers):
-            layers += [QKVParallelLinear(h, d, cfg.num_attention_heads, cfg.num_key_value_heads, comm_manager=cm),
-                       RowParallelLinear(cfg.num_attention_heads * d, h, comm_manager=cm, tp_group="attn_tp_group"),
-                       MergedColumnParallelLinear(h, [cfg.intermediate_size] * 2, comm_manager=cm),
-                       RowParallelLinear(cfg.intermediate_size, h, comm_manager=cm)]
+            layers += [
+                QKVParallelLinear(h, d, cfg.num_attention_heads, cfg.num_key_value_heads, comm_manager=cm),
+                RowParallelLinear(cfg.num_attention_heads * d, h, comm_manager=cm, tp_group="attn_tp_group"),
+                MergedColumnParallelLinear(h, [cfg.intermediate_size] * 2, comm_manager=cm),
+                RowParallelLinear(cfg.intermediate_size, h, comm_manager=cm),
+            ]
         embed = VocabParallelEmbedding(cfg.vocab_size, h, comm_manager=cm)
         head = ParallelLMHead(cfg.vocab_size, h, comm_manager=cm)
         if cfg.tie_word_embeddings:
@@ -90,35 +143,77 @@ def hand_sharded_bytes(cfg: PretrainedConfig, p: ParallelConfig, rank: int) -> i
 
 
 VALID = [  # (model, config, groups as (name, group_num, group_size, stride), rewrite fragments)
-    (llama(), pc(2, 2, 2, 2, 2),
-     [("attn_tp_group", 1, 2, 1), ("dense_tp_group", 1, 2, 1), ("embed_tp_group", 1, 2, 1),
-      ("lmhead_tp_group", 1, 2, 1)],
-     ["QKVParallelLinear (attn_tp=2: 2 of 4 heads and 1 of 2 kv heads per rank) on attn_tp_group",
-      "o_proj -> RowParallelLinear (attn_tp=2) on attn_tp_group",
-      "gate_proj/up_proj -> MergedColumnParallelLinear (dense_tp=2: intermediate 128 -> 64 per rank)",
-      "down_proj -> RowParallelLinear (dense_tp=2) on dense_tp_group",
-      "embed_tokens -> VocabParallelEmbedding (embed_tp=2: vocab 500 padded to 512, 256 rows per rank)",
-      "lm_head -> ParallelLMHead (lmhead_tp=2"]),
-    (llama(), pc(4, 4, 4, 4, 4),
-     [("attn_tp_group", 1, 4, 1), ("dense_tp_group", 1, 4, 1), ("embed_tp_group", 1, 4, 1),
-      ("lmhead_tp_group", 1, 4, 1)],
-     ["1 of 4 heads and 1 kv head (each of the 2 replicated on 2 ranks) per rank",
-      "cache_entries num_head = max(2 // 4, 1) = 1", "vocab 500 padded to 512, 128 rows per rank"]),
-    (llama(), pc(2, 1, 2, 2, 2),
-     [("dense_tp_group", 1, 2, 1), ("embed_tp_group", 1, 2, 1), ("lmhead_tp_group", 1, 2, 1)],
-     ["QKVParallelLinear (attn_tp=1: 4 of 4 heads and 2 of 2 kv heads per rank) (unsharded, no group)",
-      "plain DP: requests split over 2 attention-DP ranks",
-      "between attention (tp=1) and embed_tokens (tp=2)", "between attention (tp=1) and MLP (tp=2)"]),
-    (llama(), pc(4, 2, 4, 4, 4),
-     [("attn_tp_group", 2, 2, 1), ("dense_tp_group", 1, 4, 1), ("embed_tp_group", 1, 4, 1),
-      ("lmhead_tp_group", 1, 4, 1)],
-     ["attention TP+DP (attn_tp=2, attn_dp=2)", "tokens padded to a multiple of 2",
-      "re-layout all_gather/reduce_scatter between attention (tp=2) and MLP (tp=4)",
-      "between attention (tp=2) and lm_head (tp=4)"]),
-    (qwen3(tie_word_embeddings=True), pc(4, 2, 2, 4, 4),
-     [("attn_tp_group", 2, 2, 1), ("dense_tp_group", 2, 2, 1), ("embed_tp_group", 1, 4, 1),
-      ("lmhead_tp_group", 1, 4, 1)],
-     ["lm_head -> ParallelLMHead tied to embed_tokens: shares its vocab shards"]),
+    (
+        llama(),
+        pc(2, 2, 2, 2, 2),
+        [
+            ("attn_tp_group", 1, 2, 1),
+            ("dense_tp_group", 1, 2, 1),
+            ("embed_tp_group", 1, 2, 1),
+            ("lmhead_tp_group", 1, 2, 1),
+        ],
+        [
+            "QKVParallelLinear (attn_tp=2: 2 of 4 heads and 1 of 2 kv heads per rank) on attn_tp_group",
+            "o_proj -> RowParallelLinear (attn_tp=2) on attn_tp_group",
+            "gate_proj/up_proj -> MergedColumnParallelLinear (dense_tp=2: intermediate 128 -> 64 per rank)",
+            "down_proj -> RowParallelLinear (dense_tp=2) on dense_tp_group",
+            "embed_tokens -> VocabParallelEmbedding (embed_tp=2: vocab 500 padded to 512, 256 rows per rank)",
+            "lm_head -> ParallelLMHead (lmhead_tp=2",
+        ],
+    ),
+    (
+        llama(),
+        pc(4, 4, 4, 4, 4),
+        [
+            ("attn_tp_group", 1, 4, 1),
+            ("dense_tp_group", 1, 4, 1),
+            ("embed_tp_group", 1, 4, 1),
+            ("lmhead_tp_group", 1, 4, 1),
+        ],
+        [
+            "1 of 4 heads and 1 kv head (each of the 2 replicated on 2 ranks) per rank",
+            "cache_entries num_head = max(2 // 4, 1) = 1",
+            "vocab 500 padded to 512, 128 rows per rank",
+        ],
+    ),
+    (
+        llama(),
+        pc(2, 1, 2, 2, 2),
+        [("dense_tp_group", 1, 2, 1), ("embed_tp_group", 1, 2, 1), ("lmhead_tp_group", 1, 2, 1)],
+        [
+            "QKVParallelLinear (attn_tp=1: 4 of 4 heads and 2 of 2 kv heads per rank) (unsharded, no group)",
+            "plain DP: requests split over 2 attention-DP ranks",
+            "between attention (tp=1) and embed_tokens (tp=2)",
+            "between attention (tp=1) and MLP (tp=2)",
+        ],
+    ),
+    (
+        llama(),
+        pc(4, 2, 4, 4, 4),
+        [
+            ("attn_tp_group", 2, 2, 1),
+            ("dense_tp_group", 1, 4, 1),
+            ("embed_tp_group", 1, 4, 1),
+            ("lmhead_tp_group", 1, 4, 1),
+        ],
+        [
+            "attention TP+DP (attn_tp=2, attn_dp=2)",
+            "tokens padded to a multiple of 2",
+            "re-layout all_gather/reduce_scatter between attention (tp=2) and MLP (tp=4)",
+            "between attention (tp=2) and lm_head (tp=4)",
+        ],
+    ),
+    (
+        qwen3(tie_word_embeddings=True),
+        pc(4, 2, 2, 4, 4),
+        [
+            ("attn_tp_group", 2, 2, 1),
+            ("dense_tp_group", 2, 2, 1),
+            ("embed_tp_group", 1, 4, 1),
+            ("lmhead_tp_group", 1, 4, 1),
+        ],
+        ["lm_head -> ParallelLMHead tied to embed_tokens: shares its vocab shards"],
+    ),
 ]
 
 
@@ -167,27 +262,81 @@ def rejected(p: ParallelConfig, cfg: PretrainedConfig) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("cfg, p, fragments", [
-    (llama(hidden_size=96, num_attention_heads=6), pc(4, 4, 4, 4, 4),
-     ["parallel_config.attn_tp_size is 4", "num_attention_heads 6 is not divisible",
-      "valid attn_tp_size values for world_size 4: 1, 2."]),
-    (llama(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), pc(6, 2, 2, 2, 2),
-     ["num_key_value_heads 3 neither is divisible by it nor divides it", "attn_tp_size values for world_size 6: 1, 3, 6"]),
-    (llama(), pc(4, 4, 4, 2, 4),
-     ["parallel_config.embed_tp_size is 2", "multiple of attn_tp_size 4", "embed_tp_size values for world_size 4: 4."]),
-    (llama(), pc(4, 3),
-     ["parallel_config.attn_tp_size is 3, which does not divide world_size 4", "divisor of 4: 1, 2, 4"]),
-    (llama(intermediate_size=100), pc(8, 1, 8),
-     ["parallel_config.dense_tp_size is 8", "intermediate_size 100", "dense_tp_size values for world_size 8: 1, 2, 4."]),
-    (llama(tie_word_embeddings=True), pc(4, 2, 2, 4, 2),
-     ["lmhead_tp_size is 2 but embed_tp_size is 4", "tie_word_embeddings", "set lmhead_tp_size 4 or embed_tp_size 2"]),
-    (llama(), pc(2, 1, o_proj_tp_size=2),
-     ["parallel_config.o_proj_tp_size is 2", "multi-head latent attention", "values for world_size 2: 1."]),
-    (qwen3_moe(), pc(8, 1, 1, 1, 1, moe_tp_size=1),
-     ["moe_ep_size = world_size 8 / moe_tp_size 1 = 8 does not divide num_experts 4",
-      "moe_tp_size values for world_size 8: 2, 4, 8."]),
-    (llama(), pc(2, cp_size=2), ["parallel_config.cp_size is 2"]),
-])
+@pytest.mark.parametrize(
+    "cfg, p, fragments",
+    [
+        (
+            llama(hidden_size=96, num_attention_heads=6),
+            pc(4, 4, 4, 4, 4),
+            [
+                "parallel_config.attn_tp_size is 4",
+                "num_attention_heads 6 is not divisible",
+                "valid attn_tp_size values for world_size 4: 1, 2.",
+            ],
+        ),
+        (
+            llama(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+            pc(6, 2, 2, 2, 2),
+            [
+                "num_key_value_heads 3 neither is divisible by it nor divides it",
+                "attn_tp_size values for world_size 6: 1, 3, 6",
+            ],
+        ),
+        (
+            llama(),
+            pc(4, 4, 4, 2, 4),
+            [
+                "parallel_config.embed_tp_size is 2",
+                "multiple of attn_tp_size 4",
+                "embed_tp_size values for world_size 4: 4.",
+            ],
+        ),
+        (
+            llama(),
+            pc(4, 3),
+            [
+                "parallel_config.attn_tp_size is 3, which does not divide world_size 4",
+                "divisor of 4: 1, 2, 4",
+            ],
+        ),
+        (
+            llama(intermediate_size=100),
+            pc(8, 1, 8),
+            [
+                "parallel_config.dense_tp_size is 8",
+                "intermediate_size 100",
+                "dense_tp_size values for world_size 8: 1, 2, 4.",
+            ],
+        ),
+        (
+            llama(tie_word_embeddings=True),
+            pc(4, 2, 2, 4, 2),
+            [
+                "lmhead_tp_size is 2 but embed_tp_size is 4",
+                "tie_word_embeddings",
+                "set lmhead_tp_size 4 or embed_tp_size 2",
+            ],
+        ),
+        (
+            llama(),
+            pc(2, 1, o_proj_tp_size=2),
+            [
+                "parallel_config.o_proj_tp_size is 2",
+                "multi-head latent attention",
+                "values for world_size 2: 1.",
+            ],
+        ),
+        (
+            qwen3_moe(),
+            pc(8, 1, 1, 1, 1, moe_tp_size=1),
+            [
+                "moe_ep_size = world_size 8 / moe_tp_size 1 = 8 does not divide num_experts 4",
+                "moe_tp_size values for world_size 8: 2, 4, 8.",
+            ],
+        ),
+        (llama(), pc(2, cp_size=2), ["parallel_config.cp_size is 2"]),
+    ],
+)
 def test_invalid_configs_name_the_parameter_and_alternatives(cfg, p, fragments):
     message = rejected(p, cfg)
     for fragment in fragments:
@@ -201,32 +350,57 @@ def write(tmp_path, text: str):
 
 
 def test_load_block_or_bare_keys(tmp_path):
-    block = load_parallel_config(write(tmp_path, """\
+    block = load_parallel_config(
+        write(
+            tmp_path,
+            """\
         model_name: llama
         world_size: 4
         parallel_config: {world_size: 4, attn_tp_size: 2, dense_tp_size: 4, embed_tp_size: 4, lmhead_tp_size: 4}
-        """))
-    bare = load_parallel_config(write(tmp_path, """\
+        """,
+        )
+    )
+    bare = load_parallel_config(
+        write(
+            tmp_path,
+            """\
         world_size: 4
         attn_tp_size: 2
         attn_dp_size: 2
         dense_tp_size: 4
         embed_tp_size: 4
         lmhead_tp_size: 4
-        """))
+        """,
+        )
+    )
     assert block == bare and bare.attn_dp_size == 2 and bare.dense_tp_size == 4
 
 
-@pytest.mark.parametrize("text, fragments", [
-    ("world_size: 2\natn_tp_size: 2\n", ["unknown key `atn_tp_size`", "did you mean `attn_tp_size`"]),
-    ("parallel_config: {world_size: 2, atn_tp_size: 2}\n", ["atn_tp_size", "did you mean `attn_tp_size`"]),
-    ("attn_tp_size: 2\nparallel_config: {world_size: 2}\n", ["`attn_tp_size` is at the top level", "not both"]),
-    ("world_size: 4\nattn_tp_size: 2\nattn_dp_size: 4\n", ["`attn_dp_size` is 4", "world_size 4 / attn_tp_size 2; remove it or set it to 2"]),
-    ("world_size: 4\nparallel_config: {world_size: 2}\n", ["`world_size` is 4", "parallel_config.world_size` is 2"]),
-    ("attn_tp_size: 2\n", ["world_size is not set"]),
-    ("parallel_config: {world_size: '2'}\n", ["`parallel_config.world_size` is '2'", "valid integer"]),
-    ("- 1\n", ["expected a mapping"]),
-])
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("world_size: 2\natn_tp_size: 2\n", ["unknown key `atn_tp_size`", "did you mean `attn_tp_size`"]),
+        (
+            "parallel_config: {world_size: 2, atn_tp_size: 2}\n",
+            ["atn_tp_size", "did you mean `attn_tp_size`"],
+        ),
+        (
+            "attn_tp_size: 2\nparallel_config: {world_size: 2}\n",
+            ["`attn_tp_size` is at the top level", "not both"],
+        ),
+        (
+            "world_size: 4\nattn_tp_size: 2\nattn_dp_size: 4\n",
+            ["`attn_dp_size` is 4", "world_size 4 / attn_tp_size 2; remove it or set it to 2"],
+        ),
+        (
+            "world_size: 4\nparallel_config: {world_size: 2}\n",
+            ["`world_size` is 4", "parallel_config.world_size` is 2"],
+        ),
+        ("attn_tp_size: 2\n", ["world_size is not set"]),
+        ("parallel_config: {world_size: '2'}\n", ["`parallel_config.world_size` is '2'", "valid integer"]),
+        ("- 1\n", ["expected a mapping"]),
+    ],
+)
 def test_load_rejects(tmp_path, text, fragments):
     with pytest.raises(ConfigError) as info:
         load_parallel_config(write(tmp_path, text))
@@ -236,8 +410,14 @@ def test_load_rejects(tmp_path, text, fragments):
 
 def test_yaml_name():
     assert yaml_name("llama", pc(2, 2, 2, 2, 2)) == "llama_rank_2_2tp.yaml"
-    assert yaml_name("Llama-3", pc(4, 2, 4, 4, 4)) == "llama_3_rank_4_2tp_2dp_densetp4_embedtp4_lmheadtp4.yaml"
-    assert yaml_name("qwen3_moe", pc(4, 4, 4, 4, 4), moe=True, scenario="decode") == \
-        "qwen3_moe_rank_4_4tp_ep4_decode.yaml"
-    assert yaml_name("ds", pc(8, 1, 1, 1, 1, moe_tp_size=2, o_proj_tp_size=8), moe=True) == \
-        "ds_rank_8_1tp_8dp_oprojtp8_moetp2_ep4.yaml"
+    assert (
+        yaml_name("Llama-3", pc(4, 2, 4, 4, 4)) == "llama_3_rank_4_2tp_2dp_densetp4_embedtp4_lmheadtp4.yaml"
+    )
+    assert (
+        yaml_name("qwen3_moe", pc(4, 4, 4, 4, 4), moe=True, scenario="decode")
+        == "qwen3_moe_rank_4_4tp_ep4_decode.yaml"
+    )
+    assert (
+        yaml_name("ds", pc(8, 1, 1, 1, 1, moe_tp_size=2, o_proj_tp_size=8), moe=True)
+        == "ds_rank_8_1tp_8dp_oprojtp8_moetp2_ep4.yaml"
+    )

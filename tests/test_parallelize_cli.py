@@ -1,5 +1,6 @@
 """`skill parallelize` as a command: invalid configs stop before anything changes, --plan writes nothing, a second
 config starts from the migrated code, hand edits are kept without --force, standalone mode runs under torchrun."""
+
 import hashlib
 import json
 import shutil
@@ -18,8 +19,9 @@ TP2 = {"world_size": 2, "attn_tp_size": 2, "dense_tp_size": 2, "embed_tp_size": 
 def skill(*args: str) -> subprocess.CompletedProcess:
     """`skill parallelize` without its verification run (tests/test_verify.py covers that)."""
     flags = ("--no-verify",) if args[0] == "parallelize" else ()
-    return subprocess.run([sys.executable, "-m", "skills.cli", *args, *flags], capture_output=True, text=True,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", *args, *flags], capture_output=True, text=True, check=False
+    )
 
 
 def config_file(tmp_path: Path, doc: dict, name: str = "parallel.yaml") -> Path:
@@ -29,8 +31,11 @@ def config_file(tmp_path: Path, doc: dict, name: str = "parallel.yaml") -> Path:
 
 
 def snapshot(model_dir: Path) -> dict[str, str]:
-    return {str(p.relative_to(model_dir)): hashlib.sha1(p.read_bytes()).hexdigest()
-            for p in sorted(model_dir.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(model_dir)): hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(model_dir.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +48,36 @@ def model_dir(reference, tmp_path):
     return migrate(reference, tmp_path / "models")
 
 
-@pytest.mark.parametrize("doc, fragments", [
-    ({"parallel_config": {**TP2, "world_size": 8, "attn_tp_size": 8, "dense_tp_size": 8, "embed_tp_size": 8,
-                          "lmhead_tp_size": 8}},
-     ["parallel_config.attn_tp_size is 8", "num_attention_heads 4 is not divisible", "values for world_size 8"]),
-    ({"parallel_config": {**TP2, "embed_tp_size": 1}},
-     ["parallel_config.embed_tp_size is 1", "multiple of attn_tp_size 2"]),
-    ({"world_size": 2, "parallel_config": {**TP2, "world_size": 4}},
-     ["`world_size` is 2 but `parallel_config.world_size` is 4"]),
-])
+@pytest.mark.parametrize(
+    "doc, fragments",
+    [
+        (
+            {
+                "parallel_config": {
+                    **TP2,
+                    "world_size": 8,
+                    "attn_tp_size": 8,
+                    "dense_tp_size": 8,
+                    "embed_tp_size": 8,
+                    "lmhead_tp_size": 8,
+                }
+            },
+            [
+                "parallel_config.attn_tp_size is 8",
+                "num_attention_heads 4 is not divisible",
+                "values for world_size 8",
+            ],
+        ),
+        (
+            {"parallel_config": {**TP2, "embed_tp_size": 1}},
+            ["parallel_config.embed_tp_size is 1", "multiple of attn_tp_size 2"],
+        ),
+        (
+            {"world_size": 2, "parallel_config": {**TP2, "world_size": 4}},
+            ["`world_size` is 2 but `parallel_config.world_size` is 4"],
+        ),
+    ],
+)
 def test_invalid_config_exits_2_and_changes_nothing(model_dir, tmp_path, doc, fragments):
     before = snapshot(model_dir)
     proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, doc)))
@@ -65,28 +91,51 @@ def test_invalid_config_exits_2_and_changes_nothing(model_dir, tmp_path, doc, fr
 
 def test_plan_json_writes_nothing(model_dir, tmp_path):
     before = snapshot(model_dir)
-    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})),
-                 "--plan", "--json")
+    proc = skill(
+        "parallelize",
+        str(model_dir),
+        "--config",
+        str(config_file(tmp_path, {"parallel_config": TP2})),
+        "--plan",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["world_size"] == 2 and plan["per_rank_param_bytes"] < plan["total_param_bytes"]
-    assert {g["name"] for g in plan["groups"]} == {"attn_tp_group", "dense_tp_group", "embed_tp_group",
-                                                   "lmhead_tp_group"}
+    assert {g["name"] for g in plan["groups"]} == {
+        "attn_tp_group",
+        "dense_tp_group",
+        "embed_tp_group",
+        "lmhead_tp_group",
+    }
     assert snapshot(model_dir) == before
 
 
 def test_second_config_starts_from_migrated_code_and_edits_need_force(model_dir, tmp_path):
     migrated = (model_dir / "models" / "modeling_llama.py").read_text()
-    first = json.loads(skill("parallelize", str(model_dir), "--config",
-                             str(config_file(tmp_path, {"parallel_config": TP2})), "--json").stdout)
+    first = json.loads(
+        skill(
+            "parallelize",
+            str(model_dir),
+            "--config",
+            str(config_file(tmp_path, {"parallel_config": TP2})),
+            "--json",
+        ).stdout
+    )
     assert set(first) >= {"model_dir", "yaml", "world_size", "groups", "rewrites"}
     assert Path(first["yaml"]).name == "llama_rank_2_2tp.yaml"
     assert (model_dir / "agentic" / "migrated_models" / "modeling_llama.py").read_text() == migrated
     parallel = (model_dir / "models" / "modeling_llama.py").read_text()
-    assert "QKVParallelLinear" in parallel and f"config/{Path(first['yaml']).name}" in (model_dir / "infer.sh").read_text()
+    assert (
+        "QKVParallelLinear" in parallel
+        and f"config/{Path(first['yaml']).name}" in (model_dir / "infer.sh").read_text()
+    )
 
-    dp = config_file(tmp_path, {"world_size": 2, "attn_tp_size": 1, "dense_tp_size": 2, "embed_tp_size": 2,
-                                "lmhead_tp_size": 2}, "dp.yaml")
+    dp = config_file(
+        tmp_path,
+        {"world_size": 2, "attn_tp_size": 1, "dense_tp_size": 2, "embed_tp_size": 2, "lmhead_tp_size": 2},
+        "dp.yaml",
+    )
     second = json.loads(skill("parallelize", str(model_dir), "--config", str(dp), "--json").stdout)
     assert Path(second["yaml"]).name == "llama_rank_2_1tp_2dp_densetp2_embedtp2_lmheadtp2.yaml"
     assert Path(first["yaml"]).is_file()  # each scenario keeps its YAML
@@ -101,26 +150,49 @@ def test_second_config_starts_from_migrated_code_and_edits_need_force(model_dir,
 
 
 def test_mode_must_match_the_directory(model_dir, tmp_path):
-    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})),
-                 "--mode", "standalone")
+    proc = skill(
+        "parallelize",
+        str(model_dir),
+        "--config",
+        str(config_file(tmp_path, {"parallel_config": TP2})),
+        "--mode",
+        "standalone",
+    )
     assert proc.returncode == 1 and "framework mode" in proc.stderr
 
 
 def test_standalone_tp2_matches_transformers(reference, tmp_path):
     model_dir = migrate(reference, tmp_path / "models", "--mode", "standalone")
-    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})))
+    proc = skill(
+        "parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2}))
+    )
     assert proc.returncode == 0, proc.stderr
     assert shutil.which("bash")
-    out = run_json(["bash", str(model_dir / "infer.sh"), "--json", "--raw", "--max_new_tokens", str(NEW_TOKENS),
-                    *prompts_args()])  # infer.sh now points at the TP2 YAML: torchrun, 2 ranks, rank 0 prints
+    out = run_json(
+        [
+            "bash",
+            str(model_dir / "infer.sh"),
+            "--json",
+            "--raw",
+            "--max_new_tokens",
+            str(NEW_TOKENS),
+            *prompts_args(),
+        ]
+    )  # infer.sh now points at the TP2 YAML: torchrun, 2 ranks, rank 0 prints
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
 
 
 def test_bfloat16_model_shards_check_in_its_dtype(reference, tmp_path):
     model_dir = migrate(reference, tmp_path / "models", "--dtype", "bfloat16")
-    proc = skill("parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2})),
-                 "--json")
+    proc = skill(
+        "parallelize",
+        str(model_dir),
+        "--config",
+        str(config_file(tmp_path, {"parallel_config": TP2})),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     done = json.loads(proc.stdout)
     assert done["total_param_bytes"] == 2 * sum(
-        t.numel() for t in safetensors.torch.load_file(reference["ckpt"] / "model.safetensors").values())
+        t.numel() for t in safetensors.torch.load_file(reference["ckpt"] / "model.safetensors").values()
+    )

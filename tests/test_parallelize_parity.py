@@ -1,5 +1,6 @@
 """`skill parallelize` on migrated tiny checkpoints: every scenario's multi-rank run (torchrun, gloo) gives the
 greedy tokens of the single-rank run and of transformers, and every rank holds the parameter bytes the plan says."""
+
 import json
 import subprocess
 import sys
@@ -30,9 +31,21 @@ SCENARIOS = {
 
 
 def run(model_dir: Path, yaml_path: Path | None = None) -> dict:
-    return run_json([sys.executable, "-m", "skills.cli", "run", str(model_dir), "--json", "--raw",
-                     "--max-new-tokens", str(NEW_TOKENS), *prompts_args(),
-                     *(["--yaml", str(yaml_path)] if yaml_path else [])])
+    return run_json(
+        [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "run",
+            str(model_dir),
+            "--json",
+            "--raw",
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            *prompts_args(),
+            *(["--yaml", str(yaml_path)] if yaml_path else []),
+        ]
+    )
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -61,9 +74,23 @@ def test_tp2_from_convert_weights_output(migrated, tmp_path):
     reference, model_dir = migrated
     config = parallel_yaml(tmp_path / "tp2.yaml", *SCENARIOS["tp2"])
     assert parallelize(model_dir, config).returncode == 0
-    proc = subprocess.run([sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config",
-                           str(config), "-o", str(tmp_path / "shards"), "--json"], capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "convert-weights",
+            str(model_dir),
+            "--config",
+            str(config),
+            "-o",
+            str(tmp_path / "shards"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
     out = run(model_dir, Path(done["yaml"]))
@@ -75,7 +102,9 @@ def test_tp2_from_convert_weights_output(migrated, tmp_path):
 def test_tp_dp_pattern_on_other_architectures(arch, tmp_path_factory, tmp_path):
     reference = build_reference(arch, tmp_path_factory)
     model_dir = migrate(reference, tmp_path / "models")
-    proc = parallelize(model_dir, parallel_yaml(tmp_path / "p.yaml", *SCENARIOS["tp2_dp2_dense_tp4"]), "--json")
+    proc = parallelize(
+        model_dir, parallel_yaml(tmp_path / "p.yaml", *SCENARIOS["tp2_dp2_dense_tp4"]), "--json"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
     out = run(model_dir, Path(done["yaml"]))

@@ -1,4 +1,5 @@
 """The runtime reproduces transformers on the same weights: greedy tokens and prefill logits (fp32)."""
+
 import json
 import os
 import subprocess
@@ -20,18 +21,34 @@ def reference(tiny_llama_dir):
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     ids = [tok(p)["input_ids"] for p in PARITY_PROMPTS]
     with torch.no_grad():
-        tokens = [model.generate(torch.tensor([x]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)[0, len(x):].tolist() for x in ids]
+        tokens = [
+            model.generate(
+                torch.tensor([x]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id
+            )[0, len(x) :].tolist()
+            for x in ids
+        ]
         logits = [model(torch.tensor([x])).logits[0, -1] for x in ids]
     return {"ids": ids, "tokens": tokens, "logits": torch.stack(logits)}
 
 
 def skill_run(model_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "skills.cli", "run", str(model_dir), "--json", "--raw",
-           "--max-new-tokens", str(NEW_TOKENS), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "skills.cli",
+        "run",
+        str(model_dir),
+        "--json",
+        "--raw",
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        *args,
+    ]
     for p in PARITY_PROMPTS:
         cmd += ["--prompt", p]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

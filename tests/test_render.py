@@ -1,5 +1,6 @@
 """Artifact rendering: the YAML loads in the runtime, scripts parse, output is deterministic, and the
 standalone runner reproduces transformers' greedy tokens."""
+
 import importlib.util
 import json
 import os
@@ -26,10 +27,19 @@ NEW_TOKENS = 16
 
 
 def make_ctx(**overrides) -> RenderContext:
-    base = RenderContext(name="tiny_llama", class_name="TinyLlama", mode="framework",
-                         model_source="hf-internal/tiny-llama", model_path="/ckpt/tiny_llama", dtype="bfloat16",
-                         skill_executable=SKILL, batch_size=4, max_new_tokens=16, input_truncated_len=64,
-                         custom_params={"kv_layout": "legacy", "use_fast_rope": False})
+    base = RenderContext(
+        name="tiny_llama",
+        class_name="TinyLlama",
+        mode="framework",
+        model_source="hf-internal/tiny-llama",
+        model_path="/ckpt/tiny_llama",
+        dtype="bfloat16",
+        skill_executable=SKILL,
+        batch_size=4,
+        max_new_tokens=16,
+        input_truncated_len=64,
+        custom_params={"kv_layout": "legacy", "use_fast_rope": False},
+    )
     return replace(base, **overrides)
 
 
@@ -55,10 +65,18 @@ def test_yaml_loads_in_the_runtime(tmp_path, mode):
     cfg = load_yaml(tmp_path, files)
     assert (cfg.model_name, cfg.world_size) == ("tiny_llama", 1)
     mc = cfg.model_config
-    assert (mc.model_path, mc.dtype, mc.exe_mode, mc.with_ckpt) == ("/ckpt/tiny_llama", "bfloat16", "eager", True)
+    assert (mc.model_path, mc.dtype, mc.exe_mode, mc.with_ckpt) == (
+        "/ckpt/tiny_llama",
+        "bfloat16",
+        "eager",
+        True,
+    )
     assert mc.custom_params == {"kv_layout": "legacy", "use_fast_rope": False}
-    assert (cfg.data_config.dataset, cfg.data_config.input_truncated_len, cfg.data_config.prompts) == \
-        ("default", 64, None)
+    assert (cfg.data_config.dataset, cfg.data_config.input_truncated_len, cfg.data_config.prompts) == (
+        "default",
+        64,
+        None,
+    )
     sc = cfg.scheduler_config
     assert (sc.batch_size, sc.max_new_tokens, sc.block_size, sc.ignore_eos) == (4, 16, 128, False)
 
@@ -79,12 +97,12 @@ def test_inconsistent_sizes_are_rejected_at_render_time():
 
 
 def test_booleans_are_capitalised_and_prompts_inline(tmp_path):
-    files = render_artifacts(make_ctx(prompts=["Say \"hi\": yes", "two"]))
+    files = render_artifacts(make_ctx(prompts=['Say "hi": yes', "two"]))
     text = files["config/tiny_llama.yaml"]
     assert not re.search(r":\s*(true|false)\b", text)
     for key in ("with_ckpt: True", "enable_profiler: False", "ignore_eos: False", "use_fast_rope: False"):
         assert key in text
-    assert load_yaml(tmp_path, files).data_config.prompts == ["Say \"hi\": yes", "two"]
+    assert load_yaml(tmp_path, files).data_config.prompts == ['Say "hi": yes', "two"]
 
 
 @pytest.mark.parametrize("mode", ["framework", "standalone"])
@@ -100,16 +118,24 @@ def test_scripts_parse(tmp_path, mode):
 
 def test_rendering_is_deterministic():
     for mode in ("framework", "standalone"):
-        ctx = make_ctx(mode=mode, baseline={"prefill_ms": 1.0, "decode_avg_ms": 2.0, "output_text": "x",
-                                            "device": "cpu"})
+        ctx = make_ctx(
+            mode=mode, baseline={"prefill_ms": 1.0, "decode_avg_ms": 2.0, "output_text": "x", "device": "cpu"}
+        )
         assert render_artifacts(ctx) == render_artifacts(make_ctx(**vars(ctx)))
 
 
 def test_readme_baseline_unverified_and_multi_card_note():
-    baseline = {"prefill_ms": 12.345, "decode_avg_ms": 3.5, "output_text": "Paris | France\nyes", "device": "cpu"}
+    baseline = {
+        "prefill_ms": 12.345,
+        "decode_avg_ms": 3.5,
+        "output_text": "Paris | France\nyes",
+        "device": "cpu",
+    }
     readme = render_artifacts(make_ctx(baseline=baseline))["README.md"]
     assert "| cpu | 12.35 | 3.50 | Paris \\| France<br>yes |" in readme
-    assert "## Verified\n\nNot verified yet: `skill verify .`" in readme  # until skill verify records a result
+    assert (
+        "## Verified\n\nNot verified yet: `skill verify .`" in readme
+    )  # until skill verify records a result
     assert "multi-card" not in readme
     readme = render_artifacts(make_ctx(world_size=2, needs_multi_card=True))["README.md"]
     assert "Needs multi-card" in readme and "Not collected" in readme
@@ -124,8 +150,9 @@ def test_requirements_follow_the_project_pins():
 
 
 def infer_sh(model_dir: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(model_dir / "infer.sh"), *args], check=False, capture_output=True,
-                          text=True, **kwargs)
+    return subprocess.run(
+        ["bash", str(model_dir / "infer.sh"), *args], check=False, capture_output=True, text=True, **kwargs
+    )
 
 
 def _stub(path: Path, body: str) -> None:
@@ -142,21 +169,29 @@ def test_infer_sh_launches_logs_and_propagates_the_exit_code(tmp_path, mode, wor
     _stub(bin_dir / "skill", '# skills.cli stand-in\necho "skill $*"; echo "stub stderr" >&2; exit 3')
     _stub(bin_dir / "torchrun", 'echo "torchrun $*"; echo "stub stderr" >&2; exit 4')
     _stub(bin_dir / "python", f'exec {sys.executable} "$@"')
-    write(model_dir, render_artifacts(make_ctx(mode=mode, world_size=world_size,
-                                               skill_executable=str(bin_dir / "skill"))))
+    write(
+        model_dir,
+        render_artifacts(make_ctx(mode=mode, world_size=world_size, skill_executable=str(bin_dir / "skill"))),
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("SKILL", "YAML", "RES_PATH")}
     env["PATH"] = "/usr/bin:/bin"  # no model-infer-skills `skill` (maybe procps' one): the rendered fallback
     proc = infer_sh(model_dir, "--raw", cwd=elsewhere, env=env)
     yaml_path = model_dir / "config" / "tiny_llama.yaml"
     run = f"run {model_dir} --yaml {yaml_path} --raw"
-    expected = {("framework", 1): (3, f"skill {run}\n"),
-                ("framework", 2): (4, f"torchrun --nproc-per-node 2 {bin_dir / 'skill'} {run}\n"),
-                ("standalone", 2): (4, f"torchrun --nproc-per-node 2 {model_dir / 'infer.py'} --yaml_file_path "
-                                       + f"{yaml_path} --raw\n")}
+    expected = {
+        ("framework", 1): (3, f"skill {run}\n"),
+        ("framework", 2): (4, f"torchrun --nproc-per-node 2 {bin_dir / 'skill'} {run}\n"),
+        ("standalone", 2): (
+            4,
+            f"torchrun --nproc-per-node 2 {model_dir / 'infer.py'} --yaml_file_path "
+            + f"{yaml_path} --raw\n",
+        ),
+    }
     assert (proc.returncode, proc.stdout) == expected[mode, world_size], proc.stderr
     assert proc.stderr == "stub stderr\n"
-    assert sorted((model_dir / "logs" / "log_0.log").read_text().splitlines()) == \
-        sorted([proc.stdout.strip(), "stub stderr"])
+    assert sorted((model_dir / "logs" / "log_0.log").read_text().splitlines()) == sorted(
+        [proc.stdout.strip(), "stub stderr"]
+    )
     other = tmp_path / "other.yaml"
     shutil.copy(yaml_path, other)
     proc = infer_sh(model_dir, env={**env, "YAML": str(other)})
@@ -170,9 +205,12 @@ def hf_greedy(tiny_llama_dir) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     with torch.no_grad():
-        return [model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
-                for ids in (tok(p)["input_ids"] for p in PARITY_PROMPTS)]
+        return [
+            model.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id
+            )[0, len(ids) :].tolist()
+            for ids in (tok(p)["input_ids"] for p in PARITY_PROMPTS)
+        ]
 
 
 @pytest.mark.parametrize("mode", ["standalone", "framework"])
@@ -180,9 +218,18 @@ def test_infer_sh_matches_transformers_generate(tmp_path, tiny_llama_dir, hf_gre
     """infer.sh -> infer.py + runner (standalone) or `skill run` (framework) over a legacy-KV contract model;
     batch 2 packs prompts of unequal length and leaves a second batch for the standalone runner."""
     model_dir = make_model_dir(tmp_path, tiny_llama_dir, kv_layout="legacy")
-    ctx = make_ctx(name="contract_llama", class_name="ContractLlama", mode=mode, model_path=str(tiny_llama_dir),
-                   dtype="float32", kv_layout="legacy", batch_size=2, max_new_tokens=NEW_TOKENS,
-                   custom_params={"kv_layout": "legacy"}, prompts=PARITY_PROMPTS)
+    ctx = make_ctx(
+        name="contract_llama",
+        class_name="ContractLlama",
+        mode=mode,
+        model_path=str(tiny_llama_dir),
+        dtype="float32",
+        kv_layout="legacy",
+        batch_size=2,
+        max_new_tokens=NEW_TOKENS,
+        custom_params={"kv_layout": "legacy"},
+        prompts=PARITY_PROMPTS,
+    )
     write(model_dir, render_artifacts(ctx))
     # One thread: two OpenMP threads on a shared 2-core machine can slow each step a hundredfold.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -200,8 +247,15 @@ def test_infer_sh_matches_transformers_generate(tmp_path, tiny_llama_dir, hf_gre
 
 def test_standalone_runner_refuses_remote_code_without_trust(tmp_path, tiny_llama_dir):
     model_dir = make_model_dir(tmp_path, tiny_llama_dir)
-    files = render_artifacts(make_ctx(name="contract_llama", class_name="ContractLlama", mode="standalone",
-                                      model_path=str(tiny_llama_dir), custom_params={"remote_code": True}))
+    files = render_artifacts(
+        make_ctx(
+            name="contract_llama",
+            class_name="ContractLlama",
+            mode="standalone",
+            model_path=str(tiny_llama_dir),
+            custom_params={"remote_code": True},
+        )
+    )
     write(model_dir, files)
     spec = importlib.util.spec_from_file_location("runner_remote", model_dir / "runner_contract_llama.py")
     module = importlib.util.module_from_spec(spec)
@@ -217,20 +271,34 @@ def test_infer_sh_online_mode_and_node_lists(tmp_path):
     _stub(bin_dir / "skill", '# skills.cli stand-in\necho "skill $*"')
     _stub(bin_dir / "torchrun", 'echo "torchrun $*"')
     _stub(bin_dir / "python", f'exec {sys.executable} "$@"')
-    write(model_dir, render_artifacts(make_ctx(mode="framework", world_size=2, skill_executable=str(bin_dir / "skill"))))
+    write(
+        model_dir,
+        render_artifacts(make_ctx(mode="framework", world_size=2, skill_executable=str(bin_dir / "skill"))),
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("SKILL", "YAML", "RES_PATH", "IPS", "NODE_RANK")}
     env["PATH"] = "/usr/bin:/bin"
     skill, yaml_path = bin_dir / "skill", model_dir / "config" / "tiny_llama.yaml"
     out = infer_sh(model_dir, "--mode", "online", "--pd-role", "prefill", "--port", "9000", env=env)
-    assert out.stdout == f"skill serve {model_dir} --yaml {yaml_path} --pd-role prefill --port 9000\n", out.stderr
+    assert out.stdout == f"skill serve {model_dir} --yaml {yaml_path} --pd-role prefill --port 9000\n", (
+        out.stderr
+    )
     nodes = {**env, "IPS": "10.0.0.1 10.0.0.2", "NODE_RANK": "1"}
     out = infer_sh(model_dir, "--raw", env=nodes)
-    assert out.stdout == (f"torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
-                          f"--nproc-per-node 1 {skill} run {model_dir} --yaml {yaml_path} --raw\n"), out.stderr
-    out = infer_sh(model_dir, "--mode=online", "--pd-role", "decode", env={**nodes, "DECODE_IPS": "10.0.1.1 10.0.1.2",
-                                                                           "MASTER_PORT": "4000"})
-    assert out.stdout == (f"skill serve {model_dir} --yaml {yaml_path} --nnodes 2 --node-rank 1 --master-addr "
-                          "10.0.1.1 --master-port 4000 --pd-role decode\n"), out.stderr
+    assert out.stdout == (
+        f"torchrun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
+        f"--nproc-per-node 1 {skill} run {model_dir} --yaml {yaml_path} --raw\n"
+    ), out.stderr
+    out = infer_sh(
+        model_dir,
+        "--mode=online",
+        "--pd-role",
+        "decode",
+        env={**nodes, "DECODE_IPS": "10.0.1.1 10.0.1.2", "MASTER_PORT": "4000"},
+    )
+    assert out.stdout == (
+        f"skill serve {model_dir} --yaml {yaml_path} --nnodes 2 --node-rank 1 --master-addr "
+        "10.0.1.1 --master-port 4000 --pd-role decode\n"
+    ), out.stderr
     out = infer_sh(model_dir, env={**env, "IPS": "10.255.0.1 10.255.0.2"})
     assert out.returncode == 2 and "set NODE_RANK" in out.stderr
     out = infer_sh(model_dir, "--mode", "serve", env=env)

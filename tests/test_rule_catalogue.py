@@ -1,6 +1,7 @@
 """The rule catalogue: every migrate / parallelize rule is a codemod with a stable id and a one-line
 description, `--list-rules` prints them in order, `--disable ID` skips one, and each rule has its
 before / after, idempotency and no-op tests in tests/rules or tests/parallel_rules."""
+
 import re
 import subprocess
 import sys
@@ -31,17 +32,29 @@ def test_ids_are_unique_and_follow_the_order_of_application():
 @pytest.mark.parametrize("rule", ALL, ids=lambda r: r.ID)
 def test_every_rule_has_before_after_idempotency_and_noop_tests(rule):
     folder = TESTS / ("parallel_rules" if rule in PARALLEL_RULES else "rules")
-    owners = [p for p in folder.glob("test_*.py") if re.search(rf"\bimport {rule.__name__} as rule\b", p.read_text())]
+    owners = [
+        p
+        for p in folder.glob("test_*.py")
+        if re.search(rf"\bimport {rule.__name__} as rule\b", p.read_text())
+    ]
     assert len(owners) == 1, f"{rule.ID} {rule.__name__} needs one test module in {folder}"
     tests = owners[0].read_text()
-    assert "assert_codemod(" in tests or "def test_idempotent" in tests, f"{owners[0].name}: no idempotency test"
-    assert "assert_noop(" in tests or re.search(r"def test_\w*untouched", tests), f"{owners[0].name}: no no-op test"
+    assert "assert_codemod(" in tests or "def test_idempotent" in tests, (
+        f"{owners[0].name}: no idempotency test"
+    )
+    assert "assert_noop(" in tests or re.search(r"def test_\w*untouched", tests), (
+        f"{owners[0].name}: no no-op test"
+    )
 
 
 @pytest.mark.parametrize("command,rules", [("migrate", MIGRATE_RULES), ("parallelize", PARALLEL_RULES)])
 def test_list_rules(command, rules):
-    proc = subprocess.run([sys.executable, "-m", "skills.cli", command, "--list-rules"], capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "skills.cli", command, "--list-rules"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[:2] for line in proc.stdout.splitlines()] == [[r.ID, r.__name__] for r in rules]
 

@@ -212,8 +212,13 @@ def test_legacy_rows_limit_running_requests():
     drain(s)
     assert all(r.output_token_ids == expected_outputs(r) for r in reqs)
     assert kv.usage_summary().endswith(" 0 rows in use, peak 2 of 2")
-    assert kv.stats() == {"layout": "legacy", "num_blocks": 2, "block_size": 16, "used_blocks": 0,
-                          "peak_used_blocks": 2}
+    assert kv.stats() == {
+        "layout": "legacy",
+        "num_blocks": 2,
+        "block_size": 16,
+        "used_blocks": 0,
+        "peak_used_blocks": 2,
+    }
 
 
 @pytest.mark.parametrize("prompt_len, max_new", [(9, 1), (7, 3)], ids=["prompt", "prompt_plus_outputs"])

@@ -1,6 +1,7 @@
 """`skill serve` on a tiny random checkpoint through the official openai client: greedy answers equal the
 offline `skill run`, streamed or not, under concurrency; errors get OpenAI's statuses; dropped clients free
 their KV blocks; SIGTERM lets in-flight requests finish and exits 0. Loopback only, every wait bounded."""
+
 import asyncio
 import os
 import signal
@@ -27,7 +28,9 @@ def model_dir(tmp_path_factory, tiny_llama_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    with serving(model_dir, tmp_path_factory.mktemp("log") / "serve.log", "--api-key", KEY, "--max-queue", "64") as s:
+    with serving(
+        model_dir, tmp_path_factory.mktemp("log") / "serve.log", "--api-key", KEY, "--max-queue", "64"
+    ) as s:
         yield s
 
 
@@ -50,13 +53,28 @@ def test_completions_equal_offline_streamed_or_not(client, offline_raw):
     for prompt, ref in zip(PARITY_PROMPTS, offline_raw, strict=True):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0)
         assert (r.choices[0].text, r.choices[0].finish_reason) == (ref["text"], ref["finish_reason"])
-        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref["prompt_token_ids"]),
-                                                                      len(ref["token_ids"]))
-        by_ids = client.completions.create(model=MODEL, prompt=ref["prompt_token_ids"], max_tokens=NEW, temperature=0,
-                                           extra_body={"return_token_ids": True})
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
+            len(ref["prompt_token_ids"]),
+            len(ref["token_ids"]),
+        )
+        by_ids = client.completions.create(
+            model=MODEL,
+            prompt=ref["prompt_token_ids"],
+            max_tokens=NEW,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
         assert by_ids.choices[0].text == ref["text"] and by_ids.choices[0].token_ids == ref["token_ids"]
-        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=NEW,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref["finish_reason"]
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref["token_ids"])
@@ -72,31 +90,56 @@ def test_chat_equals_offline_streamed_or_not(client, offline_chat):
     for prompt, ref in zip(PARITY_PROMPTS, offline_chat, strict=True):
         messages = [{"role": "user", "content": prompt}]
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0)
-        assert r.choices[0].message.content == ref["text"] and r.choices[0].finish_reason == ref["finish_reason"]
+        assert (
+            r.choices[0].message.content == ref["text"] and r.choices[0].finish_reason == ref["finish_reason"]
+        )
         assert r.usage.prompt_tokens == len(ref["prompt_token_ids"])
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0,
-                                                     stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=NEW, temperature=0, stream=True
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
-        ids = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0,
-                                             stream=True, extra_body={"return_token_ids": True})
-        assert [t for c in ids for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == ref["token_ids"]
+        ids = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=NEW,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+        assert [t for c in ids for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == ref[
+            "token_ids"
+        ]
         assert chunks[-1].choices[0].finish_reason == ref["finish_reason"]
 
 
 def test_logprobs_when_asked(client, offline_raw):
-    r = client.completions.create(model=MODEL, prompt=PARITY_PROMPTS[1], max_tokens=NEW, temperature=0, logprobs=3)
+    r = client.completions.create(
+        model=MODEL, prompt=PARITY_PROMPTS[1], max_tokens=NEW, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == r.usage.completion_tokens
     assert r.choices[0].text == offline_raw[1]["text"]
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
-        assert len(top) <= 3 and chosen <= 0 and chosen == pytest.approx(max(top.values()))  # greedy: the top one
-    assert sum(2.718281828 ** v for v in lp.top_logprobs[0].values()) <= 1 + 1e-5
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+        assert (
+            len(top) <= 3 and chosen <= 0 and chosen == pytest.approx(max(top.values()))
+        )  # greedy: the top one
+    assert sum(2.718281828**v for v in lp.top_logprobs[0].values()) <= 1 + 1e-5
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
-    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+    assert all(
+        len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content
+    )
     plain = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
 
@@ -106,8 +149,9 @@ def test_concurrent_clients_equal_offline_and_free_every_block(server, offline_r
         aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
         async def streamed(prompt: str) -> str:
-            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
-                                                      stream=True)
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0, stream=True
+            )
             return "".join([c.choices[0].text async for c in stream])
 
         async def whole(prompt: str) -> str:
@@ -150,18 +194,22 @@ def test_errors_get_openai_statuses_and_the_server_keeps_serving(server):
     _error(_post(server, "/v1/completions", {**ok, "max_tokens": -1}), 400, "max_tokens")
     _error(_post(server, "/v1/completions", {**ok, "temperature": "hot"}), 400, "temperature")
     _error(_post(server, "/v1/completions", {**ok, "n": 2}), 400, "n")
-    _error(_post(server, "/v1/completions", {**ok, "seed": 2 ** 70}), 400, "seed")  # never reaches the engine
+    _error(_post(server, "/v1/completions", {**ok, "seed": 2**70}), 400, "seed")  # never reaches the engine
     _error(_post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
     _error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
-    _error(_post(server, "/v1/completions", {**ok, "prompt": [10 ** 9]}), 400, "prompt")
+    _error(_post(server, "/v1/completions", {**ok, "prompt": [10**9]}), 400, "prompt")
     limit = 64 + 16  # input_truncated_len + max_new_tokens of the YAML
-    msg = _error(_post(server, "/v1/completions", {**ok, "prompt": [5] * 70, "max_tokens": 20}), 400, "max_tokens")
+    msg = _error(
+        _post(server, "/v1/completions", {**ok, "prompt": [5] * 70, "max_tokens": 20}), 400, "max_tokens"
+    )
     assert all(str(n) in msg for n in (limit, 70, 20))
     assert "does not exist" in _error(_post(server, "/v1/completions", {**ok, "model": "nope"}), 404, "model")
     _error(_post(server, "/v1/completions", ok, key=None), 401)
     _error(_post(server, "/v1/completions", ok, key="wrong"), 401)
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
-    models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    models = httpx.get(
+        f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10
+    ).json()
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == limit
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # open without a key
     assert _post(server, "/v1/completions", ok).status_code == 200
@@ -174,8 +222,16 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.fixture()
 def small_server(model_dir, tmp_path):
-    with serving(model_dir, tmp_path / "serve.log", "--max-queue", "0", "--max-model-len", "4000",
-                 "--grace-period", "20") as s:
+    with serving(
+        model_dir,
+        tmp_path / "serve.log",
+        "--max-queue",
+        "0",
+        "--max-model-len",
+        "4000",
+        "--grace-period",
+        "20",
+    ) as s:
         yield s
 
 
@@ -194,7 +250,9 @@ def test_full_queue_dropped_clients_and_sigterm(small_server):
 
     before = server.metrics()["skill_generation_tokens_total"]
     longer = {**long, "max_tokens": 3900}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**longer, "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**longer, "stream": True}, timeout=60
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # the client goes away after the first chunk
     with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
@@ -207,8 +265,12 @@ def test_full_queue_dropped_clients_and_sigterm(small_server):
     done: list[str] = []
 
     def finish_during_shutdown() -> None:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json={**long, "max_tokens": 60, "stream": True},
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/completions",
+            json={**long, "max_tokens": 60, "stream": True},
+            timeout=60,
+        ) as r:
             done.extend(r.iter_lines())
 
     t = threading.Thread(target=finish_during_shutdown)

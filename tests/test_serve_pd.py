@@ -2,6 +2,7 @@
 KV is re-sharded by head on the way) and one decode instance (W=1) answers exactly as the offline run; a prefill
 error comes back at once; a request whose KV never comes fails with 503 within the timeout and leaks no block;
 a killed decode instance gives 503 at once."""
+
 import os
 import signal
 import time
@@ -26,20 +27,57 @@ def pd(served_llama, tmp_path_factory):
     bootstrap = str(free_port())  # the W=1 prefill's; the router names each prefill to the decode side
     pd_args = ["--kv-timeout", KV_TIMEOUT, "--max-model-len", "4000"]
     with ExitStack() as stack:
-        p1 = stack.enter_context(serving(model_dir, logs / "prefill1.log", "--pd-role", "prefill", *pd_args,
-                                         "--bootstrap-port", bootstrap))
-        p2 = stack.enter_context(serving(model_dir, logs / "prefill2.log", "--pd-role", "prefill", *pd_args,
-                                         "--bootstrap-port", str(free_port()), "--yaml", str(yamls["tp2"])))
-        decode = stack.enter_context(serving(model_dir, logs / "decode.log", "--pd-role", "decode", *pd_args,
-                                             "--bootstrap-port", bootstrap))
-        router = stack.enter_context(serving(None, logs / "router.log", "--pd-role", "router", "--prefill", p1.url,
-                                             "--prefill", p2.url, "--decode", decode.url))
+        p1 = stack.enter_context(
+            serving(
+                model_dir,
+                logs / "prefill1.log",
+                "--pd-role",
+                "prefill",
+                *pd_args,
+                "--bootstrap-port",
+                bootstrap,
+            )
+        )
+        p2 = stack.enter_context(
+            serving(
+                model_dir,
+                logs / "prefill2.log",
+                "--pd-role",
+                "prefill",
+                *pd_args,
+                "--bootstrap-port",
+                str(free_port()),
+                "--yaml",
+                str(yamls["tp2"]),
+            )
+        )
+        decode = stack.enter_context(
+            serving(
+                model_dir, logs / "decode.log", "--pd-role", "decode", *pd_args, "--bootstrap-port", bootstrap
+            )
+        )
+        router = stack.enter_context(
+            serving(
+                None,
+                logs / "router.log",
+                "--pd-role",
+                "router",
+                "--prefill",
+                p1.url,
+                "--prefill",
+                p2.url,
+                "--decode",
+                decode.url,
+            )
+        )
         yield SimpleNamespace(prefills=[p1, p2], decode=decode, router=router, offline=offline)
 
 
 def test_pd_equals_offline(pd):
     for _ in range(2):  # 24 requests: both prefill instances get some (all on one: p = 2 ** -23)
-        assert served_texts(pd.router.url, "default", NEW_TOKENS) == pd.offline["raw"] * 2 + pd.offline["chat"]
+        assert (
+            served_texts(pd.router.url, "default", NEW_TOKENS) == pd.offline["raw"] * 2 + pd.offline["chat"]
+        )
     requests = 2 * 3 * len(PARITY_PROMPTS)
     prefill = [p.wait_idle() for p in pd.prefills]
     decode = pd.decode.wait_idle()
@@ -63,9 +101,14 @@ def test_lost_kv_bad_requests_and_a_dead_decode_instance(pd):
     bad = httpx.post(f"{router.url}/v1/completions", json={**routed, "n": 2}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
     before = decode.metrics()["skill_generation_tokens_total"]
-    with pytest.raises(httpx.ReadTimeout):  # a non-streamed client that gives up: the router drops both halves
-        httpx.post(f"{router.url}/v1/completions", json={**routed, "max_tokens": 3900, "ignore_eos": True},
-                   timeout=1.0)
+    with pytest.raises(
+        httpx.ReadTimeout
+    ):  # a non-streamed client that gives up: the router drops both halves
+        httpx.post(
+            f"{router.url}/v1/completions",
+            json={**routed, "max_tokens": 3900, "ignore_eos": True},
+            timeout=1.0,
+        )
     m = decode.wait_idle()
     assert m["skill_kv_cache_used_blocks"] == 0 and m["skill_generation_tokens_total"] - before < 3900
     os.kill(decode.proc.pid, signal.SIGKILL)

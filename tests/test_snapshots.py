@@ -1,5 +1,6 @@
 """The checked-in snapshots (tests/snapshots/) are what the rules make of the pinned transformers' real
 llama / qwen3 / gemma3_text files now, byte for byte; they and the whole project pass ruff."""
+
 import re
 import subprocess
 import sys
@@ -23,13 +24,16 @@ def test_snapshots_match_the_rules():
 def test_snapshots_are_of_the_pinned_transformers():
     pin = re.search(r'"transformers==([^"]+)"', (REPO / "pyproject.toml").read_text())[1]
     recorded = (snapshots.ROOT / snapshots.VERSION_FILE).read_text().strip()
-    assert pin == recorded == transformers.__version__, f"pin {pin}, snapshots {recorded}, installed " \
+    assert pin == recorded == transformers.__version__, (
+        f"pin {pin}, snapshots {recorded}, installed "
         f"{transformers.__version__}: change them together (`{UPDATE}`)"
+    )
 
 
 def test_project_and_snapshots_pass_ruff_with_one_style():
     assert re.search(rf"^line-length = {LINE_LENGTH}$", (REPO / "pyproject.toml").read_text(), re.MULTILINE)
-    for args in (["check", "."],):
-        proc = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=REPO, capture_output=True, text=True,
-                              check=False)
+    for args in (["check", "."], ["format", "--check", "."]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ruff", *args], cwd=REPO, capture_output=True, text=True, check=False
+        )
         assert proc.returncode == 0, f"ruff {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}"

@@ -1,4 +1,5 @@
 """Source resolution without the network: local dirs, a hand-built HF cache, and fast offline failures."""
+
 import time
 from pathlib import Path
 
@@ -35,7 +36,9 @@ def cache_repo(cache: Path, repo_id: str) -> Path:
 def test_local_dir(tmp_path: Path):
     (tmp_path / "config.json").write_text("{}")
     resolved = resolve_source(str(tmp_path))
-    assert resolved.path == tmp_path.resolve() and resolved.repo_id is None and resolved.source == str(tmp_path)
+    assert (
+        resolved.path == tmp_path.resolve() and resolved.repo_id is None and resolved.source == str(tmp_path)
+    )
 
 
 def test_local_dir_without_config(tmp_path: Path):
@@ -48,8 +51,15 @@ def test_missing_local_path():
         resolve_source("/nonexistent/model/dir")
 
 
-@pytest.mark.parametrize("source", ["org/tiny", "https://huggingface.co/org/tiny",
-                                    "https://huggingface.co/org/tiny/tree/main", "hf.co/org/tiny/"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "org/tiny",
+        "https://huggingface.co/org/tiny",
+        "https://huggingface.co/org/tiny/tree/main",
+        "hf.co/org/tiny/",
+    ],
+)
 def test_cache_hit(hf_cache: Path, source: str):
     snapshot = cache_repo(hf_cache, "org/tiny")
     resolved = resolve_source(source)

@@ -1,5 +1,6 @@
 """`skill verify`: a migrated directory is compared with transformers on the same weights; a hand edit that
 changes greedy tokens is caught (exit 4, prompt and position named) and recorded, not hidden."""
+
 import json
 import re
 import subprocess
@@ -12,12 +13,16 @@ from tiny_checkpoint import PARITY_PROMPTS
 
 
 def skill(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False
+    )
 
 
 @pytest.fixture(scope="module")
 def migrated(tiny_llama_dir, tmp_path_factory) -> Path:
-    proc = skill("migrate", str(tiny_llama_dir), "-o", str(tmp_path_factory.mktemp("verify")), "--no-run", "--json")
+    proc = skill(
+        "migrate", str(tiny_llama_dir), "-o", str(tmp_path_factory.mktemp("verify")), "--no-run", "--json"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return Path(json.loads(proc.stdout)["model_dir"])
 
@@ -32,7 +37,7 @@ def verify(model_dir: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess
 def recorded(model_dir: Path) -> tuple[dict, str]:
     metadata = json.loads((model_dir / "agentic" / "baseline" / "baseline_metadata.json").read_text())
     readme = (model_dir / "README.md").read_text()
-    return metadata["verification"], readme[readme.index("## Verified"):]
+    return metadata["verification"], readme[readme.index("## Verified") :]
 
 
 def test_unchanged_directory_is_identical(migrated, tmp_path):
@@ -49,8 +54,9 @@ def test_altered_constant_is_a_mismatch_naming_prompt_and_position(migrated, tmp
     altered = tmp_path / "altered"
     subprocess.run(["cp", "-r", str(migrated), str(altered)], check=True)
     modeling = altered / "models" / "modeling_llama.py"
-    code, n = re.subn(r"self\.scaling = self\.head_dim\*\*-0\.5", "self.scaling = self.head_dim**0.5",
-                      modeling.read_text())
+    code, n = re.subn(
+        r"self\.scaling = self\.head_dim\*\*-0\.5", "self.scaling = self.head_dim**0.5", modeling.read_text()
+    )
     assert n == 1
     modeling.write_text(code)
     proc, result = verify(altered, tmp_path)
@@ -78,8 +84,19 @@ def test_checkpoint_transformers_cannot_load_is_reported(migrated, tmp_path):
 
 def test_parallelize_verifies_the_multi_rank_run(migrated, tmp_path):
     tp2 = tmp_path / "tp2.yaml"
-    tp2.write_text(yaml.safe_dump({"parallel_config": {"world_size": 2, "attn_tp_size": 2, "dense_tp_size": 2,
-                                                      "embed_tp_size": 2, "lmhead_tp_size": 2}}))
+    tp2.write_text(
+        yaml.safe_dump(
+            {
+                "parallel_config": {
+                    "world_size": 2,
+                    "attn_tp_size": 2,
+                    "dense_tp_size": 2,
+                    "embed_tp_size": 2,
+                    "lmhead_tp_size": 2,
+                }
+            }
+        )
+    )
     proc = skill("parallelize", str(migrated), "--config", str(tp2), "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     done = json.loads(proc.stdout)

@@ -7,4 +7,11 @@ from runtime.config.inference_config import (
     SchedulerConfig,
 )
 
-__all__ = ["DataConfig", "DisaggConfig", "InferenceConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig"]
+__all__ = [
+    "DataConfig",
+    "DisaggConfig",
+    "InferenceConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+]

@@ -13,12 +13,20 @@ if TYPE_CHECKING:
     from runtime.config import ParallelConfig
 
 # The TP group of each module kind and the parallel_config size it is laid out by (seed 002's table).
-TP_GROUP_SIZES = {"attn_tp_group": "attn_tp_size", "dense_tp_group": "dense_tp_size", "embed_tp_group": "embed_tp_size",
-                  "lmhead_tp_group": "lmhead_tp_size", "oproj_tp_group": "o_proj_tp_size",
-                  "moe_tp_group": "moe_tp_size", "shared_tp_group": "shared_tp_size"}
+TP_GROUP_SIZES = {
+    "attn_tp_group": "attn_tp_size",
+    "dense_tp_group": "dense_tp_size",
+    "embed_tp_group": "embed_tp_size",
+    "lmhead_tp_group": "lmhead_tp_size",
+    "oproj_tp_group": "o_proj_tp_size",
+    "moe_tp_group": "moe_tp_size",
+    "shared_tp_group": "shared_tp_size",
+}
 
 
-def group_layout(world_size: int, group_num: int, group_size: int, group_stride: int = 1) -> list[tuple[int, ...]]:
+def group_layout(
+    world_size: int, group_num: int, group_size: int, group_stride: int = 1
+) -> list[tuple[int, ...]]:
     """Global ranks of every group: stride 1 = consecutive blocks (TP), stride s > 1 = interleaved (DP / EP)."""
     assert group_num * group_size == world_size, (
         f"{group_num} groups x {group_size} ranks = {group_num * group_size}, but world_size is {world_size}"
@@ -27,8 +35,10 @@ def group_layout(world_size: int, group_num: int, group_size: int, group_stride:
         f"group_num {group_num} must be a multiple of group_stride {group_stride}"
     )
     return [
-        tuple((g // group_stride) * group_size * group_stride + g % group_stride + k * group_stride
-              for k in range(group_size))
+        tuple(
+            (g // group_stride) * group_size * group_stride + g % group_stride + k * group_stride
+            for k in range(group_size)
+        )
         for g in range(group_num)
     ]
 
@@ -82,8 +92,9 @@ class CommManager:
         spec = _Spec(group_num, group_size, group_stride, backend, allow_physical_reuse)
         if name in self._entries:
             if self._entries[name].spec != spec:
-                raise ValueError(f"process group {name!r} is already registered as {self._entries[name].spec}, "
-                                 f"not {spec}")
+                raise ValueError(
+                    f"process group {name!r} is already registered as {self._entries[name].spec}, not {spec}"
+                )
             return self._entries[name].group
         layout = group_layout(self.world_size, group_num, group_size, group_stride)
         mine = next(ranks for ranks in layout if self.rank in ranks)
@@ -109,11 +120,15 @@ class CommManager:
 
     def init_cpu_groups(self, attn_tp_size: int) -> None:
         """Gloo groups for broadcasting Python objects: this rank's attn-TP block and the DP leaders."""
-        assert self.world_size % attn_tp_size == 0, f"attn_tp_size {attn_tp_size} must divide {self.world_size}"
+        assert self.world_size % attn_tp_size == 0, (
+            f"attn_tp_size {attn_tp_size} must divide {self.world_size}"
+        )
         dp_size = self.world_size // attn_tp_size
         self.register_group("tp_cpu_group", dp_size, attn_tp_size, backend="gloo")
         # Ranks sharing an attn-TP index; TP index 0 gives the leaders 0, tp, 2tp, ...
-        self.register_group("dp_leader_group", attn_tp_size, dp_size, group_stride=attn_tp_size, backend="gloo")
+        self.register_group(
+            "dp_leader_group", attn_tp_size, dp_size, group_stride=attn_tp_size, backend="gloo"
+        )
 
     def _entry(self, name: str) -> _Entry:
         try:

@@ -62,11 +62,15 @@ class ModelConfig(_Section):
     def _known_mode(cls, v: str) -> str:
         if v in NPU_GRAPH_MODES:
             if not npu_importable():
-                raise ValueError(f"{v!r} is an Ascend graph mode and needs torch_npu, which is not installed "
-                                 "here; use \"compile\" (torch.compile of the decode step) or \"eager\"")
+                raise ValueError(
+                    f"{v!r} is an Ascend graph mode and needs torch_npu, which is not installed "
+                    'here; use "compile" (torch.compile of the decode step) or "eager"'
+                )
         elif v not in ("eager", "compile"):
-            raise ValueError(f"unknown mode {v!r}: use \"eager\", \"compile\" (torch.compile of the decode step), "
-                             "or with torch_npu \"ge_graph\" / \"npugraph_ex\"")
+            raise ValueError(
+                f'unknown mode {v!r}: use "eager", "compile" (torch.compile of the decode step), '
+                'or with torch_npu "ge_graph" / "npugraph_ex"'
+            )
         return v
 
     @property
@@ -75,10 +79,23 @@ class ModelConfig(_Section):
 
 
 # derived data-parallel size -> the tensor-parallel size it is world_size divided by
-_DERIVED = {"attn_dp_size": "attn_tp_size", "moe_ep_size": "moe_tp_size", "embed_dp_size": "embed_tp_size",
-            "lmhead_dp_size": "lmhead_tp_size", "dense_dp_size": "dense_tp_size"}
-_SPLITS = ("attn_tp_size", "dense_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size",
-           "o_proj_tp_size", "shared_tp_size", "cp_size")
+_DERIVED = {
+    "attn_dp_size": "attn_tp_size",
+    "moe_ep_size": "moe_tp_size",
+    "embed_dp_size": "embed_tp_size",
+    "lmhead_dp_size": "lmhead_tp_size",
+    "dense_dp_size": "dense_tp_size",
+}
+_SPLITS = (
+    "attn_tp_size",
+    "dense_tp_size",
+    "moe_tp_size",
+    "embed_tp_size",
+    "lmhead_tp_size",
+    "o_proj_tp_size",
+    "shared_tp_size",
+    "cp_size",
+)
 
 
 class ParallelConfig(_Section):
@@ -158,8 +175,12 @@ class DisaggConfig(_Section):
     kv_timeout_s: float = Field(30.0, gt=0)  # a request whose KV has not arrived by then fails
 
 
-_SECTIONS: dict[str, type[_Section]] = {"data_config": DataConfig, "model_config": ModelConfig,
-                                        "parallel_config": ParallelConfig, "scheduler_config": SchedulerConfig}
+_SECTIONS: dict[str, type[_Section]] = {
+    "data_config": DataConfig,
+    "model_config": ModelConfig,
+    "parallel_config": ParallelConfig,
+    "scheduler_config": SchedulerConfig,
+}
 
 
 class _Document(_Section):
@@ -222,9 +243,12 @@ def _check_parallel(pc: ParallelConfig, source: str) -> None:
     for key in _SPLITS:
         size = getattr(pc, key)
         if pc.world_size % size:
-            raise _fail(source, f"parallel_config.{key}",
-                        f"is {size}, which does not divide parallel_config.world_size {pc.world_size}",
-                        f"use a divisor of {pc.world_size}: {', '.join(map(str, _divisors(pc.world_size)))}")
+            raise _fail(
+                source,
+                f"parallel_config.{key}",
+                f"is {size}, which does not divide parallel_config.world_size {pc.world_size}",
+                f"use a divisor of {pc.world_size}: {', '.join(map(str, _divisors(pc.world_size)))}",
+            )
 
 
 @dataclass
@@ -247,18 +271,24 @@ class InferenceConfig:
         if self.world_size is None:
             self.world_size = pc.world_size
         elif self.world_size != pc.world_size:
-            raise _fail(self.source, "world_size",
-                        f"is {self.world_size} but `parallel_config.world_size` is {pc.world_size}",
-                        "make them equal, or drop the top-level world_size")
+            raise _fail(
+                self.source,
+                "world_size",
+                f"is {self.world_size} but `parallel_config.world_size` is {pc.world_size}",
+                "make them equal, or drop the top-level world_size",
+            )
         _check_parallel(pc, self.source)
         dp = pc.attn_dp_size
         if sc.batch_size % dp:
             below = sc.batch_size // dp * dp
             near = " or ".join(str(b) for b in (below, below + dp) if b > 0)
-            raise _fail(self.source, "scheduler_config.batch_size",
-                        f"is {sc.batch_size}, which is not divisible by attn_dp_size {dp} "
-                        f"(parallel_config.world_size {pc.world_size} / attn_tp_size {pc.attn_tp_size})",
-                        f"use a multiple of {dp}, e.g. {near}, or change parallel_config.attn_tp_size")
+            raise _fail(
+                self.source,
+                "scheduler_config.batch_size",
+                f"is {sc.batch_size}, which is not divisible by attn_dp_size {dp} "
+                f"(parallel_config.world_size {pc.world_size} / attn_tp_size {pc.attn_tp_size})",
+                f"use a multiple of {dp}, e.g. {near}, or change parallel_config.attn_tp_size",
+            )
 
     @property
     def batch_size_per_dp_rank(self) -> int:
@@ -269,13 +299,17 @@ class InferenceConfig:
         return self.data_config.input_truncated_len + self.scheduler_config.max_new_tokens
 
     def with_rank(self, global_rank: int, local_rank: int) -> InferenceConfig:
-        return dataclasses.replace(self, parallel_config=self.parallel_config.with_rank(global_rank, local_rank))
+        return dataclasses.replace(
+            self, parallel_config=self.parallel_config.with_rank(global_rank, local_rank)
+        )
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "<dict>") -> InferenceConfig:
         if not isinstance(d, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of keys such as model_config: and "
-                              f"parallel_config:, got {type(d).__name__}; see the example YAMLs for the layout.")
+            raise ConfigError(
+                f"{source}: the top level must be a mapping of keys such as model_config: and "
+                f"parallel_config:, got {type(d).__name__}; see the example YAMLs for the layout."
+            )
         d = {k: {} if v is None and k in _SECTIONS else v for k, v in d.items()}  # `section:` left empty
         declared = {}
         if isinstance(d.get("parallel_config"), dict):
@@ -286,36 +320,52 @@ class InferenceConfig:
             doc = _Document.model_validate(d)
         except ValidationError as e:
             raise ConfigError(f"{source}: " + " ".join(_describe(err) for err in e.errors())) from e
-        cfg = cls(model_name=doc.model_name, world_size=doc.world_size, data_config=doc.data_config,
-                  model_config=doc.model_cfg, parallel_config=doc.parallel_config,
-                  scheduler_config=doc.scheduler_config, source=source)
+        cfg = cls(
+            model_name=doc.model_name,
+            world_size=doc.world_size,
+            data_config=doc.data_config,
+            model_config=doc.model_cfg,
+            parallel_config=doc.parallel_config,
+            scheduler_config=doc.scheduler_config,
+            source=source,
+        )
         pc = cfg.parallel_config
         for key, value in declared.items():
             if value != getattr(pc, key):
                 tp_key = _DERIVED[key]
-                raise _fail(source, f"parallel_config.{key}",
-                            f"is {value!r} but world_size {pc.world_size} / {tp_key} {getattr(pc, tp_key)} "
-                            f"= {getattr(pc, key)}",
-                            f"remove the key (it is derived) or set it to {getattr(pc, key)}")
+                raise _fail(
+                    source,
+                    f"parallel_config.{key}",
+                    f"is {value!r} but world_size {pc.world_size} / {tp_key} {getattr(pc, tp_key)} "
+                    f"= {getattr(pc, key)}",
+                    f"remove the key (it is derived) or set it to {getattr(pc, key)}",
+                )
         return cfg
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> InferenceConfig:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist (or is not a file); pass the path of an "
-                              "inference YAML with --yaml <file>.")
+            raise ConfigError(
+                f"config file {path} does not exist (or is not a file); pass the path of an "
+                "inference YAML with --yaml <file>."
+            )
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(e, "problem", None) or str(e)
-            raise ConfigError(f"{path}: malformed YAML{where}: {problem}; fix the syntax there "
-                              "(indentation, a missing ':' or an unclosed quote).") from e
+            raise ConfigError(
+                f"{path}: malformed YAML{where}: {problem}; fix the syntax there "
+                "(indentation, a missing ':' or an unclosed quote)."
+            ) from e
         return cls.from_dict(data, source=str(path))
 
     def to_dict(self) -> dict:
         """The YAML-level dict (no derived or runtime fields); ``from_dict`` of it gives an equal config."""
-        return {"model_name": self.model_name, "world_size": self.world_size,
-                **{name: getattr(self, name).model_dump() for name in _SECTIONS}}
+        return {
+            "model_name": self.model_name,
+            "world_size": self.world_size,
+            **{name: getattr(self, name).model_dump() for name in _SECTIONS},
+        }

@@ -2,6 +2,7 @@
 
 Offline inference adds every prompt and steps until done; a server drives the same object from its own loop.
 """
+
 import contextlib
 import logging
 from collections.abc import Callable
@@ -59,8 +60,13 @@ class StepStats:
 
 
 class ExecutionEngine:
-    def __init__(self, config: InferenceConfig, dist: DistInfo, model_dir=None,
-                 scheduler_cls: type[Scheduler] = Scheduler):
+    def __init__(
+        self,
+        config: InferenceConfig,
+        dist: DistInfo,
+        model_dir=None,
+        scheduler_cls: type[Scheduler] = Scheduler,
+    ):
         self.config, self.device = config, dist.device
         self.scheduler_cls = scheduler_cls
         self.worker = ModelWorker(config, dist, model_dir)
@@ -81,8 +87,9 @@ class ExecutionEngine:
         self.kv = self.worker.init_kvcache()
         self.eos_token_ids = self._eos_token_ids()
         sc = self.config.scheduler_config
-        self.scheduler = self.scheduler_cls(self.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens,
-                                   self.eos_token_ids)
+        self.scheduler = self.scheduler_cls(
+            self.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens, self.eos_token_ids
+        )
         mc = self.config.model_config
         if mc.enable_profiler:
             out = Path(mc.output_path).expanduser() if mc.output_path else Path(self.worker.model_dir or ".")
@@ -98,8 +105,9 @@ class ExecutionEngine:
         return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
     # --- the request API -------------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
-                    prompt: str = "") -> int:
+    def add_request(
+        self, prompt_token_ids: list[int], sampling: SamplingParams | None = None, prompt: str = ""
+    ) -> int:
         """Queue a request; returns its id. It joins the running batch at the next step that has room."""
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -108,8 +116,13 @@ class ExecutionEngine:
         self.scheduler.add_request(request)
         return request.request_id
 
-    def add_prefilled(self, prompt_token_ids: list[int], sampling: SamplingParams, first_token: int,
-                      write_kv: Callable[[dict[str, list[list[int]]]], None]) -> StepOutput | None:
+    def add_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        first_token: int,
+        write_kv: Callable[[dict[str, list[list[int]]]], None],
+    ) -> StepOutput | None:
         """A request prefilled elsewhere joins the running batch with its first token; write_kv(block tables)
         fills its fresh blocks with the prompt's KV. None while there is no room (try again later)."""
         request = Request(list(prompt_token_ids), sampling)
@@ -151,14 +164,19 @@ class ExecutionEngine:
         with self.profiler.step(batch.is_prefill) if self.profiler else contextlib.nullcontext():
             out = self.forward_batch(batch)
         self.stats.record(batch.is_prefill, out["infer_time_ms"])
-        logger.info("[Main] Inference time (%s): %.2f ms", "prefill" if batch.is_prefill else "decode",
-                     out["infer_time_ms"])
+        logger.info(
+            "[Main] Inference time (%s): %.2f ms",
+            "prefill" if batch.is_prefill else "decode",
+            out["infer_time_ms"],
+        )
         logprobs = token_logprobs(out["logits"][:, -1, :], batch.requests, out["next_tokens"])
         finished = {r.request_id for r in self.scheduler.process_batch_output(batch, out["next_tokens"])}
         outputs = []
         for r, token, lp in zip(batch.requests, out["next_tokens"], logprobs):
             done = r.request_id in finished
-            outputs.append(StepOutput(r.request_id, [token], done, r.finish_reason, None if lp is None else [lp]))
+            outputs.append(
+                StepOutput(r.request_id, [token], done, r.finish_reason, None if lp is None else [lp])
+            )
             if done:
                 self.sampler.release(r)
                 self.requests.pop(r.request_id, None)
@@ -166,7 +184,9 @@ class ExecutionEngine:
 
     # --- one forward --------------------------------------------------------------------------------------------
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, md: ForwardMetaData):
-        layout = step_layout(self.config.parallel_config, self.worker.comm_manager, input_ids.numel(), self.device)
+        layout = step_layout(
+            self.config.parallel_config, self.worker.comm_manager, input_ids.numel(), self.device
+        )
         with use_layout(layout):
             return self.worker.inference(input_ids, position_ids, md)
 
@@ -174,9 +194,11 @@ class ExecutionEngine:
     def forward_batch(self, batch: Batch) -> dict:
         tables = self.kv.block_tables([r.request_id for r in batch.requests])
         min_rows = 1 if batch.is_prefill or self.config.model_config.exe_mode == "eager" else 2
-        input_ids, position_ids, md = build_step_inputs(batch, tables, self.kv.block_size, self.device, min_rows)
+        input_ids, position_ids, md = build_step_inputs(
+            batch, tables, self.kv.block_size, self.device, min_rows
+        )
         logits, infer_ms = self._run(input_ids, position_ids, md)
-        logits = logits[:len(batch)]  # rows padded for a compiled graph carry no request
+        logits = logits[: len(batch)]  # rows padded for a compiled graph carry no request
         next_tokens = self._agree(self.sampler(logits[:, -1, :], batch.requests)).tolist()
         return {"next_tokens": next_tokens, "logits": logits, "infer_time_ms": infer_ms}
 
@@ -196,10 +218,18 @@ class ExecutionEngine:
         one, zero = _long(self.device, [1]), _long(self.device, [0])
         slot = _long(self.device, [[0]])
         md = ForwardMetaData(
-            is_prefill=True, kv_len=zero, actual_seq_lengths_q=one, actual_seq_lengths_kv=one,
-            actual_seq_lengths_cu_q=_long(self.device, [0, 1]), positions=zero, max_seq_len_q=1, max_seq_len_kv=1,
-            prompt_tokens=[1], block_table=dict.fromkeys(self.kv.group_keys, slot),
-            slot_mapping=dict.fromkeys(self.kv.group_keys, zero))
+            is_prefill=True,
+            kv_len=zero,
+            actual_seq_lengths_q=one,
+            actual_seq_lengths_kv=one,
+            actual_seq_lengths_cu_q=_long(self.device, [0, 1]),
+            positions=zero,
+            max_seq_len_q=1,
+            max_seq_len_kv=1,
+            prompt_tokens=[1],
+            block_table=dict.fromkeys(self.kv.group_keys, slot),
+            slot_mapping=dict.fromkeys(self.kv.group_keys, zero),
+        )
         self._run(zero, zero, md)
 
     def warm_up(self) -> None:

@@ -1,4 +1,5 @@
 """Per-step metadata handed explicitly to the model's forward (no module-level singleton)."""
+
 from dataclasses import dataclass, field
 
 import torch

@@ -4,6 +4,7 @@
 serves every decode step after warm-up) and, on the host, inductor's freezing, which folds the weights in and
 prepacks them for oneDNN. The Ascend modes go through torchair's NPU backend (untested here: no NPU).
 """
+
 from collections.abc import Callable
 
 import torch
@@ -19,8 +20,10 @@ def compile_decode(model: torch.nn.Module, exe_mode: str, device: torch.device) 
     try:
         import torchair
     except ImportError as e:
-        raise UserError(f"exe_mode {exe_mode!r} needs torchair (shipped with torch_npu); install it or use "
-                        "exe_mode: \"compile\".") from e
+        raise UserError(
+            f"exe_mode {exe_mode!r} needs torchair (shipped with torch_npu); install it or use "
+            'exe_mode: "compile".'
+        ) from e
     config = torchair.CompilerConfig()
     if exe_mode == "npugraph_ex":
         config.mode = "reduce-overhead"

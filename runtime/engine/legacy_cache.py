@@ -3,6 +3,7 @@
 Seen from attention it is a paged cache with a single block of ``max_seq_len`` slots per request,
 so the same slot-mapping / block-table code serves both layouts.
 """
+
 from collections import deque
 
 from runtime.errors import UserError
@@ -17,12 +18,15 @@ class LegacyCacheRows:
         self._rows: dict = {}
         self._num_rows, self._peak = num_rows, 0
 
-    def allocate_slots(self, request_id, computed_tokens: int, num_new_tokens: int,
-                       lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self, request_id, computed_tokens: int, num_new_tokens: int, lookahead_tokens: int = 0
+    ) -> bool:
         if computed_tokens + num_new_tokens + lookahead_tokens > self.block_size:
-            raise UserError(f"request {request_id} needs {computed_tokens + num_new_tokens} positions but the "
-                            f"legacy KV cache rows hold {self.block_size} (input_truncated_len + "
-                            "max_new_tokens); raise them in the YAML or use the paged KV path.")
+            raise UserError(
+                f"request {request_id} needs {computed_tokens + num_new_tokens} positions but the "
+                f"legacy KV cache rows hold {self.block_size} (input_truncated_len + "
+                "max_new_tokens); raise them in the YAML or use the paged KV path."
+            )
         if request_id not in self._rows:
             if not self._free:
                 return False
@@ -37,8 +41,13 @@ class LegacyCacheRows:
         return {LEGACY: [[self._rows[r]] for r in request_ids]}
 
     def stats(self) -> dict:
-        return {"layout": "legacy", "num_blocks": self._num_rows, "block_size": self.block_size,
-                "used_blocks": len(self._rows), "peak_used_blocks": self._peak}
+        return {
+            "layout": "legacy",
+            "num_blocks": self._num_rows,
+            "block_size": self.block_size,
+            "used_blocks": len(self._rows),
+            "peak_used_blocks": self._peak,
+        }
 
     def usage_summary(self) -> str:
         return f"legacy kv cache: {len(self._rows)} rows in use, peak {self._peak} of {self._num_rows}"

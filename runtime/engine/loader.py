@@ -4,6 +4,7 @@ A directory written by `skill convert-weights` (parallel_config.json + rank_<i>/
 each rank's shards already: they are copied into the parameters by name, for the parallel_config they were
 made for only.
 """
+
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,16 +23,20 @@ REMAP_EVERY = 16  # tensors read through one mapping of a safetensors file
 
 def checkpoint_files(model_path: Path) -> list[Path]:
     if not model_path.is_dir():
-        raise UserError(f"checkpoint directory {model_path} does not exist; set model_config.model_path "
-                        "in the YAML to a directory holding config.json and *.safetensors.")
+        raise UserError(
+            f"checkpoint directory {model_path} does not exist; set model_config.model_path "
+            "in the YAML to a directory holding config.json and *.safetensors."
+        )
     index = model_path / "model.safetensors.index.json"
     if index.exists():
         return [model_path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     files = sorted(model_path.glob("*.safetensors")) or sorted(model_path.glob("pytorch_model*.bin"))
     if not files:
-        raise UserError(f"no *.safetensors or pytorch_model*.bin weights in {model_path}; point "
-                        "model_config.model_path at the checkpoint, or set model_config.with_ckpt: False "
-                        "for random weights.")
+        raise UserError(
+            f"no *.safetensors or pytorch_model*.bin weights in {model_path}; point "
+            "model_config.model_path at the checkpoint, or set model_config.with_ckpt: False "
+            "for random weights."
+        )
     return files
 
 
@@ -42,8 +47,9 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, object]]:
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:
-                raise UserError(f"cannot read {file} as a PyTorch state dict ({e}); re-export it as "
-                                "safetensors.") from e
+                raise UserError(
+                    f"cannot read {file} as a PyTorch state dict ({e}); re-export it as safetensors."
+                ) from e
             yield from state.items()
             continue
         try:
@@ -53,15 +59,16 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, object]]:
                 # A fresh mapping per group of tensors: the pages read so far leave this process's resident set
                 # when the old one closes, so loading never holds the whole file mapped beside the model.
                 with safe_open(str(file), framework="pt") as f:
-                    for name in names[start:start + REMAP_EVERY]:
+                    for name in names[start : start + REMAP_EVERY]:
                         yield name, f.get_slice(name)
         except (SafetensorError, OSError) as e:
             raise _unreadable(file, e) from e
 
 
 def _unreadable(file: Path, e: Exception) -> UserError:
-    return UserError(f"{file} is not a readable safetensors file ({e}); re-download or re-export the "
-                     "checkpoint.")
+    return UserError(
+        f"{file} is not a readable safetensors file ({e}); re-download or re-export the checkpoint."
+    )
 
 
 def rank_dir(out: Path, rank: int) -> Path:
@@ -74,8 +81,9 @@ def is_converted(model_path: Path) -> bool:
 
 def _describe(configs: list[dict]) -> list[str]:
     """The sizes set to more than 1 in any of `configs`, so that every description lists the same keys."""
-    keys = [k for k in ParallelConfig.model_fields
-            if k == "world_size" or any(c.get(k, 1) != 1 for c in configs)]
+    keys = [
+        k for k in ParallelConfig.model_fields if k == "world_size" or any(c.get(k, 1) != 1 for c in configs)
+    ]
     return ["{" + ", ".join(f"{k}: {c.get(k, 1)}" for k in keys) + "}" for c in configs]
 
 
@@ -86,21 +94,27 @@ def _read_meta(model_path: Path) -> dict:
         ParallelConfig.model_validate(meta["parallel_config"])
         return meta
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path} is not a parallel_config.json written by `skill convert-weights` ({e}); "
-                        "re-run convert-weights, or point model_config.model_path at the original "
-                        "checkpoint.") from e
+        raise UserError(
+            f"{path} is not a parallel_config.json written by `skill convert-weights` ({e}); "
+            "re-run convert-weights, or point model_config.model_path at the original "
+            "checkpoint."
+        ) from e
 
 
 def _check_converted_for(model: nn.Module, model_path: Path, meta: dict, pc: ParallelConfig) -> None:
     source = meta.get("source", "the original checkpoint")
-    fix = (f"re-run `skill convert-weights MODEL_DIR --config PARALLEL.yaml -o {model_path} --force` with "
-           f"this run's parallel_config, or point model_config.model_path at the original checkpoint "
-           f"({source}).")
+    fix = (
+        f"re-run `skill convert-weights MODEL_DIR --config PARALLEL.yaml -o {model_path} --force` with "
+        f"this run's parallel_config, or point model_config.model_path at the original checkpoint "
+        f"({source})."
+    )
     stored, running = _describe([meta["parallel_config"], pc.model_dump()])
     if stored != running:
-        raise UserError(f"{model_path} holds weights converted for parallel_config {stored}, but this "
-                        f"run's parallel_config is {running}; the shards only fit the config they were made "
-                        f"for: {fix}")
+        raise UserError(
+            f"{model_path} holds weights converted for parallel_config {stored}, but this "
+            f"run's parallel_config is {running}; the shards only fit the config they were made "
+            f"for: {fix}"
+        )
     entry = type(model).__name__
     if meta.get("entry_class", entry) != entry:
         raise UserError(f"{model_path} holds weights converted for {meta['entry_class']}, not {entry}: {fix}")
@@ -112,10 +126,12 @@ def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | Non
     _check_converted_for(model, model_path, meta, pc or ParallelConfig())
     file = rank_dir(model_path, rank) / SHARD_FILE
     if not file.is_file():
-        raise UserError(f"{file} does not exist: {model_path} is incomplete for rank {rank} of world_size "
-                        f"{meta['parallel_config']['world_size']}; re-run `skill convert-weights ... -o "
-                        f"{model_path} --force`, or point model_config.model_path at the original "
-                        "checkpoint.")
+        raise UserError(
+            f"{file} does not exist: {model_path} is incomplete for rank {rank} of world_size "
+            f"{meta['parallel_config']['world_size']}; re-run `skill convert-weights ... -o "
+            f"{model_path} --force`, or point model_config.model_path at the original "
+            "checkpoint."
+        )
     params, loaded = dict(model.named_parameters()), set()
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -124,10 +140,12 @@ def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | Non
                 param, shape = params.get(name), tuple(f.get_slice(name).get_shape())
                 if param is None or tuple(param.shape) != shape:
                     has = "no such parameter" if param is None else f"it as {list(param.shape)}"
-                    raise UserError(f"{file} holds {name!r} of shape {list(shape)}, but "
-                                    f"{type(model).__name__} has {has}; the model code changed since the "
-                                    f"conversion: re-run `skill convert-weights ... -o {model_path} "
-                                    "--force`.")
+                    raise UserError(
+                        f"{file} holds {name!r} of shape {list(shape)}, but "
+                        f"{type(model).__name__} has {has}; the model code changed since the "
+                        f"conversion: re-run `skill convert-weights ... -o {model_path} "
+                        "--force`."
+                    )
                 param.data.copy_(f.get_tensor(name))
                 loaded.add(name)
     except (SafetensorError, OSError) as e:
@@ -135,8 +153,9 @@ def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | Non
     return loaded
 
 
-def load_checkpoint(model: nn.Module, model_path: Path, parallel_config: ParallelConfig | None = None,
-                    rank: int = 0) -> None:
+def load_checkpoint(
+    model: nn.Module, model_path: Path, parallel_config: ParallelConfig | None = None, rank: int = 0
+) -> None:
     """Loads the checkpoint (for a converted directory, this rank's shards) and checks every parameter got
     weights. `parallel_config` / `rank`: the running ones, which a converted directory must be made for."""
     model_path = Path(model_path)
@@ -147,8 +166,10 @@ def load_checkpoint(model: nn.Module, model_path: Path, parallel_config: Paralle
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise UserError(f"the checkpoint in {model_path} has no weights for {missing[:8]}{more}; the "
-                        "checkpoint does not match the model code (wrong model_path or architecture).")
+        raise UserError(
+            f"the checkpoint in {model_path} has no weights for {missing[:8]}{more}; the "
+            "checkpoint does not match the model code (wrong model_path or architecture)."
+        )
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -1,4 +1,5 @@
 """Owns the model: config -> CommManager -> construction -> weights -> post-processing -> KV cache."""
+
 import contextlib
 import json
 import logging
@@ -50,9 +51,11 @@ class ModelWorker:
     def resolve_classes(self):
         mc = self.config.model_config
         if mc.custom_params.get("remote_code") and not mc.trust_remote_code:
-            raise UserError(f"{self.model_dir} was migrated from code shipped inside the checkpoint; running it "
-                            "executes that code. Set model_config.trust_remote_code: True in the YAML (or pass "
-                            "--trust-remote-code) if you trust its source.")
+            raise UserError(
+                f"{self.model_dir} was migrated from code shipped inside the checkpoint; running it "
+                "executes that code. Set model_config.trust_remote_code: True in the YAML (or pass "
+                "--trust-remote-code) if you trust its source."
+            )
         return resolve_model(Path(self.model_dir), self._model_type())
 
     def _model_type(self) -> str | None:
@@ -61,12 +64,15 @@ class ModelWorker:
 
     def _load_hf_config(self, config_cls) -> PretrainedConfig:
         if not (self.model_path / "config.json").is_file():
-            raise UserError(f"no config.json in {self.model_path}; set model_config.model_path in the YAML to "
-                            "the checkpoint directory.")
+            raise UserError(
+                f"no config.json in {self.model_path}; set model_config.model_path in the YAML to "
+                "the checkpoint directory."
+            )
         if config_cls is not None:
             return config_cls.from_pretrained(self.model_path)
-        return AutoConfig.from_pretrained(self.model_path,
-                                          trust_remote_code=self.config.model_config.trust_remote_code)
+        return AutoConfig.from_pretrained(
+            self.model_path, trust_remote_code=self.config.model_config.trust_remote_code
+        )
 
     def model_class_and_config(self) -> tuple[type[torch.nn.Module], PretrainedConfig]:
         """The model directory's entry class and the checkpoint's HF config (through its config class if any)."""
@@ -92,23 +98,37 @@ class ModelWorker:
             model.process_weights_after_loading()
         tp = max(pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size, pc.moe_tp_size)
         if tp > 1 and not any(hasattr(p, "weight_loader") for p in model.parameters()):
-            logger.warning("parallel_config asks for TP %d but %s has no parallel layers (run `skill parallelize`); "
-                           "every rank computes the whole model", tp, model_cls.__name__)
+            logger.warning(
+                "parallel_config asks for TP %d but %s has no parallel layers (run `skill parallelize`); "
+                "every rank computes the whole model",
+                tp,
+                model_cls.__name__,
+            )
         self.model = model
         self.param_bytes = param_bytes(model)
         if mc.exe_mode == "eager" and (packed := pack_host_linears(model)):
             logger.info("[Main] %d linear layers run on oneDNN with prepacked weights", packed)
         self.decode_model = compile_decode(model, mc.exe_mode, self.dist.device)
-        logger.info("[Main] model %s loaded in %.1f s (%s, %s), %d parameter bytes on rank %d", model_cls.__name__,
-                    time.perf_counter() - start, self.dist.device, mc.dtype, self.param_bytes, self.dist.rank)
+        logger.info(
+            "[Main] model %s loaded in %.1f s (%s, %s), %d parameter bytes on rank %d",
+            model_cls.__name__,
+            time.perf_counter() - start,
+            self.dist.device,
+            mc.dtype,
+            self.param_bytes,
+            self.dist.rank,
+        )
 
     def load_tokenizer(self):
         try:
-            return AutoTokenizer.from_pretrained(self.model_path,
-                                                 trust_remote_code=self.config.model_config.trust_remote_code)
+            return AutoTokenizer.from_pretrained(
+                self.model_path, trust_remote_code=self.config.model_config.trust_remote_code
+            )
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot load a tokenizer from {self.model_path} ({e}); the checkpoint directory "
-                            "needs tokenizer.json or tokenizer_config.json.") from e
+            raise UserError(
+                f"cannot load a tokenizer from {self.model_path} ({e}); the checkpoint directory "
+                "needs tokenizer.json or tokenizer_config.json."
+            ) from e
 
     def init_kvcache(self):
         """Paged KV when the model declares cache entries, else the legacy per-module ``cache_unit`` rows."""
@@ -119,8 +139,10 @@ class ModelWorker:
         if info is None:
             owners = [m for m in modules.values() if getattr(m, "cache_unit", None)]
             if not owners:
-                raise UserError(f"{type(self.model).__name__} declares neither get_cache_info() nor cache_unit "
-                                "on its attention modules, so the runtime cannot give it a KV cache.")
+                raise UserError(
+                    f"{type(self.model).__name__} declares neither get_cache_info() nor cache_unit "
+                    "on its attention modules, so the runtime cannot give it a KV cache."
+                )
             for m in owners:
                 m.k_cache = torch.zeros(batch, max_seq, *m.cache_unit, dtype=dtype, device=self.dist.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
@@ -134,8 +156,13 @@ class ModelWorker:
                 module = modules[e.name]
                 module.k_cache = lazy_zeros(shape, e.dtype, self.dist.device)
                 module.v_cache = lazy_zeros(shape, e.dtype, self.dist.device)
-        logger.info("[Main] paged KV cache: %d blocks x %d tokens (%.1f MiB), %s", num_blocks, sc.block_size,
-                    num_blocks * bytes_per_block / 2**20, ", ".join(manager.group_keys))
+        logger.info(
+            "[Main] paged KV cache: %d blocks x %d tokens (%.1f MiB), %s",
+            num_blocks,
+            sc.block_size,
+            num_blocks * bytes_per_block / 2**20,
+            ", ".join(manager.group_keys),
+        )
         return manager
 
     def _blocks_from_memory(self, bytes_per_block: int) -> int:

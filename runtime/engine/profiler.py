@@ -3,6 +3,7 @@
 Chrome trace JSON goes to ``<output dir>/prof/{prefill,decode}/``, and a table of the top ops by self time to
 the log. CPU always, CUDA when the device is a GPU, torch_npu's profiler on an NPU.
 """
+
 import contextlib
 import logging
 from pathlib import Path
@@ -36,8 +37,9 @@ class StepProfiler:
         if self.device.type == "npu":
             import torch_npu
 
-            prof = torch_npu.profiler.profile(on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(
-                str(self.out_dir / stage)))
+            prof = torch_npu.profiler.profile(
+                on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(str(self.out_dir / stage))
+            )
         else:
             prof = torch.profiler.profile(activities=_activities(self.device), record_shapes=True)
         with prof:
@@ -48,5 +50,9 @@ class StepProfiler:
             path = target / f"step_{len(list(target.glob('*.json')))}.json"
             prof.export_chrome_trace(str(path))
             sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-            logger.info("[Profiler] %s step, trace %s\n%s", stage, path,
-                        prof.key_averages().table(sort_by=sort, row_limit=15))
+            logger.info(
+                "[Profiler] %s step, trace %s\n%s",
+                stage,
+                path,
+                prof.key_averages().table(sort_by=sort, row_limit=15),
+            )

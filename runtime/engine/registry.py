@@ -5,6 +5,7 @@ A model directory holds ``models/modeling_<name>.py`` (exporting ``EntryClass`` 
 ``PretrainedConfig`` subclass). Modules are imported lazily, under names unique to the
 directory, so two models with the same file names can live in one process.
 """
+
 import hashlib
 import importlib.util
 import inspect
@@ -34,8 +35,10 @@ def _import(path: Path, aliases: dict[str, ModuleType]) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
-        raise UserError(f"importing {path} failed: {type(e).__name__}: {e}. Fix the file or re-run "
-                        "`skill migrate --force` to regenerate it.") from e
+        raise UserError(
+            f"importing {path} failed: {type(e).__name__}: {e}. Fix the file or re-run "
+            "`skill migrate --force` to regenerate it."
+        ) from e
     finally:
         for k, v in saved.items():
             if v is None:
@@ -46,18 +49,25 @@ def _import(path: Path, aliases: dict[str, ModuleType]) -> ModuleType:
 
 
 def _defined_in(module: ModuleType, predicate) -> list[type]:
-    return [c for _, c in inspect.getmembers(module, inspect.isclass)
-            if c.__module__ == module.__name__ and predicate(c)]
+    return [
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if c.__module__ == module.__name__ and predicate(c)
+    ]
 
 
 @cache
-def resolve_model(model_dir: Path, model_type: str | None = None) -> tuple[type[nn.Module], type[PretrainedConfig] | None]:
+def resolve_model(
+    model_dir: Path, model_type: str | None = None
+) -> tuple[type[nn.Module], type[PretrainedConfig] | None]:
     """(model class, config class or None) of a model directory; the config class matches model_type if given."""
     models = Path(model_dir) / "models"
     modeling = sorted(models.glob("modeling_*.py"))
     if len(modeling) != 1:
-        raise UserError(f"{models} must contain exactly one modeling_<name>.py (found {len(modeling)}); "
-                        "run `skill migrate` to create a model directory.")
+        raise UserError(
+            f"{models} must contain exactly one modeling_<name>.py (found {len(modeling)}); "
+            "run `skill migrate` to create a model directory."
+        )
     config_cls, aliases = None, {}
     for path in sorted(models.glob("configuration_*.py")):
         module = _import(path, {})
@@ -70,7 +80,9 @@ def resolve_model(model_dir: Path, model_type: str | None = None) -> tuple[type[
     if entry is None:
         candidates = _defined_in(module, lambda c: c.__name__.endswith("ForCausalLM"))
         if len(candidates) != 1:
-            raise UserError(f"{modeling[0]} must define `EntryClass` or exactly one *ForCausalLM class "
-                            f"(found {[c.__name__ for c in candidates]}).")
+            raise UserError(
+                f"{modeling[0]} must define `EntryClass` or exactly one *ForCausalLM class "
+                f"(found {[c.__name__ for c in candidates]})."
+            )
         entry = candidates[0]
     return entry, config_cls

@@ -1,4 +1,5 @@
 """Requests, sampling parameters and the batch of one scheduler step."""
+
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
@@ -18,8 +19,13 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = the sampled token's log-probability and the k most likely
 
     def __post_init__(self):
-        if (self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1
-                or (self.logprobs is not None and self.logprobs < 0)):
+        if (
+            self.temperature < 0
+            or not 0 < self.top_p <= 1
+            or self.top_k < 0
+            or self.max_new_tokens < 1
+            or (self.logprobs is not None and self.logprobs < 0)
+        ):
             raise ValueError(f"invalid sampling parameters: {self}")
 
     @property

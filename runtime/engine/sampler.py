@@ -1,4 +1,5 @@
 """Token sampling: greedy, temperature, top-k, top-p, with optional per-request seeds."""
+
 import torch
 
 from runtime.engine.request import Request, TokenLogprob
@@ -48,7 +49,9 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
-def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[TokenLogprob | None]:
+def token_logprobs(
+    logits: torch.Tensor, requests: list[Request], tokens: list[int]
+) -> list[TokenLogprob | None]:
     """logits [B, V]: each sampled token's log-probability (and the top k) for the requests that asked."""
     rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
     out: list[TokenLogprob | None] = [None] * len(requests)
@@ -60,5 +63,7 @@ def token_logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[i
     top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     for j, i in enumerate(rows):
         n = requests[i].sampling.logprobs
-        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist())))
+        out[i] = TokenLogprob(
+            tokens[i], chosen[j], list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
+        )
     return out

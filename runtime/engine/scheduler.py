@@ -1,4 +1,5 @@
 """Continuous batching: prefill first (under a token budget), else one decode step of every running request."""
+
 import logging
 from collections import deque
 from typing import Protocol
@@ -10,15 +11,21 @@ logger = logging.getLogger(__name__)
 
 
 class SlotAllocator(Protocol):
-    def allocate_slots(self, request_id, computed_tokens: int, num_new_tokens: int,
-                       lookahead_tokens: int = 0) -> bool: ...
+    def allocate_slots(
+        self, request_id, computed_tokens: int, num_new_tokens: int, lookahead_tokens: int = 0
+    ) -> bool: ...
 
     def free(self, request_id) -> None: ...
 
 
 class Scheduler:
-    def __init__(self, kv: SlotAllocator, max_batch_size: int, max_prefill_tokens: int = 0,
-                 eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        kv: SlotAllocator,
+        max_batch_size: int,
+        max_prefill_tokens: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens  # 0 = no limit
@@ -48,7 +55,8 @@ class Scheduler:
                     raise UserError(
                         f"request {request.request_id} needs KV space for {n} tokens, more than the whole "
                         "KV cache holds; raise scheduler_config.num_kv_blocks (or block_size) or lower "
-                        "data_config.input_truncated_len / scheduler_config.max_new_tokens")
+                        "data_config.input_truncated_len / scheduler_config.max_new_tokens"
+                    )
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING

@@ -3,6 +3,7 @@
 Each loader returns the compiled module, or None where it cannot be built (no compiler, set
 ``SKILL_HOST_KERNELS=0`` to skip them); callers then take their portable PyTorch path.
 """
+
 import functools
 import hashlib
 import logging
@@ -32,10 +33,13 @@ def host_decode_attention():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"skill_paged_decode_attention_{_cpu_tag()}",
-                    sources=[str(_SOURCES / "paged_decode_attention.cpp")],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return load(
+            name=f"skill_paged_decode_attention_{_cpu_tag()}",
+            sources=[str(_SOURCES / "paged_decode_attention.cpp")],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as e:  # noqa: BLE001 - any build failure means: use the portable path
         logger.warning("host decode-attention kernel unavailable (%s); using the gather + SDPA path", e)
         return None

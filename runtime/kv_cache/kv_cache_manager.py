@@ -64,9 +64,13 @@ class KVCacheManager:
     def stats(self) -> dict:
         """Pool size, blocks in use now and the most any group had in use at once."""
         pools = [m.pool for m in self._managers.values()]
-        return {"layout": "paged", "num_blocks": pools[0].num_blocks - 1, "block_size": self.block_size,
-                "used_blocks": max(p.num_blocks - 1 - p.num_free_blocks for p in pools),
-                "peak_used_blocks": max(p.peak_used_blocks for p in pools)}
+        return {
+            "layout": "paged",
+            "num_blocks": pools[0].num_blocks - 1,
+            "block_size": self.block_size,
+            "used_blocks": max(p.num_blocks - 1 - p.num_free_blocks for p in pools),
+            "peak_used_blocks": max(p.peak_used_blocks for p in pools),
+        }
 
     def usage_summary(self) -> str:
         parts = (

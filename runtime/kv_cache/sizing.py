@@ -1,4 +1,5 @@
 """How many KV cache blocks to allocate."""
+
 from runtime.errors import UserError
 
 

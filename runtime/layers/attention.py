@@ -6,6 +6,7 @@ C++ kernel reads the cache in place (elsewhere, and inside a compiled graph, the
 The cache is written by ``slot_mapping`` in both phases. The legacy ``cache_unit`` layout is the
 same mechanism with one block of ``max_seq_len`` slots per batch row.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,16 +23,19 @@ def cache_group_key(sliding_window: int | None) -> str:
 
 def _prefill_layout(md: ForwardMetaData) -> tuple[torch.Tensor, int]:
     """Flat index of every packed token inside a [B, Lmax] padded grid."""
+
     def build():
         lens, cu = md.actual_seq_lengths_q, md.actual_seq_lengths_cu_q
         req = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
         offset = torch.arange(md.num_tokens, device=lens.device) - cu[:-1][req]
         return req * md.max_seq_len_q + offset
+
     return md.memo("prefill_index", build), md.max_seq_len_q
 
 
 def _prefill_mask(md: ForwardMetaData, window: int | None) -> torch.Tensor:
     """[B, 1, L, L] boolean mask: causal, within each request's length, inside the window."""
+
     def build():
         L = md.max_seq_len_q
         i = torch.arange(L, device=md.positions.device)
@@ -40,11 +44,13 @@ def _prefill_mask(md: ForwardMetaData, window: int | None) -> torch.Tensor:
             allowed &= i[None, :] > i[:, None] - window
         valid_key = i[None, :] < md.actual_seq_lengths_q[:, None]  # [B, L]
         return (allowed[None] & valid_key[:, None, :])[:, None]
+
     return md.memo(("prefill_mask", window), build)
 
 
 def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torch.Tensor:
     """[B, 1, 1, S] boolean mask over the gathered context of each request."""
+
     def build():
         j = torch.arange(num_slots, device=md.positions.device)[None, :]
         kv = md.actual_seq_lengths_kv[:, None]
@@ -52,6 +58,7 @@ def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> tor
         if window:
             allowed &= j > kv - 1 - window
         return allowed[:, None, None, :]
+
     return md.memo(("decode_mask", window, num_slots), build)
 
 
@@ -66,9 +73,18 @@ def _sdpa(q, k, v, mask, scale, soft_cap):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           md: ForwardMetaData, group: str, scale: float, sliding_window: int | None = None,
-           soft_cap: float | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: ForwardMetaData,
+    group: str,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D], caches [blocks, block_size, Hkv, D] -> [T, H, D]."""
     kv_heads, head_dim = k_cache.shape[2:]
     slots = md.slot_mapping[group]
@@ -87,8 +103,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
         return o.transpose(1, 2).reshape(B * L, heads, head_dim)[index]
     table = md.block_table[group]
     if q.device.type == "cpu" and not torch.compiler.is_compiling() and (kernel := host_decode_attention()):
-        return kernel.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, md.actual_seq_lengths_kv,
-                                             scale, sliding_window or 0, soft_cap or 0.0)
+        return kernel.paged_decode_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            table,
+            md.actual_seq_lengths_kv,
+            scale,
+            sliding_window or 0,
+            soft_cap or 0.0,
+        )
     B = table.shape[0]
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
@@ -104,9 +128,17 @@ class Attention(nn.Module):
     ``[max_batch, max_seq_len, *cache_unit]`` cache on it (the seeds' legacy path).
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
-                 sliding_window: int | None = None, soft_cap: float | None = None, legacy: bool = False,
-                 prefix: str = ""):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        legacy: bool = False,
+        prefix: str = "",
+    ):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
@@ -136,12 +168,28 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
         assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         shape = (-1, self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
-        return attend(q, k.contiguous(), v.contiguous(), self.k_cache.view(shape), self.v_cache.view(shape), md,
-                      self.cache_group, self.scale, self.sliding_window, self.soft_cap)
+        return attend(
+            q,
+            k.contiguous(),
+            v.contiguous(),
+            self.k_cache.view(shape),
+            self.v_cache.view(shape),
+            md,
+            self.cache_group,
+            self.scale,
+            self.sliding_window,
+            self.soft_cap,
+        )
+
 
 def cache_info_of(model: nn.Module, dtype: torch.dtype):
     """The paged cache entries of every ``Attention`` layer, for a model's ``get_cache_info()``."""
     from runtime.kv_cache import CacheEntry, ModelCacheInfo
 
-    return ModelCacheInfo([CacheEntry(name, m.num_kv_heads, m.head_dim, dtype, m.sliding_window)
-                           for name, m in model.named_modules() if isinstance(m, Attention)])
+    return ModelCacheInfo(
+        [
+            CacheEntry(name, m.num_kv_heads, m.head_dim, dtype, m.sliding_window)
+            for name, m in model.named_modules()
+            if isinstance(m, Attention)
+        ]
+    )

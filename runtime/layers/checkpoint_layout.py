@@ -1,6 +1,7 @@
 """Checkpoints whose tensors are laid out differently from the model's parameters: per-expert MoE weights
 stacked into one 3-D parameter (gate and up concatenated), renamed blocks. The rules come from
 transformers' own conversion mapping for the model type, so every architecture it knows is covered."""
+
 import re
 from dataclasses import dataclass
 
@@ -28,7 +29,9 @@ class CheckpointLayout:
         for rule in rules or []:
             ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", [])]
             if not ops:
-                self.renames += [(re.compile(s), t) for s, t in zip(rule.source_patterns, rule.target_patterns)]
+                self.renames += [
+                    (re.compile(s), t) for s, t in zip(rule.source_patterns, rule.target_patterns)
+                ]
             elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
                 (target,) = rule.target_patterns
                 for part, source in enumerate(rule.source_patterns):
@@ -49,6 +52,8 @@ def load_stacked_part(param: torch.nn.Parameter, weight: torch.Tensor, part: Sta
     rows = weight.shape[0]
     dst = param.data[part.expert].narrow(0, part.part * rows, rows)
     if dst.shape != weight.shape:
-        raise ValueError(f"{part.target}[{part.expert}]: checkpoint tensor of shape {list(weight.shape)} does not "
-                         f"fit part {part.part} of shape {list(dst.shape)}")
+        raise ValueError(
+            f"{part.target}[{part.expert}]: checkpoint tensor of shape {list(weight.shape)} does not "
+            f"fit part {part.part} of shape {list(dst.shape)}"
+        )
     dst.copy_(weight)

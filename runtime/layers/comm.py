@@ -46,7 +46,9 @@ def reduce_scatter(t: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -
         return t
     full = t.movedim(dim, 0).contiguous()
     world = dist.get_world_size(group)
-    assert full.shape[0] % world == 0, f"dim {dim} of size {full.shape[0]} not divisible by group size {world}"
+    assert full.shape[0] % world == 0, (
+        f"dim {dim} of size {full.shape[0]} not divisible by group size {world}"
+    )
     out = full.new_empty((full.shape[0] // world, *full.shape[1:]))
     _reduce_scatter_flat(out, full, group=group)
     return out.movedim(0, dim).contiguous()

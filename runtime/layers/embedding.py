@@ -91,7 +91,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         most = int(all_gather(torch.tensor([n], device=hidden.device), self.group, dim=0).max())
         rows = all_gather(pad_rows(hidden, most), self.group, dim=-2)
         logits = all_gather(F.linear(rows, self.weight, self.bias), self.group, dim=-1)
-        return logits[..., self.tp_rank * most:self.tp_rank * most + n, : self.num_embeddings].contiguous()
+        return logits[..., self.tp_rank * most : self.tp_rank * most + n, : self.num_embeddings].contiguous()
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Shares the embedding's weight; both layers must shard the vocab identically."""

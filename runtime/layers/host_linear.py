@@ -6,6 +6,7 @@
 GEMM does about 290 GFLOP/s against oneDNN bf16's 170, which pays for unpacking the weight each call (a
 4096-row prefill GEMM: 90 -> 69 ms). float32 models stay on ``F.linear`` (MKL is at the memory bandwidth).
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,7 +44,9 @@ class HostPackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
 
 
 def pack_host_linears(model: nn.Module) -> int:
@@ -54,8 +57,12 @@ def pack_host_linears(model: nn.Module) -> int:
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in _PACKED_DTYPES or not _onednn_ok():
         return 0
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and child.weight.dtype in _PACKED_DTYPES]
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype in _PACKED_DTYPES
+    ]
     for parent, name, child in swaps:
         setattr(parent, name, HostPackedLinear(child))
     return len(swaps)

@@ -59,13 +59,17 @@ def check_shape(
     got = weight_shape(loaded)
     if got != tuple(expected):
         kept = f" (this rank keeps a {list(shard)} shard of it)" if shard is not None else ""
-        raise ValueError(f"{getattr(param, 'param_name', 'parameter')}: checkpoint tensor has shape {list(got)}, "
-                         f"expected {list(expected)}{kept}")
+        raise ValueError(
+            f"{getattr(param, 'param_name', 'parameter')}: checkpoint tensor has shape {list(got)}, "
+            f"expected {list(expected)}{kept}"
+        )
 
 
 def default_weight_loader(param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
     """Loader for unsharded parameters: the checkpoint tensor must match the parameter's shape."""
-    assert shard_id is None, f"{getattr(param, 'param_name', 'parameter')} takes no shard_id, got {shard_id!r}"
+    assert shard_id is None, (
+        f"{getattr(param, 'param_name', 'parameter')} takes no shard_id, got {shard_id!r}"
+    )
     check_shape(param, loaded, tuple(param.shape))
     param.data.copy_(materialize(loaded))
 
@@ -91,8 +95,11 @@ class TPModule(nn.Module):
 
     def _add_param(self, name: str, *shape: int) -> None:
         param = nn.Parameter(torch.empty(shape, dtype=self.params_dtype), requires_grad=False)
-        set_weight_attrs(param, weight_loader=self.weight_loader,
-                         param_name=f"{self.prefix}.{name}" if self.prefix else name)
+        set_weight_attrs(
+            param,
+            weight_loader=self.weight_loader,
+            param_name=f"{self.prefix}.{name}" if self.prefix else name,
+        )
         self.register_parameter(name, param)
 
     def _add_bias(self, bias: bool, size: int) -> None:
@@ -104,8 +111,10 @@ class TPModule(nn.Module):
     def _split(self, total: int, what: str, offset: int = 0, unit: int = 1) -> _Segment:
         """This rank's even share of `total` units of `unit` rows each, placed at `offset` in its parameter."""
         if total % self.tp_size:
-            raise ConfigError(f"{self.prefix or type(self).__name__}: {what} ({total}) is not divisible by the "
-                              f"size of {self.tp_group_name} ({self.tp_size})")
+            raise ConfigError(
+                f"{self.prefix or type(self).__name__}: {what} ({total}) is not divisible by the "
+                f"size of {self.tp_group_name} ({self.tp_size})"
+            )
         size = total // self.tp_size * unit
         return _Segment(offset, size, self.tp_rank * size, total * unit)
 
@@ -156,7 +165,9 @@ class ColumnParallelLinear(TPModule):
         self.output_size = output_size
         self.gather_output = gather_output
         self.segments = self._make_segments()
-        self.output_partition_sizes = [s.size for s in self.segments.values()]  # per-rank block sizes, for split
+        self.output_partition_sizes = [
+            s.size for s in self.segments.values()
+        ]  # per-rank block sizes, for split
         self.output_size_per_partition = sum(self.output_partition_sizes)
         self._add_param("weight", self.output_size_per_partition, input_size)
         self._add_bias(bias, self.output_size_per_partition)
@@ -172,13 +183,18 @@ class ColumnParallelLinear(TPModule):
         elif shard_id in self.segments:
             blocks = [self.segments[shard_id]]
         else:
-            raise ValueError(f"{param.param_name}: unknown shard_id {shard_id!r}, expected one of "
-                             f"{list(self.segments)}")
+            raise ValueError(
+                f"{param.param_name}: unknown shard_id {shard_id!r}, expected one of {list(self.segments)}"
+            )
         rest = tuple(param.shape[1:])
-        check_shape(param, loaded, (sum(b.src_size for b in blocks), *rest), (sum(b.size for b in blocks), *rest))
+        check_shape(
+            param, loaded, (sum(b.src_size for b in blocks), *rest), (sum(b.size for b in blocks), *rest)
+        )
         disk_offset = 0
         for b in blocks:
-            param.data.narrow(0, b.offset, b.size).copy_(read_narrow(loaded, 0, disk_offset + b.src_start, b.size))
+            param.data.narrow(0, b.offset, b.size).copy_(
+                read_narrow(loaded, 0, disk_offset + b.src_start, b.size)
+            )
             disk_offset += b.src_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,7 +216,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         prefix: str = "",
     ):
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, False, comm_manager, tp_group, params_dtype, prefix)
+        super().__init__(
+            input_size, sum(output_sizes), bias, False, comm_manager, tp_group, params_dtype, prefix
+        )
 
     def _make_segments(self) -> dict[ShardId, _Segment]:
         segments: dict[ShardId, _Segment] = {}
@@ -243,8 +261,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp, kv_heads, d = self.tp_size, self.total_num_kv_heads, self.head_size
         q = self._split(self.total_num_heads, "num_attention_heads", unit=d)
         if kv_heads % tp and tp % kv_heads:
-            raise ConfigError(f"{self.prefix or type(self).__name__}: num_key_value_heads ({kv_heads}) and the size "
-                              f"of {self.tp_group_name} ({tp}) must divide one another")
+            raise ConfigError(
+                f"{self.prefix or type(self).__name__}: num_key_value_heads ({kv_heads}) and the size "
+                f"of {self.tp_group_name} ({tp}) must divide one another"
+            )
         per_rank = max(kv_heads // tp, 1) * d
         first_row = self.tp_rank // max(tp // kv_heads, 1) * per_rank
         return {

@@ -65,12 +65,18 @@ def use_layout(layout: TokenLayout) -> Iterator[None]:
 
 def needs_sharded_layout(pc: ParallelConfig) -> bool:
     """Attention DP with any TP module: DP ranks then share collectives and must step in lock-step."""
-    sizes = (pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size)  # the sizes models shard by
+    sizes = (
+        pc.attn_tp_size,
+        pc.dense_tp_size,
+        pc.embed_tp_size,
+        pc.lmhead_tp_size,
+    )  # the sizes models shard by
     return pc.attn_dp_size > 1 and max(sizes) > 1
 
 
-def step_layout(pc: ParallelConfig, comm_manager: CommManager | None, num_tokens: int,
-                device: torch.device | str = "cpu") -> TokenLayout:
+def step_layout(
+    pc: ParallelConfig, comm_manager: CommManager | None, num_tokens: int, device: torch.device | str = "cpu"
+) -> TokenLayout:
     """This step's layout. Sharded layouts agree on ``rows`` through one all_reduce(MAX) over the world,
     so every rank of the world must call this once per step (a rank without work passes its dummy step)."""
     if not needs_sharded_layout(pc):

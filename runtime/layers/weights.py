@@ -1,4 +1,5 @@
 """Model-side weight loading: map checkpoint names onto parameters and their ``weight_loader``s."""
+
 from collections.abc import Iterable
 
 from torch import nn
@@ -8,9 +9,12 @@ from runtime.layers.checkpoint_layout import CheckpointLayout, load_stacked_part
 from runtime.layers.linear import default_weight_loader, materialize
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, object]],
-                       stacked_params_mapping: Iterable[tuple[str, str, object]] = (),
-                       skip_prefixes: Iterable[str] = ()) -> set[str]:
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, object]],
+    stacked_params_mapping: Iterable[tuple[str, str, object]] = (),
+    skip_prefixes: Iterable[str] = (),
+) -> set[str]:
     """Load ``(name, weight)`` pairs; returns the canonical names of the parameters loaded.
 
     ``stacked_params_mapping`` holds ``(fused_param, checkpoint_part, shard_id)`` such as
@@ -38,8 +42,10 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, object]],
             target, part = layout.resolve(name)
         param = params.get(target)
         if param is None:
-            raise UserError(f"checkpoint weight {name!r} matches no parameter of {type(model).__name__}; "
-                            "the checkpoint does not belong to this model code.")
+            raise UserError(
+                f"checkpoint weight {name!r} matches no parameter of {type(model).__name__}; "
+                "the checkpoint does not belong to this model code."
+            )
         try:
             if part is not None:
                 load_stacked_part(param, materialize(weight), part)

@@ -1,4 +1,5 @@
 """Offline batch inference on the persistent engine: tokenize prompts, add them all, step until done."""
+
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,35 +42,52 @@ class OfflineInference:
 
     def tokenize(self, prompt: str, chat: bool) -> list[int]:
         if chat and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
         else:
             ids = self.tokenizer(prompt)["input_ids"]
         limit = self.config.data_config.input_truncated_len
         if len(ids) > limit:
-            logger.warning("prompt of %d tokens truncated to its last %d (data_config.input_truncated_len)",
-                           len(ids), limit)
+            logger.warning(
+                "prompt of %d tokens truncated to its last %d (data_config.input_truncated_len)",
+                len(ids),
+                limit,
+            )
             ids = ids[-limit:]
         return list(ids)
 
     def default_sampling(self) -> SamplingParams:
         sc = self.config.scheduler_config
-        return SamplingParams(max_new_tokens=sc.max_new_tokens, stop_token_ids=tuple(sc.stop_token_ids),
-                              ignore_eos=sc.ignore_eos)
+        return SamplingParams(
+            max_new_tokens=sc.max_new_tokens,
+            stop_token_ids=tuple(sc.stop_token_ids),
+            ignore_eos=sc.ignore_eos,
+        )
 
-    def generate(self, prompts: list[str], sampling: SamplingParams | list[SamplingParams] | None = None,
-                 chat: bool = True) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: list[str],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        chat: bool = True,
+    ) -> list[GenerationOutput]:
         """All prompts' outputs, in order, on every rank. With attention DP each DP rank runs its share.
         ``sampling`` is one set of parameters for all prompts or one per prompt."""
         pc = self.config.parallel_config
-        params = sampling if isinstance(sampling, list) else [sampling or self.default_sampling()] * len(prompts)
+        params = (
+            sampling if isinstance(sampling, list) else [sampling or self.default_sampling()] * len(prompts)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling parameter sets for {len(prompts)} prompts")
         share = -(-len(prompts) // pc.attn_dp_size)
         dp_rank = self.dist.rank // pc.attn_tp_size
         mine = slice(dp_rank * share, (dp_rank + 1) * share)
-        outputs = self.generate_ids([self.tokenize(p, chat) for p in prompts[mine]], params[mine], prompts[mine])
+        outputs = self.generate_ids(
+            [self.tokenize(p, chat) for p in prompts[mine]], params[mine], prompts[mine]
+        )
         if self.dist.world_size == 1:
             return outputs
         gathered: list = [None] * self.dist.world_size
@@ -85,14 +103,20 @@ class OfflineInference:
         torch.distributed.all_gather_object(gathered, mine)
         return gathered
 
-    def generate_ids(self, prompts_ids: list[list[int]], params: list[SamplingParams],
-                     prompts: list[str] | None = None) -> list[GenerationOutput]:
+    def generate_ids(
+        self, prompts_ids: list[list[int]], params: list[SamplingParams], prompts: list[str] | None = None
+    ) -> list[GenerationOutput]:
         """This rank's requests from token ids: add them all, step the engine until every rank is done."""
         engine = self.engine
         prompts = prompts or [""] * len(prompts_ids)
-        ids = [engine.add_request(p, s, prompt=text) for p, s, text in zip(prompts_ids, params, prompts, strict=True)]
+        ids = [
+            engine.add_request(p, s, prompt=text)
+            for p, s, text in zip(prompts_ids, params, prompts, strict=True)
+        ]
         tokens: dict[int, list[int]] = {i: [] for i in ids}
-        logprobs: dict[int, list[TokenLogprob]] = {i: [] for i, s in zip(ids, params) if s.logprobs is not None}
+        logprobs: dict[int, list[TokenLogprob]] = {
+            i: [] for i, s in zip(ids, params) if s.logprobs is not None
+        }
         reasons: dict[int, str] = {}
         while engine.any_unfinished():
             for out in engine.step():
@@ -101,12 +125,22 @@ class OfflineInference:
                     logprobs[out.request_id].extend(out.logprobs)
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
-        results = [GenerationOutput(text, p, tokens[i], self.tokenizer.decode(tokens[i], skip_special_tokens=True),
-                                    reasons[i], logprobs.get(i)) for i, p, text in zip(ids, prompts_ids, prompts)]
+        results = [
+            GenerationOutput(
+                text,
+                p,
+                tokens[i],
+                self.tokenizer.decode(tokens[i], skip_special_tokens=True),
+                reasons[i],
+                logprobs.get(i),
+            )
+            for i, p, text in zip(ids, prompts_ids, prompts)
+        ]
         for i, res in enumerate(results):
             logger.info("Request %d: outputs: %s", i, res.text)
-        logger.info("%s decode average inference time cost is %.2f ms", self.config.model_name,
-                    self.decode_avg_ms)
+        logger.info(
+            "%s decode average inference time cost is %.2f ms", self.config.model_name, self.decode_avg_ms
+        )
         logger.info("[Main] %s", engine.kv.usage_summary())
         return results
 

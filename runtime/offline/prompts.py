@@ -1,4 +1,5 @@
 """Where offline prompts come from: the command line, a file, or the YAML's data_config."""
+
 import json
 from pathlib import Path
 
@@ -32,5 +33,7 @@ def prompts_from_config(config: InferenceConfig) -> list[str]:
         return read_prompts_file(Path(dc.dataset_path))
     if dc.dataset == "default":
         return read_prompts_file(DEFAULT_PROMPTS)
-    raise UserError(f"data_config.dataset {dc.dataset!r} is not bundled; use dataset: \"default\", list "
-                    "prompts under data_config.prompts, or point data_config.dataset_path at a prompts file.")
+    raise UserError(
+        f'data_config.dataset {dc.dataset!r} is not bundled; use dataset: "default", list '
+        "prompts under data_config.prompts, or point data_config.dataset_path at a prompts file."
+    )

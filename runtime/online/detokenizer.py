@@ -18,7 +18,7 @@ class IncrementalDetokenizer:
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         hits = [i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stops) if i >= 0]
         if hits:
-            self.text, self.stopped = text[:min(hits)], True
+            self.text, self.stopped = text[: min(hits)], True
             return self.flush()
         self.text = text
         end = len(text) - self.hold
@@ -26,10 +26,10 @@ class IncrementalDetokenizer:
             end -= 1
         if end <= self.sent:
             return ""
-        out, self.sent = text[self.sent:end], end
+        out, self.sent = text[self.sent : end], end
         return out
 
     def flush(self) -> str:
         """The rest of the text (the request finished)."""
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.sent = self.text[self.sent :], len(self.text)
         return out

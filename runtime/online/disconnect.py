@@ -1,4 +1,5 @@
 """Waiting on behalf of an HTTP client that may go away (uvicorn cancels nothing for a non-streamed request)."""
+
 import asyncio
 from collections.abc import Awaitable
 

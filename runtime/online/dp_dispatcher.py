@@ -1,5 +1,6 @@
 """DPDispatcher: the parent's side of the ZMQ link to the DP leaders. It sends each request to the least
 loaded DP group, routes step outputs back to one asyncio queue per request and keeps the workers' stats."""
+
 import asyncio
 import itertools
 import logging
@@ -76,8 +77,13 @@ class DPDispatcher:
             except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
                 pass
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, bootstrap_room: int | None = None,
-               bootstrap_url: str | None = None) -> tuple[int, asyncio.Queue]:
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        bootstrap_room: int | None = None,
+        bootstrap_url: str | None = None,
+    ) -> tuple[int, asyncio.Queue]:
         """Send a reserved request to the least loaded DP group (DP group room % dp_size for a disaggregated
         request); its StepOutputs (or a WorkerError) arrive on the queue."""
         if self.failure:
@@ -85,12 +91,17 @@ class DPDispatcher:
             raise WorkerError(self.failure)
         self._reserved -= 1
         rid = next(self._ids)
-        dp = (min(range(len(self._load)), key=self._load.__getitem__) if bootstrap_room is None
-              else bootstrap_room % len(self._load))
+        dp = (
+            min(range(len(self._load)), key=self._load.__getitem__)
+            if bootstrap_room is None
+            else bootstrap_room % len(self._load)
+        )
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid], self._owner[rid] = queue, dp
         self._load[dp] += 1
-        if not self._send(dp, AddRequest(rid, list(prompt_token_ids), sampling, bootstrap_room, bootstrap_url)):
+        if not self._send(
+            dp, AddRequest(rid, list(prompt_token_ids), sampling, bootstrap_room, bootstrap_url)
+        ):
             self._forget(rid)
             raise WorkerError(f"the engine worker of DP group {dp} is not connected")
         return rid, queue

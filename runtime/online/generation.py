@@ -1,5 +1,6 @@
 """One prompt's request on the engine workers, as an async stream of text deltas (stop strings applied,
 latency metrics recorded). `close()` aborts it if it has not finished: call it when the client goes away."""
+
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -9,8 +10,10 @@ from runtime.online.detokenizer import IncrementalDetokenizer
 from runtime.online.dp_dispatcher import DPDispatcher, WorkerError
 from runtime.online.metrics import ServerMetrics
 
-KV_TRANSFER_FAILED = ("the request's KV did not arrive from the prefill instance in time, or did not fit this "
-                      "decode instance (its log says which)")
+KV_TRANSFER_FAILED = (
+    "the request's KV did not arrive from the prefill instance in time, or did not fit this "
+    "decode instance (its log says which)"
+)
 
 
 @dataclass
@@ -32,9 +35,17 @@ class Completion:
 
 
 class Generation:
-    def __init__(self, dispatcher: DPDispatcher, metrics: ServerMetrics, tokenizer, prompt_token_ids: list[int],
-                 sampling: SamplingParams, stop_strings: list[str], bootstrap_room: int | None = None,
-                 bootstrap_url: str | None = None):
+    def __init__(
+        self,
+        dispatcher: DPDispatcher,
+        metrics: ServerMetrics,
+        tokenizer,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        stop_strings: list[str],
+        bootstrap_room: int | None = None,
+        bootstrap_url: str | None = None,
+    ):
         self.dispatcher, self.metrics = dispatcher, metrics
         self.prompt_token_ids, self.sampling = prompt_token_ids, sampling
         self.bootstrap = bootstrap_room, bootstrap_url

@@ -1,4 +1,5 @@
 """What the server's parent process and the DP-leader workers send each other over ZMQ (pickled)."""
+
 from dataclasses import dataclass
 
 from runtime.engine.request import SamplingParams, StepOutput

@@ -1,4 +1,5 @@
 """The server's Prometheus metrics, in a registry of its own (several servers can live in one process)."""
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from runtime.online.messages import EngineStats
@@ -20,12 +21,24 @@ class ServerMetrics:
         self.kv_total = metric(Gauge, "skill_kv_cache_total_blocks", "KV cache blocks in the pool")
         self.prompt_tokens = metric(Counter, "skill_prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = metric(Counter, "skill_generation_tokens", "Generated tokens")
-        self.ttft = metric(Histogram, "skill_time_to_first_token_seconds", "Time from arrival to the first token",
-                           buckets=_LATENCY_BUCKETS)
-        self.tpot = metric(Histogram, "skill_time_per_output_token_seconds", "Time between output tokens",
-                           buckets=_LATENCY_BUCKETS)
-        self._finished = Counter("skill_request_success", "Finished requests by finish reason",
-                                 [*labels, "finished_reason"], registry=r)
+        self.ttft = metric(
+            Histogram,
+            "skill_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = metric(
+            Histogram,
+            "skill_time_per_output_token_seconds",
+            "Time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+        )
+        self._finished = Counter(
+            "skill_request_success",
+            "Finished requests by finish reason",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
         self._name = model_name
 
     def finished(self, reason: str) -> None:

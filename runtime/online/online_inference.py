@@ -6,6 +6,7 @@ and that verdict to its attn-TP peers over `tp_cpu_group`. Then every rank steps
 lock-step) and the leader sends the step's outputs back. With prefill-decode disaggregation a PrefillSide or
 DecodeSide adds the KV hand-over to the turn.
 """
+
 import argparse
 import dataclasses
 import logging
@@ -47,7 +48,9 @@ SIDES = {"PREFILL": (PrefillSide, PrefillDisaggScheduler), "DECODE": (DecodeSide
 
 
 class OnlineInference(OfflineInference):
-    def __init__(self, config, model_dir: Path, addresses: WorkerAddresses | None, parent_pid: int | None = None):
+    def __init__(
+        self, config, model_dir: Path, addresses: WorkerAddresses | None, parent_pid: int | None = None
+    ):
         """`addresses` on global rank 0 at least: ranks of other nodes take them from it."""
         side_cls, scheduler_cls = SIDES.get(config.disagg_config.disaggregation_mode, (None, Scheduler))
         super().__init__(config, model_dir, scheduler_cls)
@@ -74,8 +77,14 @@ class OnlineInference(OfflineInference):
             self.outbox = self.ctx.socket(zmq.PUSH)
             self.outbox.sndhwm = 0  # never drop a step's tokens while the server is there
             self.outbox.connect(addresses.results)
-            self._send(WorkerReady(self.dp_rank, self.engine_stats(), self.engine.kv.block_size,
-                                               self.side.address if self.side else None))
+            self._send(
+                WorkerReady(
+                    self.dp_rank,
+                    self.engine_stats(),
+                    self.engine.kv.block_size,
+                    self.side.address if self.side else None,
+                )
+            )
 
     def engine_stats(self) -> EngineStats:
         kv, sched = self.engine.kv.stats(), self.engine.scheduler
@@ -134,7 +143,11 @@ class OnlineInference(OfflineInference):
     def _wait_ms(self, idle: bool) -> int:
         if not idle:
             return 0
-        return BUSY_POLL_MS if self.dp_group is not None or (self.side and self.side.num_waiting) else IDLE_POLL_MS
+        return (
+            BUSY_POLL_MS
+            if self.dp_group is not None or (self.side and self.side.num_waiting)
+            else IDLE_POLL_MS
+        )
 
     def _turn(self, idle: bool) -> tuple[list, list[StepOutput], bool, bool]:
         """This turn's commands, the outputs they produced and the agreed (busy, stop)."""
@@ -208,7 +221,9 @@ class OnlineInference(OfflineInference):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="An engine worker of `skill serve` (launched by the server).")
+    parser = argparse.ArgumentParser(
+        description="An engine worker of `skill serve` (launched by the server)."
+    )
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--yaml", type=Path, required=True)
     parser.add_argument("--max-model-len", type=int)

@@ -1,4 +1,5 @@
 """OpenAI request bodies (the fields this server honours; unknown fields are ignored) and its error JSON."""
+
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -77,10 +78,14 @@ class ChatCompletionRequest(_GenerationRequest):
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.status}}, status_code=self.status)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}},
+            status_code=self.status,
+        )

@@ -3,6 +3,7 @@ instance room % P (for the KV and first token) and decode instance room % D at o
 decode instance's response, streamed when asked. The prefill's answer is awaited first: its error (a bad
 request, a full queue) is the client's answer, and the decode half is dropped. A backend that cannot be
 reached gives 503."""
+
 import asyncio
 import contextlib
 import json
@@ -33,8 +34,9 @@ class RouterSettings:
 
 
 def _unreachable(role: str, url: str, error: Exception) -> APIError:
-    return APIError(503, f"the {role} instance at {url} failed: {type(error).__name__}: {error}",
-                    kind="server_error")
+    return APIError(
+        503, f"the {role} instance at {url} failed: {type(error).__name__}: {error}", kind="server_error"
+    )
 
 
 def _passthrough(r: httpx.Response) -> Response:
@@ -78,8 +80,13 @@ def build_router(settings: RouterSettings) -> FastAPI:
             p = None
         if p is None or isinstance(p, APIError) or p.status_code != 200:
             await _drop(decode_call)
-            return Response(status_code=499) if p is None else p.response() if isinstance(p, APIError) \
+            return (
+                Response(status_code=499)
+                if p is None
+                else p.response()
+                if isinstance(p, APIError)
                 else _passthrough(p)
+            )
         try:
             stream = await unless_disconnected(request, decode_call)
         except httpx.HTTPError as e:
@@ -98,7 +105,11 @@ def build_router(settings: RouterSettings) -> FastAPI:
                 async for chunk in stream.aiter_raw():
                     yield chunk
             except httpx.HTTPError as e:
-                error = {"message": _unreachable("decode", decode, e).message, "type": "server_error", "code": 503}
+                error = {
+                    "message": _unreachable("decode", decode, e).message,
+                    "type": "server_error",
+                    "code": 503,
+                }
                 yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
             finally:
                 await stream.aclose()
@@ -108,6 +119,7 @@ def build_router(settings: RouterSettings) -> FastAPI:
     def endpoint(path: str):
         async def handler(request: Request) -> Response:
             return await route(request, path)
+
         return handler
 
     for path in ROUTED:
@@ -120,6 +132,7 @@ def build_router(settings: RouterSettings) -> FastAPI:
                 return (await decodes.get(f"{url}/health", timeout=5)).status_code == 200
             except httpx.HTTPError:
                 return False
+
         results = await asyncio.gather(*(ok(u) for u in settings.prefill + settings.decode))
         return Response(status_code=200 if all(results) else 503)
 
@@ -135,7 +148,12 @@ def build_router(settings: RouterSettings) -> FastAPI:
 
 
 def run_router(settings: RouterSettings) -> None:
-    logger.info("routing http://%s:%d/v1 to prefill %s and decode %s", settings.host, settings.port,
-                settings.prefill, settings.decode)
+    logger.info(
+        "routing http://%s:%d/v1 to prefill %s and decode %s",
+        settings.host,
+        settings.port,
+        settings.prefill,
+        settings.decode,
+    )
     ignore_reraised_signals()
     uvicorn.run(build_router(settings), host=settings.host, port=settings.port, log_level="info")

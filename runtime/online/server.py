@@ -1,4 +1,5 @@
 """`skill serve`: FastAPI + uvicorn in the parent process, engine workers behind a DPDispatcher."""
+
 import asyncio
 import contextlib
 import hmac
@@ -59,14 +60,17 @@ def _require_api_key(request: Request) -> None:
         return
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "missing or wrong API key; send `Authorization: Bearer <key>`", kind="authentication_error")
+        raise APIError(
+            401, "missing or wrong API key; send `Authorization: Bearer <key>`", kind="authentication_error"
+        )
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     err = exc.errors()[0]
     if err.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})",
-                        "body").response()
+        return APIError(
+            400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})", "body"
+        ).response()
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or "body"
     return APIError(400, f"`{param}`: {err['msg']}", param).response()
@@ -77,7 +81,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     app.state.ctx = ctx
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(HTTPException, lambda request, exc: APIError(exc.status_code, str(exc.detail)).response())
+    app.add_exception_handler(
+        HTTPException, lambda request, exc: APIError(exc.status_code, str(exc.detail)).response()
+    )
     app.include_router(router, dependencies=[Depends(_require_api_key)])
 
     @app.get("/health")
@@ -90,6 +96,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     if ctx.pd_role == "prefill":
+
         @app.get("/bootstrap/rank_table")
         async def rank_table() -> dict:
             """Where decode leaders fetch KV: the KV endpoint of each DP leader (bootstrap_room % dp_size)."""
@@ -97,9 +104,19 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(_require_api_key)])
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "model-infer-skills", "max_model_len": ctx.max_model_len}
-                                           for name in (ctx.model_name, *ctx.served_names)]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "model-infer-skills",
+                    "max_model_len": ctx.max_model_len,
+                }
+                for name in (ctx.model_name, *ctx.served_names)
+            ],
+        }
 
     return app
 
@@ -133,17 +150,35 @@ async def _watch_workers(ctx: ServerContext) -> None:
 
 async def _serve(model_dir: Path, yaml_path: Path, config: InferenceConfig, settings: ServeSettings) -> None:
     limit = config.max_seq_len  # serving_config made it --max-model-len when given
-    tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_path,
-                                              trust_remote_code=config.model_config.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model_config.model_path, trust_remote_code=config.model_config.trust_remote_code
+    )
     nodes = settings.nodes
-    dispatcher = DPDispatcher(config.parallel_config.attn_dp_size, nodes.master_addr if nodes.nnodes > 1 else
-                              "127.0.0.1")
-    manager = WorkerManager(model_dir, yaml_path, config.world_size, dispatcher.addresses, settings.max_model_len,
-                            settings.nodes, settings.worker_disagg)
+    dispatcher = DPDispatcher(
+        config.parallel_config.attn_dp_size, nodes.master_addr if nodes.nnodes > 1 else "127.0.0.1"
+    )
+    manager = WorkerManager(
+        model_dir,
+        yaml_path,
+        config.world_size,
+        dispatcher.addresses,
+        settings.max_model_len,
+        settings.nodes,
+        settings.worker_disagg,
+    )
     name = settings.served_model_name or config.model_name
-    ctx = ServerContext(dispatcher, manager, ServerMetrics(name), tokenizer, name, limit,
-                        config.scheduler_config.batch_size + settings.max_queue, settings.api_key,
-                        ("default",) if name != "default" else (), settings.pd_role)
+    ctx = ServerContext(
+        dispatcher,
+        manager,
+        ServerMetrics(name),
+        tokenizer,
+        name,
+        limit,
+        config.scheduler_config.batch_size + settings.max_queue,
+        settings.api_key,
+        ("default",) if name != "default" else (),
+        settings.pd_role,
+    )
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # until uvicorn takes over
     manager.start()
@@ -157,17 +192,26 @@ async def _serve(model_dir: Path, yaml_path: Path, config: InferenceConfig, sett
         ignore_reraised_signals()
         smallest = min(s.kv_total_blocks for s in dispatcher.stats)
         if dispatcher.block_size and cdiv(limit, dispatcher.block_size) > smallest:
-            raise UserError(f"the KV cache holds {smallest} blocks of {dispatcher.block_size} tokens, fewer than "
-                            f"one request of --max-model-len {limit} needs; lower --max-model-len or raise "
-                            "scheduler_config.num_kv_blocks / mem_fraction_static")
+            raise UserError(
+                f"the KV cache holds {smallest} blocks of {dispatcher.block_size} tokens, fewer than "
+                f"one request of --max-model-len {limit} needs; lower --max-model-len or raise "
+                "scheduler_config.num_kv_blocks / mem_fraction_static"
+            )
         watcher = asyncio.create_task(_watch_workers(ctx))
-        server = uvicorn.Server(uvicorn.Config(build_app(ctx), timeout_graceful_shutdown=settings.grace_s,
-                                               log_level="info"))
+        server = uvicorn.Server(
+            uvicorn.Config(build_app(ctx), timeout_graceful_shutdown=settings.grace_s, log_level="info")
+        )
         sockets = [_listen(settings.host, settings.port)]
         if settings.pd_role == "prefill":  # the bootstrap endpoint: same app, its own port
             sockets.append(_listen(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port))
-        logger.info("serving %s on http://%s:%d/v1 (max model length %d%s)", name, settings.host, settings.port,
-                    limit, f", {settings.pd_role} instance" if settings.pd_role != "none" else "")
+        logger.info(
+            "serving %s on http://%s:%d/v1 (max model length %d%s)",
+            name,
+            settings.host,
+            settings.port,
+            limit,
+            f", {settings.pd_role} instance" if settings.pd_role != "none" else "",
+        )
         await server.serve(sockets=sockets)
         watcher.cancel()
     except asyncio.CancelledError:
@@ -184,8 +228,15 @@ def run_worker_node(model_dir: Path, yaml_path: Path, settings: ServeSettings) -
     """Node k > 0 of a multi-node server: this node's engine workers only; node 0 serves HTTP."""
     config = serving_config(yaml_path, settings.max_model_len)
     settings.nodes.check(config.world_size)
-    manager = WorkerManager(model_dir, yaml_path, config.world_size, None, settings.max_model_len, settings.nodes,
-                            settings.worker_disagg)
+    manager = WorkerManager(
+        model_dir,
+        yaml_path,
+        config.world_size,
+        None,
+        settings.max_model_len,
+        settings.nodes,
+        settings.worker_disagg,
+    )
     stop = {"requested": False}
 
     def on_signal(*_) -> None:
@@ -204,7 +255,9 @@ def run_worker_node(model_dir: Path, yaml_path: Path, settings: ServeSettings) -
 def run_server(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
     if settings.nodes.node_rank > 0:
         return run_worker_node(model_dir, yaml_path, settings)
-    config = serving_config(yaml_path, settings.max_model_len)  # a bad YAML fails here, before any process starts
+    config = serving_config(
+        yaml_path, settings.max_model_len
+    )  # a bad YAML fails here, before any process starts
     settings.nodes.check(config.world_size)
     _check_port_free(settings.host, settings.port)
     if settings.pd_role == "prefill":

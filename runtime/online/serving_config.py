@@ -1,4 +1,5 @@
 """The engine configuration a server runs: the model directory's YAML with the server's context length."""
+
 from pathlib import Path
 
 from runtime.config import InferenceConfig

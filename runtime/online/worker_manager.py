@@ -1,4 +1,5 @@
 """WorkerManager: starts the engine workers (one process per rank, under torchrun) and stops them."""
+
 import logging
 import os
 import subprocess
@@ -12,11 +13,25 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerManager:
-    def __init__(self, model_dir: Path, yaml_path: Path, world_size: int, addresses: WorkerAddresses | None,
-                 max_model_len: int | None = None, nodes: NodeLayout = SINGLE_NODE,
-                 disagg: DisaggConfig | None = None):
-        args = ["runtime.online.online_inference", "--model-dir", str(model_dir), "--yaml", str(yaml_path),
-                "--parent-pid", str(os.getpid())]
+    def __init__(
+        self,
+        model_dir: Path,
+        yaml_path: Path,
+        world_size: int,
+        addresses: WorkerAddresses | None,
+        max_model_len: int | None = None,
+        nodes: NodeLayout = SINGLE_NODE,
+        disagg: DisaggConfig | None = None,
+    ):
+        args = [
+            "runtime.online.online_inference",
+            "--model-dir",
+            str(model_dir),
+            "--yaml",
+            str(yaml_path),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if addresses is not None:  # node 0; the ranks of other nodes get them from global rank 0
             args += ["--requests", ",".join(addresses.requests), "--results", addresses.results]
         if max_model_len is not None:
@@ -44,6 +59,8 @@ class WorkerManager:
             try:
                 return self.proc.wait(timeout_s if action is None else 10)
             except subprocess.TimeoutExpired:
-                logger.warning("engine workers still running after %s; stopping them", "shutdown" if action
-                               is None else "SIGTERM")
+                logger.warning(
+                    "engine workers still running after %s; stopping them",
+                    "shutdown" if action is None else "SIGTERM",
+                )
         return self.proc.wait()

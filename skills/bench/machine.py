@@ -1,4 +1,5 @@
 """What the machine can do: its read bandwidth (STREAM-style) and a description for the report."""
+
 import os
 import platform
 import time
@@ -30,5 +31,11 @@ def describe(threads: int) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }

@@ -1,4 +1,5 @@
 """The bench's rich table (stderr) and its plot."""
+
 from pathlib import Path
 
 from rich.console import Console
@@ -18,23 +19,43 @@ def _served(s: dict | None) -> str:
 
 def print_table(report: dict, console: Console) -> None:
     m = report["machine"]
-    table = Table(title=f"skill bench: {report['model_dir']} ({report['dtype']}, {m['threads']} threads, "
-                        f"read bandwidth {report['bandwidth_gb_s']:.1f} GB/s)")
-    for col in ("workload", "ours tok/s", "peer tok/s", "ratio", "MBU", "TTFT p50/p99 ms (ours)",
-                "TTFT p99 ms (peer)", "TPOT ms ours/peer", "peak RSS MB ours/peer", "greedy spot check",
-                "served tok/s (vs ours), TTFT p99 ms"):
+    table = Table(
+        title=f"skill bench: {report['model_dir']} ({report['dtype']}, {m['threads']} threads, "
+        f"read bandwidth {report['bandwidth_gb_s']:.1f} GB/s)"
+    )
+    for col in (
+        "workload",
+        "ours tok/s",
+        "peer tok/s",
+        "ratio",
+        "MBU",
+        "TTFT p50/p99 ms (ours)",
+        "TTFT p99 ms (peer)",
+        "TPOT ms ours/peer",
+        "peak RSS MB ours/peer",
+        "greedy spot check",
+        "served tok/s (vs ours), TTFT p99 ms",
+    ):
         table.add_column(col, justify="left" if col == "workload" else "right")
     for name, w in report["workloads"].items():
         spot = w["spot_check"]
         table.add_row(
-            name, _f(w["ours_tok_s"]), _f(w["peer_tok_s"]), _f(w["ratio"], ".2f") + ("x" if w["ratio"] else ""),
+            name,
+            _f(w["ours_tok_s"]),
+            _f(w["peer_tok_s"]),
+            _f(w["ratio"], ".2f") + ("x" if w["ratio"] else ""),
             _f(w["mbu"] and 100 * w["mbu"], ".0f") + ("%" if w["mbu"] else ""),
-            f"{_f(w['ttft_p50_ms'], '.0f')} / {_f(w['ttft_p99_ms'], '.0f')}", _f(w["peer_ttft_p99_ms"], ".0f"),
+            f"{_f(w['ttft_p50_ms'], '.0f')} / {_f(w['ttft_p99_ms'], '.0f')}",
+            _f(w["peer_ttft_p99_ms"], ".0f"),
             f"{_f(w['tpot_ms']['ours'])} / {_f(w['tpot_ms']['peer'])}",
             f"{_f(w['peak_rss_mb']['ours'], '.0f')} / {_f(w['peak_rss_mb']['peer'], '.0f')}",
-            "-" if spot is None else f"{spot['identical']}/{spot['checked']} identical"
-            + ("" if spot["passed"] else " (FAILED)") + "".join(f"; {v}" for v in spot["verdicts"] if v != "identical"),
-            _served(w["served"]))
+            "-"
+            if spot is None
+            else f"{spot['identical']}/{spot['checked']} identical"
+            + ("" if spot["passed"] else " (FAILED)")
+            + "".join(f"; {v}" for v in spot["verdicts"] if v != "identical"),
+            _served(w["served"]),
+        )
     console.print(table)
 
 
@@ -56,15 +77,20 @@ def plot(report: dict, path: Path) -> None:
         bars = ax.bar(*zip(*[(label, value) for label, value, _ in bars]), color=[c for *_, c in bars])
         ax.bar_label(bars, fmt="%.1f")
         if w["bandwidth_limit_tok_s"]:
-            ax.axhline(w["bandwidth_limit_tok_s"], color="tab:red", linestyle="--",
-                       label=f"bandwidth limit {w['bandwidth_limit_tok_s']:.0f} tok/s")
+            ax.axhline(
+                w["bandwidth_limit_tok_s"],
+                color="tab:red",
+                linestyle="--",
+                label=f"bandwidth limit {w['bandwidth_limit_tok_s']:.0f} tok/s",
+            )
             ax.legend(loc="lower right")
         unit = "prompt tok/s" if name == "prefill" else "output tok/s"
         title = name + (f" ({w['ratio']:.2f}x)" if w["ratio"] else "")
         ax.set(title=title, ylabel=unit)
     m = report["machine"]
-    fig.suptitle(f"{Path(report['model_dir']).name}, {report['dtype']}, {m['threads']} threads, {m['cpu']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"{Path(report['model_dir']).name}, {report['dtype']}, {m['threads']} threads, {m['cpu']}", fontsize=9
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.png")

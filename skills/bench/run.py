@@ -1,4 +1,5 @@
 """Orchestrates `skill bench`: per workload, one process per engine, runs alternated, medians reported."""
+
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,17 +40,24 @@ def _tok_s(workload: Workload, seconds: float) -> float:
 
 
 def _tpot_ms(result: dict) -> float | None:
-    steps = [(f - t) / (len(o) - 1) for t, f, o in zip(result["ttft_s"], result["finish_s"], result["outputs"])
-             if len(o) > 1]
+    steps = [
+        (f - t) / (len(o) - 1)
+        for t, f, o in zip(result["ttft_s"], result["finish_s"], result["outputs"])
+        if len(o) > 1
+    ]
     return 1000 * statistics.mean(steps) if steps else None
 
 
 def _summary(workload: Workload, runs: list[dict]) -> dict:
     ttft = [1000 * t for r in runs for t in r["ttft_s"]]
-    return {"tok_s": statistics.median(_tok_s(workload, r["seconds"]) for r in runs),
-            "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
-            "tpot_ms": statistics.median(t for r in runs if (t := _tpot_ms(r)) is not None)
-            if workload.name != "prefill" else None}
+    return {
+        "tok_s": statistics.median(_tok_s(workload, r["seconds"]) for r in runs),
+        "ttft_p50_ms": _percentile(ttft, 50),
+        "ttft_p99_ms": _percentile(ttft, 99),
+        "tpot_ms": statistics.median(t for r in runs if (t := _tpot_ms(r)) is not None)
+        if workload.name != "prefill"
+        else None,
+    }
 
 
 def spot_check(ours: list[list[int]], reference: dict) -> dict:
@@ -59,15 +67,31 @@ def spot_check(ours: list[list[int]], reference: dict) -> dict:
     verdicts = []
     for mine, theirs, ties in zip(ours, reference["outputs"], reference["ties"]):
         first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
-        verdicts.append("identical" if first is None else f"tie at step {first}" if ties[first] else
-                        f"differs at step {first}")
-    return {"checked": len(verdicts), "identical": verdicts.count("identical"), "verdicts": verdicts,
-            "passed": not any(v.startswith("differs") for v in verdicts)}
+        verdicts.append(
+            "identical"
+            if first is None
+            else f"tie at step {first}"
+            if ties[first]
+            else f"differs at step {first}"
+        )
+    return {
+        "checked": len(verdicts),
+        "identical": verdicts.count("identical"),
+        "verdicts": verdicts,
+        "passed": not any(v.startswith("differs") for v in verdicts),
+    }
 
 
 def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
     workload = make_workload(name, opts.quick)
-    args = [str(opts.model_dir), str(opts.yaml_file), name, opts.dtype, str(opts.threads), opts.exe_mode or "-"]
+    args = [
+        str(opts.model_dir),
+        str(opts.yaml_file),
+        name,
+        opts.dtype,
+        str(opts.threads),
+        opts.exe_mode or "-",
+    ]
     args += ["--quick"] if opts.quick else []
     engines = {"ours": Worker("ours", args, opts.timeout_s)}
     try:
@@ -89,16 +113,30 @@ def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
             w.close()
     ours = _summary(workload, runs["ours"])
     peer = _summary(workload, runs["peer"]) if opts.compare else None
-    out = {"ours_tok_s": ours["tok_s"], "peer_tok_s": peer and peer["tok_s"],
-           "ratio": peer and ours["tok_s"] / peer["tok_s"], "mbu": None, "bandwidth_limit_tok_s": None,
-           "achieved_gb_s": None, "ttft_p50_ms": ours["ttft_p50_ms"], "ttft_p99_ms": ours["ttft_p99_ms"],
-           "peer_ttft_p50_ms": peer and peer["ttft_p50_ms"], "peer_ttft_p99_ms": peer and peer["ttft_p99_ms"],
-           "tpot_ms": {"ours": ours["tpot_ms"], "peer": peer and peer["tpot_ms"]},
-           "peak_rss_mb": {"ours": rss["ours"], "peer": rss.get("peer")}, "spot_check": None, "served": None}
+    out = {
+        "ours_tok_s": ours["tok_s"],
+        "peer_tok_s": peer and peer["tok_s"],
+        "ratio": peer and ours["tok_s"] / peer["tok_s"],
+        "mbu": None,
+        "bandwidth_limit_tok_s": None,
+        "achieved_gb_s": None,
+        "ttft_p50_ms": ours["ttft_p50_ms"],
+        "ttft_p99_ms": ours["ttft_p99_ms"],
+        "peer_ttft_p50_ms": peer and peer["ttft_p50_ms"],
+        "peer_ttft_p99_ms": peer and peer["ttft_p99_ms"],
+        "tpot_ms": {"ours": ours["tpot_ms"], "peer": peer and peer["tpot_ms"]},
+        "peak_rss_mb": {"ours": rss["ours"], "peer": rss.get("peer")},
+        "spot_check": None,
+        "served": None,
+    }
     if opts.serve:
         served = _summary(workload, runs["served"])
-        out["served"] = {**served, "vs_ours": served["tok_s"] / ours["tok_s"], "peak_rss_mb": rss["served"],
-                         "outputs_match_ours": all(r["outputs"] == runs["ours"][0]["outputs"] for r in runs["served"])}
+        out["served"] = {
+            **served,
+            "vs_ours": served["tok_s"] / ours["tok_s"],
+            "peak_rss_mb": rss["served"],
+            "outputs_match_ours": all(r["outputs"] == runs["ours"][0]["outputs"] for r in runs["served"]),
+        }
     if name == "decode1":  # batch 1: every step reads all weights plus the context's KV
         context = workload.prompt_lens[0] + workload.output_lens[0] / 2
         step_bytes = info["weight_bytes"] + info["kv_bytes_per_token"] * context
@@ -117,6 +155,13 @@ def run_bench(opts: BenchOptions) -> dict:
     for name in opts.workloads:
         opts.log(f"{name}: starting")
         workloads[name] = bench_workload(opts, name, bandwidth)
-    return {"machine": describe(opts.threads), "model_dir": str(opts.model_dir), "dtype": opts.dtype,
-            "exe_mode": opts.exe_mode or "from the YAML",
-            "quick": opts.quick, "repeats": opts.repeats, "bandwidth_gb_s": bandwidth, "workloads": workloads}
+    return {
+        "machine": describe(opts.threads),
+        "model_dir": str(opts.model_dir),
+        "dtype": opts.dtype,
+        "exe_mode": opts.exe_mode or "from the YAML",
+        "quick": opts.quick,
+        "repeats": opts.repeats,
+        "bandwidth_gb_s": bandwidth,
+        "workloads": workloads,
+    }

@@ -7,6 +7,7 @@ Prints ``READY {...}``, then answers each ``run`` line with ``RESULT {...}`` and
 requests run one at a time (no padding) and where their top two logits tie, for the spot check. `served`
 reports the peak RSS of the server's processes, not its own. Everything else it prints goes to stderr.
 """
+
 import json
 import os
 import sys
@@ -38,10 +39,24 @@ def main(argv: list[str]) -> int:
     if engine in ("ours", "served"):
         from skills.bench.engines import Ours, Served, bench_config
 
-        config = bench_config(Path(yaml_file), dtype, None if exe_mode == "-" else exe_mode, workload.num_requests,
-                              max(workload.prompt_lens), max(workload.output_lens))
-        runner = Ours(Path(model_dir), config) if engine == "ours" else Served(Path(model_dir), config, int(threads))
-        info = dict(zip(("weight_bytes", "kv_bytes_per_token"), runner.bytes_per_token())) if engine == "ours" else {}
+        config = bench_config(
+            Path(yaml_file),
+            dtype,
+            None if exe_mode == "-" else exe_mode,
+            workload.num_requests,
+            max(workload.prompt_lens),
+            max(workload.output_lens),
+        )
+        runner = (
+            Ours(Path(model_dir), config)
+            if engine == "ours"
+            else Served(Path(model_dir), config, int(threads))
+        )
+        info = (
+            dict(zip(("weight_bytes", "kv_bytes_per_token"), runner.bytes_per_token()))
+            if engine == "ours"
+            else {}
+        )
     else:
         from runtime.config import InferenceConfig
         from skills.bench.engines import Peer

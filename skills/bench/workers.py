@@ -1,4 +1,5 @@
 """Parent side of the worker protocol: start an engine process, send it commands, read its answers."""
+
 import json
 import os
 import select
@@ -17,8 +18,14 @@ class Worker:
         # kept open for the life of the worker: its stderr goes there
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{engine}-", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "SKILL_LOG_LEVEL": os.environ.get("SKILL_LOG_LEVEL", "WARNING")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "skills.bench.worker", engine, *args], text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skills.bench.worker", engine, *args],
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+        )
         self.info = self._expect("READY")
 
     def _expect(self, tag: str) -> dict:
@@ -27,17 +34,21 @@ class Worker:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close()
-                raise UserError(f"bench worker '{self.engine}' gave no {tag} within {self.timeout_s:.0f} s; "
-                                f"its log is {self.log.name}. Use --quick or fewer --repeats on a slow machine.")
+                raise UserError(
+                    f"bench worker '{self.engine}' gave no {tag} within {self.timeout_s:.0f} s; "
+                    f"its log is {self.log.name}. Use --quick or fewer --repeats on a slow machine."
+                )
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
             line = self.proc.stdout.readline() if ready else ""
             if ready and not line:  # the process ended
                 self.proc.wait()
                 tail = Path(self.log.name).read_text(errors="replace")[-2000:]
-                raise UserError(f"bench worker '{self.engine}' exited with code {self.proc.returncode} before "
-                                f"{tag}; the end of its log ({self.log.name}):\n{tail}")
+                raise UserError(
+                    f"bench worker '{self.engine}' exited with code {self.proc.returncode} before "
+                    f"{tag}; the end of its log ({self.log.name}):\n{tail}"
+                )
             if line.startswith(tag + " "):
-                return json.loads(line[len(tag) + 1:])
+                return json.loads(line[len(tag) + 1 :])
 
     def _send(self, command: str) -> None:
         self.proc.stdin.write(command + "\n")

@@ -1,4 +1,5 @@
 """The bench's workloads: fixed seeds, `ignore_eos`, token-id prompts (no tokenizer in the timed path)."""
+
 import random
 from dataclasses import dataclass
 

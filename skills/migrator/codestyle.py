@@ -1,5 +1,6 @@
 """Generated code goes through ruff (default rules, autofix, format) in the project's own style, so it reads
 like hand-written code."""
+
 import subprocess
 import sys
 
@@ -7,8 +8,24 @@ LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: the project and i
 
 
 def _ruff(args: list[str], code: str, filename: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "ruff", *args, "--isolated", "--line-length", str(LINE_LENGTH),
-                           "--stdin-filename", filename, "-"], input=code, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            *args,
+            "--isolated",
+            "--line-length",
+            str(LINE_LENGTH),
+            "--stdin-filename",
+            filename,
+            "-",
+        ],
+        input=code,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return proc.stdout if proc.returncode in (0, 1) and proc.stdout else code
 
 

@@ -1,4 +1,5 @@
 """What every rewrite rule may know about the file it rewrites."""
+
 from dataclasses import dataclass, field
 
 
@@ -30,4 +31,6 @@ class RewriteContext:
     applied: list[str] = field(default_factory=list)  # ids of the rules that changed this file, in order
 
     def unsupported(self, scope: str, line: int, what: str) -> None:
-        self.findings.append(Finding(self.filename, scope, line or self.scope_lines.get(scope, 0), what, self.rule))
+        self.findings.append(
+            Finding(self.filename, scope, line or self.scope_lines.get(scope, 0), what, self.rule)
+        )

@@ -1,4 +1,5 @@
 """Small libcst helpers shared by the rewrite rules."""
+
 import libcst as cst
 
 

@@ -1,4 +1,5 @@
 """Will a model fit on one device? Weights + KV cache estimated from config shapes, never by building the model."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ def _mlp_params(hidden: int, intermediate: int, bias: bool) -> int:
 def _is_sparse(cfg: PretrainedConfig, layer: int, experts: int) -> bool:
     """Qwen-MoE style layer selection; configs without these keys make every layer sparse."""
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return experts > 0 and layer not in (getattr(cfg, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+    return (
+        experts > 0 and layer not in (getattr(cfg, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+    )
 
 
 def _layer_params(cfg: PretrainedConfig, layer: int, head_dim: int, kv_heads: int) -> int:
@@ -56,14 +59,18 @@ def _shapes(hf_config: PretrainedConfig) -> tuple[PretrainedConfig, int, int]:
     return cfg, head_dim, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
-def estimate_memory(hf_config: PretrainedConfig, dtype: torch.dtype, batch_size: int,
-                    max_seq_len: int) -> MemoryEstimate:
+def estimate_memory(
+    hf_config: PretrainedConfig, dtype: torch.dtype, batch_size: int, max_seq_len: int
+) -> MemoryEstimate:
     """Weights (embeddings, layers, final norm, untied lm_head) and a full-length KV cache, in `dtype`."""
     cfg, head_dim, kv_heads = _shapes(hf_config)
     embeddings = cfg.vocab_size * cfg.hidden_size
     tied = getattr(hf_config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))
-    params = (embeddings * (1 if tied else 2) + cfg.hidden_size
-              + sum(_layer_params(cfg, i, head_dim, kv_heads) for i in range(cfg.num_hidden_layers)))
+    params = (
+        embeddings * (1 if tied else 2)
+        + cfg.hidden_size
+        + sum(_layer_params(cfg, i, head_dim, kv_heads) for i in range(cfg.num_hidden_layers))
+    )
     kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * batch_size * max_seq_len * dtype.itemsize
     param_bytes = params * dtype.itemsize
     return MemoryEstimate(params, param_bytes, kv_bytes, param_bytes + kv_bytes)
@@ -86,8 +93,10 @@ def _free_memory(device: torch.device) -> int:
         try:
             import torch_npu  # noqa: F401  (registers torch.npu)
         except ImportError as e:
-            raise UserError(f"device {device} needs torch_npu, which is not installed; install it "
-                            "(pip install torch_npu matching your CANN) or pick another device.") from e
+            raise UserError(
+                f"device {device} needs torch_npu, which is not installed; install it "
+                "(pip install torch_npu matching your CANN) or pick another device."
+            ) from e
         return torch.npu.mem_get_info(device)[0]
     if device.type == "cpu":
         try:
@@ -96,8 +105,10 @@ def _free_memory(device: torch.device) -> int:
             found = None
         if found:
             return int(found[1]) * 1024
-    raise UserError(f"cannot tell how much memory {device} has free (only cuda, npu and Linux cpu are "
-                    "supported); skip the memory check or run on one of those.")
+    raise UserError(
+        f"cannot tell how much memory {device} has free (only cuda, npu and Linux cpu are "
+        "supported); skip the memory check or run on one of those."
+    )
 
 
 def fits(estimate: MemoryEstimate, available: int, headroom: float = 0.9) -> bool:

@@ -1,4 +1,5 @@
 """`skill migrate`: source -> vendored + rewritten code -> rendered artifacts -> run -> baseline."""
+
 import json
 import os
 import shutil
@@ -22,8 +23,14 @@ from skills.migrator.vendor import VendoredSource, locate_source, read_config_js
 from skills.verify.compare import Verification
 from skills.verify.record import describe
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
-          "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+}
 EXIT_NEEDS_MULTI_CARD = 3
 
 
@@ -57,13 +64,23 @@ class MigrateResult:
     baseline: dict | None = None
     notes: list[str] = field(default_factory=list)
     verification: Verification | None = None
-    rules: dict[str, list[str]] = field(default_factory=dict)  # rewritten file -> ids of the rules that changed it
+    rules: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # rewritten file -> ids of the rules that changed it
 
     def to_dict(self) -> dict:
-        return {"model_dir": str(self.model_dir), "model_name": self.model_name, "mode": self.mode,
-                "scenario": self.scenario, "status": self.status, "files": self.files,
-                "baseline": self.baseline, "notes": self.notes, "rules": self.rules,
-                "verification": self.verification.to_dict() if self.verification else None}
+        return {
+            "model_dir": str(self.model_dir),
+            "model_name": self.model_name,
+            "mode": self.mode,
+            "scenario": self.scenario,
+            "status": self.status,
+            "files": self.files,
+            "baseline": self.baseline,
+            "notes": self.notes,
+            "rules": self.rules,
+            "verification": self.verification.to_dict() if self.verification else None,
+        }
 
 
 def checkpoint_dtype(config: dict, requested: str) -> str:
@@ -88,22 +105,31 @@ def convert_code(src: VendoredSource, name: str, kv: str, disabled: Collection[s
         sources[f"models/configuration_{name}.py"] = (src.configuration, rewrite_configuration)
     done, findings = Conversion({}, {}), []
     for rel, (path, rules) in sources.items():
-        ctx = RewriteContext(entry_class=src.entry_class, config_module=f"configuration_{name}",
-                             hf_package=src.hf_package, kv_layout=kv, filename=str(path))
+        ctx = RewriteContext(
+            entry_class=src.entry_class,
+            config_module=f"configuration_{name}",
+            hf_package=src.hf_package,
+            kv_layout=kv,
+            filename=str(path),
+        )
         done.files[rel] = tidy(rules(path.read_text(), ctx, disabled=disabled), Path(rel).name)
         done.rules[rel] = ctx.applied
         findings += ctx.findings
     if findings:
         listed = "; ".join(str(f) for f in findings)
-        raise UserError(f"{src.entry_class} uses constructs the migrator cannot convert safely: {listed}. "
-                        "Nothing was written; extend the rules or port these parts by hand.")
+        raise UserError(
+            f"{src.entry_class} uses constructs the migrator cannot convert safely: {listed}. "
+            "Nothing was written; extend the rules or port these parts by hand."
+        )
     return done
 
 
 def stage(target: Path, files: dict[str, str], force: bool) -> Path:
     """Write all files into a fresh hidden sibling of target; `swap` puts it in place once it is good."""
     if target.exists() and not force:
-        raise UserError(f"{target} already exists; pass --force to regenerate it (your edits there would be lost).")
+        raise UserError(
+            f"{target} already exists; pass --force to regenerate it (your edits there would be lost)."
+        )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -134,17 +160,29 @@ def swap(staging: Path, target: Path) -> None:
 def run_infer_sh(model_dir: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **(extra_env or {})}
     env.setdefault("SKILL", str(Path(sys.executable).with_name("skill")))
-    return subprocess.run(["bash", str(model_dir / "infer.sh")], capture_output=True, text=True, env=env, check=False)
+    return subprocess.run(
+        ["bash", str(model_dir / "infer.sh")], capture_output=True, text=True, env=env, check=False
+    )
 
 
-def plan_render(opts: MigrateOptions, src: VendoredSource, checkpoint: Path, name: str, mode: str,
-                config: dict) -> RenderContext:
+def plan_render(
+    opts: MigrateOptions, src: VendoredSource, checkpoint: Path, name: str, mode: str, config: dict
+) -> RenderContext:
     return RenderContext(
-        name=name, class_name="".join(p.capitalize() for p in name.split("_")), mode=mode,
-        model_source=opts.source, model_path=str(checkpoint.resolve()), dtype=checkpoint_dtype(config, opts.dtype),
-        skill_executable=str(Path(sys.executable).with_name("skill")), batch_size=max(1, len(opts.prompts) or 4),
-        max_new_tokens=opts.max_new_tokens, kv_layout=opts.kv, prompts=list(opts.prompts),
-        custom_params={"remote_code": True} if src.remote_code else {}, trust_remote_code=opts.trust_remote_code)
+        name=name,
+        class_name="".join(p.capitalize() for p in name.split("_")),
+        mode=mode,
+        model_source=opts.source,
+        model_path=str(checkpoint.resolve()),
+        dtype=checkpoint_dtype(config, opts.dtype),
+        skill_executable=str(Path(sys.executable).with_name("skill")),
+        batch_size=max(1, len(opts.prompts) or 4),
+        max_new_tokens=opts.max_new_tokens,
+        kv_layout=opts.kv,
+        prompts=list(opts.prompts),
+        custom_params={"remote_code": True} if src.remote_code else {},
+        trust_remote_code=opts.trust_remote_code,
+    )
 
 
 def verify_staged(staging: Path, name: str, opts: MigrateOptions, log) -> Verification:
@@ -152,8 +190,13 @@ def verify_staged(staging: Path, name: str, opts: MigrateOptions, log) -> Verifi
     from skills.verify.record import record
     from skills.verify.verify import VerificationMismatch, verify
 
-    result = verify(staging, staging / "config" / f"{name}.yaml", opts.prompts or None,
-                    trust_remote_code=opts.trust_remote_code, log=log)
+    result = verify(
+        staging,
+        staging / "config" / f"{name}.yaml",
+        opts.prompts or None,
+        trust_remote_code=opts.trust_remote_code,
+        log=log,
+    )
     log(describe(result))
     if result.status == "mismatch" and opts.strict:
         raise VerificationMismatch(f"{describe(result)} Nothing was written (--strict).")
@@ -177,7 +220,10 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
         return baseline_or_doctor(model_dir, name, mode, resolved.source, log)
     render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
     converted = convert_code(src, name, opts.kv, opts.disabled_rules)
-    log("rules applied: " + "; ".join(f"{Path(rel).name}: {' '.join(ids)}" for rel, ids in converted.rules.items()))
+    log(
+        "rules applied: "
+        + "; ".join(f"{Path(rel).name}: {' '.join(ids)}" for rel, ids in converted.rules.items())
+    )
     files = {**converted.files, **render_artifacts(render_ctx)}
     staging = stage(model_dir, files, opts.force)
     try:

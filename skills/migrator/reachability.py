@@ -1,4 +1,5 @@
 """Which top-level definitions the entry class needs."""
+
 import libcst as cst
 
 from skills.migrator.cst_utils import assigned_names, names_in
@@ -17,8 +18,15 @@ def _uses(s: cst.BaseStatement) -> set[str]:
     the PreTrainedModel subclass (weight init, output capture) do not count."""
     if isinstance(s, cst.ClassDef):
         bases = {n for b in s.bases for n in names_in(b.value) if not n.endswith("PreTrainedModel")}
-        body = [x for x in s.body.body if not (isinstance(x, cst.SimpleStatementLine) and top_level_names(x)
-                                               and all(n.startswith("_") for n in top_level_names(x)))]
+        body = [
+            x
+            for x in s.body.body
+            if not (
+                isinstance(x, cst.SimpleStatementLine)
+                and top_level_names(x)
+                and all(n.startswith("_") for n in top_level_names(x))
+            )
+        ]
         return bases | {n for x in body for n in names_in(x)}
     return names_in(s)
 

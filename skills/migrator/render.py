@@ -1,4 +1,5 @@
 """Render a model directory's non-code artifacts (YAML, infer.sh, README, requirements, standalone runner)."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ from runtime.config import InferenceConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = REPO / "templates"
-PARALLEL_KEYS = ("attn_tp_size", "dense_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size",
-                 "o_proj_tp_size")
+PARALLEL_KEYS = (
+    "attn_tp_size",
+    "dense_tp_size",
+    "moe_tp_size",
+    "embed_tp_size",
+    "lmhead_tp_size",
+    "o_proj_tp_size",
+)
 # What a model directory needs at run time, pinned as the project pins them.
 REQUIRED_PACKAGES = ("torch", "transformers", "safetensors", "pyyaml")
 
@@ -87,8 +94,12 @@ def _parallel_sizes(ctx: RenderContext) -> dict[str, int]:
 
 
 def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
     env.filters["yaml"] = yaml_value
     env.filters["shquote"] = shlex.quote
     env.filters["md_cell"] = md_cell

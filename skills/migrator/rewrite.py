@@ -1,4 +1,5 @@
 """Run the rewrite rules over a vendored HF source file."""
+
 from collections.abc import Collection, Sequence
 
 import libcst as cst
@@ -24,12 +25,18 @@ def _scope_lines(module: cst.Module) -> dict[str, int]:
 def check_rule_ids(disabled: Collection[str], known: Sequence[type[Rule]]) -> None:
     unknown = sorted(set(disabled) - {rule.ID for rule in known})
     if unknown:
-        raise UserError(f"--disable {', '.join(unknown)}: no such rule; the rules are "
-                        f"{', '.join(rule.ID for rule in known)} (see --list-rules).")
+        raise UserError(
+            f"--disable {', '.join(unknown)}: no such rule; the rules are "
+            f"{', '.join(rule.ID for rule in known)} (see --list-rules)."
+        )
 
 
-def rewrite(source: str, ctx: RewriteContext, rules: Sequence[type[Rule]] = MODELING_RULES,
-            disabled: Collection[str] = ()) -> str:
+def rewrite(
+    source: str,
+    ctx: RewriteContext,
+    rules: Sequence[type[Rule]] = MODELING_RULES,
+    disabled: Collection[str] = (),
+) -> str:
     """Each rule not disabled, in order; ctx.applied names those that changed something."""
     module = cst.parse_module(source)
     ctx.scope_lines = _scope_lines(module)
@@ -45,8 +52,12 @@ def rewrite(source: str, ctx: RewriteContext, rules: Sequence[type[Rule]] = MODE
     try:
         compile(module.code, ctx.filename, "exec")
     except SyntaxError as e:
-        ctx.unsupported("<module>", e.lineno or 0, f"the rewrite produced invalid code ({e.msg}); a construct in this "
-                        "file is not understood by the rules")
+        ctx.unsupported(
+            "<module>",
+            e.lineno or 0,
+            f"the rewrite produced invalid code ({e.msg}); a construct in this "
+            "file is not understood by the rules",
+        )
     return module.code
 
 

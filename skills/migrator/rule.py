@@ -2,6 +2,7 @@
 id and a one-line description (as bump-pydantic's BP001...), run over one file with the rewrite context.
 Import changes are queued (`self.add_needed_import`, `self.remove_unused_import`) and applied once, after
 the rule, by the command itself."""
+
 from typing import ClassVar
 
 import libcst as cst

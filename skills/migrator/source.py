@@ -1,4 +1,5 @@
 """Turn `skill migrate`'s source argument (a local dir, a Hub URL or ORG/REPO) into a local checkpoint dir."""
+
 from __future__ import annotations
 
 import os
@@ -11,12 +12,23 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 
 from runtime.errors import UserError
 
-_HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/(?P<repo>[\w.-]+/[\w.-]+)"
-                      r"(?:/(?:tree|blob|resolve)/(?P<rev>[^/?#]+))?/?(?:[/?#].*)?")
+_HUB_URL = re.compile(
+    r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/(?P<repo>[\w.-]+/[\w.-]+)"
+    r"(?:/(?:tree|blob|resolve)/(?P<rev>[^/?#]+))?/?(?:[/?#].*)?"
+)
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # what a migration reads: config, tokenizer, weights, remote code
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer*", "*.model", "*.tiktoken", "merges.txt",
-                  "vocab.txt", "*.jinja"]
+ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.py",
+    "tokenizer*",
+    "*.model",
+    "*.tiktoken",
+    "merges.txt",
+    "vocab.txt",
+    "*.jinja",
+]
 TIMEOUT_S = 10.0
 
 
@@ -35,15 +47,20 @@ def _offline() -> bool:
 
 def _local(source: str, path: Path) -> ResolvedSource:
     if not (path / "config.json").is_file():
-        raise UserError(f"{path} has no config.json, so it is not a Hugging Face checkpoint directory; pass the "
-                        "directory that holds config.json (and the tokenizer and *.safetensors files).")
+        raise UserError(
+            f"{path} has no config.json, so it is not a Hugging Face checkpoint directory; pass the "
+            "directory that holds config.json (and the tokenizer and *.safetensors files)."
+        )
     return ResolvedSource(path.resolve(), source, None, str(path.resolve()))
 
 
 def _cached(repo_id: str, revision: str) -> Path | None:
     try:
-        path = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, local_files_only=True,
-                                                      allow_patterns=ALLOW_PATTERNS))
+        path = Path(
+            huggingface_hub.snapshot_download(
+                repo_id, revision=revision, local_files_only=True, allow_patterns=ALLOW_PATTERNS
+            )
+        )
     except LocalEntryNotFoundError:
         return None
     return path if (path / "config.json").is_file() else None
@@ -53,27 +70,36 @@ def _download(repo_id: str, revision: str) -> Path:
     try:
         # a short probe first: no retries, so an unreachable Hub fails in seconds
         info = huggingface_hub.HfApi().model_info(repo_id, revision=revision, timeout=TIMEOUT_S)
-        return Path(huggingface_hub.snapshot_download(repo_id, revision=info.sha, allow_patterns=ALLOW_PATTERNS,
-                                                      etag_timeout=TIMEOUT_S))
+        return Path(
+            huggingface_hub.snapshot_download(
+                repo_id, revision=info.sha, allow_patterns=ALLOW_PATTERNS, etag_timeout=TIMEOUT_S
+            )
+        )
     except Exception as e:  # the network boundary: connection, HTTP, auth and disk errors alike
-        raise UserError(f"could not download {repo_id}@{revision} from the Hugging Face Hub "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}); check the "
-                        "repository name and your network or token, or download it elsewhere and pass the local "
-                        "directory instead.") from e
+        raise UserError(
+            f"could not download {repo_id}@{revision} from the Hugging Face Hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}); check the "
+            "repository name and your network or token, or download it elsewhere and pass the local "
+            "directory instead."
+        ) from e
 
 
 def _hub(source: str, repo_id: str, revision: str) -> ResolvedSource:
     url = f"https://huggingface.co/{repo_id}" + (f"/tree/{revision}" if revision != "main" else "")
     path = _cached(repo_id, revision)
     if path is None and _offline():
-        raise UserError(f"{repo_id}@{revision} is not in the Hugging Face cache "
-                        f"({huggingface_hub.constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set, so it cannot be "
-                        f"downloaded; run `hf download {repo_id}` on a machine with network access and pass the "
-                        "downloaded directory, populate the cache (HF_HUB_CACHE), or unset HF_HUB_OFFLINE.")
+        raise UserError(
+            f"{repo_id}@{revision} is not in the Hugging Face cache "
+            f"({huggingface_hub.constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set, so it cannot be "
+            f"downloaded; run `hf download {repo_id}` on a machine with network access and pass the "
+            "downloaded directory, populate the cache (HF_HUB_CACHE), or unset HF_HUB_OFFLINE."
+        )
     path = path or _download(repo_id, revision)
     if not (path / "config.json").is_file():
-        raise UserError(f"{repo_id}@{revision} has no config.json ({url}); pick a repository with a "
-                        "transformers checkpoint.")
+        raise UserError(
+            f"{repo_id}@{revision} has no config.json ({url}); pick a repository with a "
+            "transformers checkpoint."
+        )
     return ResolvedSource(path, source, repo_id, url)
 
 
@@ -89,5 +115,7 @@ def resolve_source(source: str, revision: str | None = None) -> ResolvedSource:
         return _hub(source, url["repo"], revision or url["rev"] or "main")
     if _REPO_ID.fullmatch(source) and not source.startswith("."):
         return _hub(source, source, revision or "main")
-    raise UserError(f"source {source!r} is neither an existing directory nor a Hugging Face repository "
-                    "(https://huggingface.co/ORG/REPO or ORG/REPO); check the path or the repository name.")
+    raise UserError(
+        f"source {source!r} is neither an existing directory nor a Hugging Face repository "
+        "(https://huggingface.co/ORG/REPO or ORG/REPO); check the path or the repository name."
+    )

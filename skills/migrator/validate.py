@@ -1,6 +1,7 @@
 """Check a staged model directory before it replaces anything: the code imports, the model builds, and
 every parameter gets a checkpoint tensor of the right shape (shapes from safetensors headers, weights
 never read: the model is built on the meta device)."""
+
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,5 +33,7 @@ def validate_model_dir(model_dir: Path, yaml_path: Path) -> None:
     loaded = model.load_weights(_meta_weights(worker.model_path))
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
-        raise UserError(f"the checkpoint {worker.model_path} has no weights for {missing[:8]} of the converted "
-                        f"{model_cls.__name__}; check that it is complete (all shards present).")
+        raise UserError(
+            f"the checkpoint {worker.model_path} has no weights for {missing[:8]} of the converted "
+            f"{model_cls.__name__}; check that it is complete (all shards present)."
+        )

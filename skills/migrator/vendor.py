@@ -1,5 +1,6 @@
 """Locate the HF source of a checkpoint's architecture: the installed transformers' files, or the
 checkpoint's own remote code (parsed, never executed)."""
+
 import importlib.util
 import json
 import re
@@ -22,8 +23,10 @@ class VendoredSource:
 def read_config_json(checkpoint: Path) -> dict:
     path = checkpoint / "config.json"
     if not path.is_file():
-        raise UserError(f"{checkpoint} has no config.json; a migration source must be a Hugging Face checkpoint "
-                        "directory (config.json, *.safetensors, tokenizer files).")
+        raise UserError(
+            f"{checkpoint} has no config.json; a migration source must be a Hugging Face checkpoint "
+            "directory (config.json, *.safetensors, tokenizer files)."
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -37,14 +40,18 @@ def snake_name(model_type: str) -> str:
 def _remote(checkpoint: Path, config: dict, auto_map: dict) -> VendoredSource:
     ref = auto_map.get("AutoModelForCausalLM")
     if not ref:
-        raise UserError(f"{checkpoint}/config.json auto_map has no AutoModelForCausalLM entry; only causal LMs migrate.")
+        raise UserError(
+            f"{checkpoint}/config.json auto_map has no AutoModelForCausalLM entry; only causal LMs migrate."
+        )
     module, entry = ref.split("--")[-1].rsplit(".", 1)
     modeling = checkpoint / f"{module}.py"
     config_ref = auto_map.get("AutoConfig", "")
     configuration = checkpoint / f"{config_ref.split('--')[-1].rsplit('.', 1)[0]}.py" if config_ref else None
     if not modeling.is_file():
         raise UserError(f"auto_map names {modeling.name}, which is not in {checkpoint}.")
-    return VendoredSource(config.get("model_type", module), entry, modeling, configuration, "transformers", True)
+    return VendoredSource(
+        config.get("model_type", module), entry, modeling, configuration, "transformers", True
+    )
 
 
 def locate_source(checkpoint: Path) -> VendoredSource:
@@ -56,13 +63,21 @@ def locate_source(checkpoint: Path) -> VendoredSource:
 
     model_type = config.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"architecture {model_type!r} (config.json model_type) has no causal-LM implementation in "
-                        "the installed transformers; upgrade transformers or provide the model code via auto_map.")
+        raise UserError(
+            f"architecture {model_type!r} (config.json model_type) has no causal-LM implementation in "
+            "the installed transformers; upgrade transformers or provide the model code via auto_map."
+        )
     archs = [a for a in config.get("architectures") or [] if a.endswith("ForCausalLM")]
     entry = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     module = model_type_to_module_name(model_type)
     package = f"transformers.models.{module}"
     folder = Path(importlib.util.find_spec(package).submodule_search_locations[0])
     configuration = folder / f"configuration_{module}.py"
-    return VendoredSource(model_type, entry, folder / f"modeling_{module}.py",
-                          configuration if configuration.is_file() else None, package, False)
+    return VendoredSource(
+        model_type,
+        entry,
+        folder / f"modeling_{module}.py",
+        configuration if configuration.is_file() else None,
+        package,
+        False,
+    )

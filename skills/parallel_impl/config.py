@@ -13,10 +13,22 @@ from runtime.config import ParallelConfig
 from runtime.errors import ConfigError
 
 # Top-level keys of a full inference YAML (seed 002's four sections plus the launcher's copies).
-_DOCUMENT_KEYS = ("model_name", "world_size", "data_config", "model_config", "parallel_config", "scheduler_config")
+_DOCUMENT_KEYS = (
+    "model_name",
+    "world_size",
+    "data_config",
+    "model_config",
+    "parallel_config",
+    "scheduler_config",
+)
 # derived size -> the TP size it is world_size divided by
-_DERIVED = {"attn_dp_size": "attn_tp_size", "moe_ep_size": "moe_tp_size", "embed_dp_size": "embed_tp_size",
-            "lmhead_dp_size": "lmhead_tp_size", "dense_dp_size": "dense_tp_size"}
+_DERIVED = {
+    "attn_dp_size": "attn_tp_size",
+    "moe_ep_size": "moe_tp_size",
+    "embed_dp_size": "embed_tp_size",
+    "lmhead_dp_size": "lmhead_tp_size",
+    "dense_dp_size": "dense_tp_size",
+}
 _PARALLEL_KEYS = (*ParallelConfig.model_fields, *_DERIVED)
 
 
@@ -25,8 +37,10 @@ def _unknown(path: Path, keys: dict, allowed: tuple[str, ...], where: str) -> No
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1)
             guess = f" (did you mean `{close[0]}`?)" if close else ""
-            raise ConfigError(f"{path}: unknown key `{where}{key}`{guess}; the keys allowed there are: "
-                              f"{', '.join(allowed)}.")
+            raise ConfigError(
+                f"{path}: unknown key `{where}{key}`{guess}; the keys allowed there are: "
+                f"{', '.join(allowed)}."
+            )
 
 
 def load_parallel_config(path: Path) -> ParallelConfig:
@@ -39,39 +53,57 @@ def load_parallel_config(path: Path) -> ParallelConfig:
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
-        raise ConfigError(f"cannot read parallel config {path}: {e.strerror}; pass the path of a YAML holding a "
-                          "parallel_config block (or its keys at the top level) with --config.") from e
+        raise ConfigError(
+            f"cannot read parallel config {path}: {e.strerror}; pass the path of a YAML holding a "
+            "parallel_config block (or its keys at the top level) with --config."
+        ) from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: malformed YAML: {e}; fix the syntax (indentation, a missing ':').") from e
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping such as `parallel_config: {{world_size: 2, attn_tp_size: 2}}`, "
-                          f"got {type(data).__name__}.")
+        raise ConfigError(
+            f"{path}: expected a mapping such as `parallel_config: {{world_size: 2, attn_tp_size: 2}}`, "
+            f"got {type(data).__name__}."
+        )
     if (set(data) - {"world_size"}) & set(_DOCUMENT_KEYS):
         bare = sorted((set(data) & set(_PARALLEL_KEYS)) - {"world_size"})
         if bare:
-            raise ConfigError(f"{path}: `{bare[0]}` is at the top level next to other sections; write either a "
-                              f"parallel_config block or bare keys, not both: move {', '.join(bare)} into "
-                              "parallel_config.")
+            raise ConfigError(
+                f"{path}: `{bare[0]}` is at the top level next to other sections; write either a "
+                f"parallel_config block or bare keys, not both: move {', '.join(bare)} into "
+                "parallel_config."
+            )
         _unknown(path, data, _DOCUMENT_KEYS, "")
         block, where = data.get("parallel_config") or {}, "parallel_config."
         if not isinstance(block, dict):
-            raise ConfigError(f"{path}: parallel_config is a {type(block).__name__}; write a mapping of sizes such "
-                              "as `parallel_config: {world_size: 2, attn_tp_size: 2}`.")
+            raise ConfigError(
+                f"{path}: parallel_config is a {type(block).__name__}; write a mapping of sizes such "
+                "as `parallel_config: {world_size: 2, attn_tp_size: 2}`."
+            )
         top = data.get("world_size")
     else:
         block, where, top = data, "", None
     _unknown(path, block, _PARALLEL_KEYS, where)
     if top is not None and block.get("world_size", top) != top:
-        raise ConfigError(f"{path}: `world_size` is {top} but `parallel_config.world_size` is "
-                          f"{block['world_size']}; make them equal (seed 002 writes both), or drop one.")
+        raise ConfigError(
+            f"{path}: `world_size` is {top} but `parallel_config.world_size` is "
+            f"{block['world_size']}; make them equal (seed 002 writes both), or drop one."
+        )
     if top is None and "world_size" not in block:
-        raise ConfigError(f"{path}: world_size is not set; add `world_size: N` (the number of ranks, which every "
-                          f"*_tp_size must divide) to {where.rstrip('.') or 'the file'}.")
+        raise ConfigError(
+            f"{path}: world_size is not set; add `world_size: N` (the number of ranks, which every "
+            f"*_tp_size must divide) to {where.rstrip('.') or 'the file'}."
+        )
     try:
-        pc = ParallelConfig.model_validate({"world_size": top, **{k: v for k, v in block.items() if k not in _DERIVED}})
+        pc = ParallelConfig.model_validate(
+            {"world_size": top, **{k: v for k, v in block.items() if k not in _DERIVED}}
+        )
     except ValidationError as e:
-        raise ConfigError(f"{path}: " + " ".join(f"`{where}{err['loc'][0]}` is {err['input']!r}: "
-                                                 f"{err['msg'].lower()}." for err in e.errors())) from e
+        raise ConfigError(
+            f"{path}: "
+            + " ".join(
+                f"`{where}{err['loc'][0]}` is {err['input']!r}: {err['msg'].lower()}." for err in e.errors()
+            )
+        ) from e
     w = pc.world_size
     for key, value in block.items():
         if key in _DERIVED:
@@ -79,8 +111,10 @@ def load_parallel_config(path: Path) -> ParallelConfig:
             tp = getattr(pc, tp_key)
             if w % tp or value != w // tp:
                 fix = f"make {tp_key} divide {w}" if w % tp else f"set it to {w // tp}"
-                raise ConfigError(f"{path}: `{where}{key}` is {value!r}, but it is derived: world_size {w} / "
-                                  f"{tp_key} {tp}; remove it or {fix}.")
+                raise ConfigError(
+                    f"{path}: `{where}{key}` is {value!r}, but it is derived: world_size {w} / "
+                    f"{tp_key} {tp}; remove it or {fix}."
+                )
     return pc
 
 
@@ -95,9 +129,16 @@ def yaml_name(model_name: str, pc: ParallelConfig, moe: bool = False, scenario: 
     a = pc.attn_tp_size
     parts = [re.sub(r"[^a-z0-9]+", "_", model_name.lower()).strip("_"), "rank", str(pc.world_size), f"{a}tp"]
     parts += [f"{pc.attn_dp_size}dp"] if pc.attn_dp_size > 1 else []
-    parts += [f"{m}tp{n}" for m, n in (("dense", pc.dense_tp_size), ("embed", pc.embed_tp_size),
-                                       ("lmhead", pc.lmhead_tp_size)) if n != a]
-    parts += [f"{m}tp{n}" for m, n in (("oproj", pc.o_proj_tp_size), ("shared", pc.shared_tp_size)) if n not in (1, a)]
+    parts += [
+        f"{m}tp{n}"
+        for m, n in (("dense", pc.dense_tp_size), ("embed", pc.embed_tp_size), ("lmhead", pc.lmhead_tp_size))
+        if n != a
+    ]
+    parts += [
+        f"{m}tp{n}"
+        for m, n in (("oproj", pc.o_proj_tp_size), ("shared", pc.shared_tp_size))
+        if n not in (1, a)
+    ]
     if moe:
         parts += [f"moetp{pc.moe_tp_size}"] if pc.moe_tp_size > 1 else []
         parts += [f"ep{pc.moe_ep_size}"] if pc.moe_ep_size > 1 else []

@@ -34,8 +34,10 @@ from skills.parallel_impl.rules import PARALLEL_RULES
 from skills.parallel_impl.scenario import scenario_yaml
 
 PRISTINE = Path("agentic") / "migrated_models"
-_PARALLEL_ATTR = re.compile(r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
-                            r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead)\(")
+_PARALLEL_ATTR = re.compile(
+    r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
+    r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead)\("
+)
 _INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
 
 
@@ -59,8 +61,10 @@ def base_yaml(model_dir: Path) -> Path:
     """The YAML `skill migrate` wrote: config/<dir name>.yaml."""
     path = model_dir / "config" / f"{model_dir.name}.yaml"
     if not path.is_file():
-        raise UserError(f"{path} does not exist; pass a model directory written by `skill migrate` (it holds "
-                        "config/<name>.yaml, models/ and infer.sh).")
+        raise UserError(
+            f"{path} does not exist; pass a model directory written by `skill migrate` (it holds "
+            "config/<name>.yaml, models/ and infer.sh)."
+        )
     return path
 
 
@@ -74,12 +78,15 @@ def _migrated_sources(model_dir: Path) -> dict[str, str]:
     folder = pristine if pristine.is_dir() else model_dir / "models"
     files = {p.name: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.py"))}
     if not any(name.startswith("modeling_") for name in files):
-        raise UserError(f"{folder} holds no modeling_*.py; pass a model directory written by `skill migrate`.")
+        raise UserError(
+            f"{folder} holds no modeling_*.py; pass a model directory written by `skill migrate`."
+        )
     return files
 
 
-def rewrite_sources(sources: dict[str, str], entry_class: str, disabled: Collection[str] = ()
-             ) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]], dict[str, list[str]]]:
+def rewrite_sources(
+    sources: dict[str, str], entry_class: str, disabled: Collection[str] = ()
+) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]], dict[str, list[str]]]:
     """(rewritten files, what changed, fused attribute -> its checkpoint parts, file -> ids of the rules that
     changed it)."""
     check_rule_ids(disabled, PARALLEL_RULES)
@@ -92,8 +99,10 @@ def rewrite_sources(sources: dict[str, str], entry_class: str, disabled: Collect
         rules[f"models/{name}"] = ctx.applied
         if ctx.findings:
             listed = "; ".join(str(f) for f in ctx.findings)
-            raise UserError(f"skill parallelize cannot shard this model safely: {listed}. Nothing was written; "
-                            "port these modules to the parallel layers by hand (see references/model_contract.md).")
+            raise UserError(
+                f"skill parallelize cannot shard this model safely: {listed}. Nothing was written; "
+                "port these modules to the parallel layers by hand (see references/model_contract.md)."
+            )
         done += ctx.rewrites
         for attr, part, _ in ctx.fused:
             fused.setdefault(attr.lstrip("."), ())
@@ -107,7 +116,9 @@ def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[
     sizes = []
     for rank in range(world_size):
         with torch.device("meta"), default_dtype(config.model_config.torch_dtype):
-            model = model_cls(hf_config, config, CommManager(world_size, rank, create_groups=False), prefix="")
+            model = model_cls(
+                hf_config, config, CommManager(world_size, rank, create_groups=False), prefix=""
+            )
         sizes.append(param_bytes(model))
     return sizes
 
@@ -116,9 +127,11 @@ def _check_shards(staged: Path, config: InferenceConfig, plan: Plan) -> None:
     config.model_config.trust_remote_code = True  # our own rewritten code, built on the meta device only
     measured = _measure(staged, config, plan.world_size)
     if any(m != plan.per_rank_param_bytes for m in measured):
-        raise UserError(f"the rewritten model holds {measured} parameter bytes on ranks 0..{plan.world_size - 1}, "
-                        f"but the plan expects {plan.per_rank_param_bytes} on each: a module was not sharded as "
-                        "planned. Nothing was written; please report this model.")
+        raise UserError(
+            f"the rewritten model holds {measured} parameter bytes on ranks 0..{plan.world_size - 1}, "
+            f"but the plan expects {plan.per_rank_param_bytes} on each: a module was not sharded as "
+            "planned. Nothing was written; please report this model."
+        )
 
 
 def _refuse_overwrite(path: Path, new: str, allowed: tuple[str, ...], force: bool) -> None:
@@ -126,8 +139,10 @@ def _refuse_overwrite(path: Path, new: str, allowed: tuple[str, ...], force: boo
         return
     current = path.read_text(encoding="utf-8")
     if current != new and current not in allowed:
-        raise UserError(f"{path} was changed after `skill migrate` / `skill parallelize` wrote it; pass --force "
-                        "to overwrite it (your edits there would be lost).")
+        raise UserError(
+            f"{path} was changed after `skill migrate` / `skill parallelize` wrote it; pass --force "
+            "to overwrite it (your edits there would be lost)."
+        )
 
 
 @dataclasses.dataclass
@@ -163,30 +178,42 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
     sources = _migrated_sources(model_dir)
     new_code, code_rewrites, fused, rules = rewrite_sources(sources, model_cls.__name__, disabled)
     plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(new_code, fused))
-    return _Target(model_dir, pc, yaml_path, config, model_cls, hf_config, plan, sources, new_code, code_rewrites,
-                   rules)
+    return _Target(
+        model_dir, pc, yaml_path, config, model_cls, hf_config, plan, sources, new_code, code_rewrites, rules
+    )
 
 
 def scenario_yaml_name(t: _Target, scenario: str = "") -> str:
     """config/<this name> for the target's parallel config (seed 002's naming; MoE models name their EP size)."""
-    return yaml_name(t.config.model_name, t.pc, moe=any("MoE" in r for r in t.plan.rewrites), scenario=scenario)
+    return yaml_name(
+        t.config.model_name, t.pc, moe=any("MoE" in r for r in t.plan.rewrites), scenario=scenario
+    )
 
 
 def plan_for_model_dir(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> Plan:
     return _load(model_dir, config_path, disabled).plan
 
 
-def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, force: bool = False,
-                log: Callable[[str], None] = lambda msg: None, disabled: Collection[str] = ()
-                ) -> ParallelizeResult:
+def parallelize(
+    model_dir: Path,
+    config_path: Path,
+    mode: str | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = lambda msg: None,
+    disabled: Collection[str] = (),
+) -> ParallelizeResult:
     t = _load(model_dir, config_path, disabled)
     model_dir, pc, yaml_path, plan = t.model_dir, t.pc, t.yaml_path, t.plan
     found = directory_mode(model_dir)
     if mode is not None and mode != found:
-        raise UserError(f"{model_dir} was migrated in {found} mode, not {mode}; re-run `skill migrate --mode {mode} "
-                        "--force` first, or drop --mode.")
-    log(f"config valid for {t.hf_config.model_type}: world_size {pc.world_size}, "
-        f"{plan.per_rank_param_bytes / 2**20:.1f} MiB of parameters per rank")
+        raise UserError(
+            f"{model_dir} was migrated in {found} mode, not {mode}; re-run `skill migrate --mode {mode} "
+            "--force` first, or drop --mode."
+        )
+    log(
+        f"config valid for {t.hf_config.model_type}: world_size {pc.world_size}, "
+        f"{plan.per_rank_param_bytes / 2**20:.1f} MiB of parameters per rank"
+    )
 
     sources, new_code, code_rewrites = t.sources, t.new_code, t.code_rewrites
     scenario_name = scenario_yaml_name(t)
@@ -210,8 +237,9 @@ def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, for
     if not (model_dir / PRISTINE).is_dir():  # copied whole, then renamed: never a partial source
         (model_dir / PRISTINE).parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".migrated_models.", dir=(model_dir / PRISTINE).parent))
-        shutil.copytree(model_dir / "models", staging, ignore=shutil.ignore_patterns("__pycache__"),
-                        dirs_exist_ok=True)
+        shutil.copytree(
+            model_dir / "models", staging, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True
+        )
         staging.chmod(0o777 & ~UMASK)
         staging.rename(model_dir / PRISTINE)
         written.append(str(PRISTINE))
@@ -230,6 +258,14 @@ def parallelize(model_dir: Path, config_path: Path, mode: str | None = None, for
             write_text_atomic(infer_sh, updated)
             written.append("infer.sh")
     resolve_model.cache_clear()
-    return ParallelizeResult(str(model_dir), str(target_yaml), pc.world_size,
-                             [dataclasses.asdict(g) for g in plan.groups], [*plan.rewrites, *code_rewrites],
-                             plan.per_rank_param_bytes, plan.total_param_bytes, written, t.rules)
+    return ParallelizeResult(
+        str(model_dir),
+        str(target_yaml),
+        pc.world_size,
+        [dataclasses.asdict(g) for g in plan.groups],
+        [*plan.rewrites, *code_rewrites],
+        plan.per_rank_param_bytes,
+        plan.total_param_bytes,
+        written,
+        t.rules,
+    )

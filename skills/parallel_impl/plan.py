@@ -24,8 +24,16 @@ from runtime.config.comm_manager import group_layout
 from runtime.errors import ConfigError, UserError
 
 VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
-_WORLD_SPLITS = ("attn_tp_size", "dense_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size",
-                 "o_proj_tp_size", "shared_tp_size", "cp_size")
+_WORLD_SPLITS = (
+    "attn_tp_size",
+    "dense_tp_size",
+    "moe_tp_size",
+    "embed_tp_size",
+    "lmhead_tp_size",
+    "o_proj_tp_size",
+    "shared_tp_size",
+    "cp_size",
+)
 # MLP projections the mlp rule shards over dense_tp_group: column (output split) then row (input split)
 _MLP_COLUMN = ("gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h")
 _MLP_ROW = ("down_proj", "fc2", "c_proj", "dense_4h_to_h")
@@ -74,15 +82,27 @@ class _Shapes:
 
 def _shapes(hf_config: PretrainedConfig) -> _Shapes:
     cfg = hf_config.get_text_config()
-    experts = next((n for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                    if (n := getattr(cfg, k, None))), 0)
+    experts = next(
+        (n for k in ("num_experts", "n_routed_experts", "num_local_experts") if (n := getattr(cfg, k, None))),
+        0,
+    )
     moe_i = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    shared = (getattr(cfg, "shared_expert_intermediate_size", None)
-              or (getattr(cfg, "n_shared_experts", None) or 0) * moe_i)
-    return _Shapes(cfg.model_type, cfg.num_attention_heads,
-                   getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, cfg.intermediate_size,
-                   cfg.vocab_size, experts, moe_i, shared if experts else 0, bool(getattr(cfg, "kv_lora_rank", None)),
-                   bool(getattr(hf_config, "tie_word_embeddings", False)))
+    shared = (
+        getattr(cfg, "shared_expert_intermediate_size", None)
+        or (getattr(cfg, "n_shared_experts", None) or 0) * moe_i
+    )
+    return _Shapes(
+        cfg.model_type,
+        cfg.num_attention_heads,
+        getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        experts,
+        moe_i,
+        shared if experts else 0,
+        bool(getattr(cfg, "kv_lora_rank", None)),
+        bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -99,11 +119,15 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
     w = pc.world_size
     for key in _WORLD_SPLITS:
         if w % getattr(pc, key):
-            raise ConfigError(f"parallel_config.{key} is {getattr(pc, key)}, which does not divide world_size {w}; "
-                              f"use a divisor of {w}: {', '.join(map(str, _divisors(w)))}.")
+            raise ConfigError(
+                f"parallel_config.{key} is {getattr(pc, key)}, which does not divide world_size {w}; "
+                f"use a divisor of {w}: {', '.join(map(str, _divisors(w)))}."
+            )
     if pc.cp_size != 1:
-        raise ConfigError(f"parallel_config.cp_size is {pc.cp_size}, but skill parallelize does not plan context "
-                          "parallelism; set cp_size to 1.")
+        raise ConfigError(
+            f"parallel_config.cp_size is {pc.cp_size}, but skill parallelize does not plan context "
+            "parallelism; set cp_size to 1."
+        )
     s, a, e, lm = _shapes(hf_config), pc.attn_tp_size, pc.embed_tp_size, pc.lmhead_tp_size
     rules: dict[str, list[tuple[Callable[[int], bool], str]]] = {}
 
@@ -111,29 +135,54 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
         rules.setdefault(key, []).append((ok, why))
 
     need("attn_tp_size", lambda t: s.heads % t == 0, f"num_attention_heads {s.heads} is not divisible by it")
-    need("attn_tp_size", lambda t: s.kv_heads % t == 0 or t % s.kv_heads == 0,
-         f"num_key_value_heads {s.kv_heads} neither is divisible by it nor divides it (kv heads are split over "
-         f"the attn_tp ranks, or replicated when attn_tp_size is a multiple of {s.kv_heads})")
-    need("o_proj_tp_size", lambda t: t in (1, a),
-         f"{s.model_type} has no multi-head latent attention (kv_lora_rank), so o_proj runs in attn_tp_group "
-         f"with attn_tp_size {a}; a separate o_proj TP size applies to MLA models only")
-    need("dense_tp_size", lambda t: s.intermediate % t == 0, f"intermediate_size {s.intermediate} is not divisible by it")
+    need(
+        "attn_tp_size",
+        lambda t: s.kv_heads % t == 0 or t % s.kv_heads == 0,
+        f"num_key_value_heads {s.kv_heads} neither is divisible by it nor divides it (kv heads are split over "
+        f"the attn_tp ranks, or replicated when attn_tp_size is a multiple of {s.kv_heads})",
+    )
+    need(
+        "o_proj_tp_size",
+        lambda t: t in (1, a),
+        f"{s.model_type} has no multi-head latent attention (kv_lora_rank), so o_proj runs in attn_tp_group "
+        f"with attn_tp_size {a}; a separate o_proj TP size applies to MLA models only",
+    )
+    need(
+        "dense_tp_size",
+        lambda t: s.intermediate % t == 0,
+        f"intermediate_size {s.intermediate} is not divisible by it",
+    )
     if s.experts:
-        need("moe_tp_size", lambda t: s.experts % (w // t) == 0,
-             f"moe_ep_size = world_size {w} / moe_tp_size {pc.moe_tp_size} = {pc.moe_ep_size} does not divide "
-             f"num_experts {s.experts}")
-        need("moe_tp_size", lambda t: s.moe_intermediate % t == 0,
-             f"moe_intermediate_size {s.moe_intermediate} is not divisible by it")
+        need(
+            "moe_tp_size",
+            lambda t: s.experts % (w // t) == 0,
+            f"moe_ep_size = world_size {w} / moe_tp_size {pc.moe_tp_size} = {pc.moe_ep_size} does not divide "
+            f"num_experts {s.experts}",
+        )
+        need(
+            "moe_tp_size",
+            lambda t: s.moe_intermediate % t == 0,
+            f"moe_intermediate_size {s.moe_intermediate} is not divisible by it",
+        )
     if s.shared_intermediate:
-        need("dense_tp_size", lambda t: s.shared_intermediate % t == 0,
-             f"the shared experts' intermediate size {s.shared_intermediate} (sharded like the dense MLP) is not "
-             "divisible by it")
-    need("shared_tp_size", lambda t: t in (1, pc.dense_tp_size),
-         f"the shared experts are sharded with the dense MLP (dense_tp_size {pc.dense_tp_size}); a separate "
-         "shared_tp_size is not implemented")
-    need("embed_tp_size", lambda t: t % a == 0,
-         f"it must be a multiple of attn_tp_size {a} (embed_tp_size >= attn_tp_size and embed_tp_size % attn_tp_size "
-         "== 0: the embedding's output feeds attention)")
+        need(
+            "dense_tp_size",
+            lambda t: s.shared_intermediate % t == 0,
+            f"the shared experts' intermediate size {s.shared_intermediate} (sharded like the dense MLP) is not "
+            "divisible by it",
+        )
+    need(
+        "shared_tp_size",
+        lambda t: t in (1, pc.dense_tp_size),
+        f"the shared experts are sharded with the dense MLP (dense_tp_size {pc.dense_tp_size}); a separate "
+        "shared_tp_size is not implemented",
+    )
+    need(
+        "embed_tp_size",
+        lambda t: t % a == 0,
+        f"it must be a multiple of attn_tp_size {a} (embed_tp_size >= attn_tp_size and embed_tp_size % attn_tp_size "
+        "== 0: the embedding's output feeds attention)",
+    )
 
     problems = []
     for key, checks in rules.items():
@@ -141,13 +190,17 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
         failed = [why for ok, why in checks if not ok(value)]
         if failed:
             valid = [str(t) for t in _divisors(w) if all(ok(t) for ok, _ in checks)]
-            problems.append(f"parallel_config.{key} is {value}, but {'; and '.join(failed)}; valid {key} values for "
-                            f"world_size {w}: {', '.join(valid) or 'none, change world_size'}.")
+            problems.append(
+                f"parallel_config.{key} is {value}, but {'; and '.join(failed)}; valid {key} values for "
+                f"world_size {w}: {', '.join(valid) or 'none, change world_size'}."
+            )
     if s.tied and e != lm:
         fixes = [f"lmhead_tp_size {e}"] + ([f"embed_tp_size {lm}"] if lm % a == 0 else [])
-        problems.append(f"parallel_config.lmhead_tp_size is {lm} but embed_tp_size is {e}, and {s.model_type} ties "
-                        "lm_head to embed_tokens (tie_word_embeddings): the shared weight has one vocab layout; set "
-                        f"{' or '.join(fixes)}, or untie the weights.")
+        problems.append(
+            f"parallel_config.lmhead_tp_size is {lm} but embed_tp_size is {e}, and {s.model_type} ties "
+            "lm_head to embed_tokens (tie_word_embeddings): the shared weight has one vocab layout; set "
+            f"{' or '.join(fixes)}, or untie the weights."
+        )
     if problems:
         raise ConfigError(" ".join(problems))
 
@@ -158,8 +211,10 @@ def _param_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
     except ValueError as e:
-        raise UserError(f"transformers cannot build a causal LM for model_type {hf_config.model_type!r} ({e}); "
-                        "skill parallelize counts parameters from a model type transformers knows.") from e
+        raise UserError(
+            f"transformers cannot build a causal LM for model_type {hf_config.model_type!r} ({e}); "
+            "skill parallelize counts parameters from a model type transformers knows."
+        ) from e
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
@@ -174,16 +229,33 @@ def _module(name: str) -> str:
 
 def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
     a, d = pc.attn_tp_size, pc.dense_tp_size
-    return {"q_proj": a, "k_proj": a, "v_proj": a, "o_proj": a, **dict.fromkeys(_MLP, d),
-            "shared_gate_proj": d, "shared_up_proj": d, "shared_down_proj": d,
-            "embed_tokens": pc.embed_tp_size, "lm_head": pc.lmhead_tp_size}
+    return {
+        "q_proj": a,
+        "k_proj": a,
+        "v_proj": a,
+        "o_proj": a,
+        **dict.fromkeys(_MLP, d),
+        "shared_gate_proj": d,
+        "shared_up_proj": d,
+        "shared_down_proj": d,
+        "embed_tokens": pc.embed_tp_size,
+        "lm_head": pc.lmhead_tp_size,
+    }
 
 
-def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp: dict[str, int],
-          sharded: frozenset[str]) -> int:
+def _held(
+    name: str,
+    shape: tuple[int, ...],
+    pc: ParallelConfig,
+    s: _Shapes,
+    tp: dict[str, int],
+    sharded: frozenset[str],
+) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name)
-    if module.removeprefix("shared_") not in sharded:  # includes MoE experts: expert TP / EP is not implemented
+    if (
+        module.removeprefix("shared_") not in sharded
+    ):  # includes MoE experts: expert TP / EP is not implemented
         return numel
     size = tp.get(module, 1)
     if module in ("embed_tokens", "lm_head"):
@@ -193,8 +265,9 @@ def _held(name: str, shape: tuple[int, ...], pc: ParallelConfig, s: _Shapes, tp:
     return numel if module in _ROW and name.endswith("bias") else numel // size
 
 
-def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozenset[str]
-              ) -> tuple[list[str], dict[str, int]]:
+def _rewrites(
+    pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozenset[str]
+) -> tuple[list[str], dict[str, int]]:
     """The steps, in the seed's order, and the size of each comm group they use."""
     w, a, tp = pc.world_size, pc.attn_tp_size, _tp_sizes(pc)
     e, lm, d = tp["embed_tokens"], tp["lm_head"], tp["down_proj"]
@@ -208,81 +281,120 @@ def _rewrites(pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozen
         return f" on {group}"
 
     h, kv = s.heads, s.kv_heads
-    kv_note = (f"{kv // a} of {kv} kv heads" if kv % a == 0
-               else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)")
-    steps.append(f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
-                 f"per rank){on('attn_tp_group', a)}")
+    kv_note = (
+        f"{kv // a} of {kv} kv heads"
+        if kv % a == 0
+        else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)"
+    )
+    steps.append(
+        f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
+        f"per rank){on('attn_tp_group', a)}"
+    )
     steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
     if a > 1:
-        steps.append(f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
-                     "kv heads per rank")
+        steps.append(
+            f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
+            "kv heads per rank"
+        )
     whole = sorted((modules & {*_MLP, "embed_tokens", "lm_head"}) - sharded)
     if whole:
-        steps.append(f"{'/'.join(whole)} stay replicated: the migrated code does not build them as plain "
-                     "nn.Linear / nn.Embedding layers the rules shard")
+        steps.append(
+            f"{'/'.join(whole)} stay replicated: the migrated code does not build them as plain "
+            "nn.Linear / nn.Embedding layers the rules shard"
+        )
     modules = modules - set(whole)
     dense = bool(modules & set(_MLP))
     if dense:
         i = s.intermediate
         column = [m for m in _MLP_COLUMN if m in modules]
         kind = "MergedColumnParallelLinear" if len(column) > 1 else "ColumnParallelLinear"
-        steps.append(f"{'/'.join(column)} -> {kind} (dense_tp={d}: intermediate {i} -> {i // d} per rank)"
-                     f"{on('dense_tp_group', d)}")
-        steps.append(f"{'/'.join(m for m in _MLP_ROW if m in modules)} -> RowParallelLinear (dense_tp={d})"
-                     f"{on('dense_tp_group', d)}")
+        steps.append(
+            f"{'/'.join(column)} -> {kind} (dense_tp={d}: intermediate {i} -> {i // d} per rank)"
+            f"{on('dense_tp_group', d)}"
+        )
+        steps.append(
+            f"{'/'.join(m for m in _MLP_ROW if m in modules)} -> RowParallelLinear (dense_tp={d})"
+            f"{on('dense_tp_group', d)}"
+        )
     if s.shared_intermediate and "shared_down_proj" in modules:
         i = s.shared_intermediate
-        steps.append(f"shared expert gate_proj/up_proj -> MergedColumnParallelLinear, down_proj -> "
-                     f"RowParallelLinear (with the dense MLP, dense_tp={d}: intermediate {i} -> {i // d} per rank)"
-                     f"{on('dense_tp_group', d)}")
+        steps.append(
+            f"shared expert gate_proj/up_proj -> MergedColumnParallelLinear, down_proj -> "
+            f"RowParallelLinear (with the dense MLP, dense_tp={d}: intermediate {i} -> {i // d} per rank)"
+            f"{on('dense_tp_group', d)}"
+        )
     if "experts" in modules:
-        steps.append(f"MoE experts: all {s.experts} replicated on every rank, router gate replicated (expert TP / "
-                     f"EP is not implemented: moe_tp_size {pc.moe_tp_size} / moe_ep_size {pc.moe_ep_size} are "
-                     "validated but not applied)")
+        steps.append(
+            f"MoE experts: all {s.experts} replicated on every rank, router gate replicated (expert TP / "
+            f"EP is not implemented: moe_tp_size {pc.moe_tp_size} / moe_ep_size {pc.moe_ep_size} are "
+            "validated but not applied)"
+        )
     if "embed_tokens" in modules:
         p = _padded(s.vocab, e)
-        steps.append(f"embed_tokens -> VocabParallelEmbedding (embed_tp={e}: vocab {s.vocab} padded to {p}, "
-                     f"{p // e} rows per rank){on('embed_tp_group', e)}")
+        steps.append(
+            f"embed_tokens -> VocabParallelEmbedding (embed_tp={e}: vocab {s.vocab} padded to {p}, "
+            f"{p // e} rows per rank){on('embed_tp_group', e)}"
+        )
     if s.tied and "lm_head" in sharded:
-        steps.append(f"lm_head -> ParallelLMHead tied to embed_tokens: shares its vocab shards (tie_weights)"
-                     f"{on('lmhead_tp_group', lm)}")
+        steps.append(
+            f"lm_head -> ParallelLMHead tied to embed_tokens: shares its vocab shards (tie_weights)"
+            f"{on('lmhead_tp_group', lm)}"
+        )
     elif "lm_head" in modules:
         p = _padded(s.vocab, lm)
-        steps.append(f"lm_head -> ParallelLMHead (lmhead_tp={lm}: vocab {s.vocab} padded to {p}, {p // lm} rows "
-                     f"per rank){on('lmhead_tp_group', lm)}")
+        steps.append(
+            f"lm_head -> ParallelLMHead (lmhead_tp={lm}: vocab {s.vocab} padded to {p}, {p // lm} rows "
+            f"per rank){on('lmhead_tp_group', lm)}"
+        )
     if a > 1 and pc.attn_dp_size > 1:
-        steps.append(f"attention TP+DP (attn_tp={a}, attn_dp={pc.attn_dp_size}): hidden kept as [T/{a}, H] between "
-                     "layers, all_gather before QKV and reduce_scatter after o_proj on attn_tp_group (not all_reduce); "
-                     f"tokens padded to a multiple of {a}; prefill all_gathers hidden before picking last tokens")
+        steps.append(
+            f"attention TP+DP (attn_tp={a}, attn_dp={pc.attn_dp_size}): hidden kept as [T/{a}, H] between "
+            "layers, all_gather before QKV and reduce_scatter after o_proj on attn_tp_group (not all_reduce); "
+            f"tokens padded to a multiple of {a}; prefill all_gathers hidden before picking last tokens"
+        )
     elif a == 1 and w > 1:
-        lockstep = (" that step together: the other TP groups span them, so each rank holds its tokens padded to "
-                    "the longest rank's" if max(e, lm, d if dense else 1) > 1 else "")
-        steps.append(f"plain DP: requests split over {w} attention-DP ranks{lockstep}; attention needs no TP group")
+        lockstep = (
+            " that step together: the other TP groups span them, so each rank holds its tokens padded to "
+            "the longest rank's"
+            if max(e, lm, d if dense else 1) > 1
+            else ""
+        )
+        steps.append(
+            f"plain DP: requests split over {w} attention-DP ranks{lockstep}; attention needs no TP group"
+        )
     neighbours = [("embed_tokens", e)] + ([("MLP", d)] if dense else []) + [("lm_head", lm)]
-    steps += [f"re-layout all_gather/reduce_scatter between attention (tp={a}) and {m} (tp={t})"
-              for m, t in neighbours if t != a]
+    steps += [
+        f"re-layout all_gather/reduce_scatter between attention (tp={a}) and {m} (tp={t})"
+        for m, t in neighbours
+        if t != a
+    ]
     return steps, groups
 
 
 SHARDABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", *_MLP, "embed_tokens", "lm_head"})
 
 
-def make_plan(pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
-              sharded: frozenset[str] = SHARDABLE) -> Plan:
+def make_plan(
+    pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtype, sharded: frozenset[str] = SHARDABLE
+) -> Plan:
     """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank.
 
     `sharded`: the modules the rewritten code builds as parallel layers (shared-expert MLPs follow the MLP names);
     the others are planned whole on every rank."""
     s = _shapes(hf_config)
     if s.mla:
-        raise UserError(f"{s.model_type} uses multi-head latent attention (kv_lora_rank); skill parallelize does not "
-                        "shard MLA projections yet, so it cannot plan this model.")
+        raise UserError(
+            f"{s.model_type} uses multi-head latent attention (kv_lora_rank); skill parallelize does not "
+            "shard MLA projections yet, so it cannot plan this model."
+        )
     validate(pc, hf_config)
     shapes = _param_shapes(hf_config)
     modules = {_module(name) for name in shapes}
     if not {"q_proj", "k_proj", "v_proj", "o_proj"} <= modules:
-        raise UserError(f"{s.model_type} has no separate q_proj / k_proj / v_proj / o_proj attention projections; "
-                        "skill parallelize shards Llama-style attention only.")
+        raise UserError(
+            f"{s.model_type} has no separate q_proj / k_proj / v_proj / o_proj attention projections; "
+            "skill parallelize shards Llama-style attention only."
+        )
     steps, sizes = _rewrites(pc, s, modules, sharded)
     w = pc.world_size
     groups = [GroupSpec(name, w // n, n) for name, n in sizes.items()]

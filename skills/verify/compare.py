@@ -1,5 +1,6 @@
 """Compare the migrated model's greedy run with transformers': tokens exactly, log-probabilities within a
 tolerance that fits the dtype."""
+
 from dataclasses import asdict, dataclass, field
 
 from skills.verify.reference import Reference
@@ -60,12 +61,19 @@ def compare(outputs: list[dict], references: list[Reference], dtype: str, decode
                 break
         if first:
             break
-    fields = {"tokens_compared": compared, "max_logprob_diff": worst, "logprob_atol": atol,
-              "first_difference": first}
+    fields = {
+        "tokens_compared": compared,
+        "max_logprob_diff": worst,
+        "logprob_atol": atol,
+        "first_difference": first,
+    }
     if first:
         return {**fields, "status": "mismatch"}
     if worst > atol:
-        return {**fields, "status": "mismatch",
-                "reason": f"greedy tokens are identical but log-probabilities differ by up to {worst:.3g} "
-                          f"(tolerance {atol:g} in {dtype})"}
+        return {
+            **fields,
+            "status": "mismatch",
+            "reason": f"greedy tokens are identical but log-probabilities differ by up to {worst:.3g} "
+            f"(tolerance {atol:g} in {dtype})",
+        }
     return {**fields, "status": "identical"}

@@ -1,5 +1,6 @@
 """Where a verification result goes: `verification` in agentic/baseline/baseline_metadata.json and the
 "## Verified" section of the model README (the only place either states parity)."""
+
 import json
 import re
 from pathlib import Path
@@ -15,18 +16,24 @@ def describe(v: Verification) -> str:
     """The README's account of one check, in Markdown."""
     if v.status == "skipped":
         return f"Not verified against transformers: {v.reason}."
-    what = (f"{len(v.prompts)} prompts x {v.tokens_per_prompt} greedy tokens, {v.dtype}, world_size {v.world_size} "
-            f"(`{v.yaml}`), against {v.reference} on the same weights and prompt tokens, by `skill verify` on "
-            f"{v.checked_at[:10]}")
+    what = (
+        f"{len(v.prompts)} prompts x {v.tokens_per_prompt} greedy tokens, {v.dtype}, world_size {v.world_size} "
+        f"(`{v.yaml}`), against {v.reference} on the same weights and prompt tokens, by `skill verify` on "
+        f"{v.checked_at[:10]}"
+    )
     if v.identical:
-        return (f"Greedy tokens identical to transformers: {v.tokens_compared} tokens compared; log-probabilities "
-                f"within {v.max_logprob_diff:.2g} (tolerance {v.logprob_atol:g}). {what}.")
+        return (
+            f"Greedy tokens identical to transformers: {v.tokens_compared} tokens compared; log-probabilities "
+            f"within {v.max_logprob_diff:.2g} (tolerance {v.logprob_atol:g}). {what}."
+        )
     d = v.first_difference
     if d is None:
         return f"**Mismatch**: {v.reason}. {what}."
-    return (f"**Mismatch** on prompt {d.prompt_index} ({d.prompt!r}) at generated token {d.position}: migrated "
-            f"{d.migrated_token} ({d.migrated_text!r}), transformers {d.transformers_token} "
-            f"({d.transformers_text!r}). {what}.")
+    return (
+        f"**Mismatch** on prompt {d.prompt_index} ({d.prompt!r}) at generated token {d.position}: migrated "
+        f"{d.migrated_token} ({d.migrated_text!r}), transformers {d.transformers_token} "
+        f"({d.transformers_text!r}). {what}."
+    )
 
 
 def record(model_dir: Path, v: Verification) -> None:
@@ -39,5 +46,9 @@ def record(model_dir: Path, v: Verification) -> None:
     if readme.is_file():
         section = f"## Verified\n\n{describe(v)}\n"
         text = readme.read_text(encoding="utf-8")
-        text = _SECTION.sub(lambda _: section, text) if _SECTION.search(text) else f"{text.rstrip()}\n\n{section}"
+        text = (
+            _SECTION.sub(lambda _: section, text)
+            if _SECTION.search(text)
+            else f"{text.rstrip()}\n\n{section}"
+        )
         write_text_atomic(readme, text)

@@ -1,5 +1,6 @@
 """transformers' side of `skill verify`: a plain greedy loop over the checkpoint (no generation config, no
 logits processors, no EOS stop), keeping every step's log-probabilities."""
+
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,15 @@ def load_reference_model(model_path: Path, dtype: torch.dtype, trust_remote_code
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                    trust_remote_code=trust_remote_code).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, trust_remote_code=trust_remote_code
+        ).eval()
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"transformers cannot load {model_path} ({str(e).splitlines()[0][:300]}); verification "
-                        "needs a checkpoint transformers reads, with its model type in the installed "
-                        "transformers.") from e
+        raise UserError(
+            f"transformers cannot load {model_path} ({str(e).splitlines()[0][:300]}); verification "
+            "needs a checkpoint transformers reads, with its model type in the installed "
+            "transformers."
+        ) from e
 
 
 @torch.inference_mode()

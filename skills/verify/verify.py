@@ -1,5 +1,6 @@
 """`skill verify`: run a model directory and transformers on the same weights, greedy, and compare them token
 for token (and log-probability within a tolerance)."""
+
 import json
 import os
 import subprocess
@@ -42,28 +43,41 @@ def _why_not(config: InferenceConfig, dtype: torch.dtype) -> str:
     """Why transformers cannot run this checkpoint here ('' when it can)."""
     mc = config.model_config
     path = Path(mc.model_path)
-    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        return (f"model_path {path} is not a checkpoint transformers can load (no config.json with *.safetensors "
-                "or *.bin next to it; pre-sharded rank_<r>/ weights cannot be compared)")
+    if (
+        not (path / "config.json").is_file()
+        or not any(path.glob("*.safetensors"))
+        and not any(path.glob("*.bin"))
+    ):
+        return (
+            f"model_path {path} is not a checkpoint transformers can load (no config.json with *.safetensors "
+            "or *.bin next to it; pre-sharded rank_<r>/ weights cannot be compared)"
+        )
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 2 * (os.cpu_count() or 1)
     if config.world_size > devices:
-        return (f"world_size {config.world_size} does not fit this machine ({devices} ranks at most here); "
-                "verify where the world fits")
+        return (
+            f"world_size {config.world_size} does not fit this machine ({devices} ranks at most here); "
+            "verify where the world fits"
+        )
     if mc.custom_params.get("remote_code") and not mc.trust_remote_code:
-        return "the checkpoint's model code is remote code; pass --trust-remote-code to let transformers run it"
+        return (
+            "the checkpoint's model code is remote code; pass --trust-remote-code to let transformers run it"
+        )
     on_disk = sum(f.stat().st_size for f in [*path.glob("*.safetensors"), *path.glob("*.bin")])
     saved_config = json.loads((path / "config.json").read_text())
     saved = saved_config.get("dtype") or saved_config.get("torch_dtype") or "float32"
     needed = on_disk * dtype.itemsize // getattr(torch, saved, torch.float32).itemsize
     free = available_memory(torch.device("cpu"))
     if needed > 0.9 * free:
-        return (f"transformers' copy of the weights needs about {needed / 2**30:.1f} GiB in {dtype}, "
-                f"{free / 2**30:.1f} GiB is free; verify on a bigger machine or with --dtype bfloat16")
+        return (
+            f"transformers' copy of the weights needs about {needed / 2**30:.1f} GiB in {dtype}, "
+            f"{free / 2**30:.1f} GiB is free; verify on a bigger machine or with --dtype bfloat16"
+        )
     return ""
 
 
-def _run_migrated(model_dir: Path, yaml_file: Path, prompts: list[str], tokens: int, dtype: str,
-                  trust_remote_code: bool) -> list[dict]:
+def _run_migrated(
+    model_dir: Path, yaml_file: Path, prompts: list[str], tokens: int, dtype: str, trust_remote_code: bool
+) -> list[dict]:
     """`skill run --json --logprobs` of the model directory with the YAML's dtype and lengths overridden."""
     doc = yaml.safe_load(yaml_file.read_text(encoding="utf-8"))
     doc["model_config"].update(dtype=dtype, trust_remote_code=trust_remote_code)
@@ -72,18 +86,40 @@ def _run_migrated(model_dir: Path, yaml_file: Path, prompts: list[str], tokens: 
         run_yaml, prompts_file = Path(tmp) / yaml_file.name, Path(tmp) / "prompts.json"
         run_yaml.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
         prompts_file.write_text(json.dumps(prompts), encoding="utf-8")
-        cmd = [sys.executable, "-m", "skills.cli", "run", str(model_dir.resolve()), "--yaml", str(run_yaml),
-               "--prompts-file", str(prompts_file), "--raw", "--json", "--logprobs", str(TOP_LOGPROBS)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "run",
+            str(model_dir.resolve()),
+            "--yaml",
+            str(run_yaml),
+            "--prompts-file",
+            str(prompts_file),
+            "--raw",
+            "--json",
+            "--logprobs",
+            str(TOP_LOGPROBS),
+        ]
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=model_dir, env=env, check=False)
     if proc.returncode != 0:
-        raise UserError(f"the migrated model's run failed, so nothing could be compared (`skill run {model_dir} "
-                        f"--yaml {yaml_file}` reproduces it): {proc.stderr.strip()[-600:]}")
+        raise UserError(
+            f"the migrated model's run failed, so nothing could be compared (`skill run {model_dir} "
+            f"--yaml {yaml_file}` reproduces it): {proc.stderr.strip()[-600:]}"
+        )
     return json.loads(proc.stdout.splitlines()[-1])["outputs"]
 
 
-def verify(model_dir: Path, yaml_file: Path, prompts: list[str] | None = None, tokens: int = DEFAULT_TOKENS,
-           dtype: str = "float32", trust_remote_code: bool = False, log=lambda msg: None) -> Verification:
+def verify(
+    model_dir: Path,
+    yaml_file: Path,
+    prompts: list[str] | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    log=lambda msg: None,
+) -> Verification:
     """The greedy comparison of model_dir (run with yaml_file) against transformers; `skipped` with a reason
     when transformers cannot load the checkpoint or both do not fit in memory."""
     if dtype not in LOGPROB_ATOL:
@@ -93,18 +129,28 @@ def verify(model_dir: Path, yaml_file: Path, prompts: list[str] | None = None, t
     config.model_config.trust_remote_code = trust_remote_code
     prompts = prompts or DEFAULT_PROMPTS
     torch_dtype = getattr(torch, dtype)
-    result = Verification("skipped", dtype=dtype, world_size=config.world_size, yaml=_relative(yaml_file, model_dir),
-                          prompts=prompts, tokens_per_prompt=tokens,
-                          checked_at=datetime.now().astimezone().isoformat(timespec="seconds"))
+    result = Verification(
+        "skipped",
+        dtype=dtype,
+        world_size=config.world_size,
+        yaml=_relative(yaml_file, model_dir),
+        prompts=prompts,
+        tokens_per_prompt=tokens,
+        checked_at=datetime.now().astimezone().isoformat(timespec="seconds"),
+    )
     if reason := _why_not(config, torch_dtype):
         return replace(result, reason=reason)
-    log(f"running {model_dir} ({config.world_size} rank(s), {dtype}) on {len(prompts)} prompts x {tokens} tokens")
+    log(
+        f"running {model_dir} ({config.world_size} rank(s), {dtype}) on {len(prompts)} prompts x {tokens} tokens"
+    )
     outputs = _run_migrated(model_dir, yaml_file, prompts, tokens, dtype, trust_remote_code)
     log("running transformers on the same weights and prompt tokens")
     model = load_reference_model(Path(config.model_config.model_path), torch_dtype, trust_remote_code)
     references = [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
     from transformers import AutoTokenizer, __version__
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model_config.model_path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model_config.model_path, trust_remote_code=trust_remote_code
+    )
     result = replace(result, reference=f"transformers {__version__} {type(model).__name__}")
     return replace(result, **compare(outputs, references, dtype, tokenizer.decode))

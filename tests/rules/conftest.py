@@ -1,6 +1,7 @@
 """Shared helpers for the per-rule tests: run one rewrite rule over a dedented snippet.
 
 Snippets are written `dedent('''\\ ...''')`-style; `run_rule` dedents again, so either form works."""
+
 import pytest
 from codemod_harness import run_codemod
 

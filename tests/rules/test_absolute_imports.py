@@ -1,4 +1,5 @@
 """absolute_imports: relative imports of a vendored HF modeling file become absolute."""
+
 from textwrap import dedent
 
 from skills.migrator.rules.absolute_imports import AbsoluteImports as rule
@@ -56,8 +57,12 @@ def test_without_a_config_module_the_configuration_stays_in_transformers(run_rul
 def test_remote_code_configuration_takes_the_registered_name(run_rule):
     # Remote code (auto_map) is vendored with hf_package="transformers"; its configuration module is
     # registered under the model's snake name, whatever the checkpoint called the file.
-    out = run_rule(rule, "from .configuration_chatglm import ChatGLMConfig\n",
-                   config_module="configuration_chatglm3", hf_package="transformers")
+    out = run_rule(
+        rule,
+        "from .configuration_chatglm import ChatGLMConfig\n",
+        config_module="configuration_chatglm3",
+        hf_package="transformers",
+    )
     assert out == "from configuration_chatglm3 import ChatGLMConfig\n"
 
 

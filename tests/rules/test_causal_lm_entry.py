@@ -1,5 +1,6 @@
 """causal_lm_entry: the *ForCausalLM class takes the runtime contract (forward on packed inputs returning
 last-position logits, weight tying, load_weights, get_cache_info when paged, EntryClass)."""
+
 import ast
 from textwrap import dedent
 
@@ -8,7 +9,7 @@ import pytest
 from skills.migrator.rules.causal_lm_entry import CausalLMEntry as rule
 
 # Gemma3ForCausalLM as causal_lm_entry sees it in the pipeline (HF-only parameters already folded).
-BEFORE = dedent('''\
+BEFORE = dedent("""\
     import torch
     from torch import nn
 
@@ -59,9 +60,9 @@ BEFORE = dedent('''\
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
             )
-    ''')
+    """)
 
-AFTER = dedent('''\
+AFTER = dedent("""\
     import torch
     from torch import nn
     from collections.abc import Iterable
@@ -109,7 +110,7 @@ AFTER = dedent('''\
 
 
     EntryClass = Gemma3ForCausalLM
-    ''')
+    """)
 
 GEMMA3 = {"entry_class": "Gemma3ForCausalLM"}
 
@@ -143,23 +144,32 @@ def test_tying_follows_tied_weights_keys(run_rule):
     # Older list form: the lm_head is tied to <inner>.embed_tokens.
     as_list = BEFORE.replace('{"lm_head.weight": "model.embed_tokens.weight"}', '["lm_head.weight"]')
     init = entry_methods(run_rule(rule, as_list, **GEMMA3), "Gemma3ForCausalLM")["__init__"]
-    assert ast.unparse(init.body[-1]) == ("if config.tie_word_embeddings:\n"
-                                          "    self.lm_head.weight = self.model.embed_tokens.weight")
+    assert ast.unparse(init.body[-1]) == (
+        "if config.tie_word_embeddings:\n    self.lm_head.weight = self.model.embed_tokens.weight"
+    )
 
 
 def test_output_projection_not_named_lm_head(run_rule):
     # Remote code such as InternLM2 calls the vocab projection `self.output`.
     code = BEFORE.replace("self.lm_head", "self.output").replace(
-        '_tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}', '_tied_weights_keys = []')
+        '_tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}', "_tied_weights_keys = []"
+    )
     fwd = entry_methods(run_rule(rule, code, **GEMMA3), "Gemma3ForCausalLM")["forward"]
     assert "logits = self.output(hidden_states)" in ast.unparse(fwd)
 
 
-@pytest.mark.parametrize("entry,code,what", [
-    ("Gemma3ForConditionalGeneration", BEFORE, "entry class not found in the modeling file"),
-    ("Gemma3ForCausalLM", BEFORE.replace("logits = self.lm_head(hidden_states)", "logits = hidden_states @ self.w"),
-     "expected `self.<model>(...)` followed by `self.lm_head(...)` in forward"),
-], ids=["missing-class", "no-lm-head-call"])
+@pytest.mark.parametrize(
+    "entry,code,what",
+    [
+        ("Gemma3ForConditionalGeneration", BEFORE, "entry class not found in the modeling file"),
+        (
+            "Gemma3ForCausalLM",
+            BEFORE.replace("logits = self.lm_head(hidden_states)", "logits = hidden_states @ self.w"),
+            "expected `self.<model>(...)` followed by `self.lm_head(...)` in forward",
+        ),
+    ],
+    ids=["missing-class", "no-lm-head-call"],
+)
 def test_unsupported_entry_is_a_finding(run_rule, make_ctx, entry, code, what):
     ctx = make_ctx(entry_class=entry)
     assert run_rule(rule, code, ctx) == code
@@ -167,7 +177,7 @@ def test_unsupported_entry_is_a_finding(run_rule, make_ctx, entry, code, what):
 
 
 def test_hand_written_contract_entry_untouched(run_rule, make_ctx):
-    code = dedent('''\
+    code = dedent("""\
         import torch
         from torch import nn
 
@@ -179,7 +189,7 @@ def test_hand_written_contract_entry_untouched(run_rule, make_ctx):
 
             def forward(self, input_ids, position_ids, forward_metadata, **kwargs):
                 return self.lm_head(self.embed(input_ids))[forward_metadata.last_token_indices][:, None, :]
-        ''')
+        """)
     ctx = make_ctx(entry_class="TinyForCausalLM")
     assert run_rule(rule, code, ctx) == code
     assert ctx.findings == []
@@ -188,7 +198,7 @@ def test_hand_written_contract_entry_untouched(run_rule, make_ctx):
 # MixtralForCausalLM.forward as causal_lm_entry sees it: fold_hf_only_params turned
 # `output_router_logits = output_router_logits if output_router_logits is not None else self.config...`
 # into `output_router_logits = False`, which ends its constness, so the branch after lm_head survives.
-MIXTRAL = dedent('''\
+MIXTRAL = dedent("""\
     import torch
     from torch import nn
 
@@ -234,11 +244,17 @@ MIXTRAL = dedent('''\
                 )
 
             return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
-    ''')
+    """)
 
 
 def test_tail_reads_only_names_the_new_forward_defines(run_rule, make_ctx):
     ctx = make_ctx(entry_class="MixtralForCausalLM")
     out = run_rule(rule, MIXTRAL, ctx)
-    assert ctx.findings or not ({"output_router_logits", "outputs"} & {
-        n.id for n in ast.walk(entry_methods(out, "MixtralForCausalLM")["forward"]) if isinstance(n, ast.Name)})
+    assert ctx.findings or not (
+        {"output_router_logits", "outputs"}
+        & {
+            n.id
+            for n in ast.walk(entry_methods(out, "MixtralForCausalLM")["forward"])
+            if isinstance(n, ast.Name)
+        }
+    )

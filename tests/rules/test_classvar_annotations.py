@@ -1,11 +1,12 @@
 """classvar_annotations: mutable class-level metadata of a configuration class is annotated ClassVar."""
+
 from textwrap import dedent
 
 from codemod_harness import assert_codemod, assert_noop
 
 from skills.migrator.rules.classvar_annotations import ClassVarAnnotations as rule
 
-BEFORE = dedent('''\
+BEFORE = dedent("""\
     from transformers.configuration_utils import PreTrainedConfig
 
 
@@ -17,9 +18,9 @@ BEFORE = dedent('''\
         def __init__(self, vocab_size=32000):
             self.aliases = {"n": "vocab_size"}  # an instance attribute, not class data
             self.vocab_size = vocab_size
-    ''')
+    """)
 
-AFTER = dedent('''\
+AFTER = dedent("""\
     from transformers.configuration_utils import PreTrainedConfig
     from typing import ClassVar
 
@@ -32,7 +33,7 @@ AFTER = dedent('''\
         def __init__(self, vocab_size=32000):
             self.aliases = {"n": "vocab_size"}  # an instance attribute, not class data
             self.vocab_size = vocab_size
-    ''')
+    """)
 
 
 def test_class_data_annotated_once(make_ctx):
@@ -40,12 +41,12 @@ def test_class_data_annotated_once(make_ctx):
 
 
 def test_immutable_and_module_level_values_untouched(make_ctx):
-    code = dedent('''\
+    code = dedent("""\
         DEFAULTS = {"a": 1}
 
 
         class LlamaConfig:
             model_type = "llama"
             default_theta = 10000.0
-        ''')
+        """)
     assert_noop(rule, code, make_ctx)

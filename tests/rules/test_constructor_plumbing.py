@@ -1,5 +1,6 @@
 """constructor_plumbing: constructors take `(config, ..., infer_config, comm_manager, prefix)` and pass them
 down to every in-file module holding weights, `prefix` naming the child's path."""
+
 import ast
 from textwrap import dedent
 
@@ -10,7 +11,7 @@ from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing as ru
 # The llama module tree (RMSNorm / rotary: no weighted children -> not plumbed; MLP / attention:
 # nn.Linear / runtime Attention -> plumbed; the decoder and model: plumbed children), plus an MoE-style
 # generator expression.
-BEFORE = dedent('''\
+BEFORE = dedent("""\
     class LlamaRMSNorm(nn.Module):
         def __init__(self, hidden_size, eps=1e-6):
             super().__init__()
@@ -59,9 +60,9 @@ BEFORE = dedent('''\
             super().__init__()
             self.model = LlamaModel(config)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    ''')
+    """)
 
-AFTER = dedent('''\
+AFTER = dedent("""\
     from runtime.config import InferenceConfig
     from runtime.config.comm_manager import CommManager
     from runtime.layers.prefix import join_prefix
@@ -114,7 +115,7 @@ AFTER = dedent('''\
             super().__init__()
             self.model = LlamaModel(config, infer_config=infer_config, comm_manager=comm_manager, prefix=join_prefix(prefix, "model"))
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    ''')
+    """)
 
 
 def test_plumbing_and_prefix_paths(run_rule):
@@ -128,7 +129,12 @@ def test_plumbed_classes():
     from skills.migrator.rules.constructor_plumbing import plumbed_classes
 
     assert plumbed_classes(cst.parse_module(BEFORE), "LlamaForCausalLM") == {
-        "LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP"}
+        "LlamaForCausalLM",
+        "LlamaModel",
+        "LlamaDecoderLayer",
+        "LlamaAttention",
+        "LlamaMLP",
+    }
 
 
 def test_idempotent(run_rule):
@@ -136,7 +142,7 @@ def test_idempotent(run_rule):
 
 
 def test_defaulted_parameters_keep_infer_config_optional(run_rule):
-    code = dedent('''\
+    code = dedent("""\
         class Qwen3MLP(nn.Module):
             def __init__(self, config, intermediate_size=None):
                 super().__init__()
@@ -147,12 +153,21 @@ def test_defaulted_parameters_keep_infer_config_optional(run_rule):
             def __init__(self, config):
                 super().__init__()
                 self.mlp = Qwen3MLP(config, intermediate_size=8)
-        ''')
-    mlp, entry = [s for s in ast.parse(run_rule(rule, code, entry_class="Qwen3ForCausalLM")).body
-                  if isinstance(s, ast.ClassDef)]
+        """)
+    mlp, entry = [
+        s
+        for s in ast.parse(run_rule(rule, code, entry_class="Qwen3ForCausalLM")).body
+        if isinstance(s, ast.ClassDef)
+    ]
     mlp_init = mlp.body[0]
-    assert [a.arg for a in mlp_init.args.args] == ["self", "config", "intermediate_size", "infer_config",
-                                                    "comm_manager", "prefix"]
+    assert [a.arg for a in mlp_init.args.args] == [
+        "self",
+        "config",
+        "intermediate_size",
+        "infer_config",
+        "comm_manager",
+        "prefix",
+    ]
     assert [ast.unparse(d) for d in mlp_init.args.defaults] == ["None", "None", "None", "''"]
     entry_init = entry.body[0]
     assert [ast.unparse(d) for d in entry_init.args.defaults] == ["None", "''"]
@@ -162,7 +177,7 @@ def test_defaulted_parameters_keep_infer_config_optional(run_rule):
 def test_untouched_without_weighted_modules_or_entry(run_rule, entry):
     # An entry class already in contract form (infer_config present) is not re-plumbed, and its
     # weight-free RMSNorm never is; a file without the entry class is left alone entirely.
-    code = dedent('''\
+    code = dedent("""\
         class LlamaRMSNorm(nn.Module):
             def __init__(self, hidden_size, eps=1e-6):
                 super().__init__()
@@ -173,12 +188,12 @@ def test_untouched_without_weighted_modules_or_entry(run_rule, entry):
             def __init__(self, config, infer_config, comm_manager=None, prefix=""):
                 super().__init__()
                 self.norm = LlamaRMSNorm(config.hidden_size)
-        ''')
+        """)
     assert run_rule(rule, code, entry_class=entry) == code
 
 
 # BltGlobalTransformer (BltForCausalLM) builds its layers in a for loop with `.append`.
-BLT = dedent('''\
+BLT = dedent("""\
     class BltTransformerLayer(nn.Module):
         def __init__(self, config, layer_idx):
             super().__init__()
@@ -198,7 +213,7 @@ BLT = dedent('''\
         def __init__(self, config):
             super().__init__()
             self.model = BltGlobalTransformer(config)
-    ''')
+    """)
 
 
 def test_for_loop_append_prefix(run_rule):

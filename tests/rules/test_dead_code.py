@@ -1,11 +1,12 @@
 """dead_code: unread locals, unread `self.x` attributes and `pass` beside real statements go."""
+
 from textwrap import dedent
 
 from skills.migrator.rules.dead_code import DeadCode as rule
 
 # LlamaAttention after runtime_attention: layer_idx, dropout rate, is_causal, num_key_value_groups are
 # only read by HF's cache / eager attention, which are gone.
-BEFORE = dedent('''\
+BEFORE = dedent("""\
     class LlamaAttention(nn.Module):
         def __init__(self, config, layer_idx):
             super().__init__()
@@ -42,9 +43,9 @@ BEFORE = dedent('''\
         def forward(self, input_ids):
             unused = self.embed_tokens(input_ids)
             return self.embed_tokens(input_ids)
-    ''')
+    """)
 
-AFTER = dedent('''\
+AFTER = dedent("""\
     class LlamaAttention(nn.Module):
         def __init__(self, config, layer_idx):
             super().__init__()
@@ -73,7 +74,7 @@ AFTER = dedent('''\
         def forward(self, input_ids):
             unused = self.embed_tokens(input_ids)
             return self.embed_tokens(input_ids)
-    ''')
+    """)
 
 
 def test_dead_code_removed(run_rule):
@@ -87,7 +88,7 @@ def test_idempotent(run_rule):
 
 
 def test_live_code_untouched(run_rule):
-    code = dedent('''\
+    code = dedent("""\
         class LlamaRotaryEmbedding(nn.Module):
             def __init__(self, config):
                 super().__init__()
@@ -100,5 +101,5 @@ def test_live_code_untouched(run_rule):
                 seq = self.max_seq_len_cached
                 freqs = position_ids[..., None].float() * seq
                 return freqs
-        ''')
+        """)
     assert run_rule(rule, code) == code

@@ -1,20 +1,21 @@
 """drop_dropout: dropout modules, their calls and functional dropout disappear, found by qualified name."""
+
 from textwrap import dedent
 
 from codemod_harness import assert_codemod, assert_noop
 
 from skills.migrator.rules.drop_dropout import DropDropout as rule
 
-IMPORTS = dedent('''\
+IMPORTS = dedent("""\
     import torch
     import torch.nn.functional as F
     from torch import nn
 
 
-    ''')
+    """)
 
 # Shapes from Qwen2 / Phi / BLT-style code: a Dropout module, torch.nn.Dropout, functional dropout.
-BEFORE = IMPORTS + dedent('''\
+BEFORE = IMPORTS + dedent("""\
     class PhiAttention(nn.Module):
         def __init__(self, config):
             super().__init__()
@@ -27,10 +28,10 @@ BEFORE = IMPORTS + dedent('''\
             attn_weights = self.attn_drop(attn_weights)
             attn_output = self.o_proj(self.resid_dropout(hidden_states)) + attn_weights
             return F.dropout(attn_output, p=0.1, training=self.training)
-    ''')
+    """)
 
 # `self.dropout` is a float rate here, not a module: its assignment stays (dead_code removes it later).
-AFTER = IMPORTS + dedent('''\
+AFTER = IMPORTS + dedent("""\
     class PhiAttention(nn.Module):
         def __init__(self, config):
             super().__init__()
@@ -39,7 +40,7 @@ AFTER = IMPORTS + dedent('''\
         def forward(self, hidden_states, attn_weights):
             attn_output = self.o_proj(hidden_states) + attn_weights
             return attn_output
-    ''')
+    """)
 
 
 def test_dropout_removed_and_idempotent(make_ctx):
@@ -47,7 +48,7 @@ def test_dropout_removed_and_idempotent(make_ctx):
 
 
 def test_no_torch_dropout_untouched(make_ctx):
-    code = IMPORTS + dedent('''\
+    code = IMPORTS + dedent("""\
         from mylib import layers
 
 
@@ -61,5 +62,5 @@ def test_no_torch_dropout_untouched(make_ctx):
             def forward(self, x):
                 y = self.noise(self.down_proj(x))
                 return attention_interface(self, y, dropout=0.0 if not self.training else self.attention_dropout)
-        ''')
+        """)
     assert_noop(rule, code, make_ctx)

@@ -1,4 +1,5 @@
 """fold_hf_only_params: HF-only parameters leave every signature; branches on their known values fold."""
+
 from textwrap import dedent
 
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams as rule

@@ -1,4 +1,5 @@
 """model_outputs: inner models return the last hidden state itself; transformers return annotations go."""
+
 from textwrap import dedent
 
 from skills.migrator.rules.model_outputs import ModelOutputs as rule

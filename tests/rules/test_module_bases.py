@@ -1,5 +1,6 @@
 """module_bases: HF base classes become nn.Module, with post_init, gradient checkpointing flags,
 `super().__init__(config)` arguments and HF-only class attributes gone."""
+
 import ast
 from textwrap import dedent
 
@@ -7,7 +8,7 @@ from codemod_harness import assert_noop
 
 from skills.migrator.rules.module_bases import ModuleBases as rule
 
-BEFORE = dedent('''\
+BEFORE = dedent("""\
     class LlamaPreTrainedModel(PreTrainedModel):
         config: LlamaConfig
         base_model_prefix = "model"
@@ -45,9 +46,9 @@ BEFORE = dedent('''\
             super().__init__(config)
             self.model = LlamaModel(config)
             self.post_init()
-    ''')
+    """)
 
-AFTER = dedent('''\
+AFTER = dedent("""\
     class LlamaPreTrainedModel(nn.Module):
         base_model_prefix = "model"
         supports_gradient_checkpointing = True
@@ -76,7 +77,7 @@ AFTER = dedent('''\
             super().__init__()
             self.config = config
             self.model = LlamaModel(config)
-    ''')
+    """)
 
 
 def test_hf_bases_become_nn_module(run_rule):
@@ -89,7 +90,7 @@ def test_idempotent(run_rule):
 
 
 def test_other_bases_kept_beside_hf_ones(run_rule):
-    code = dedent('''\
+    code = dedent("""\
         class LlamaPreTrainedModel(PreTrainedModel):
             pass
 
@@ -97,7 +98,7 @@ def test_other_bases_kept_beside_hf_ones(run_rule):
         class LlamaForSequenceClassification(GenericForSequenceClassification, LlamaPreTrainedModel):
             def __init__(self, config):
                 super().__init__(config)
-        ''')
+        """)
     out = run_rule(rule, code)
     cls = ast.parse(out).body[1]
     assert [ast.unparse(b) for b in cls.bases] == ["GenericForSequenceClassification"]
@@ -129,7 +130,7 @@ def test_non_hf_subclasses_untouched(make_ctx):
 
 
 # FalconModel (v5): the flag is assigned in __init__ and read in forward.
-FALCON = dedent('''\
+FALCON = dedent("""\
     class FalconPreTrainedModel(PreTrainedModel):
         base_model_prefix = "transformer"
 
@@ -146,7 +147,7 @@ FALCON = dedent('''\
                 if use_cache:
                     use_cache = False
             return self.word_embeddings(input_ids)
-    ''')
+    """)
 
 
 def test_gradient_checkpointing_reads_go_with_the_flag(run_rule, make_ctx):
@@ -159,7 +160,7 @@ def test_gradient_checkpointing_reads_go_with_the_flag(run_rule, make_ctx):
 
 
 # GPT2Model.forward (v5) calls a PreTrainedModel method.
-GPT2 = dedent('''\
+GPT2 = dedent("""\
     class GPT2PreTrainedModel(PreTrainedModel):
         base_model_prefix = "transformer"
 
@@ -172,7 +173,7 @@ GPT2 = dedent('''\
         def forward(self, input_ids, **kwargs):
             self.warn_if_padding_and_no_attention_mask(input_ids, None)
             return self.wte(input_ids)
-    ''')
+    """)
 
 
 def test_inherited_hf_method_calls_do_not_survive(run_rule, make_ctx):

@@ -1,9 +1,10 @@
 """prune_unreachable: only definitions the entry class (or EntryClass) needs stay."""
+
 from textwrap import dedent
 
 from skills.migrator.rules.prune_unreachable import PruneUnreachable as rule
 
-BEFORE = dedent('''\
+BEFORE = dedent("""\
     import torch
     from torch import nn
 
@@ -50,9 +51,9 @@ BEFORE = dedent('''\
     EntryClass = LlamaForCausalLM
 
     __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaPreTrainedModel", "LlamaForSequenceClassification"]
-    ''')
+    """)
 
-AFTER = dedent('''\
+AFTER = dedent("""\
     import torch
     from torch import nn
 
@@ -84,7 +85,7 @@ AFTER = dedent('''\
 
 
     EntryClass = LlamaForCausalLM
-    ''')
+    """)
 
 
 def test_unreachable_definitions_dropped(run_rule):
@@ -98,7 +99,7 @@ def test_idempotent(run_rule):
 
 
 def test_everything_reachable_untouched(run_rule):
-    code = dedent('''\
+    code = dedent("""\
         import torch
 
         MAX = 4
@@ -111,7 +112,7 @@ def test_everything_reachable_untouched(run_rule):
         class LlamaForCausalLM(torch.nn.Module):
             def forward(self, x):
                 return helper(x)
-        ''')
+        """)
     assert run_rule(rule, code) == code
 
 

@@ -1,5 +1,6 @@
 """remove_mask_machinery: statements building HF 4-D masks, what derives from them, and the keyword
 arguments forwarding them disappear."""
+
 from textwrap import dedent
 
 import pytest
@@ -154,8 +155,11 @@ MISTRAL_AFTER = dedent("""\
             return hidden_states
     """)
 
-CASES = pytest.mark.parametrize("before,after", [(LLAMA, LLAMA_AFTER), (GEMMA3, GEMMA3_AFTER),
-                                                 (MISTRAL, MISTRAL_AFTER)], ids=["llama", "gemma3", "mistral"])
+CASES = pytest.mark.parametrize(
+    "before,after",
+    [(LLAMA, LLAMA_AFTER), (GEMMA3, GEMMA3_AFTER), (MISTRAL, MISTRAL_AFTER)],
+    ids=["llama", "gemma3", "mistral"],
+)
 
 
 @CASES
@@ -220,5 +224,6 @@ def test_positional_mask_argument(run_rule, make_ctx):
     out = run_rule(rule, BLENDERBOT, ctx)
     assert "create_causal_mask" not in out
     # Either the positional mask is dropped (loop and return kept) or the construct is reported.
-    assert ("for idx, decoder_layer in enumerate(self.layers):" in out and "return hidden_states" in out) \
-        or ctx.findings
+    assert (
+        "for idx, decoder_layer in enumerate(self.layers):" in out and "return hidden_states" in out
+    ) or ctx.findings

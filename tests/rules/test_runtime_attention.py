@@ -1,4 +1,5 @@
 """runtime_attention: the HF attention-interface call becomes the runtime's `Attention` layer."""
+
 import ast
 from textwrap import dedent
 
@@ -22,7 +23,7 @@ RUNTIME_IMPORTS = dedent("""\
 
 # A decoder layer calling the attention, and the entry class reaching it (only attention the entry
 # class uses is converted).
-CALLERS = dedent('''\
+CALLERS = dedent("""\
 
 
     class LlamaDecoderLayer(nn.Module):
@@ -44,12 +45,12 @@ CALLERS = dedent('''\
         def __init__(self, config):
             super().__init__()
             self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-    ''')
+    """)
 
 CALLERS_AFTER = CALLERS.replace("hidden_states, _ = self.self_attn(", "hidden_states = self.self_attn(")
 
 
-ATTENTION = dedent('''\
+ATTENTION = dedent("""\
 
 
     class LlamaAttention(nn.Module):
@@ -88,10 +89,12 @@ ATTENTION = dedent('''\
             )
             attn_output = self.o_proj(attn_output)
             return attn_output, attn_weights
-    ''')
+    """)
 
 
-def attention(init_extra: tuple[str, ...] = (), call_kwargs: tuple[str, ...] = ("scaling=self.scaling,",)) -> str:
+def attention(
+    init_extra: tuple[str, ...] = (), call_kwargs: tuple[str, ...] = ("scaling=self.scaling,",)
+) -> str:
     """LlamaAttention (transformers v5, cache update already folded away) with extra `__init__` lines and
     keyword arguments of the attention-interface call."""
     init = "".join(f"        {line}\n" for line in init_extra)
@@ -101,7 +104,10 @@ def attention(init_extra: tuple[str, ...] = (), call_kwargs: tuple[str, ...] = (
 
 LLAMA = HEADER + attention() + CALLERS
 
-LLAMA_AFTER = HEADER + RUNTIME_IMPORTS + dedent('''\
+LLAMA_AFTER = (
+    HEADER
+    + RUNTIME_IMPORTS
+    + dedent("""\
 
 
     class LlamaAttention(nn.Module):
@@ -127,7 +133,9 @@ LLAMA_AFTER = HEADER + RUNTIME_IMPORTS + dedent('''\
             attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
             attn_output = self.o_proj(attn_output)
             return attn_output
-    ''') + CALLERS_AFTER
+    """)
+    + CALLERS_AFTER
+)
 
 
 def ctor_line(code: str) -> str:
@@ -148,24 +156,35 @@ def test_idempotent(run_rule):
 def test_legacy_kv_layout(run_rule):
     assert ctor_line(run_rule(rule, LLAMA, kv_layout="legacy")) == (
         "self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, "
-        "num_kv_heads=config.num_key_value_heads, scale=self.scaling, legacy=True)")
+        "num_kv_heads=config.num_key_value_heads, scale=self.scaling, legacy=True)"
+    )
 
 
 def test_gemma3_sliding_window_and_softcap(run_rule, make_ctx):
     # Gemma3Attention passes scaling and sliding_window; Gemma2 also passes softcap.
-    code = HEADER + attention(
-        init_extra=("self.attn_logit_softcapping = self.config.attn_logit_softcapping",
-                    'self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None'),
-        call_kwargs=("scaling=self.scaling,", "sliding_window=self.sliding_window,",
-                     "softcap=self.attn_logit_softcapping,"),
-    ) + CALLERS
+    code = (
+        HEADER
+        + attention(
+            init_extra=(
+                "self.attn_logit_softcapping = self.config.attn_logit_softcapping",
+                'self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None',
+            ),
+            call_kwargs=(
+                "scaling=self.scaling,",
+                "sliding_window=self.sliding_window,",
+                "softcap=self.attn_logit_softcapping,",
+            ),
+        )
+        + CALLERS
+    )
     ctx = make_ctx()
     out = run_rule(rule, code, ctx)
     assert ctx.findings == []
     assert ctor_line(out) == (
         "self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, "
         "num_kv_heads=config.num_key_value_heads, scale=self.scaling, sliding_window=self.sliding_window, "
-        "soft_cap=self.attn_logit_softcapping)")
+        "soft_cap=self.attn_logit_softcapping)"
+    )
 
 
 def test_default_scale_without_scaling_kwarg(run_rule):
@@ -175,20 +194,32 @@ def test_default_scale_without_scaling_kwarg(run_rule):
 
 def test_unsupported_kwarg_is_a_finding(run_rule, make_ctx):
     # GptOssAttention: attention sinks have no runtime equivalent.
-    code = HEADER + attention(init_extra=("self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))",),
-                              call_kwargs=("scaling=self.scaling,", "s_aux=self.sinks,  # diff with Llama")) + CALLERS
+    code = (
+        HEADER
+        + attention(
+            init_extra=("self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))",),
+            call_kwargs=("scaling=self.scaling,", "s_aux=self.sinks,  # diff with Llama"),
+        )
+        + CALLERS
+    )
     ctx = make_ctx()
     run_rule(rule, code, ctx)
     assert [(f.scope, f.what) for f in ctx.findings] == [
-        ("LlamaAttention", "attention argument `s_aux=` has no equivalent in the runtime Attention")]
+        ("LlamaAttention", "attention argument `s_aux=` has no equivalent in the runtime Attention")
+    ]
 
 
 def test_forward_time_argument_is_a_finding(run_rule, make_ctx):
-    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "sliding_window=hidden_states.shape[1],")) + CALLERS
+    code = (
+        HEADER
+        + attention(call_kwargs=("scaling=self.scaling,", "sliding_window=hidden_states.shape[1],"))
+        + CALLERS
+    )
     ctx = make_ctx()
     run_rule(rule, code, ctx)
     assert [f.what for f in ctx.findings] == [
-        "attention argument `sliding_window=hidden_states.shape[1]` depends on forward-time values"]
+        "attention argument `sliding_window=hidden_states.shape[1]` depends on forward-time values"
+    ]
 
 
 def test_caller_without_kwargs_gets_them(run_rule, make_ctx):
@@ -205,24 +236,30 @@ def test_caller_without_kwargs_gets_them(run_rule, make_ctx):
     assert fwd.args.kwarg.arg == "kwargs"
     call = fwd.body[1].value
     assert ast.unparse(fwd.body[1].targets[0]) == "hidden_states"
-    assert ast.unparse(call) == ("self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings, "
-                                 "**kwargs)")
+    assert ast.unparse(call) == (
+        "self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings, **kwargs)"
+    )
     assert run_rule(rule, out) == out
 
 
 @pytest.mark.parametrize("entry", ["LlamaForCausalLM", "SomethingElse"])
 def test_attention_not_used_by_the_entry_class_untouched(run_rule, make_ctx, entry):
     # A vision tower's attention (or a file without the entry class): nothing is converted, no imports added.
-    code = HEADER + attention().replace("LlamaAttention", "SiglipAttention") + dedent('''\
+    code = (
+        HEADER
+        + attention().replace("LlamaAttention", "SiglipAttention")
+        + dedent("""\
 
 
         class LlamaForCausalLM(nn.Module):
             def __init__(self, config):
                 super().__init__()
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
-        ''')
+        """)
+    )
     ctx = make_ctx(entry_class=entry)
     assert run_rule(rule, code, ctx) == code
     # the entry uses no standard attention, so there is no KV cache to give it: that is reported, not guessed
     assert [f.what.split(";")[0] for f in ctx.findings] == [
-        "no attention class calls ALL_ATTENTION_FUNCTIONS / eager_attention_forward"]
+        "no attention class calls ALL_ATTENTION_FUNCTIONS / eager_attention_forward"
+    ]

@@ -1,4 +1,5 @@
 """strip_hf_decorators: decorators imported from transformers go, except numerics-changing rope helpers."""
+
 from textwrap import dedent
 
 from skills.migrator.rules.strip_hf_decorators import StripHFDecorators as rule
@@ -16,7 +17,7 @@ IMPORTS = dedent("""\
     from ...utils.generic import merge_with_config_defaults as with_defaults
     """)
 
-BEFORE = IMPORTS + dedent('''\
+BEFORE = IMPORTS + dedent("""\
 
 
     @use_kernel_forward_from_hub("RMSNorm")
@@ -41,9 +42,9 @@ BEFORE = IMPORTS + dedent('''\
         @with_defaults
         def forward(self, input_ids):
             return input_ids
-    ''')
+    """)
 
-AFTER = IMPORTS + dedent('''\
+AFTER = IMPORTS + dedent("""\
 
 
     class LlamaRMSNorm(nn.Module):
@@ -62,7 +63,7 @@ AFTER = IMPORTS + dedent('''\
         @functools.cache
         def forward(self, input_ids):
             return input_ids
-    ''')
+    """)
 
 
 def test_transformers_decorators_dropped_others_kept(run_rule):
@@ -76,8 +77,13 @@ def test_transformers_names():
     from skills.migrator.rules.strip_hf_decorators import transformers_names
 
     assert transformers_names(cst.parse_module(BEFORE)) == {
-        "use_kernel_forward_from_hub", "dynamic_rope_update", "auto_docstring", "can_return_tuple",
-        "deprecate_kwarg", "with_defaults"}
+        "use_kernel_forward_from_hub",
+        "dynamic_rope_update",
+        "auto_docstring",
+        "can_return_tuple",
+        "deprecate_kwarg",
+        "with_defaults",
+    }
 
 
 def test_idempotent(run_rule):

@@ -1,9 +1,10 @@
 """unused_imports: imports nothing uses any more are removed."""
+
 from textwrap import dedent
 
 from skills.migrator.rules.unused_imports import UnusedImports as rule
 
-BEFORE = dedent('''\
+BEFORE = dedent("""\
     from __future__ import annotations
 
     import math
@@ -26,9 +27,9 @@ BEFORE = dedent('''\
     class LlamaMLP(nn.Module):
         def __init__(self, config: LlamaConfig, weights: Iterable[int]):
             super().__init__()
-    ''')
+    """)
 
-AFTER = dedent('''\
+AFTER = dedent("""\
     from __future__ import annotations
     from collections.abc import Iterable
 
@@ -46,7 +47,7 @@ AFTER = dedent('''\
     class LlamaMLP(nn.Module):
         def __init__(self, config: LlamaConfig, weights: Iterable[int]):
             super().__init__()
-    ''')
+    """)
 
 
 def test_unused_imports_removed(run_rule):
@@ -59,7 +60,7 @@ def test_idempotent(run_rule):
 
 
 def test_used_imports_untouched(run_rule):
-    code = dedent('''\
+    code = dedent("""\
         import torch
         import torch.nn.functional as F
         from transformers.activations import ACT2FN
@@ -70,5 +71,5 @@ def test_used_imports_untouched(run_rule):
             @dynamic_rope_update
             def forward(self, x):
                 return ACT2FN["silu"](F.linear(x, self.w))
-        ''')
+        """)
     assert run_rule(rule, code) == code

@@ -2,6 +2,7 @@
 arrives from the prefill leader that owns its bootstrap_room; the leader hands the KV to its attn-TP peers
 once (a KVArrived command), and every rank admits it into the running batch when there is room, writing its
 own heads into fresh blocks. A request whose KV does not come within kv_timeout_s finishes with an error."""
+
 import logging
 import time
 from dataclasses import dataclass
@@ -45,8 +46,11 @@ class DecodeSide:
         self.default_bootstrap = f"http://{cfg.bootstrap_host}:{cfg.bootstrap_port}"
         self.timeout_s = cfg.kv_timeout_s
         self.pages = PagedKV(self.engine.worker.model, self.engine.kv)
-        self.transfer = (make_transfer_engine(cfg.engine_backend, "decode", cfg.local_ip, cfg.kv_timeout_s)
-                         if worker.is_leader else None)
+        self.transfer = (
+            make_transfer_engine(cfg.engine_backend, "decode", cfg.local_ip, cfg.kv_timeout_s)
+            if worker.is_leader
+            else None
+        )
         self.rank_tables: dict[str, list[str]] = {}  # bootstrap URL -> KV endpoint of each prefill DP leader
         self._table_retry: dict[str, float] = {}
         self.pending: dict[int, _Pending] = {}  # leader: rid -> request whose KV has not come yet
@@ -75,8 +79,11 @@ class DecodeSide:
     def _rank_table(self, url: str) -> list[str] | None:
         if url not in self.rank_tables and time.monotonic() >= self._table_retry.get(url, 0.0):
             try:
-                self.rank_tables[url] = httpx.get(f"{url}/bootstrap/rank_table", timeout=RANK_TABLE_TIMEOUT_S
-                                                  ).raise_for_status().json()["leaders"]
+                self.rank_tables[url] = (
+                    httpx.get(f"{url}/bootstrap/rank_table", timeout=RANK_TABLE_TIMEOUT_S)
+                    .raise_for_status()
+                    .json()["leaders"]
+                )
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 logger.warning("cannot read the prefill rank table at %s (%s); retrying", url, e)
                 self._table_retry[url] = time.monotonic() + RANK_TABLE_TIMEOUT_S
@@ -128,13 +135,21 @@ class DecodeSide:
         outputs = []
         for rid, arrived in list(self.ready.items()):
             add, payload = arrived.add, arrived.payload
-            out = self.engine.add_prefilled(add.prompt_token_ids, add.sampling, payload.first_token,
-                                            lambda tables, kv=payload.kv: self.pages.write(tables, kv, tp, rank))
+            out = self.engine.add_prefilled(
+                add.prompt_token_ids,
+                add.sampling,
+                payload.first_token,
+                lambda tables, kv=payload.kv: self.pages.write(tables, kv, tp, rank),
+            )
             if out is None:
                 break  # no room yet; the same on every rank, so all try again next turn
             del self.ready[rid]
             self.worker.map_request(rid, out.request_id, out.finished)
-            lp = [payload.first_logprob] if payload.first_logprob and add.sampling.logprobs is not None else None
+            lp = (
+                [payload.first_logprob]
+                if payload.first_logprob and add.sampling.logprobs is not None
+                else None
+            )
             outputs.append(StepOutput(rid, out.new_token_ids, out.finished, out.finish_reason, lp))
         return outputs
 

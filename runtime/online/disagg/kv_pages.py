@@ -3,11 +3,14 @@
 Attention TP shards KV heads like the qkv projection does: with tp <= heads rank r holds heads
 [r * heads/tp, (r + 1) * heads/tp); with tp > heads each head is replicated over tp / heads consecutive ranks.
 """
+
 import torch
 
 from runtime.errors import UserError
 
-RequestKV = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer name -> (k, v), each [tokens, heads, head_dim]
+RequestKV = dict[
+    str, tuple[torch.Tensor, torch.Tensor]
+]  # layer name -> (k, v), each [tokens, heads, head_dim]
 
 
 def head_slice(total_heads: int, tp: int, rank: int) -> slice:
@@ -35,8 +38,10 @@ class PagedKV:
 
     def __init__(self, model: torch.nn.Module, kv_manager):
         if not hasattr(kv_manager, "groups"):
-            raise UserError("prefill-decode disaggregation needs the paged KV layout; the model uses the legacy "
-                            "per-request rows (custom_params.kv_layout: legacy)")
+            raise UserError(
+                "prefill-decode disaggregation needs the paged KV layout; the model uses the legacy "
+                "per-request rows (custom_params.kv_layout: legacy)"
+            )
         modules = dict(model.named_modules())
         self.block_size = kv_manager.block_size
         self.groups = {g: [e.name for e in entries] for g, entries in kv_manager.groups.items()}
@@ -49,7 +54,9 @@ class PagedKV:
         """This rank's heads of the first num_tokens positions, on the host."""
         out = {}
         for group, names in self.groups.items():
-            at = slots(tables[group][0], num_tokens, self.block_size).to(next(iter(self.layers.values())).k_cache.device)
+            at = slots(tables[group][0], num_tokens, self.block_size).to(
+                next(iter(self.layers.values())).k_cache.device
+            )
             for name in names:
                 m = self.layers[name]
                 flat = (c.view(-1, *c.shape[2:]) for c in (m.k_cache, m.v_cache))
@@ -74,5 +81,7 @@ class PagedKV:
         for name, m in self.layers.items():
             k = kv[name][0]
             if k.shape[2] != m.k_cache.shape[3] or max(k.shape[1] // tp, 1) != m.k_cache.shape[2]:
-                return f"{name}: {k.shape[1]} KV heads of {k.shape[2]} do not shard over TP {tp} into this cache"
+                return (
+                    f"{name}: {k.shape[1]} KV heads of {k.shape[2]} do not shard over TP {tp} into this cache"
+                )
         return None

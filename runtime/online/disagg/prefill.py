@@ -1,5 +1,6 @@
 """The prefill instance's side of a worker: after each step, finished requests' KV is copied out of the
 cache (gathered from the attn-TP ranks into all heads), staged for the decode leader, and its blocks freed."""
+
 import torch.distributed as dist
 
 from runtime.engine.request import StepOutput
@@ -15,8 +16,10 @@ def total_kv_heads(hf_config, local: dict[str, int], tp: int) -> dict[str, int]:
     total = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     for name, heads in local.items():
         if heads != max(total // tp, 1):
-            raise UserError(f"{name} holds {heads} KV heads on each of {tp} ranks, which does not match the "
-                            f"model's {total}; prefill-decode transfer cannot re-shard this model's KV")
+            raise UserError(
+                f"{name} holds {heads} KV heads on each of {tp} ranks, which does not match the "
+                f"model's {total}; prefill-decode transfer cannot re-shard this model's KV"
+            )
     return dict.fromkeys(local, total)
 
 
@@ -25,9 +28,14 @@ class PrefillSide:
         self.worker, self.engine = worker, worker.engine
         cfg = worker.config.disagg_config
         self.pages = PagedKV(self.engine.worker.model, self.engine.kv)
-        self.total_heads = total_kv_heads(self.engine.worker.hf_config, self.pages.local_heads(), worker.tp_size)
-        self.transfer = (make_transfer_engine(cfg.engine_backend, "prefill", cfg.local_ip, cfg.kv_timeout_s)
-                         if worker.is_leader else None)
+        self.total_heads = total_kv_heads(
+            self.engine.worker.hf_config, self.pages.local_heads(), worker.tp_size
+        )
+        self.transfer = (
+            make_transfer_engine(cfg.engine_backend, "prefill", cfg.local_ip, cfg.kv_timeout_s)
+            if worker.is_leader
+            else None
+        )
         self.rooms: dict[int, int] = {}  # engine request id -> bootstrap_room
 
     @property
@@ -60,8 +68,9 @@ class PrefillSide:
             self.engine.kv.free(request.request_id)
             room = self.rooms.pop(request.request_id)
             if self.transfer:
-                self.transfer.stage(KVPayload(room, request.output_token_ids[0], logprobs.get(request.request_id),
-                                              local))
+                self.transfer.stage(
+                    KVPayload(room, request.output_token_ids[0], logprobs.get(request.request_id), local)
+                )
 
     def poll(self) -> list:
         if self.transfer:

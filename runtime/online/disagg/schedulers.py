@@ -1,4 +1,5 @@
 """The prefill instance's scheduler: a finished request keeps its KV blocks until they are staged for transfer."""
+
 from runtime.engine.request import Request
 from runtime.engine.scheduler import Scheduler
 

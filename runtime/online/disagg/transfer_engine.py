@@ -1,6 +1,7 @@
 """TransferEngine: how a prompt's KV goes from the prefill DP leader that computed it to the decode DP leader
 that asked for it, keyed by the request's bootstrap_room. The bundled backend is ZMQ over TCP; RDMA engines
 (memfabric, mooncake) plug in behind the same interface through BACKENDS."""
+
 import logging
 import pickle
 import time
@@ -107,8 +108,10 @@ class ZmqTransferEngine(TransferEngine):
             else:
                 self.router.send_multipart([identity, zmq.Frame(_dump(staged[0]))])
         now = time.monotonic()
-        for pending, what in ((self._staged, "no decode instance asked for its KV"),
-                             (self._wanted, "its KV was never staged")):
+        for pending, what in (
+            (self._staged, "no decode instance asked for its KV"),
+            (self._wanted, "its KV was never staged"),
+        ):
             for room, (_, since) in list(pending.items()):
                 if now - since > self.timeout_s:
                     del pending[room]
@@ -127,7 +130,9 @@ BACKENDS: dict[str, type[TransferEngine]] = {"zmq": ZmqTransferEngine}
 
 def make_transfer_engine(backend: str, role: str, host: str, timeout_s: float) -> TransferEngine:
     if backend not in BACKENDS:
-        raise UserError(f"KV transfer backend {backend!r} is not available here (bundled: {sorted(BACKENDS)}); "
-                        "RDMA engines such as memfabric or mooncake plug in as a TransferEngine subclass "
-                        "registered in runtime.online.disagg.transfer_engine.BACKENDS")
+        raise UserError(
+            f"KV transfer backend {backend!r} is not available here (bundled: {sorted(BACKENDS)}); "
+            "RDMA engines such as memfabric or mooncake plug in as a TransferEngine subclass "
+            "registered in runtime.online.disagg.transfer_engine.BACKENDS"
+        )
     return BACKENDS[backend](role, host, timeout_s)

@@ -1,4 +1,5 @@
 """The migrator's rewrite rules, one codemod per file, in the order they are applied."""
+
 from skills.migrator.rules.absolute_imports import AbsoluteImports
 from skills.migrator.rules.causal_lm_entry import CausalLMEntry
 from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
@@ -15,8 +16,19 @@ from skills.migrator.rules.strip_hf_decorators import StripHFDecorators
 from skills.migrator.rules.unused_imports import UnusedImports
 
 MODELING_RULES = [
-    AbsoluteImports, StripHFDecorators, RemoveMaskMachinery, FoldHFOnlyParams, RuntimeAttention, ModelOutputs,
-    CausalLMEntry, ModuleBases, ConstructorPlumbing, PruneUnreachable, DropDropout, DeadCode, UnusedImports,
+    AbsoluteImports,
+    StripHFDecorators,
+    RemoveMaskMachinery,
+    FoldHFOnlyParams,
+    RuntimeAttention,
+    ModelOutputs,
+    CausalLMEntry,
+    ModuleBases,
+    ConstructorPlumbing,
+    PruneUnreachable,
+    DropDropout,
+    DeadCode,
+    UnusedImports,
 ]
 CONFIGURATION_RULES = [AbsoluteImports, StripHFDecorators, UnusedImports, ClassVarAnnotations]
 MIGRATE_RULES = sorted({*MODELING_RULES, *CONFIGURATION_RULES}, key=lambda rule: rule.ID)

@@ -1,5 +1,6 @@
 """Relative imports become absolute: `...x` -> `transformers.x`, the model's own configuration module
 by the name the runtime registers it under, other siblings under the model's transformers package."""
+
 import libcst as cst
 
 from skills.migrator.context import RewriteContext

@@ -1,6 +1,7 @@
 """The *ForCausalLM class takes the runtime contract: `forward(input_ids, position_ids, forward_metadata)`
 on packed `[T]` inputs returning last-position logits `[B, 1, V]`, explicit weight tying,
 `load_weights`, `get_cache_info` on the paged path, and `EntryClass` for the registry."""
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -16,27 +17,29 @@ from skills.migrator.cst_utils import (
 )
 from skills.migrator.rule import Rule
 
-FORWARD = '''
+FORWARD = """
 def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata: ForwardMetaData,
             **kwargs) -> torch.Tensor:
     hidden_states = self.{inner}(input_ids=input_ids[None], position_ids=position_ids[None],
                                 forward_metadata=forward_metadata, **kwargs)
     hidden_states = hidden_states[0, forward_metadata.last_token_indices]
-'''
-LOAD_WEIGHTS = '''
+"""
+LOAD_WEIGHTS = """
 def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     return load_named_weights(self, weights)
-'''
-CACHE_INFO = '''
+"""
+CACHE_INFO = """
 def get_cache_info(self) -> ModelCacheInfo:
     return cache_info_of(self, next(self.parameters()).dtype)
-'''
+"""
 
 
 def _inner_model_attr(cls: cst.ClassDef, module: cst.Module) -> str | None:
     local = classes(module)
     init = method(cls, "__init__")
-    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())):
+    for a in m.findall(
+        init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
+    ):
         if called_name(a.value) in local:
             return a.targets[0].target.attr.value
     return None
@@ -59,8 +62,12 @@ def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
 def _vocab_projection(init: cst.FunctionDef) -> str:
     """The attribute holding the output projection: `lm_head`, else a Linear layer sized by vocab_size."""
     names = []
-    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())):
-        if called_name(a.value).split(".")[-1] == "Linear" and "vocab_size" in cst.Module([]).code_for_node(a.value):
+    for a in m.findall(
+        init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
+    ):
+        if called_name(a.value).split(".")[-1] == "Linear" and "vocab_size" in cst.Module([]).code_for_node(
+            a.value
+        ):
             names.append(a.targets[0].target.attr.value)
     return "lm_head" if "lm_head" in names or not names else names[0]
 
@@ -68,14 +75,19 @@ def _vocab_projection(init: cst.FunctionDef) -> str:
 def _logits_tail(fwd: cst.FunctionDef, head: str) -> list[cst.BaseStatement] | None:
     """The output projection (fed the last positions) and the logits post-processing after it."""
     body = list(fwd.body.body)
-    idx = next((i for i, s in enumerate(body) if m.findall(s, m.Call(func=m.Attribute(attr=m.Name(head))))), None)
+    idx = next(
+        (i for i, s in enumerate(body) if m.findall(s, m.Call(func=m.Attribute(attr=m.Name(head))))), None
+    )
     if idx is None:
         return None
     head = stmt(f"logits = self.{head}(hidden_states)\n")
     dropped = {n for s in body[:idx] for n in assigned_names(s)} | set(param_names(fwd)) | {"loss", "outputs"}
     dropped -= {"self", "hidden_states", "logits", "input_ids", "position_ids", "kwargs"}
-    tail = [s for s in body[idx + 1:] if not (m.matches(s, m.SimpleStatementLine([m.Return()]))
-                                               or free_names(s) & dropped)]
+    tail = [
+        s
+        for s in body[idx + 1 :]
+        if not (m.matches(s, m.SimpleStatementLine([m.Return()])) or free_names(s) & dropped)
+    ]
     return [head, *tail, stmt("return logits[:, None, :]\n")]
 
 
@@ -96,23 +108,37 @@ class CausalLMEntry(Rule):
         head = _vocab_projection(init)
         tail = _logits_tail(fwd, head)
         if inner is None or tail is None:
-            ctx.unsupported(ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward")
+            ctx.unsupported(
+                ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward"
+            )
             return module
         new_fwd = cst.parse_module(FORWARD.format(inner=inner)).body[0]
-        new_fwd = new_fwd.with_changes(body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),
-                                       leading_lines=[cst.EmptyLine(indent=False)])
-        new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, *_tie_statement(cls, inner)]))
+        new_fwd = new_fwd.with_changes(
+            body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),
+            leading_lines=[cst.EmptyLine(indent=False)],
+        )
+        new_init = init.with_changes(
+            body=init.body.with_changes(body=[*init.body.body, *_tie_statement(cls, inner)])
+        )
         extra = [cst.parse_module(LOAD_WEIGHTS).body[0]]
         if ctx.kv_layout == "paged":
             extra.append(cst.parse_module(CACHE_INFO).body[0])
         extra = [e.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for e in extra]
         body = [new_fwd if s is fwd else new_init if s is init else s for s in cls.body.body]
         new_cls = cls.with_changes(body=cls.body.with_changes(body=[*body, *extra]))
-        module = module.with_changes(body=[new_cls if s is cls else s for s in module.body]
-                                     + [stmt(f"EntryClass = {ctx.entry_class}\n").with_changes(
-                                         leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)])])
-        imports = [("runtime.engine.forward_metadata", "ForwardMetaData"), ("collections.abc", "Iterable"),
-                   ("runtime.layers.weights", "load_named_weights")]
+        module = module.with_changes(
+            body=[new_cls if s is cls else s for s in module.body]
+            + [
+                stmt(f"EntryClass = {ctx.entry_class}\n").with_changes(
+                    leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)]
+                )
+            ]
+        )
+        imports = [
+            ("runtime.engine.forward_metadata", "ForwardMetaData"),
+            ("collections.abc", "Iterable"),
+            ("runtime.layers.weights", "load_named_weights"),
+        ]
         if ctx.kv_layout == "paged":
             imports += [("runtime.layers.attention", "cache_info_of"), ("runtime.kv_cache", "ModelCacheInfo")]
         self.add_needed_imports(imports)

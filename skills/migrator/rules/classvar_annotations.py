@@ -1,5 +1,6 @@
 """Mutable class-level metadata of config classes (`attribute_map = {...}`, `base_model_tp_plan = {...}`)
 is annotated `ClassVar`, which it is: it stays shared class data, never a dataclass field."""
+
 import libcst as cst
 
 from skills.migrator.rule import VisitorRule
@@ -25,9 +26,16 @@ class ClassVarAnnotations(VisitorRule):
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.BaseSmallStatement:
         kind = MUTABLE.get(type(updated.value))
-        if not self.depth or kind is None or len(updated.targets) != 1 or not isinstance(updated.targets[0].target,
-                                                                                         cst.Name):
+        if (
+            not self.depth
+            or kind is None
+            or len(updated.targets) != 1
+            or not isinstance(updated.targets[0].target, cst.Name)
+        ):
             return updated
         self.add_needed_import("typing", "ClassVar")
-        return cst.AnnAssign(updated.targets[0].target, cst.Annotation(cst.parse_expression(f"ClassVar[{kind}]")),
-                             updated.value)
+        return cst.AnnAssign(
+            updated.targets[0].target,
+            cst.Annotation(cst.parse_expression(f"ClassVar[{kind}]")),
+            updated.value,
+        )

@@ -1,5 +1,6 @@
 """Constructors take the runtime contract `(config, ..., infer_config, comm_manager, prefix)` and pass
 it down to every in-file module that holds weights, with `prefix` naming the child's path."""
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -29,11 +30,19 @@ def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
 def _new_params(init: cst.FunctionDef) -> cst.Parameters:
     params = init.params
     defaulted = any(p.default is not None for p in params.params)
-    add = [cst.Param(cst.Name("infer_config"), cst.Annotation(cst.Name("InferenceConfig")),
-                     default=cst.Name("None") if defaulted else None),
-           cst.Param(cst.Name("comm_manager"), cst.Annotation(cst.parse_expression("CommManager | None")),
-                     default=cst.Name("None")),
-           cst.Param(cst.Name("prefix"), cst.Annotation(cst.Name("str")), default=cst.SimpleString('""'))]
+    add = [
+        cst.Param(
+            cst.Name("infer_config"),
+            cst.Annotation(cst.Name("InferenceConfig")),
+            default=cst.Name("None") if defaulted else None,
+        ),
+        cst.Param(
+            cst.Name("comm_manager"),
+            cst.Annotation(cst.parse_expression("CommManager | None")),
+            default=cst.Name("None"),
+        ),
+        cst.Param(cst.Name("prefix"), cst.Annotation(cst.Name("str")), default=cst.SimpleString('""')),
+    ]
     return params.with_changes(params=[*params.params, *add])
 
 
@@ -74,13 +83,16 @@ class _PassDown(cst.CSTTransformer):
             comp = comp.inner_for_in
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if called_name(updated) not in self.plumbed or any(a.keyword and a.keyword.value == "prefix"
-                                                           for a in updated.args):
+        if called_name(updated) not in self.plumbed or any(
+            a.keyword and a.keyword.value == "prefix" for a in updated.args
+        ):
             return updated
         child = ".".join(self.path) or called_name(updated).lower()
         fmt = "f" if "{" in child else ""
-        extra = cst.parse_expression(f'f(infer_config=infer_config, comm_manager=comm_manager, '
-                                     f'prefix=join_prefix(prefix, {fmt}"{child}"))').args
+        extra = cst.parse_expression(
+            f"f(infer_config=infer_config, comm_manager=comm_manager, "
+            f'prefix=join_prefix(prefix, {fmt}"{child}"))'
+        ).args
         args = list(updated.args)
         if args:
             args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
@@ -112,6 +124,11 @@ class ConstructorPlumbing(Rule):
         new = module.visit(_Plumb(plumbed))
         if new.deep_equals(module):
             return module
-        self.add_needed_imports([("runtime.config", "InferenceConfig"), ("runtime.config.comm_manager", "CommManager"),
-                                 ("runtime.layers.prefix", "join_prefix")])
+        self.add_needed_imports(
+            [
+                ("runtime.config", "InferenceConfig"),
+                ("runtime.config.comm_manager", "CommManager"),
+                ("runtime.layers.prefix", "join_prefix"),
+            ]
+        )
         return new

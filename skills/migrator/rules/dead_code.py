@@ -1,5 +1,6 @@
 """Leftovers of the other rules go: locals nobody reads, `self.x = ...` attributes nobody reads
 (dropout rates, layer indices for HF's cache, ...), and `pass` next to real statements."""
+
 from functools import partial
 
 import libcst as cst
@@ -15,8 +16,11 @@ def _pure(e: cst.BaseExpression) -> bool:
 
 
 def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
-    if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and isinstance(s.body[0], (cst.Assign,
-                                                                                               cst.AnnAssign)):
+    if (
+        isinstance(s, cst.SimpleStatementLine)
+        and len(s.body) == 1
+        and isinstance(s.body[0], (cst.Assign, cst.AnnAssign))
+    ):
         small = s.body[0]
         targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
         if len(targets) == 1 and small.value is not None and _pure(small.value):
@@ -65,8 +69,11 @@ def _unused_attrs(module: cst.Module) -> set[str]:
     targets = m.findall(module, m.AssignTarget(m.Attribute()))
     written = {t.target.attr.value for t in targets}
     stored = {id(t.target) for t in targets}
-    read = {a.attr.value for a in m.findall(module, m.Attribute())
-            if id(a) not in stored and not m.matches(a.value, CONFIG)}
+    read = {
+        a.attr.value
+        for a in m.findall(module, m.Attribute())
+        if id(a) not in stored and not m.matches(a.value, CONFIG)
+    }
     return written - read - KEEP_ATTRS
 
 

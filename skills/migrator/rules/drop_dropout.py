@@ -1,5 +1,6 @@
 """Dropout is training-only: `torch.nn.Dropout` modules, their calls and functional dropout disappear.
 Calls are recognised by qualified name, whatever the import alias (`nn.Dropout`, `F.dropout`, ...)."""
+
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider

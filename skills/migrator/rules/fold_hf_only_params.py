@@ -2,6 +2,7 @@
 `inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) are removed from every
 signature. Their values are known under the runtime contract, so branches on them are folded away,
 call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses its annotation."""
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -9,10 +10,20 @@ from skills.migrator.cst_utils import assigned_names
 from skills.migrator.rule import Rule
 
 HF_ONLY: dict[str, object] = {
-    "cache": None, "past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False,
-    "attention_mask": None, "inputs_embeds": None, "labels": None, "output_attentions": False,
-    "output_hidden_states": False, "output_router_logits": False, "cache_position": None,
-    "logits_to_keep": 0, "head_mask": None,
+    "cache": None,
+    "past_key_values": None,
+    "past_key_value": None,
+    "layer_past": None,
+    "use_cache": False,
+    "attention_mask": None,
+    "inputs_embeds": None,
+    "labels": None,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "output_router_logits": False,
+    "cache_position": None,
+    "logits_to_keep": 0,
+    "head_mask": None,
 }
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
 GRADIENT_CHECKPOINTING = m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing"))
@@ -56,8 +67,13 @@ class _Env:
         if isinstance(e, cst.Comparison) and len(e.comparisons) == 1 and isinstance(e.left, cst.Name):
             op, right = e.comparisons[0].operator, e.comparisons[0].comparator
             if m.matches(right, m.Name("None")) and isinstance(op, (cst.Is, cst.IsNot)):
-                is_none = (self.consts[e.left.value] is None if e.left.value in self.consts
-                           else False if e.left.value in self.given else None)
+                is_none = (
+                    self.consts[e.left.value] is None
+                    if e.left.value in self.consts
+                    else False
+                    if e.left.value in self.given
+                    else None
+                )
                 return None if is_none is None else is_none == isinstance(op, cst.Is)
         return None
 
@@ -69,8 +85,11 @@ class _Substitute(cst.CSTTransformer):
         self.env = env
 
     def leave_Call(self, original, updated):
-        args = [new for old, new in zip(original.args, updated.args, strict=True)
-                if not (old.keyword and isinstance(old.value, cst.Name) and old.value.value in self.env.consts)]
+        args = [
+            new
+            for old, new in zip(original.args, updated.args, strict=True)
+            if not (old.keyword and isinstance(old.value, cst.Name) and old.value.value in self.env.consts)
+        ]
         return updated.with_changes(args=args)
 
     def leave_Name(self, original, updated):
@@ -84,10 +103,14 @@ class _Substitute(cst.CSTTransformer):
         return updated.with_changes(keyword=original.keyword)
 
     def leave_AssignTarget(self, original, updated):
-        return updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
+        return (
+            updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
+        )
 
     def leave_AnnAssign(self, original, updated):
-        return updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
+        return (
+            updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
+        )
 
     def leave_NamedExpr(self, original, updated):
         return updated.with_changes(target=original.target)
@@ -122,19 +145,34 @@ def _fold_stmt(s, env: _Env) -> list:
         if v is False:
             if s.orelse is None:
                 return []
-            return _fold_stmt(s.orelse, env) if isinstance(s.orelse, cst.If) else _fold_block(s.orelse.body.body, env)
+            return (
+                _fold_stmt(s.orelse, env)
+                if isinstance(s.orelse, cst.If)
+                else _fold_block(s.orelse.body.body, env)
+            )
         orelse = s.orelse
         if isinstance(orelse, cst.Else):
             orelse = orelse.with_changes(body=_block(orelse.body, _fold_block(orelse.body.body, env.copy())))
         elif isinstance(orelse, cst.If):
             folded = _fold_stmt(orelse, env.copy())
-            orelse = folded[0] if len(folded) == 1 and isinstance(folded[0], cst.If) else (
-                cst.Else(cst.IndentedBlock(folded)) if folded else None)
-        return [s.with_changes(test=s.test.visit(_Substitute(env)),
-                               body=_block(s.body, _fold_block(s.body.body, env.copy())), orelse=orelse)]
+            orelse = (
+                folded[0]
+                if len(folded) == 1 and isinstance(folded[0], cst.If)
+                else (cst.Else(cst.IndentedBlock(folded)) if folded else None)
+            )
+        return [
+            s.with_changes(
+                test=s.test.visit(_Substitute(env)),
+                body=_block(s.body, _fold_block(s.body.body, env.copy())),
+                orelse=orelse,
+            )
+        ]
     if isinstance(s, (cst.For, cst.While, cst.With)):
-        head = {k: getattr(s, k).visit(_Substitute(env)) for k in ("iter", "test", "items") if hasattr(s, k)
-                and not isinstance(getattr(s, k), (list, tuple))}
+        head = {
+            k: getattr(s, k).visit(_Substitute(env))
+            for k in ("iter", "test", "items")
+            if hasattr(s, k) and not isinstance(getattr(s, k), (list, tuple))
+        }
         inner = env.copy()
         inner.forget(assigned_names(s))
         return [s.with_changes(**head, body=_block(s.body, _fold_block(s.body.body, inner)))]
@@ -144,7 +182,9 @@ def _fold_stmt(s, env: _Env) -> list:
 class _Fold(cst.CSTTransformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if m.findall(updated.body, GRADIENT_CHECKPOINTING):  # inference never checkpoints
-            updated = updated.with_changes(body=_block(updated.body, _fold_block(updated.body.body, _Env({}, set()))))
+            updated = updated.with_changes(
+                body=_block(updated.body, _fold_block(updated.body.body, _Env({}, set())))
+            )
         params = updated.params
         names = [p.name.value for p in (*params.params, *params.kwonly_params)]
         consts = {n: HF_ONLY[n] for n in names if n in HF_ONLY}
@@ -154,7 +194,8 @@ class _Fold(cst.CSTTransformer):
         new_params = params.with_changes(
             params=[p for p in params.params if p.name.value not in consts],
             kwonly_params=[p for p in params.kwonly_params if p.name.value not in consts],
-            star_kwarg=star_kwargs)
+            star_kwarg=star_kwargs,
+        )
         if not consts:
             return updated.with_changes(params=new_params)
         env = _Env(consts, set(names) & ALWAYS_GIVEN)

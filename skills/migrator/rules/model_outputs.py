@@ -1,5 +1,6 @@
 """Inner models return their last hidden state as a tensor instead of an HF output dataclass, and
 `forward` methods lose return annotations that name transformers types."""
+
 import libcst as cst
 
 from skills.migrator.cst_utils import kwarg, names_in

@@ -1,6 +1,7 @@
 """HF base classes (PreTrainedModel and its per-model subclass, GradientCheckpointingLayer,
 GenerationMixin) become plain `nn.Module`; with them go `post_init()`, gradient-checkpointing flags,
 `super().__init__(config)` arguments and HF-only class attributes (`_tp_plan`, `config: XConfig`, ...)."""
+
 import libcst as cst
 import libcst.matchers as m
 from torch import nn
@@ -18,7 +19,9 @@ def hf_model_classes(module: cst.Module) -> set[str]:
     """HF base names plus in-file classes deriving from them (e.g. LlamaPreTrainedModel)."""
     found = set(HF_BASES)
     for name, cls in classes(module).items():
-        if name.endswith("PreTrainedModel") and any(dotted(b.value).split(".")[-1] in found for b in cls.bases):
+        if name.endswith("PreTrainedModel") and any(
+            dotted(b.value).split(".")[-1] in found for b in cls.bases
+        ):
             found.add(name)
     return found
 
@@ -38,11 +41,15 @@ class _PlainSuperInit(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(self, original, updated):
         call = updated.body[0].value if isinstance(updated.body[0], cst.Expr) else None
-        if not m.matches(call, m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))):
+        if not m.matches(
+            call, m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))
+        ):
             return updated
         plain = updated.with_changes(body=[cst.Expr(call.with_changes(args=[]))])
         if len(call.args) == 1 and isinstance(call.args[0].value, cst.Name):
-            return cst.FlattenSentinel([plain, cst.parse_statement(f"self.config = {call.args[0].value.value}\n")])
+            return cst.FlattenSentinel(
+                [plain, cst.parse_statement(f"self.config = {call.args[0].value.value}\n")]
+            )
         return plain
 
 
@@ -68,7 +75,9 @@ class _DropInheritedHFCalls(cst.CSTTransformer):
 
     def leave_Call(self, original, updated):
         if self.ctx is not None and (name := self._inherited(updated)) is not None:
-            self.ctx.unsupported(self.scope, 0, f"`self.{name}(...)` is a PreTrainedModel method that nn.Module lacks")
+            self.ctx.unsupported(
+                self.scope, 0, f"`self.{name}(...)` is a PreTrainedModel method that nn.Module lacks"
+            )
         return updated
 
 
@@ -86,7 +95,8 @@ class _Bases(cst.CSTTransformer):
             body[0] = body[0].with_changes(leading_lines=[])
         updated = updated.with_changes(bases=bases or [NN_MODULE], body=updated.body.with_changes(body=body))
         own = {n for s in body for n in top_level_names(s)} | {
-            t.target.attr.value for t in m.findall(updated, m.AssignTarget(m.Attribute(value=m.Name("self"))))}
+            t.target.attr.value for t in m.findall(updated, m.AssignTarget(m.Attribute(value=m.Name("self"))))
+        }
         report = updated.name.value in self.used
         updated = updated.visit(_DropInheritedHFCalls(own, self.ctx if report else None, updated.name.value))
         return updated.visit(_PlainSuperInit())
@@ -94,7 +104,11 @@ class _Bases(cst.CSTTransformer):
     def leave_SimpleStatementLine(self, original, updated):
         drop = m.OneOf(
             m.Expr(m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("post_init")))),
-            m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing")))]),
+            m.Assign(
+                targets=[
+                    m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing")))
+                ]
+            ),
         )
         if len(updated.body) == 1 and m.matches(updated.body[0], drop):
             return cst.RemoveFromParent()

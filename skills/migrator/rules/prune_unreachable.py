@@ -1,5 +1,6 @@
 """Only what the entry class needs stays: other heads (sequence classification, ...), the
 PreTrainedModel subclass, eager attention helpers, vision towers, `__all__` and loggers are dropped."""
+
 import libcst as cst
 
 from skills.migrator.reachability import reachable, top_level_names

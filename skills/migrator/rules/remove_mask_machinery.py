@@ -1,6 +1,7 @@
 """HF builds 4-D attention masks (`create_causal_mask`, sliding-window variants, mask dicts); the
 runtime's attention masks from ForwardMetaData instead. Statements that build masks, and everything
 computed only from them, are removed; call arguments that pass them on are dropped."""
+
 import re
 
 import libcst as cst

@@ -3,6 +3,7 @@
 arguments HF passed at call time (scaling, sliding window, soft cap), the forward calls
 `self.attn(q, k, v, forward_metadata)`, and the unused attention-weights output disappears, callers
 included."""
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -33,9 +34,13 @@ def _interface_call(s: cst.BaseStatement) -> cst.Call | None:
 def attention_classes(module: cst.Module, entry: str) -> set[str]:
     """Attention classes the entry class uses (a multimodal file's vision attention is left alone)."""
     used = {n for i in reachable(module, {entry}) for n in top_level_names(module.body[i])}
-    return {name for name, cls in classes(module).items()
-            if name in used and (fwd := method(cls, "forward")) is not None
-            and any(_interface_call(s) for s in fwd.body.body)}
+    return {
+        name
+        for name, cls in classes(module).items()
+        if name in used
+        and (fwd := method(cls, "forward")) is not None
+        and any(_interface_call(s) for s in fwd.body.body)
+    }
 
 
 class _Forward(cst.CSTTransformer):
@@ -58,29 +63,40 @@ class _Forward(cst.CSTTransformer):
         if isinstance(target, cst.Tuple) and len(target.elements) > 1:
             self.weights = cst.Module([]).code_for_node(target.elements[1].value)
         q, k, v = (a.value for a in call.args[1:4])
-        new = cst.Assign([cst.AssignTarget(out)], cst.parse_expression("self.attn(q, k, v, forward_metadata)"))
-        new = new.with_changes(value=new.value.with_changes(args=[cst.Arg(q), cst.Arg(k), cst.Arg(v),
-                                                                  new.value.args[3]]))
+        new = cst.Assign(
+            [cst.AssignTarget(out)], cst.parse_expression("self.attn(q, k, v, forward_metadata)")
+        )
+        new = new.with_changes(
+            value=new.value.with_changes(args=[cst.Arg(q), cst.Arg(k), cst.Arg(v), new.value.args[3]])
+        )
         return updated.with_changes(body=[new])
 
     def leave_If(self, original, updated):
-        if all(assigned_names(s) == {"attention_interface"} or m.matches(s, m.SimpleStatementLine([m.Pass()]))
-               for s in updated.body.body):
+        if all(
+            assigned_names(s) == {"attention_interface"} or m.matches(s, m.SimpleStatementLine([m.Pass()]))
+            for s in updated.body.body
+        ):
             return cst.RemoveFromParent()
         return updated
 
     def leave_Return(self, original, updated):
         if self.weights and isinstance(updated.value, cst.Tuple):
-            kept = [e for e in updated.value.elements if cst.Module([]).code_for_node(e.value) != self.weights]
+            kept = [
+                e for e in updated.value.elements if cst.Module([]).code_for_node(e.value) != self.weights
+            ]
             value = kept[0].value if len(kept) == 1 else updated.value.with_changes(elements=kept)
             return updated.with_changes(value=value)
         return updated
 
 
-def _attention_ctor(call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, scope: str) -> cst.BaseStatement:
+def _attention_ctor(
+    call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, scope: str
+) -> cst.BaseStatement:
     init_code = cst.Module([]).code_for_node(init)
-    head_dim = next((f"self.{a}" for a in ("head_dim", "head_size") if f"self.{a} =" in init_code),
-                    "config.hidden_size // config.num_attention_heads")
+    head_dim = next(
+        (f"self.{a}" for a in ("head_dim", "head_size") if f"self.{a} =" in init_code),
+        "config.hidden_size // config.num_attention_heads",
+    )
     args = ["num_heads=config.num_attention_heads", f"head_dim={head_dim}"]
     if "num_key_value_heads" in init_code:
         args.append("num_kv_heads=config.num_key_value_heads")
@@ -89,14 +105,18 @@ def _attention_ctor(call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, 
         if key is None or key in IGNORED_KWARGS:
             continue
         if key not in RUNTIME_KWARGS:
-            ctx.unsupported(scope, 0, f"attention argument `{key}=` has no equivalent in the runtime Attention")
+            ctx.unsupported(
+                scope, 0, f"attention argument `{key}=` has no equivalent in the runtime Attention"
+            )
             continue
         value = cst.Module([]).code_for_node(a.value)
         if free_names(a.value) - INIT_NAMES:
             ctx.unsupported(scope, 0, f"attention argument `{key}={value}` depends on forward-time values")
         args.append(f"{RUNTIME_KWARGS[key]}={value}")
     if kwarg(call, "scaling") is None:
-        args.append(f"scale={head_dim}**-0.5" if head_dim.startswith("self.") else f"scale=({head_dim}) ** -0.5")
+        args.append(
+            f"scale={head_dim}**-0.5" if head_dim.startswith("self.") else f"scale=({head_dim}) ** -0.5"
+        )
     if ctx.kv_layout == "legacy":
         args.append("legacy=True")
     return stmt(f"self.attn = Attention({', '.join(args)})\n")
@@ -107,8 +127,9 @@ def _with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
         return fn
     param = cst.Param(cst.Name("forward_metadata"), cst.Annotation(cst.Name("ForwardMetaData")))
     star = fn.params.star_arg if isinstance(fn.params.star_arg, cst.Param) else cst.ParamStar()
-    return fn.with_changes(params=fn.params.with_changes(star_arg=star,
-                                                         kwonly_params=[*fn.params.kwonly_params, param]))
+    return fn.with_changes(
+        params=fn.params.with_changes(star_arg=star, kwonly_params=[*fn.params.kwonly_params, param])
+    )
 
 
 class _Classes(cst.CSTTransformer):
@@ -144,7 +165,9 @@ class _Classes(cst.CSTTransformer):
 def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
     """`self.X` attributes of cls that hold an attention module."""
     found = set()
-    for a in m.findall(cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())):
+    for a in m.findall(
+        cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
+    ):
         if called_name(a.value) in attn:
             found.add(a.targets[0].target.attr.value)
     return found
@@ -159,8 +182,11 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
         self.needs_kwargs = False
 
     def _is_attention_call(self, node) -> bool:
-        return (isinstance(node, cst.Call) and m.matches(node.func, m.Attribute(value=m.Name("self")))
-                and node.func.attr.value in self.attrs)
+        return (
+            isinstance(node, cst.Call)
+            and m.matches(node.func, m.Attribute(value=m.Name("self")))
+            and node.func.attr.value in self.attrs
+        )
 
     def leave_Call(self, original, updated):
         if not self._is_attention_call(updated) or any(a.star == "**" for a in updated.args):
@@ -176,7 +202,9 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original, updated):
         if self.needs_kwargs and updated.params.star_kwarg is None:
-            updated = updated.with_changes(params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs"))))
+            updated = updated.with_changes(
+                params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
+            )
         self.needs_kwargs = False
         return updated
 
@@ -189,11 +217,21 @@ class RuntimeAttention(Rule):
         ctx = self.rewrite
         attn = attention_classes(module, ctx.entry_class)
         if not attn:
-            if "forward_metadata" not in module.code:  # not yet converted: its attention is not the standard call
-                ctx.unsupported(ctx.entry_class, 0, "no attention class calls ALL_ATTENTION_FUNCTIONS / "
-                                "eager_attention_forward; custom attention code paths are not converted")
+            if (
+                "forward_metadata" not in module.code
+            ):  # not yet converted: its attention is not the standard call
+                ctx.unsupported(
+                    ctx.entry_class,
+                    0,
+                    "no attention class calls ALL_ATTENTION_FUNCTIONS / "
+                    "eager_attention_forward; custom attention code paths are not converted",
+                )
             return module
         module = module.visit(_Classes(ctx, attn))
-        self.add_needed_imports([("runtime.layers.attention", "Attention"),
-                                 ("runtime.engine.forward_metadata", "ForwardMetaData")])
+        self.add_needed_imports(
+            [
+                ("runtime.layers.attention", "Attention"),
+                ("runtime.engine.forward_metadata", "ForwardMetaData"),
+            ]
+        )
         return module

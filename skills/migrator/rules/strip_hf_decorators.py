@@ -1,6 +1,7 @@
 """Drop decorators that come from transformers (docstrings, kernels hub, output capture, kwarg
 deprecation...), recognised by qualified name. Rotary helpers that change numerics (`dynamic_rope_update`)
 are kept."""
+
 import libcst as cst
 from libcst.metadata import QualifiedNameProvider
 
@@ -33,8 +34,11 @@ class StripHFDecorators(VisitorRule):
         return any((n.startswith(("transformers.", ".")) and n.split(".")[-1] not in KEEP) for n in names)
 
     def _strip(self, original, updated):
-        kept = [new for old, new in zip(original.decorators, updated.decorators, strict=True)
-                if not self._from_transformers(old)]
+        kept = [
+            new
+            for old, new in zip(original.decorators, updated.decorators, strict=True)
+            if not self._from_transformers(old)
+        ]
         return updated.with_changes(decorators=kept)
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:

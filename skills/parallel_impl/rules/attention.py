@@ -187,7 +187,9 @@ def _is_attention(init: cst.FunctionDef) -> bool:
 
 class ShardAttention(Rule):
     ID = "PR001"
-    DESCRIPTION = "Attention is sharded by heads: QKVParallelLinear in, RowParallelLinear out (attn_tp_group)."
+    DESCRIPTION = (
+        "Attention is sharded by heads: QKVParallelLinear in, RowParallelLinear out (attn_tp_group)."
+    )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite

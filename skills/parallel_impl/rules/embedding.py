@@ -57,7 +57,9 @@ class ShardEmbedding(Rule):
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite
         new = {
-            name: result for name, cls in classes(module).items() if (result := _rewrite(cls, ctx)) is not None
+            name: result
+            for name, cls in classes(module).items()
+            if (result := _rewrite(cls, ctx)) is not None
         }
         if not new:
             return module

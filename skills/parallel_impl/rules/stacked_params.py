@@ -28,7 +28,9 @@ class _PassMapping(cst.CSTTransformer):
 
 class StackedParams(Rule):
     ID = "PR006"
-    DESCRIPTION = "The entry class maps the checkpoint's separate q/k/v, gate/up tensors onto the fused layers."
+    DESCRIPTION = (
+        "The entry class maps the checkpoint's separate q/k/v, gate/up tensors onto the fused layers."
+    )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite
@@ -60,4 +62,6 @@ class StackedParams(Rule):
             f"{cls.name.value}: load_weights loads {', '.join(sorted({e[0][1:] for e in entries}))} "
             f"from their checkpoint parts"
         )
-        return replace_classes(module, {cls.name.value: cls.with_changes(body=cls.body.with_changes(body=body))})
+        return replace_classes(
+            module, {cls.name.value: cls.with_changes(body=cls.body.with_changes(body=body))}
+        )
