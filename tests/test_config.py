@@ -75,6 +75,27 @@ def test_seed_yaml_loads(tmp_path):
     assert cfg.source == str(tmp_path / "infer.yaml")
 
 
+def test_keys_without_effect_warn_once_naming_key_and_reason(tmp_path, caplog, monkeypatch):
+    from runtime.config import ineffective
+
+    monkeypatch.setattr(ineffective, "_warned", set())
+    path = write(tmp_path, SEED_YAML.replace("  dtype:", "  next_n: 1\n  dtype:"))
+    with caplog.at_level("WARNING", logger=ineffective.__name__):
+        for _ in range(2):
+            InferenceConfig.from_yaml(path)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings  # once per key, not per load
+    assert warnings[0].startswith(
+        f"{path}: `model_config.enable_weight_nz: True` has no effect: the NZ weight "
+    )
+    assert "Ascend" in warnings[0] and "`model_config.next_n: 1` has no effect: multi-token" in warnings[1]
+    caplog.clear()
+    off = SEED_YAML.replace("enable_weight_nz: True", "enable_weight_nz: False")
+    InferenceConfig.from_yaml(write(tmp_path, off))  # asks for nothing: silent
+    assert ineffective.warn_ineffective({"model_config": {"enable_weight_nz": False}}, "x") == []
+    assert caplog.records == []
+
+
 def test_empty_section_is_defaults():
     assert InferenceConfig.from_dict({"data_config": None}) == InferenceConfig()
 

@@ -17,6 +17,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from runtime.config.ineffective import warn_ineffective
 from runtime.errors import ConfigError
 
 NPU_GRAPH_MODES = ("ge_graph", "npugraph_ex")
@@ -47,9 +48,9 @@ class ModelConfig(_Section):
     with_ckpt: bool = True
     next_n: int = Field(0, ge=0)
     exe_mode: str = "eager"
-    # Accepted for compatibility with seed YAMLs; the runtime reads only some of them.
     enable_profiler: bool = False
-    enable_weight_nz: bool = True
+    # Accepted for compatibility with seed YAMLs; set, they warn that they have no effect (ineffective.py).
+    enable_weight_nz: bool = False
     enable_cache_compile: bool = False
     enable_static_kernel: bool = False
     force_eplb: bool = False
@@ -340,6 +341,7 @@ class InferenceConfig:
                     f"= {getattr(pc, key)}",
                     f"remove the key (it is derived) or set it to {getattr(pc, key)}",
                 )
+        warn_ineffective(d, source)
         return cfg
 
     @classmethod
