@@ -6,7 +6,7 @@ from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoTokenizer
 
 from runtime.config import InferenceConfig
-from runtime.engine.execution_engine import PhaseTimes
+from runtime.engine.step_stats import PhaseTimes
 from runtime.engine.request import SamplingParams
 from runtime.offline import OfflineInference
 

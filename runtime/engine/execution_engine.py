@@ -6,12 +6,10 @@ Offline inference adds every prompt and steps until done; a server drives the sa
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed
-from transformers import GenerationConfig
 
 from runtime.config import InferenceConfig
 from runtime.distributed import DistInfo
@@ -22,6 +20,8 @@ from runtime.engine.request import Batch, Request, SamplingParams, StepOutput
 from runtime.engine.sampler import Sampler, token_logprobs
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.step_inputs import build_step_inputs
+from runtime.engine.step_stats import StepStats
+from runtime.engine.stopping import eos_token_ids
 from runtime.layers.token_layout import ATTN_GROUP, any_rank, needs_sharded_layout, step_layout, use_layout
 
 logger = logging.getLogger(__name__)
@@ -29,34 +29,6 @@ logger = logging.getLogger(__name__)
 
 def _long(device, values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
-
-
-@dataclass
-class PhaseTimes:
-    """Step times of one phase in constant memory: count, sum and the first (cold) step."""
-
-    count: int = 0
-    total_ms: float = 0.0
-    first_ms: float = 0.0
-
-    def add(self, ms: float) -> None:
-        if not self.count:
-            self.first_ms = ms
-        self.count, self.total_ms = self.count + 1, self.total_ms + ms
-
-    def mean(self, skip_first: bool = False) -> float:
-        if skip_first and self.count > 1:
-            return (self.total_ms - self.first_ms) / (self.count - 1)
-        return self.total_ms / self.count if self.count else 0.0
-
-
-@dataclass
-class StepStats:
-    prefill: PhaseTimes = field(default_factory=PhaseTimes)
-    decode: PhaseTimes = field(default_factory=PhaseTimes)
-
-    def record(self, is_prefill: bool, ms: float) -> None:
-        (self.prefill if is_prefill else self.decode).add(ms)
 
 
 class ExecutionEngine:
@@ -85,7 +57,7 @@ class ExecutionEngine:
         self.worker.init()
         self.tokenizer = self.worker.load_tokenizer()
         self.kv = self.worker.init_kvcache()
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.worker.model_path, self.worker.hf_config, self.tokenizer)
         sc = self.config.scheduler_config
         self.scheduler = self.scheduler_cls(
             self.kv, self.config.batch_size_per_dp_rank, sc.max_prefill_tokens, self.eos_token_ids
@@ -94,15 +66,6 @@ class ExecutionEngine:
         if mc.enable_profiler:
             out = Path(mc.output_path).expanduser() if mc.output_path else Path(self.worker.model_dir or ".")
             self.profiler = StepProfiler(out, self.device)
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        try:
-            eos = GenerationConfig.from_pretrained(self.worker.model_path).eos_token_id
-        except OSError:
-            eos = self.worker.hf_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
     # --- the request API -------------------------------------------------------------------------------------
     def add_request(

@@ -5,6 +5,7 @@ from collections import deque
 from typing import Protocol
 
 from runtime.engine.request import Batch, Request, Status
+from runtime.engine.stopping import finish_reason
 from runtime.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class Scheduler:
         return True
 
     def finish_if_done(self, request: Request) -> bool:
-        reason = self._finish_reason(request)
+        reason = finish_reason(request.output_token_ids, request.sampling, self.eos_token_ids)
         if reason:
             request.finish_reason, request.status = reason, Status.FINISHED
             self.running.remove(request)
@@ -128,11 +129,3 @@ class Scheduler:
 
     def release_finished(self, request: Request) -> None:
         self.kv.free(request.request_id)
-
-    def _finish_reason(self, request: Request) -> str | None:
-        params, last = request.sampling, request.output_token_ids[-1]
-        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
-            return "stop"
-        if len(request.output_token_ids) >= params.max_new_tokens:
-            return "length"
-        return None

@@ -11,6 +11,7 @@ from runtime.distributed import init_distributed
 from runtime.engine.execution_engine import ExecutionEngine
 from runtime.engine.request import SamplingParams, TokenLogprob
 from runtime.engine.scheduler import Scheduler
+from runtime.offline.prompts import encode_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -41,24 +42,7 @@ class OfflineInference:
         self.tokenizer = self.engine.tokenizer
 
     def tokenize(self, prompt: str, chat: bool) -> list[int]:
-        if chat and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
-        limit = self.config.data_config.input_truncated_len
-        if len(ids) > limit:
-            logger.warning(
-                "prompt of %d tokens truncated to its last %d (data_config.input_truncated_len)",
-                len(ids),
-                limit,
-            )
-            ids = ids[-limit:]
-        return list(ids)
+        return encode_prompt(self.tokenizer, prompt, chat, self.config.data_config.input_truncated_len)
 
     def default_sampling(self) -> SamplingParams:
         sc = self.config.scheduler_config

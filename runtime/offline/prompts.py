@@ -1,12 +1,32 @@
-"""Where offline prompts come from: the command line, a file, or the YAML's data_config."""
+"""Where offline prompts come from (the command line, a file, or the YAML's data_config) and how a prompt
+becomes token ids; shared by the engine's offline path and the standalone runner."""
 
 import json
+import logging
 from pathlib import Path
 
 from runtime.config import InferenceConfig
 from runtime.errors import UserError
 
 DEFAULT_PROMPTS = Path(__file__).with_name("default_prompt.json")
+logger = logging.getLogger(__name__)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool, limit: int) -> list[int]:
+    """The prompt's ids, through the chat template when asked and the tokenizer has one; longer than
+    ``limit`` (data_config.input_truncated_len) keeps the last ``limit`` tokens."""
+    if chat and tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    if len(ids) > limit:
+        logger.warning(
+            "prompt of %d tokens truncated to its last %d (data_config.input_truncated_len)", len(ids), limit
+        )
+    return list(ids[-limit:])
 
 
 def read_prompts_file(path: Path) -> list[str]:

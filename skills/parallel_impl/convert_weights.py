@@ -38,7 +38,8 @@ from runtime.engine.loader import (
 from runtime.engine.model_worker import default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
-from skills.parallel_impl.pipeline import _load, _Target, _write, scenario_yaml_name
+from skills.atomic_write import write_text_atomic
+from skills.parallel_impl.pipeline import _load, _Target, scenario_yaml_name
 from skills.parallel_impl.scenario import scenario_yaml
 
 # Checkpoint files that are (or index) weights: converted, not copied. Hidden files (.cache/) are skipped too.
@@ -214,5 +215,5 @@ def convert_weights(
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    _write(target_yaml, text)
+    write_text_atomic(target_yaml, text)
     return ConvertResult(str(t.model_dir), str(out), str(target_yaml), t.pc.world_size, ranks)
