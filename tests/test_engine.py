@@ -6,8 +6,8 @@ from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoTokenizer
 
 from runtime.config import InferenceConfig
-from runtime.engine.step_stats import PhaseTimes
 from runtime.engine.request import SamplingParams
+from runtime.engine.step_stats import PhaseTimes
 from runtime.offline import OfflineInference
 
 NEW = 8
