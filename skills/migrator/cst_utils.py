@@ -1,6 +1,12 @@
 """Small libcst helpers shared by the rewrite rules."""
 
 import libcst as cst
+import libcst.matchers as m
+
+
+def pure(e: cst.BaseExpression) -> bool:
+    """No call, await or yield inside: evaluating it has no side effects worth keeping."""
+    return not m.findall(e, m.Call() | m.Await() | m.Yield())
 
 
 def names_in(node: cst.CSTNode) -> set[str]:

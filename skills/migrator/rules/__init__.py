@@ -7,13 +7,16 @@ from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
+from skills.migrator.rules.honest_signatures import HonestSignatures
 from skills.migrator.rules.model_outputs import ModelOutputs
 from skills.migrator.rules.module_bases import ModuleBases
 from skills.migrator.rules.prune_unreachable import PruneUnreachable
 from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
 from skills.migrator.rules.runtime_attention import RuntimeAttention
+from skills.migrator.rules.stale_docs import StaleDocs
 from skills.migrator.rules.strip_hf_decorators import StripHFDecorators
 from skills.migrator.rules.unused_imports import UnusedImports
+from skills.migrator.rules.unused_parameters import UnusedParameters
 
 MODELING_RULES = [
     AbsoluteImports,
@@ -28,7 +31,10 @@ MODELING_RULES = [
     PruneUnreachable,
     DropDropout,
     DeadCode,
+    UnusedParameters,
+    HonestSignatures,
     UnusedImports,
+    StaleDocs,
 ]
-CONFIGURATION_RULES = [AbsoluteImports, StripHFDecorators, UnusedImports, ClassVarAnnotations]
+CONFIGURATION_RULES = [AbsoluteImports, StripHFDecorators, UnusedImports, StaleDocs, ClassVarAnnotations]
 MIGRATE_RULES = sorted({*MODELING_RULES, *CONFIGURATION_RULES}, key=lambda rule: rule.ID)

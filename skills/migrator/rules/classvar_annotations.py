@@ -9,7 +9,7 @@ MUTABLE = {cst.Dict: "dict", cst.List: "list", cst.Set: "set"}
 
 
 class ClassVarAnnotations(VisitorRule):
-    ID = "MG014"
+    ID = "MG017"
     DESCRIPTION = "Mutable class-level metadata of configuration classes is annotated ClassVar."
 
     depth = 0  # class bodies entered

@@ -6,13 +6,10 @@ from functools import partial
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.cst_utils import pure
 from skills.migrator.rule import Rule
 
 KEEP_ATTRS = {"config"}
-
-
-def _pure(e: cst.BaseExpression) -> bool:
-    return not m.findall(e, m.Call() | m.Await() | m.Yield())
 
 
 def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
@@ -23,7 +20,7 @@ def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
     ):
         small = s.body[0]
         targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
-        if len(targets) == 1 and small.value is not None and _pure(small.value):
+        if len(targets) == 1 and small.value is not None and pure(small.value):
             return small
     return None
 

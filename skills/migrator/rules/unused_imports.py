@@ -7,7 +7,7 @@ from skills.migrator.rule import Rule
 
 
 class UnusedImports(Rule):
-    ID = "MG013"
+    ID = "MG015"
     DESCRIPTION = "Imports nothing uses any more are removed (scope analysis)."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:

@@ -37,16 +37,6 @@ class Gemma3TextConfig(PreTrainedConfig):
     use_bidirectional_attention (`bool`, *optional*, defaults to `False`):
         If True, the model will attend to all text tokens instead of using a causal mask. This does not change
         behavior for vision tokens.
-
-    ```python
-    >>> from transformers import Gemma3TextModel, Gemma3TextConfig
-    >>> # Initializing a Gemma3Text gemma3_text-7b style configuration
-    >>> configuration = Gemma3TextConfig()
-    >>> # Initializing a model from the gemma3_text-7b style configuration
-    >>> model = Gemma3TextModel(configuration)
-    >>> # Accessing the model configuration
-    >>> configuration = model.config
-    ```
     """
 
     model_type = "gemma3_text"
@@ -169,25 +159,7 @@ class Gemma3Config(PreTrainedConfig):
         The end-of-image token index to wrap the image prompt.
 
     Example:
-
-    ```python
-    >>> from transformers import Gemma3ForConditionalGeneration, Gemma3Config, SiglipVisionConfig, Gemma3TextConfig
-
-    >>> # Initializing a Siglip-like vision config
-    >>> vision_config = SiglipVisionConfig()
-
-    >>> # Initializing a Gemma3 Text config
-    >>> text_config = Gemma3TextConfig()
-
-    >>> # Initializing a Gemma3 gemma-3-4b style configuration
-    >>> configuration = Gemma3Config(vision_config, text_config)
-
-    >>> # Initializing a model from the gemma-3-4b style configuration
-    >>> model = Gemma3ForConditionalGeneration(configuration)
-
-    >>> # Accessing the model configuration
-    >>> configuration = model.config
-    ```"""
+    """
 
     model_type = "gemma3"
     attribute_map: ClassVar[dict] = {

@@ -119,7 +119,7 @@ class Gemma3RotaryEmbedding(nn.Module):
         """
         Computes the inverse frequencies according to the original RoPE implementation
         Args:
-            config ([`~transformers.PreTrainedConfig`]):
+            config (`PreTrainedConfig`):
                 The model configuration.
             layer_type (`str`):
                 The current layer type if the model has different RoPE parameters per type.
@@ -227,7 +227,7 @@ class Gemma3Attention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: torch.Tensor = None,
+        position_embeddings: torch.Tensor,
         *,
         forward_metadata: ForwardMetaData,
         **kwargs,
@@ -293,7 +293,6 @@ class Gemma3DecoderLayer(nn.Module):
         hidden_states = self.self_attn(
             hidden_states=hidden_states,
             position_embeddings=position_embeddings,
-            position_ids=position_ids,
             **kwargs,
         )
         hidden_states = self.post_attention_layernorm(hidden_states)

@@ -28,20 +28,6 @@ from transformers.utils.type_validators import interval
 
 @strict
 class LlamaConfig(PreTrainedConfig):
-    r"""
-    ```python
-    >>> from transformers import LlamaModel, LlamaConfig
-
-    >>> # Initializing a LLaMA llama-7b style configuration
-    >>> configuration = LlamaConfig()
-
-    >>> # Initializing a model from the llama-7b style configuration
-    >>> model = LlamaModel(configuration)
-
-    >>> # Accessing the model configuration
-    >>> configuration = model.config
-    ```"""
-
     model_type = "llama"
     # Default tensor parallel plan for base model `LlamaModel`
     base_model_tp_plan: ClassVar[dict] = {

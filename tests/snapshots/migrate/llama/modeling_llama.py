@@ -73,7 +73,7 @@ class LlamaRotaryEmbedding(nn.Module):
         """
         Computes the inverse frequencies according to the original RoPE implementation
         Args:
-            config ([`~transformers.PreTrainedConfig`]):
+            config (`PreTrainedConfig`):
                 The model configuration.
         Returns:
             Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
@@ -153,7 +153,6 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: LlamaConfig,
-        layer_idx: int,
         infer_config: InferenceConfig,
         comm_manager: CommManager | None = None,
         prefix: str = "",
@@ -185,7 +184,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         *,
         forward_metadata: ForwardMetaData,
         **kwargs,
@@ -211,7 +210,6 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: LlamaConfig,
-        layer_idx: int,
         infer_config: InferenceConfig,
         comm_manager: CommManager | None = None,
         prefix: str = "",
@@ -221,7 +219,6 @@ class LlamaDecoderLayer(nn.Module):
 
         self.self_attn = LlamaAttention(
             config=config,
-            layer_idx=layer_idx,
             infer_config=infer_config,
             comm_manager=comm_manager,
             prefix=join_prefix(prefix, "self_attn"),
@@ -236,8 +233,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_ids: torch.LongTensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -245,7 +241,6 @@ class LlamaDecoderLayer(nn.Module):
         # Self Attention
         hidden_states = self.self_attn(
             hidden_states=hidden_states,
-            position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
         )
@@ -276,7 +271,6 @@ class LlamaModel(nn.Module):
             [
                 LlamaDecoderLayer(
                     config,
-                    layer_idx,
                     infer_config=infer_config,
                     comm_manager=comm_manager,
                     prefix=join_prefix(prefix, f"layers.{layer_idx}"),
@@ -302,7 +296,6 @@ class LlamaModel(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
-                position_ids=position_ids,
                 **kwargs,
             )
 

@@ -22,21 +22,6 @@ from transformers.modeling_rope_utils import RopeParameters
 
 @strict
 class Qwen3Config(PreTrainedConfig):
-    r"""
-    ```python
-    >>> from transformers import Qwen3Model, Qwen3Config
-
-    >>> # Initializing a Qwen3 style configuration
-    >>> configuration = Qwen3Config()
-
-    >>> # Initializing a model from the Qwen3-8B style configuration
-    >>> model = Qwen3Model(configuration)
-
-    >>> # Accessing the model configuration
-    >>> configuration = model.config
-    ```
-    """
-
     model_type = "qwen3"
 
     # Default tensor parallel plan for base model `Qwen3`

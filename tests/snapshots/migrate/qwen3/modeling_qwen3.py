@@ -93,7 +93,7 @@ class Qwen3RotaryEmbedding(nn.Module):
         """
         Computes the inverse frequencies according to the original RoPE implementation
         Args:
-            config ([`~transformers.PreTrainedConfig`]):
+            config (`PreTrainedConfig`):
                 The model configuration.
         Returns:
             Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
@@ -256,7 +256,6 @@ class Qwen3DecoderLayer(nn.Module):
         # Self Attention
         hidden_states = self.self_attn(
             hidden_states=hidden_states,
-            position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
         )

@@ -76,7 +76,7 @@ class LlamaRotaryEmbedding(nn.Module):
         """
         Computes the inverse frequencies according to the original RoPE implementation
         Args:
-            config ([`~transformers.PreTrainedConfig`]):
+            config (`PreTrainedConfig`):
                 The model configuration.
         Returns:
             Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
@@ -175,7 +175,6 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: LlamaConfig,
-        layer_idx: int,
         infer_config: InferenceConfig,
         comm_manager: CommManager | None = None,
         prefix: str = "",
@@ -215,7 +214,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         *,
         forward_metadata: ForwardMetaData,
         **kwargs,
@@ -245,7 +244,6 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: LlamaConfig,
-        layer_idx: int,
         infer_config: InferenceConfig,
         comm_manager: CommManager | None = None,
         prefix: str = "",
@@ -255,7 +253,6 @@ class LlamaDecoderLayer(nn.Module):
 
         self.self_attn = LlamaAttention(
             config=config,
-            layer_idx=layer_idx,
             infer_config=infer_config,
             comm_manager=comm_manager,
             prefix=join_prefix(prefix, "self_attn"),
@@ -270,8 +267,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_ids: torch.LongTensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -279,7 +275,6 @@ class LlamaDecoderLayer(nn.Module):
         # Self Attention
         hidden_states = self.self_attn(
             hidden_states=hidden_states,
-            position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
         )
@@ -316,7 +311,6 @@ class LlamaModel(nn.Module):
             [
                 LlamaDecoderLayer(
                     config,
-                    layer_idx,
                     infer_config=infer_config,
                     comm_manager=comm_manager,
                     prefix=join_prefix(prefix, f"layers.{layer_idx}"),
@@ -342,7 +336,6 @@ class LlamaModel(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
-                position_ids=position_ids,
                 **kwargs,
             )
 

@@ -1,0 +1,139 @@
+"""Where this file builds its classes and calls their instances, for the rules that change signatures: a
+parameter can only go, or become required, when every call that binds it is known."""
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.cst_utils import classes, method
+
+SELF_ATTR = m.Attribute(value=m.Name("self"))
+
+
+def named_params(fn: cst.FunctionDef) -> list[cst.Param]:
+    p = fn.params
+    return [*p.posonly_params, *p.params, *p.kwonly_params]
+
+
+def positional_params(fn: cst.FunctionDef) -> list[cst.Param]:
+    return [x for x in (*fn.params.posonly_params, *fn.params.params) if x.name.value != "self"]
+
+
+def binding(call: cst.Call, fn: cst.FunctionDef, param: cst.Param) -> cst.Arg | None:
+    """The argument of call that binds param (None: the default is used)."""
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    order = [x.name.value for x in positional_params(fn)]
+    name = param.name.value
+    if name in order and order.index(name) < len(positional):
+        return positional[order.index(name)]
+    return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
+
+
+@dataclass
+class Sites:
+    """Where a class is built and where its instances are called, and whether that is all of their uses."""
+
+    constructed: list[cst.Call] = field(default_factory=list)
+    called: list[cst.Call] = field(default_factory=list)
+    name_escapes: bool = False  # its name is used other than in the constructor calls
+    instances_escape: bool = False  # an instance is used other than in the calls
+
+
+def _instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[str, bool]]:
+    """`self.a = C(...)` -> a: (C, False); `self.a = nn.ModuleList([C(...) ...])` -> a: (C, True)."""
+    found = {}
+    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call())):
+        call, attr = a.value, a.targets[0].target.attr.value
+        if m.matches(call.func, m.Name()) and call.func.value in local:
+            found[attr] = (call.func.value, False)
+        elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))) and call.args:
+            items = m.findall(call.args[0].value, m.Call(func=m.Name()))
+            kinds = {c.func.value for c in items if c.func.value in local}
+            if len(kinds) == 1:
+                found[attr] = (kinds.pop(), True)
+    return found
+
+
+class _Index(cst.CSTVisitor):
+    """One pass over the module: names, constructor-style calls, and per class its `self.<attr>` reads,
+    calls and loops (imports are skipped)."""
+
+    def __init__(self) -> None:
+        self.owner: list[str] = []
+        self.names: dict[str, list[cst.Name]] = defaultdict(list)
+        self.calls: dict[str, list[cst.Call]] = defaultdict(list)  # `Name(...)` by name
+        self.self_attrs: dict[tuple[str, str], list[cst.Attribute]] = defaultdict(list)
+        self.self_calls: dict[tuple[str, str], list[cst.Call]] = defaultdict(list)
+        self.loops: dict[tuple[str, str], list[cst.For]] = defaultdict(list)
+        self.other_attrs: set[str] = set()  # attributes read off something else than self (self.model.<attr>)
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.owner.append(node.name.value)
+
+    def leave_ClassDef(self, node: cst.ClassDef) -> None:
+        self.owner.pop()
+
+    def _key(self, attr: str) -> tuple[str, str]:
+        return (self.owner[-1] if self.owner else "", attr)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names[node.value].append(node)
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Name):
+            self.calls[node.func.value].append(node)
+        elif m.matches(node.func, SELF_ATTR):
+            self.self_calls[self._key(node.func.attr.value)].append(node)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if m.matches(node, SELF_ATTR):
+            self.self_attrs[self._key(node.attr.value)].append(node)
+        else:
+            self.other_attrs.add(node.attr.value)
+
+    def visit_For(self, node: cst.For) -> None:
+        over = node.iter.value if isinstance(node.iter, cst.Subscript) else node.iter
+        if isinstance(node.target, cst.Name) and m.matches(over, SELF_ATTR):
+            self.loops[self._key(over.attr.value)].append(node)
+
+
+def call_sites(module: cst.Module) -> dict[str, Sites]:
+    local = classes(module)
+    sites = {name: Sites() for name in local}
+    index = _Index()
+    module.visit(index)
+    accounted: set[int] = set()  # ids of the Name nodes the constructor calls explain
+    for name, cls in local.items():
+        accounted.add(id(cls.name))
+        sites[name].constructed = index.calls[name]
+        accounted.update(id(call.func) for call in index.calls[name])
+    for owner, cls in local.items():
+        init = method(cls, "__init__")
+        for attr, (target, is_list) in (_instance_attrs(init, set(local)) if init else {}).items():
+            assigned = m.findall(init, m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name(attr))))
+            explained = {id(t.target) for t in assigned}
+            if is_list:
+                for loop in index.loops[(owner, attr)]:
+                    over = loop.iter.value if isinstance(loop.iter, cst.Subscript) else loop.iter
+                    explained.add(id(over))
+                    calls = m.findall(loop.body, m.Call(func=m.Name(loop.target.value)))
+                    sites[target].called += calls
+                    if len(calls) != len(m.findall(loop.body, m.Name(loop.target.value))):
+                        sites[target].instances_escape = True
+            else:
+                sites[target].called += index.self_calls[(owner, attr)]
+                explained.update(id(call.func) for call in index.self_calls[(owner, attr)])
+            uses = index.self_attrs[(owner, attr)]
+            if any(id(u) not in explained for u in uses) or attr in index.other_attrs:
+                sites[target].instances_escape = True
+    for name, where in sites.items():
+        where.name_escapes = any(id(node) not in accounted for node in index.names[name])
+    return sites
