@@ -4,6 +4,8 @@ from textwrap import dedent
 
 from skills.migrator.rules.dead_code import DeadCode as rule
 
+IMPORTS = "from transformers.modeling_rope_utils import dynamic_rope_update\n\n\n"
+
 # LlamaAttention after runtime_attention: layer_idx, dropout rate, is_causal, num_key_value_groups are
 # only read by HF's cache / eager attention, which are gone.
 BEFORE = dedent("""\
@@ -49,7 +51,6 @@ AFTER = dedent("""\
     class LlamaAttention(nn.Module):
         def __init__(self, config, layer_idx):
             super().__init__()
-            self.config = config
             self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
             self.scaling = self.head_dim**-0.5
             self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, scale=self.scaling)
@@ -68,7 +69,6 @@ AFTER = dedent("""\
     class LlamaModel(nn.Module):
         def __init__(self, config):
             super().__init__()
-            self.config = config
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
 
         def forward(self, input_ids):
@@ -78,8 +78,8 @@ AFTER = dedent("""\
 
 
 def test_dead_code_removed(run_rule):
-    # `self.config` is kept though unread; reads of `config.vocab_size` do not keep `self.vocab_size`;
-    # `unused = self.embed_tokens(...)` calls something, so it stays.
+    # Unread `self.config` goes too (only the entry class keeps it); reads of `config.vocab_size` do not keep
+    # `self.vocab_size`; `unused = self.embed_tokens(...)` calls something, so it stays.
     assert run_rule(rule, BEFORE) == AFTER
 
 
@@ -101,5 +101,23 @@ def test_live_code_untouched(run_rule):
                 seq = self.max_seq_len_cached
                 freqs = position_ids[..., None].float() * seq
                 return freqs
+
+
+        class LlamaDynamicRotaryEmbedding(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.config = config  # read by transformers' decorator, as are the two below
+                self.original_max_seq_len = config.max_position_embeddings
+                self.original_inv_freq = None
+
+            @dynamic_rope_update
+            def forward(self, x, position_ids):
+                return x
+
+
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.config = config  # the entry class keeps its config, like HF models
         """)
-    assert run_rule(rule, code) == code
+    assert run_rule(rule, IMPORTS + code) == IMPORTS + code

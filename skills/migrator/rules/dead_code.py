@@ -6,10 +6,9 @@ from functools import partial
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import pure
+from skills.migrator.cst_utils import classes, dotted, pure
 from skills.migrator.rule import Rule
-
-KEEP_ATTRS = {"config"}
+from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 
 def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
@@ -59,25 +58,79 @@ class _DropIf(cst.CSTTransformer):
 
 
 CONFIG = m.Name("config") | m.Attribute(value=m.Name("self"), attr=m.Name("config"))
+SELF_ATTR = m.Attribute(value=m.Name("self"))
 
 
-def _unused_attrs(module: cst.Module) -> set[str]:
-    """`self.x` attributes that are assigned but never read (reads of the HF config aside)."""
-    targets = m.findall(module, m.AssignTarget(m.Attribute()))
-    written = {t.target.attr.value for t in targets}
-    stored = {id(t.target) for t in targets}
-    read = {
-        a.attr.value
-        for a in m.findall(module, m.Attribute())
-        if id(a) not in stored and not m.matches(a.value, CONFIG)
+def _family(local: dict[str, cst.ClassDef], name: str) -> set[str]:
+    """The class and its in-file bases and subclasses, transitively: they share `self`."""
+    bases = {
+        n: {b.value.value for b in c.bases if isinstance(b.value, cst.Name) and b.value.value in local}
+        for n, c in local.items()
     }
-    return written - read - KEEP_ATTRS
+    family, todo = {name}, [name]
+    while todo:
+        n = todo.pop()
+        for other in {*bases[n], *(k for k, v in bases.items() if n in v)} - family:
+            family.add(other)
+            todo.append(other)
+    return family
 
 
-def _is_dead_attr(s: cst.BaseStatement, unused: set[str]) -> bool:
-    a = _single_assign(s)
-    target = _target(a) if a is not None else None
-    return m.matches(target, m.Attribute(value=m.Name("self"))) and target.attr.value in unused
+def _exposes_self(cls: cst.ClassDef, hf_names: set[str]) -> bool:
+    """transformers code may read any attribute: its decorator on a method (`dynamic_rope_update` reads
+    `self.max_seq_len_cached`, ...) or `self` handed to one of its functions (the runtime's read no attribute)."""
+    for fn in m.findall(cls, m.FunctionDef()):
+        for d in fn.decorators:
+            target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
+            if dotted(target).split(".")[0] in hf_names:
+                return True
+    calls = m.findall(cls, m.Call(args=[m.ZeroOrMore(), m.Arg(value=m.Name("self")), m.ZeroOrMore()]))
+    return any(dotted(c.func).split(".")[0] in hf_names for c in calls)
+
+
+def _unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
+    """Per class, the `self.x` attributes it assigns that nothing can read: not `self.x` in its family, not
+    `<anything else>.x` anywhere (reads of the HF config's fields aside). The entry class keeps `config`."""
+    local, hf_names = classes(module), transformers_names(module)
+    stored = {id(t.target) for t in m.findall(module, m.AssignTarget(m.Attribute()))}
+    code = [s for s in module.body if not m.matches(s, m.SimpleStatementLine([m.Import() | m.ImportFrom()]))]
+    attrs = [a for s in code for a in m.findall(s, m.Attribute())]
+    reads = [a for a in attrs if id(a) not in stored and not m.matches(a.value, CONFIG)]
+    other_reads = {a.attr.value for a in reads if not m.matches(a, SELF_ATTR)}
+    self_reads = {
+        name: {a.attr.value for a in m.findall(cls, SELF_ATTR) if id(a) not in stored}
+        for name, cls in local.items()
+    }
+    unused = {}
+    for name, cls in local.items():
+        family = _family(local, name)
+        if any(_exposes_self(local[f], hf_names) for f in family):
+            continue
+        written = {t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))}
+        read = other_reads.union(*(self_reads[f] for f in family))
+        unused[name] = written - read - ({"config"} if name == entry else set())
+    return unused
+
+
+class _DropAttrs(_DropIf):
+    """`self.x = <pure>` statements of the attributes unused[class] names."""
+
+    def __init__(self, unused: dict[str, set[str]]):
+        super().__init__(self._dead)
+        self.unused, self.owner = unused, []
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.owner.append(node.name.value)
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        self.owner.pop()
+        return updated
+
+    def _dead(self, s: cst.BaseStatement) -> bool:
+        a = _single_assign(s)
+        target = _target(a) if a is not None else None
+        dead = self.unused.get(self.owner[-1], set()) if self.owner else set()
+        return m.matches(target, SELF_ATTR) and target.attr.value in dead
 
 
 class DeadCode(Rule):
@@ -87,8 +140,7 @@ class DeadCode(Rule):
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         module = module.visit(_DeadLocals())
         while True:
-            unused = _unused_attrs(module)
-            new = module.visit(_DropIf(partial(_is_dead_attr, unused=unused)))
+            new = module.visit(_DropAttrs(_unused_attrs(module, self.rewrite.entry_class)))
             if new.deep_equals(module):
                 return module
             module = new

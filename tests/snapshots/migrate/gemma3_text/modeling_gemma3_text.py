@@ -57,7 +57,6 @@ class Gemma3MLP(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
@@ -93,6 +92,8 @@ class Gemma3RMSNorm(nn.Module):
 class Gemma3RotaryEmbedding(nn.Module):
     def __init__(self, config: Gemma3TextConfig, device=None):
         super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
         self.config = config
         self.layer_types = sorted(set(config.layer_types))
         self.rope_type = {}
@@ -196,7 +197,6 @@ class Gemma3Attention(nn.Module):
     ):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
-        self.config = config
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.scaling = config.query_pre_attn_scalar**-0.5
 
@@ -262,7 +262,6 @@ class Gemma3DecoderLayer(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        self.config = config
         self.hidden_size = config.hidden_size
         self.self_attn = Gemma3Attention(
             config=config,

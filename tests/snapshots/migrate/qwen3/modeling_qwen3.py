@@ -60,7 +60,6 @@ class Qwen3MLP(nn.Module):
         self, config, infer_config: InferenceConfig, comm_manager: CommManager | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
@@ -76,6 +75,8 @@ class Qwen3MLP(nn.Module):
 class Qwen3RotaryEmbedding(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
 
         self.config = config
 
@@ -162,7 +163,6 @@ class Qwen3Attention(nn.Module):
     ):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
-        self.config = config
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.scaling = self.head_dim**-0.5
 
@@ -228,7 +228,6 @@ class Qwen3DecoderLayer(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
 
         self.self_attn = Qwen3Attention(
             config=config,

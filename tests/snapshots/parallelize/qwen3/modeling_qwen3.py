@@ -63,7 +63,6 @@ class Qwen3MLP(nn.Module):
         self, config, infer_config: InferenceConfig, comm_manager: CommManager | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -98,6 +97,8 @@ class Qwen3MLP(nn.Module):
 class Qwen3RotaryEmbedding(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
 
         self.config = config
 
@@ -184,7 +185,6 @@ class Qwen3Attention(nn.Module):
     ):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
-        self.config = config
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.scaling = self.head_dim**-0.5
 
@@ -262,7 +262,6 @@ class Qwen3DecoderLayer(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
 
         self.self_attn = Qwen3Attention(
             config=config,
