@@ -44,11 +44,11 @@ def expected() -> dict[str, str]:
     """Snapshot path (relative to tests/snapshots) -> its content, from the code as it is now."""
     files = {VERSION_FILE: f"{transformers.__version__}\n"}
     for model_type in MIGRATE:
-        for rel, code in converted(model_type).files.items():
+        for rel, code in converted(model_type, "paged").files.items():
             files[f"migrate/{model_type}/{Path(rel).name}"] = code
     for model_type in PARALLELIZE:
         name = f"modeling_{snake_name(model_type)}.py"
-        code = converted(model_type).files[f"models/{name}"]
+        code = converted(model_type, "paged").files[f"models/{name}"]
         parallel, *_ = rewrite_sources({name: code}, source(model_type).entry_class)
         files[f"parallelize/{model_type}/{name}"] = parallel[name]
     return files

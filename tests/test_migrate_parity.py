@@ -53,7 +53,8 @@ def test_moe_checkpoints_load_and_match_transformers(moe_arch, tmp_path):
     assert_framework_run_matches(moe_arch, migrate(moe_arch, tmp_path))
 
 
-@pytest.mark.parametrize("kv", ["paged", "legacy"])
+# the standalone runner drives the same attention layer on both layouts; legacy runs with `-m slow`
+@pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_standalone_mode_matches_transformers(arch, tmp_path, kv):
     model_dir = migrate(arch, tmp_path, "--kv", kv, "--mode", "standalone")
     assert (model_dir / f"runner_{model_dir.name}.py").is_file()
