@@ -16,6 +16,7 @@ import yaml
 from runtime.config import InferenceConfig
 from runtime.errors import UserError
 from skills.migrator.memory import available_memory
+from skills.migrator.pipeline import checkpoint_dtype
 from skills.verify.compare import LOGPROB_ATOL, Verification, compare
 from skills.verify.reference import greedy_reference, load_reference_model
 
@@ -43,11 +44,8 @@ def _why_not(config: InferenceConfig, dtype: torch.dtype) -> str:
     """Why transformers cannot run this checkpoint here ('' when it can)."""
     mc = config.model_config
     path = Path(mc.model_path)
-    if (
-        not (path / "config.json").is_file()
-        or not any(path.glob("*.safetensors"))
-        and not any(path.glob("*.bin"))
-    ):
+    weights = [*path.glob("*.safetensors"), *path.glob("*.bin")]
+    if not (path / "config.json").is_file() or not weights:
         return (
             f"model_path {path} is not a checkpoint transformers can load (no config.json with *.safetensors "
             "or *.bin next to it; pre-sharded rank_<r>/ weights cannot be compared)"
@@ -62,10 +60,8 @@ def _why_not(config: InferenceConfig, dtype: torch.dtype) -> str:
         return (
             "the checkpoint's model code is remote code; pass --trust-remote-code to let transformers run it"
         )
-    on_disk = sum(f.stat().st_size for f in [*path.glob("*.safetensors"), *path.glob("*.bin")])
-    saved_config = json.loads((path / "config.json").read_text())
-    saved = saved_config.get("dtype") or saved_config.get("torch_dtype") or "float32"
-    needed = on_disk * dtype.itemsize // getattr(torch, saved, torch.float32).itemsize
+    saved = checkpoint_dtype(json.loads((path / "config.json").read_text()), "auto")
+    needed = sum(f.stat().st_size for f in weights) * dtype.itemsize // getattr(torch, saved).itemsize
     free = available_memory(torch.device("cpu"))
     if needed > 0.9 * free:
         return (

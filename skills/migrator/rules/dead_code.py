@@ -61,12 +61,9 @@ CONFIG = m.Name("config") | m.Attribute(value=m.Name("self"), attr=m.Name("confi
 SELF_ATTR = m.Attribute(value=m.Name("self"))
 
 
-def _family(local: dict[str, cst.ClassDef], name: str) -> set[str]:
-    """The class and its in-file bases and subclasses, transitively: they share `self`."""
-    bases = {
-        n: {b.value.value for b in c.bases if isinstance(b.value, cst.Name) and b.value.value in local}
-        for n, c in local.items()
-    }
+def _family(bases: dict[str, set[str]], name: str) -> set[str]:
+    """The class and its in-file bases and subclasses (bases: class -> its in-file bases), transitively: they
+    share `self`."""
     family, todo = {name}, [name]
     while todo:
         n = todo.pop()
@@ -101,9 +98,13 @@ def _unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
         name: {a.attr.value for a in m.findall(cls, SELF_ATTR) if id(a) not in stored}
         for name, cls in local.items()
     }
+    bases = {
+        n: {b.value.value for b in c.bases if isinstance(b.value, cst.Name) and b.value.value in local}
+        for n, c in local.items()
+    }
     unused = {}
     for name, cls in local.items():
-        family = _family(local, name)
+        family = _family(bases, name)
         if any(_exposes_self(local[f], hf_names) for f in family):
             continue
         written = {t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))}
