@@ -1,6 +1,7 @@
 """Snapshots: what the rules make of the installed transformers' real files, checked in under tests/snapshots/
 and compared byte for byte by the suite: `skill migrate`'s code for llama, qwen3 and gemma3_text, and
-`skill parallelize`'s for llama and qwen3. After changing a rule or the transformers pin, regenerate them with
+`skill parallelize`'s for llama and qwen3, each for a checkpoint whose config is its config class's defaults.
+After changing a rule or the transformers pin, regenerate them with
 
     .venv/bin/python scripts/snapshots.py --update
 
@@ -36,8 +37,9 @@ def source(model_type: str) -> VendoredSource:
 
 @functools.cache
 def converted(model_type: str, kv: str = "paged") -> Conversion:
-    """convert_code of the architecture (2-4 s of CPU); callers must not modify it."""
-    return convert_code(source(model_type), snake_name(model_type), kv)
+    """convert_code of the architecture for a default config (2-4 s of CPU); callers must not modify it."""
+    config = transformers.AutoConfig.for_model(model_type)
+    return convert_code(source(model_type), snake_name(model_type), kv, checkpoint_config=config)
 
 
 def expected() -> dict[str, str]:

@@ -68,6 +68,8 @@ class _Index(cst.CSTVisitor):
         self.self_calls: dict[tuple[str, str], list[cst.Call]] = defaultdict(list)
         self.loops: dict[tuple[str, str], list[cst.For]] = defaultdict(list)
         self.other_attrs: set[str] = set()  # attributes read off something else than self (self.model.<attr>)
+        self.member_reads: set[int] = set()  # ids of `self.a` in a load of `self.a.b` (b not forward)
+        self.stores: set[int] = set()  # ids of assignment targets
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -93,11 +95,17 @@ class _Index(cst.CSTVisitor):
         elif m.matches(node.func, SELF_ATTR):
             self.self_calls[self._key(node.func.attr.value)].append(node)
 
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self.stores.add(id(node.target))
+
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if m.matches(node, SELF_ATTR):
             self.self_attrs[self._key(node.attr.value)].append(node)
         else:
             self.other_attrs.add(node.attr.value)
+            loaded = id(node) not in self.stores and node.attr.value not in ("forward", "__call__")
+            if loaded and m.matches(node.value, SELF_ATTR):
+                self.member_reads.add(id(node.value))
 
     def visit_For(self, node: cst.For) -> None:
         over = node.iter.value if isinstance(node.iter, cst.Subscript) else node.iter
@@ -132,6 +140,7 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
                 sites[target].called += index.self_calls[(owner, attr)]
                 explained.update(id(call.func) for call in index.self_calls[(owner, attr)])
             uses = index.self_attrs[(owner, attr)]
+            explained |= index.member_reads
             if any(id(u) not in explained for u in uses) or attr in index.other_attrs:
                 sites[target].instances_escape = True
     for name, where in sites.items():

@@ -1,6 +1,7 @@
 """What every rewrite rule may know about the file it rewrites."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class RewriteContext:
     config_module: str = ""  # import name of the vendored configuration module
     hf_package: str = ""  # e.g. "transformers.models.llama", for `from .x import y`
     kv_layout: str = "paged"  # "paged" | "legacy"
+    checkpoint_config: Any = None  # the checkpoint's transformers config, when there is a checkpoint
     filename: str = "modeling.py"
     findings: list[Finding] = field(default_factory=list)
     scope_lines: dict[str, int] = field(default_factory=dict)  # class / function name -> line in the source

@@ -19,7 +19,13 @@ from skills.migrator.rewrite import check_rule_ids, rewrite, rewrite_configurati
 from skills.migrator.rules import MIGRATE_RULES
 from skills.migrator.source import resolve_source
 from skills.migrator.validate import validate_model_dir
-from skills.migrator.vendor import VendoredSource, locate_source, read_config_json, snake_name
+from skills.migrator.vendor import (
+    VendoredSource,
+    checkpoint_config,
+    locate_source,
+    read_config_json,
+    snake_name,
+)
 from skills.verify.compare import Verification
 from skills.verify.record import describe
 
@@ -97,8 +103,11 @@ class Conversion:
     rules: dict[str, list[str]]  # the same paths -> ids of the rules that changed them
 
 
-def convert_code(src: VendoredSource, name: str, kv: str, disabled: Collection[str] = ()) -> Conversion:
-    """models/modeling_<name>.py and models/configuration_<name>.py, rewritten and tidied."""
+def convert_code(
+    src: VendoredSource, name: str, kv: str, disabled: Collection[str] = (), checkpoint_config=None
+) -> Conversion:
+    """models/modeling_<name>.py and models/configuration_<name>.py, rewritten and tidied; with the
+    checkpoint's config, branches it never takes are specialised away (MG018)."""
     check_rule_ids(disabled, MIGRATE_RULES)
     sources = {f"models/modeling_{name}.py": (src.modeling, rewrite)}
     if src.configuration is not None:
@@ -110,6 +119,7 @@ def convert_code(src: VendoredSource, name: str, kv: str, disabled: Collection[s
             config_module=f"configuration_{name}",
             hf_package=src.hf_package,
             kv_layout=kv,
+            checkpoint_config=checkpoint_config,
             filename=str(path),
         )
         done.files[rel] = tidy(rules(path.read_text(), ctx, disabled=disabled), Path(rel).name)
@@ -219,7 +229,8 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
 
         return baseline_or_doctor(model_dir, name, mode, resolved.source, log)
     render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
-    converted = convert_code(src, name, opts.kv, opts.disabled_rules)
+    hf_config = checkpoint_config(resolved.path, src.remote_code, opts.trust_remote_code)
+    converted = convert_code(src, name, opts.kv, opts.disabled_rules, hf_config)
     log(
         "rules applied: "
         + "; ".join(f"{Path(rel).name}: {' '.join(ids)}" for rel, ids in converted.rules.items())

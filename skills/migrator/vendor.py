@@ -33,6 +33,19 @@ def read_config_json(checkpoint: Path) -> dict:
         raise UserError(f"{path} is not valid JSON ({e}).") from e
 
 
+def checkpoint_config(checkpoint: Path, remote_code: bool, trust_remote_code: bool):
+    """The checkpoint's transformers config with the config class's defaults filled in, or None when
+    transformers cannot build it here (remote code not trusted, a config it rejects)."""
+    from transformers import AutoConfig
+
+    if remote_code and not trust_remote_code:
+        return None
+    try:
+        return AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def snake_name(model_type: str) -> str:
     return re.sub(r"[^0-9a-zA-Z]+", "_", model_type).strip("_").lower()
 

@@ -2,6 +2,7 @@
 
 from skills.migrator.rules.absolute_imports import AbsoluteImports
 from skills.migrator.rules.causal_lm_entry import CausalLMEntry
+from skills.migrator.rules.checkpoint_branches import CheckpointBranches
 from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
 from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
@@ -30,6 +31,7 @@ MODELING_RULES = [
     ConstructorPlumbing,
     PruneUnreachable,
     DropDropout,
+    CheckpointBranches,
     DeadCode,
     UnusedParameters,
     HonestSignatures,
@@ -37,4 +39,5 @@ MODELING_RULES = [
     StaleDocs,
 ]
 CONFIGURATION_RULES = [AbsoluteImports, StripHFDecorators, UnusedImports, StaleDocs, ClassVarAnnotations]
-MIGRATE_RULES = sorted({*MODELING_RULES, *CONFIGURATION_RULES}, key=lambda rule: rule.ID)
+# In the order they run: the modeling file's rules, then those only the configuration file gets.
+MIGRATE_RULES = [*MODELING_RULES, *(r for r in CONFIGURATION_RULES if r not in MODELING_RULES)]

@@ -10,6 +10,20 @@ from skills.migrator.cst_utils import classes, dotted, pure
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
+# A non-persistent buffer of a copy: registering it touches nothing but the module itself.
+_COPY = m.Call(func=m.Attribute(attr=m.Name("clone")), args=[])
+_SCRATCH_BUFFER = m.Call(
+    func=m.Attribute(value=m.Name("nn"), attr=m.Name("Buffer")),
+    args=[m.Arg(), m.Arg(keyword=m.Name("persistent"), value=m.Name("False"))],
+)
+
+
+def _removable(value: cst.BaseExpression) -> bool:
+    if m.matches(value, _SCRATCH_BUFFER):
+        inner = value.args[0].value
+        return pure(inner) or (m.matches(inner, _COPY) and pure(inner.func.value))
+    return pure(value)
+
 
 def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
     if (
@@ -19,7 +33,7 @@ def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
     ):
         small = s.body[0]
         targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
-        if len(targets) == 1 and small.value is not None and pure(small.value):
+        if len(targets) == 1 and small.value is not None and _removable(small.value):
             return small
     return None
 
@@ -46,14 +60,22 @@ class _DeadLocals(cst.CSTTransformer):
 
 
 class _DropIf(cst.CSTTransformer):
+    """Statements the predicate names go; the next statement takes the blank lines of the first one gone,
+    so the block reads as if they had never been there."""
+
     def __init__(self, predicate):
         self.predicate = predicate
 
-    def leave_SimpleStatementLine(self, original, updated):
-        return cst.RemoveFromParent() if self.predicate(updated) else updated
-
     def leave_IndentedBlock(self, original, updated):
-        body = [s for s in updated.body if not m.matches(s, m.SimpleStatementLine([m.Pass()]))]
+        body, gap = [], None
+        for s in updated.body:
+            if m.matches(s, m.SimpleStatementLine([m.Pass()])) or (
+                isinstance(s, cst.SimpleStatementLine) and self.predicate(s)
+            ):
+                gap = s.leading_lines if gap is None else gap
+                continue
+            body.append(s.with_changes(leading_lines=gap) if gap is not None and body else s)
+            gap = None
         return updated.with_changes(body=body or [cst.SimpleStatementLine([cst.Pass()])])
 
 

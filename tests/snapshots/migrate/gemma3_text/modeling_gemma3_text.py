@@ -199,7 +199,6 @@ class Gemma3Attention(nn.Module):
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.scaling = config.query_pre_attn_scalar**-0.5
-
         self.q_proj = nn.Linear(
             config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
         )
@@ -213,7 +212,6 @@ class Gemma3Attention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
-
         self.q_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(
@@ -319,8 +317,6 @@ class Gemma3TextModel(nn.Module):
         super().__init__()
         self.config = config
         self.padding_idx = config.pad_token_id
-
-        # Gemma3 downcasts the below to bfloat16, causing sqrt(3072)=55.4256 to become 55.5. See https://github.com/huggingface/transformers/pull/29402
         self.embed_tokens = Gemma3TextScaledWordEmbedding(
             config.vocab_size, config.hidden_size, self.padding_idx, embed_scale=self.config.hidden_size**0.5
         )
@@ -341,8 +337,8 @@ class Gemma3TextModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor,
         **kwargs,
     ):
         inputs_embeds = self.embed_tokens(input_ids)

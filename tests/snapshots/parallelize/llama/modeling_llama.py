@@ -22,7 +22,6 @@ import torch
 from configuration_llama import LlamaConfig
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager, register_tp_groups
@@ -59,19 +58,18 @@ class LlamaRMSNorm(nn.Module):
 class LlamaRotaryEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
         self.config = config
 
         self.rope_type = self.config.rope_parameters["rope_type"]
         rope_init_fn: Callable = self.compute_default_rope_parameters
         if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+            raise NotImplementedError(
+                'migrated for a checkpoint where `self.rope_type != "default"` is false; '
+                "run `skill migrate` on this checkpoint"
+            )
         inv_freq, self.attention_scaling = rope_init_fn(self.config)
 
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
 
     @staticmethod
     def compute_default_rope_parameters(config: LlamaConfig, **kwargs) -> tuple[torch.Tensor, float]:
@@ -92,7 +90,6 @@ class LlamaRotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, attention_factor
 
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
     def forward(self, x, position_ids):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -183,7 +180,6 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.scaling = self.head_dim**-0.5
-
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -249,7 +245,6 @@ class LlamaDecoderLayer(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-
         self.self_attn = LlamaAttention(
             config=config,
             infer_config=infer_config,
@@ -298,7 +293,6 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.padding_idx = config.pad_token_id
-
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size,
             config.hidden_size,
@@ -322,8 +316,8 @@ class LlamaModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor,
         **kwargs,
     ):
         inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)

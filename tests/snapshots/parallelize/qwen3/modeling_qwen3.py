@@ -24,7 +24,6 @@ import torch
 from configuration_qwen3 import Qwen3Config
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager, register_tp_groups
@@ -97,19 +96,18 @@ class Qwen3MLP(nn.Module):
 class Qwen3RotaryEmbedding(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
         self.config = config
 
         self.rope_type = self.config.rope_parameters["rope_type"]
         rope_init_fn: Callable = self.compute_default_rope_parameters
         if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+            raise NotImplementedError(
+                'migrated for a checkpoint where `self.rope_type != "default"` is false; '
+                "run `skill migrate` on this checkpoint"
+            )
         inv_freq, self.attention_scaling = rope_init_fn(self.config)
 
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
 
     @staticmethod
     def compute_default_rope_parameters(config: Qwen3Config, **kwargs) -> tuple[torch.Tensor, float]:
@@ -130,7 +128,6 @@ class Qwen3RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, attention_factor
 
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
     def forward(self, x, position_ids):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -187,7 +184,6 @@ class Qwen3Attention(nn.Module):
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.scaling = self.head_dim**-0.5
-
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -262,7 +258,6 @@ class Qwen3DecoderLayer(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-
         self.self_attn = Qwen3Attention(
             config=config,
             layer_idx=layer_idx,
@@ -313,7 +308,6 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.config = config
         self.padding_idx = config.pad_token_id
-
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size,
             config.hidden_size,
@@ -338,8 +332,8 @@ class Qwen3Model(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor,
         **kwargs,
     ):
         inputs_embeds = self.embed_tokens(input_ids)

@@ -1,0 +1,166 @@
+"""Branches the checkpoint never takes go, when they only keep transformers machinery alive: an `if` whose
+test reads nothing but the checkpoint's config (`config.x`, `self.config.x[...]`, `self.a` set once from
+them) is evaluated on that config; when it is false and its body uses a name imported from transformers
+(`ROPE_INIT_FUNCTIONS[...]` for a RoPE type the checkpoint does not have), the body becomes a
+NotImplementedError naming the test, so the same code given another checkpoint refuses instead of computing
+something else. `@dynamic_rope_update` goes from a class whose RoPE type is pinned that way to a
+non-dynamic one (the decorator does nothing for those types), and with it the attributes only it read."""
+
+from types import SimpleNamespace
+
+import libcst as cst
+import libcst.matchers as m
+from transformers import PretrainedConfig
+
+from skills.migrator.cst_utils import assigned_names, classes, dotted, method, names_in
+from skills.migrator.rule import Rule
+from skills.migrator.rules.strip_hf_decorators import transformers_names
+
+SELF_ATTR = m.Attribute(value=m.Name("self"))
+BUILTINS = {"getattr": getattr, "len": len}
+# The RoPE types transformers' dynamic_rope_update acts on ("dynamic" in the type, or "longrope").
+DYNAMIC_ROPE = ("dynamic", "longrope")
+GUARD = ("migrated for a checkpoint where `{test}` is false; ", "run `skill migrate` on this checkpoint")
+
+
+def _config_only(e: cst.BaseExpression, allowed: set[str]) -> bool:
+    """e reads only the names in allowed, literals, and getattr / len: no other call, no side effect."""
+    calls = m.findall(e, m.Call())
+    if any(not m.matches(c.func, m.Name("getattr") | m.Name("len")) for c in calls):
+        return False
+    free = names_in(e) - {"getattr", "len", "True", "False", "None"}
+    for a in m.findall(e, m.Attribute()):
+        free.discard(a.attr.value)
+    return not m.findall(e, m.Lambda() | m.Await() | m.Yield() | m.NamedExpr()) and free <= allowed
+
+
+def _evaluate(e: cst.BaseExpression, scope: dict) -> tuple[bool, object]:
+    try:
+        return True, eval(cst.Module([]).code_for_node(e), {"__builtins__": BUILTINS}, dict(scope))
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, NameError):
+        return False, None  # a field this config does not have, a type it cannot compare...: undecidable
+
+
+def _self_attrs(cls: cst.ClassDef, init: cst.FunctionDef, config: PretrainedConfig) -> SimpleNamespace:
+    """`self.a = <expr of config>` in __init__, for the attributes the class assigns exactly once."""
+    targets = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
+    targets += [a.target.attr.value for a in m.findall(cls, m.AugAssign(target=SELF_ATTR))]
+    ns = SimpleNamespace()
+    for a in m.findall(init.body, m.Assign(targets=[m.AssignTarget(SELF_ATTR)])):
+        name = a.targets[0].target.attr.value
+        if targets.count(name) == 1 and _config_only(a.value, {"config", "self"}):
+            ok, value = _evaluate(a.value, {"config": config, "self": ns})
+            if ok:
+                setattr(ns, name, value)
+    return ns
+
+
+def _config_param(init: cst.FunctionDef, config: PretrainedConfig) -> bool:
+    """__init__ takes `config: <the checkpoint's config class>` and never rebinds it."""
+    param = next((p for p in init.params.params if p.name.value == "config"), None)
+    annotation = dotted(param.annotation.annotation) if param and param.annotation else ""
+    return annotation.split(".")[-1] == type(config).__name__ and "config" not in assigned_names(init.body)
+
+
+def _guard(test: cst.BaseExpression) -> cst.BaseStatement:
+    what, how = (
+        cst.SimpleString(repr(part.format(test=cst.Module([]).code_for_node(test)))) for part in GUARD
+    )
+    message = cst.ConcatenatedString(
+        what,
+        how,
+        whitespace_between=cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace("    ")),
+    )
+    return cst.SimpleStatementLine([cst.Raise(cst.Call(cst.Name("NotImplementedError"), [cst.Arg(message)]))])
+
+
+def _is_guard(body: cst.BaseSuite) -> bool:
+    return m.matches(body, m.IndentedBlock([m.SimpleStatementLine([m.Raise()])]))
+
+
+class _Fold(cst.CSTTransformer):
+    """In one class: untaken config branches that use transformers names become guards."""
+
+    def __init__(self, scopes: dict[str, dict], hf_names: set[str]) -> None:
+        self.scopes, self.hf_names, self.function = scopes, hf_names, []
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.function.append(node.name.value)
+
+    def leave_FunctionDef(self, original, updated):
+        self.function.pop()
+        return updated
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        scope = self.scopes.get(self.function[0]) if len(self.function) == 1 else None
+        if scope is None or _is_guard(updated.body) or not _config_only(updated.test, set(scope)):
+            return updated
+        if not names_in(updated.body) & self.hf_names:
+            return updated
+        ok, value = _evaluate(updated.test, scope)
+        if not ok or value:
+            return updated
+        guard = updated.with_changes(body=cst.IndentedBlock([_guard(updated.test)]), orelse=None)
+        rest = updated.orelse
+        if isinstance(rest, cst.Else):
+            return cst.FlattenSentinel([guard, *rest.body.body])
+        if isinstance(rest, cst.If):
+            return cst.FlattenSentinel([guard, rest])
+        return guard
+
+
+def _pins_rope_type(cls: cst.ClassDef) -> bool:
+    """A guard of the class refuses every RoPE type but one the decorator does nothing for: `if
+    <...>.rope_type != "default": raise ...`."""
+    pin = m.Comparison(
+        left=m.Attribute(attr=m.Name("rope_type")),
+        comparisons=[m.ComparisonTarget(m.NotEqual(), m.SimpleString())],
+    )
+    pinned = [i.test for i in m.findall(cls, m.If()) if _is_guard(i.body) and m.matches(i.test, pin)]
+    return any(
+        not any(d in t.comparisons[0].comparator.evaluated_value for d in DYNAMIC_ROPE) for t in pinned
+    )
+
+
+def _drop_rope_update(cls: cst.ClassDef, hf_names: set[str]) -> cst.ClassDef:
+    def strip(fn: cst.FunctionDef) -> cst.FunctionDef:
+        kept = [
+            d
+            for d in fn.decorators
+            if not (dotted(d.decorator) == "dynamic_rope_update" and "dynamic_rope_update" in hf_names)
+        ]
+        return fn.with_changes(decorators=kept)
+
+    body = [strip(s) if isinstance(s, cst.FunctionDef) else s for s in cls.body.body]
+    return cls.with_changes(body=cls.body.with_changes(body=body))
+
+
+class CheckpointBranches(Rule):
+    ID = "MG018"
+    DESCRIPTION = (
+        "Config branches the checkpoint never takes that keep transformers code alive become guards."
+    )
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        config = self.rewrite.checkpoint_config
+        if config is None:
+            return module
+        hf_names = transformers_names(module)
+        replaced = {}
+        for name, cls in classes(module).items():
+            init = method(cls, "__init__")
+            if init is None or not _config_param(init, config):
+                continue
+            attrs = _self_attrs(cls, init, config)
+            methods = [s for s in cls.body.body if isinstance(s, cst.FunctionDef)]
+            scopes = {fn.name.value: {"self": attrs} for fn in methods}
+            scopes["__init__"] = {"self": attrs, "config": config}
+            new = cls.visit(_Fold(scopes, hf_names))
+            if _pins_rope_type(new):
+                new = _drop_rope_update(new, hf_names)
+            if not new.deep_equals(cls):
+                replaced[name] = new
+        if not replaced:
+            return module
+        body = [replaced.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
+        return module.with_changes(body=body)
