@@ -8,7 +8,12 @@ from codemod_harness import assert_noop
 
 from skills.migrator.rules.module_bases import ModuleBases as rule
 
-BEFORE = dedent("""\
+IMPORTS = (
+    "from transformers import GenerationMixin, PreTrainedModel\n"
+    "from transformers.modeling_layers import GradientCheckpointingLayer\n\n\n"
+)
+
+BEFORE = IMPORTS + dedent("""\
     class LlamaPreTrainedModel(PreTrainedModel):
         config: LlamaConfig
         base_model_prefix = "model"
@@ -48,7 +53,7 @@ BEFORE = dedent("""\
             self.post_init()
     """)
 
-AFTER = dedent("""\
+AFTER = IMPORTS + dedent("""\
     class LlamaPreTrainedModel(nn.Module):
         base_model_prefix = "model"
         supports_gradient_checkpointing = True
@@ -90,7 +95,7 @@ def test_idempotent(run_rule):
 
 
 def test_other_bases_kept_beside_hf_ones(run_rule):
-    code = dedent("""\
+    code = IMPORTS + dedent("""\
         class LlamaPreTrainedModel(PreTrainedModel):
             pass
 
@@ -100,7 +105,7 @@ def test_other_bases_kept_beside_hf_ones(run_rule):
                 super().__init__(config)
         """)
     out = run_rule(rule, code)
-    cls = ast.parse(out).body[1]
+    cls = ast.parse(out).body[-1]
     assert [ast.unparse(b) for b in cls.bases] == ["GenericForSequenceClassification"]
     assert [ast.unparse(s) for s in cls.body[0].body] == ["super().__init__()", "self.config = config"]
     assert run_rule(rule, out) == out
@@ -130,7 +135,7 @@ def test_non_hf_subclasses_untouched(make_ctx):
 
 
 # FalconModel (v5): the flag is assigned in __init__ and read in forward.
-FALCON = dedent("""\
+FALCON = IMPORTS + dedent("""\
     class FalconPreTrainedModel(PreTrainedModel):
         base_model_prefix = "transformer"
 
@@ -160,7 +165,7 @@ def test_gradient_checkpointing_reads_go_with_the_flag(run_rule, make_ctx):
 
 
 # GPT2Model.forward (v5) calls a PreTrainedModel method.
-GPT2 = dedent("""\
+GPT2 = IMPORTS + dedent("""\
     class GPT2PreTrainedModel(PreTrainedModel):
         base_model_prefix = "transformer"
 
@@ -180,3 +185,30 @@ def test_inherited_hf_method_calls_do_not_survive(run_rule, make_ctx):
     ctx = make_ctx(entry_class="GPT2LMHeadModel")
     out = run_rule(rule, GPT2, ctx)
     assert ctx.findings or "warn_if_padding_and_no_attention_mask" not in out
+
+
+def test_recognised_by_qualified_name_not_by_spelling(run_rule, make_ctx):
+    aliased = dedent("""\
+        from transformers.modeling_utils import PreTrainedModel as Base
+
+
+        class MyPreTrainedModel(Base):
+            pass
+
+
+        class MyModel(MyPreTrainedModel):
+            def __init__(self, config):
+                super().__init__(config)
+        """)
+    out = run_rule(rule, aliased)
+    assert "class MyPreTrainedModel(nn.Module)" in out and "class MyModel(nn.Module)" in out
+    homemade = dedent("""\
+        class PreTrainedModel(nn.Module):  # the file's own class of that name, not transformers'
+            pass
+
+
+        class MyModel(PreTrainedModel):
+            def __init__(self, config):
+                super().__init__(config)
+        """)
+    assert_noop(rule, homemade, make_ctx)

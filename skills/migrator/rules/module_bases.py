@@ -1,13 +1,15 @@
 """HF base classes (PreTrainedModel and its per-model subclass, GradientCheckpointingLayer,
-GenerationMixin) become plain `nn.Module`; with them go `post_init()`, gradient-checkpointing flags,
-`super().__init__(config)` arguments and HF-only class attributes (`_tp_plan`, `config: XConfig`, ...)."""
+GenerationMixin, recognised by qualified name whatever the import's alias) become plain `nn.Module`; with
+them go `post_init()`, gradient-checkpointing flags, `super().__init__(config)` arguments and HF-only class
+attributes (`_tp_plan`, `config: XConfig`, ...)."""
 
 import libcst as cst
 import libcst.matchers as m
+from libcst.metadata import QualifiedNameProvider
 from torch import nn
 
 from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import classes, dotted
+from skills.migrator.cst_utils import dotted
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
 
@@ -15,15 +17,28 @@ HF_BASES = {"PreTrainedModel", "GradientCheckpointingLayer", "GenerationMixin"}
 NN_MODULE = cst.Arg(cst.parse_expression("nn.Module"))
 
 
-def hf_model_classes(module: cst.Module) -> set[str]:
-    """HF base names plus in-file classes deriving from them (e.g. LlamaPreTrainedModel)."""
-    found = set(HF_BASES)
-    for name, cls in classes(module).items():
-        if name.endswith("PreTrainedModel") and any(
-            dotted(b.value).split(".")[-1] in found for b in cls.bases
-        ):
-            found.add(name)
-    return found
+class _HFBases(cst.CSTVisitor):
+    """ids of the class-base expressions naming an HF base: imported from transformers, or an in-file
+    `*PreTrainedModel` deriving from one (e.g. LlamaPreTrainedModel)."""
+
+    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+    def __init__(self) -> None:
+        self.found: set[int] = set()
+        self.local: set[str] = set()
+
+    def _hf(self, base: cst.BaseExpression) -> bool:
+        names = self.get_metadata(QualifiedNameProvider, base, set())
+        imported = any(
+            q.name.startswith("transformers.") and q.name.split(".")[-1] in HF_BASES for q in names
+        )
+        return imported or dotted(base) in self.local
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        hf = [b.value for b in node.bases if self._hf(b.value)]
+        self.found.update(map(id, hf))
+        if node.name.value.endswith("PreTrainedModel") and hf:
+            self.local.add(node.name.value)
 
 
 def _is_hf_only_class_attr(stmt: cst.BaseStatement, used: set[str]) -> bool:
@@ -82,11 +97,15 @@ class _DropInheritedHFCalls(cst.CSTTransformer):
 
 
 class _Bases(cst.CSTTransformer):
-    def __init__(self, hf: set[str], ctx: RewriteContext, used: set[str]):
+    def __init__(self, hf: set[int], ctx: RewriteContext, used: set[str]):
         self.hf, self.ctx, self.used = hf, ctx, used  # used: classes the entry needs (others get pruned)
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        bases = [b for b in updated.bases if dotted(b.value).split(".")[-1] not in self.hf]
+        bases = [
+            new
+            for old, new in zip(original.bases, updated.bases, strict=True)
+            if id(old.value) not in self.hf
+        ]
         if len(bases) == len(updated.bases):
             return updated
         used = {n.attr.value for n in m.findall(updated, m.Attribute(value=m.Name("self")))}
@@ -118,8 +137,11 @@ class _Bases(cst.CSTTransformer):
 class ModuleBases(Rule):
     ID = "MG008"
     DESCRIPTION = "HF base classes (PreTrainedModel, GradientCheckpointingLayer, ...) become nn.Module."
+    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite
         used = {n for i in reachable(module, {ctx.entry_class}) for n in top_level_names(module.body[i])}
-        return module.visit(_Bases(hf_model_classes(module), ctx, used))
+        hf = _HFBases()
+        self.context.wrapper.visit(hf)
+        return module.visit(_Bases(hf.found, ctx, used))
