@@ -196,7 +196,8 @@ def plan_render(
 
 
 def verify_staged(staging: Path, name: str, opts: MigrateOptions, log) -> Verification:
-    """`skill verify` on the freshly written directory; the result goes into its metadata and README."""
+    """`skill verify` on the freshly written (or, scenarios B / C, the existing) directory; the result goes
+    into its metadata and README."""
     from skills.verify.record import record
     from skills.verify.verify import VerificationMismatch, verify
 
@@ -227,7 +228,12 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     if model_dir.exists() and not opts.force and opts.run and (model_dir / "infer.sh").exists():
         from skills.migrator.doctor import baseline_or_doctor
 
-        return baseline_or_doctor(model_dir, name, mode, resolved.source, log)
+        result = baseline_or_doctor(model_dir, name, mode, resolved.source, log)
+        if opts.verify:  # the user may have edited the code since it was written: check it again
+            result.verification = verify_staged(model_dir, name, opts, log)
+            if result.verification.status == "mismatch":
+                result.status = "mismatch"
+        return result
     render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
     hf_config = checkpoint_config(resolved.path, src.remote_code, opts.trust_remote_code)
     converted = convert_code(src, name, opts.kv, opts.disabled_rules, hf_config)

@@ -2,6 +2,8 @@
 
 from textwrap import dedent
 
+from codemod_harness import assert_codemod
+
 from skills.migrator.rules.dead_code import DeadCode as rule
 
 IMPORTS = "from transformers.modeling_rope_utils import dynamic_rope_update\n\n\n"
@@ -52,8 +54,8 @@ AFTER = dedent("""\
         def __init__(self, config, layer_idx):
             super().__init__()
             self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-            self.scaling = self.head_dim**-0.5
-            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, scale=self.scaling)
+            scaling = self.head_dim**-0.5
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, scale=scaling)
 
         def forward(self, hidden_states, **kwargs):
             input_shape = hidden_states.shape[:-1]
@@ -121,3 +123,33 @@ def test_live_code_untouched(run_rule):
                 self.config = config  # the entry class keeps its config, like HF models
         """)
     assert run_rule(rule, IMPORTS + code) == IMPORTS + code
+
+
+def test_attributes_only_init_reads_become_its_locals(make_ctx):
+    before = dedent("""\
+        class LlamaMLP(nn.Module):
+            def __init__(self, config, hidden_size_hint):
+                super().__init__()
+                self.hidden_size = config.hidden_size  # only __init__ reads it: a local
+                self.intermediate_size = config.intermediate_size
+                self.hidden_size_hint = hidden_size_hint  # the name is taken in __init__: stays
+                self.act = config.hidden_act  # read by forward: stays
+                self.up = nn.Linear(self.hidden_size, self.intermediate_size + self.hidden_size_hint)
+
+            def forward(self, x):
+                return self.up(x) if self.act else x
+
+
+        class Rotary(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.rope_type = config.rope_type
+                if self.rope_type != "default":
+                    raise NotImplementedError("quotes `self.rope_type`: stays")
+        """)
+    after = before.replace("self.hidden_size = config", "hidden_size = config")
+    after = after.replace("self.intermediate_size = config", "intermediate_size = config")
+    after = after.replace(
+        "nn.Linear(self.hidden_size, self.intermediate_size", "nn.Linear(hidden_size, intermediate_size"
+    )
+    assert_codemod(rule, before, after, make_ctx)

@@ -1,12 +1,13 @@
 """Leftovers of the other rules go: locals nobody reads, `self.x = ...` attributes nobody reads
-(dropout rates, layer indices for HF's cache, ...), and `pass` next to real statements."""
+(dropout rates, layer indices for HF's cache, ...), and `pass` next to real statements; attributes only
+`__init__` reads (`self.hidden_size` feeding layer sizes) become its locals."""
 
 from functools import partial
 
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, dotted, pure
+from skills.migrator.cst_utils import assigned_names, classes, dotted, free_names, method, param_names, pure
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
@@ -57,6 +58,11 @@ class _DeadLocals(cst.CSTTransformer):
             if new.deep_equals(updated):
                 return updated
             updated = new
+
+
+def drop_dead_locals(fn: cst.FunctionDef) -> cst.FunctionDef:
+    """fn without the locals nobody reads (for rules that remove a local's last reader)."""
+    return fn.visit(_DeadLocals())
 
 
 class _DropIf(cst.CSTTransformer):
@@ -156,6 +162,61 @@ class _DropAttrs(_DropIf):
         return m.matches(target, SELF_ATTR) and target.attr.value in dead
 
 
+def _init_only_attrs(module: cst.Module) -> dict[str, set[str]]:
+    """Per class without in-file relatives, the `self.x = <pure>` attributes only its `__init__` reads
+    (`self.hidden_size` feeding nn.Linear sizes): they become locals of `__init__` where the name is free."""
+    local, hf_names = classes(module), transformers_names(module)
+    related = {b.value.value for c in local.values() for b in c.bases if isinstance(b.value, cst.Name)}
+    stored = {id(t.target) for t in m.findall(module, m.AssignTarget(m.Attribute()))}
+    other_reads = {
+        a.attr.value
+        for a in m.findall(module, m.Attribute())
+        if id(a) not in stored and not m.matches(a, SELF_ATTR) and not m.matches(a.value, CONFIG)
+    }
+    found = {}
+    for name, cls in local.items():
+        init = method(cls, "__init__")
+        if init is None or name in related or _exposes_self(cls, hf_names):
+            continue
+        if any(isinstance(b.value, cst.Name) and b.value.value in local for b in cls.bases):
+            continue
+        elsewhere = {a.attr.value for s in cls.body.body if s is not init for a in m.findall(s, SELF_ATTR)}
+        writes = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
+        read_here = {a.attr.value for a in m.findall(init, SELF_ATTR) if id(a) not in stored}
+        guards = m.findall(init, m.If(body=m.IndentedBlock([m.SimpleStatementLine([m.Raise()])])))
+        quoted = {a.attr.value for g in guards for a in m.findall(g.test, SELF_ATTR)}  # in the message
+        taken = free_names(init.body) | assigned_names(init.body) | set(param_names(init))
+        single = {
+            _target(a).attr.value
+            for s in init.body.body
+            if (a := _single_assign(s)) is not None and m.matches(_target(a), SELF_ATTR) and pure(a.value)
+        }
+        found[name] = {
+            x
+            for x in single & read_here
+            if writes.count(x) == 1 and x not in elsewhere | other_reads | taken | quoted | {"config"}
+        }
+    return found
+
+
+class _InitLocals(cst.CSTTransformer):
+    def __init__(self, attrs: dict[str, set[str]]):
+        self.attrs, self.owner = attrs, []
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.owner.append(node.name.value)
+
+    def leave_ClassDef(self, original, updated):
+        self.owner.pop()
+        return updated
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
+        names = self.attrs.get(self.owner[-1], set()) if self.owner else set()
+        if m.matches(updated, SELF_ATTR) and updated.attr.value in names:
+            return cst.Name(updated.attr.value)
+        return updated
+
+
 class DeadCode(Rule):
     ID = "MG012"
     DESCRIPTION = "Locals and self attributes nobody reads, and pass next to real statements, go."
@@ -165,5 +226,7 @@ class DeadCode(Rule):
         while True:
             new = module.visit(_DropAttrs(_unused_attrs(module, self.rewrite.entry_class)))
             if new.deep_equals(module):
-                return module
+                break
             module = new
+        init_only = _init_only_attrs(module)
+        return module.visit(_InitLocals(init_only)) if any(init_only.values()) else module

@@ -1,5 +1,6 @@
 """Token embeddings (`nn.Embedding` whose size mentions `vocab_size`) are sharded by vocab rows in
-embed_tp_group: VocabParallelEmbedding. padding_idx only matters for training and is dropped. Other
+embed_tp_group: VocabParallelEmbedding. padding_idx only matters for training and is dropped (with the
+local that held it, when nothing else reads it). Other
 embeddings, and those of classes without the migrated plumbing, stay replicated (still correct)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import libcst as cst
 
 from skills.migrator.cst_utils import classes, method
 from skills.migrator.rule import Rule
+from skills.migrator.rules.dead_code import drop_dead_locals
 from skills.parallel_impl.rules._units import (
     EMBEDDING,
     PREFIX_IMPORT,
@@ -47,7 +49,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | N
                 )
             ]
             ctx.rewrites.append(f"{cls.name.value}: {attr} -> VocabParallelEmbedding ({GROUP})")
-    return replace_methods(cls, {"__init__": edit_body(init, changes)}) if changes else None
+    return replace_methods(cls, {"__init__": drop_dead_locals(edit_body(init, changes))}) if changes else None
 
 
 class ShardEmbedding(Rule):

@@ -57,11 +57,11 @@ class Gemma3MLP(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
-        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        hidden_size = config.hidden_size
+        intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_activation]
 
     def forward(self, x):
@@ -198,7 +198,7 @@ class Gemma3Attention(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.scaling = config.query_pre_attn_scalar**-0.5
+        scaling = config.query_pre_attn_scalar**-0.5
         self.q_proj = nn.Linear(
             config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
         )
@@ -211,15 +211,15 @@ class Gemma3Attention(nn.Module):
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
-        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.q_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(dim=config.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(
             num_heads=config.num_attention_heads,
             head_dim=self.head_dim,
             num_kv_heads=config.num_key_value_heads,
-            scale=self.scaling,
-            sliding_window=self.sliding_window,
+            scale=scaling,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -260,7 +260,7 @@ class Gemma3DecoderLayer(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
+        hidden_size = config.hidden_size
         self.self_attn = Gemma3Attention(
             config=config,
             layer_idx=layer_idx,
@@ -271,10 +271,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(
             config, infer_config=infer_config, comm_manager=comm_manager, prefix=join_prefix(prefix, "mlp")
         )
-        self.input_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
-        self.pre_feedforward_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
-        self.post_feedforward_layernorm = Gemma3RMSNorm(self.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = Gemma3RMSNorm(hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Gemma3RMSNorm(hidden_size, eps=config.rms_norm_eps)
+        self.pre_feedforward_layernorm = Gemma3RMSNorm(hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = Gemma3RMSNorm(hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -316,9 +316,9 @@ class Gemma3TextModel(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.padding_idx = config.pad_token_id
+        padding_idx = config.pad_token_id
         self.embed_tokens = Gemma3TextScaledWordEmbedding(
-            config.vocab_size, config.hidden_size, self.padding_idx, embed_scale=self.config.hidden_size**0.5
+            config.vocab_size, config.hidden_size, padding_idx, embed_scale=self.config.hidden_size**0.5
         )
         self.layers = nn.ModuleList(
             [

@@ -133,11 +133,11 @@ class LlamaMLP(nn.Module):
         self, config, infer_config: InferenceConfig, comm_manager: CommManager | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
-        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        hidden_size = config.hidden_size
+        intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
@@ -157,7 +157,7 @@ class LlamaAttention(nn.Module):
     ):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.scaling = self.head_dim**-0.5
+        scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(
             config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
         )
@@ -174,7 +174,7 @@ class LlamaAttention(nn.Module):
             num_heads=config.num_attention_heads,
             head_dim=self.head_dim,
             num_kv_heads=config.num_key_value_heads,
-            scale=self.scaling,
+            scale=scaling,
         )
 
     def forward(
@@ -258,8 +258,8 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx)
         self.layers = nn.ModuleList(
             [
                 LlamaDecoderLayer(

@@ -59,11 +59,11 @@ class Qwen3MLP(nn.Module):
         self, config, infer_config: InferenceConfig, comm_manager: CommManager | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
-        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        hidden_size = config.hidden_size
+        intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
@@ -161,7 +161,7 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.scaling = self.head_dim**-0.5
+        scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(
             config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
         )
@@ -180,13 +180,13 @@ class Qwen3Attention(nn.Module):
         self.k_norm = Qwen3RMSNorm(
             self.head_dim, eps=config.rms_norm_eps
         )  # thus post q_norm does not need reshape
-        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.attn = Attention(
             num_heads=config.num_attention_heads,
             head_dim=self.head_dim,
             num_kv_heads=config.num_key_value_heads,
-            scale=self.scaling,
-            sliding_window=self.sliding_window,
+            scale=scaling,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -273,8 +273,8 @@ class Qwen3Model(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx)
         self.layers = nn.ModuleList(
             [
                 Qwen3DecoderLayer(

@@ -136,19 +136,19 @@ class LlamaMLP(nn.Module):
         self, config, infer_config: InferenceConfig, comm_manager: CommManager | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
+        hidden_size = config.hidden_size
+        intermediate_size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            self.hidden_size,
-            [self.intermediate_size, self.intermediate_size],
+            hidden_size,
+            [intermediate_size, intermediate_size],
             bias=config.mlp_bias,
             comm_manager=comm_manager,
             tp_group="dense_tp_group",
             prefix=join_prefix(prefix, "gate_up_proj"),
         )
         self.down_proj = RowParallelLinear(
-            self.intermediate_size,
-            self.hidden_size,
+            intermediate_size,
+            hidden_size,
             bias=config.mlp_bias,
             reduce_results=False,
             comm_manager=comm_manager,
@@ -179,7 +179,7 @@ class LlamaAttention(nn.Module):
     ):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.scaling = self.head_dim**-0.5
+        scaling = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -203,7 +203,7 @@ class LlamaAttention(nn.Module):
             num_heads=self.qkv_proj.num_heads,
             head_dim=self.head_dim,
             num_kv_heads=self.qkv_proj.num_kv_heads,
-            scale=self.scaling,
+            scale=scaling,
         )
         self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
 
@@ -292,7 +292,6 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.padding_idx = config.pad_token_id
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size,
             config.hidden_size,

@@ -62,19 +62,19 @@ class Qwen3MLP(nn.Module):
         self, config, infer_config: InferenceConfig, comm_manager: CommManager | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
+        hidden_size = config.hidden_size
+        intermediate_size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            self.hidden_size,
-            [self.intermediate_size, self.intermediate_size],
+            hidden_size,
+            [intermediate_size, intermediate_size],
             bias=False,
             comm_manager=comm_manager,
             tp_group="dense_tp_group",
             prefix=join_prefix(prefix, "gate_up_proj"),
         )
         self.down_proj = RowParallelLinear(
-            self.intermediate_size,
-            self.hidden_size,
+            intermediate_size,
+            hidden_size,
             bias=False,
             reduce_results=False,
             comm_manager=comm_manager,
@@ -183,7 +183,7 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx] if hasattr(config, "layer_types") else None
         self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.scaling = self.head_dim**-0.5
+        scaling = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -209,13 +209,13 @@ class Qwen3Attention(nn.Module):
         self.k_norm = Qwen3RMSNorm(
             self.head_dim, eps=config.rms_norm_eps
         )  # thus post q_norm does not need reshape
-        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,
             head_dim=self.head_dim,
             num_kv_heads=self.qkv_proj.num_kv_heads,
-            scale=self.scaling,
-            sliding_window=self.sliding_window,
+            scale=scaling,
+            sliding_window=sliding_window,
         )
         self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
 
@@ -307,7 +307,6 @@ class Qwen3Model(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.padding_idx = config.pad_token_id
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size,
             config.hidden_size,
