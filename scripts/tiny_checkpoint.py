@@ -113,6 +113,10 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text; MoE types get 4 small experts."""
     params = {**_TINY, **_ARCH.get(model_type, {}), **overrides}
     defaults = AutoConfig.for_model(model_type)
+    derived = {
+        k for k in params if isinstance(p := getattr(type(defaults), k, None), property) and not p.fset
+    }
+    params = {k: v for k, v in params.items() if k not in derived}  # e.g. Falcon computes head_dim
     params.update({k: v for k, v in _MOE.items() if hasattr(defaults, k) and k not in overrides})
     if model_type == "gemma3_text" and "layer_types" not in overrides:
         # Alternate so that both attention kinds appear from 2 layers on.

@@ -35,7 +35,7 @@ def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
         "transformers",
         "--serve",
         "--repeats",
-        "2",
+        "1",
         "--threads",
         "1",
         "--dtype",

@@ -20,8 +20,16 @@ from hf_reference import (
 
 # mistral is llama's layout: its multi-rank scenarios run with `-m slow`, to keep `make test` under 30 minutes
 ARCHS = ["llama", "qwen3", pytest.param("mistral", marks=pytest.mark.slow)]
-# qkv bias (qwen2); sliding-window layers with a scaled embedding the rules leave replicated, tied to the head (gemma3)
-OTHER_ARCHS = ["qwen2", "gemma3_text"]
+# every scenario on qwen3 (llama's layout plus q/k norms) in `make test`; llama's TP 2 runs in make test too
+# (test_tp2_from_convert_weights_output, test_parallelize_cli), its other scenarios with `-m slow`
+SCENARIO_ARCHS = [
+    pytest.param("llama", marks=pytest.mark.slow),
+    "qwen3",
+    pytest.param("mistral", marks=pytest.mark.slow),
+]
+# qkv bias (qwen2, `-m slow`: its TP+DP run is llama's plus biases); sliding-window layers with a scaled
+# embedding the rules leave replicated, tied to the head (gemma3)
+OTHER_ARCHS = [pytest.param("qwen2", marks=pytest.mark.slow), "gemma3_text"]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {
     "tp2": (2, 2, 2, 2, 2),
@@ -55,6 +63,7 @@ def migrated(request, tmp_path_factory):
     return reference, migrate(reference, tmp_path_factory.mktemp(f"{request.param}_model"))
 
 
+@pytest.mark.parametrize("migrated", SCENARIO_ARCHS, indirect=True)
 def test_scenarios_match_single_rank_and_transformers(migrated, tmp_path):
     reference, model_dir = migrated
     for name, sizes in SCENARIOS.items():

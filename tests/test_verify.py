@@ -55,7 +55,7 @@ def test_altered_constant_is_a_mismatch_naming_prompt_and_position(migrated, tmp
     subprocess.run(["cp", "-r", str(migrated), str(altered)], check=True)
     modeling = altered / "models" / "modeling_llama.py"
     code, n = re.subn(
-        r"self\.scaling = self\.head_dim\*\*-0\.5", "self.scaling = self.head_dim**0.5", modeling.read_text()
+        r"(?<![\w.])scaling = self\.head_dim\*\*-0\.5", "scaling = self.head_dim**0.5", modeling.read_text()
     )
     assert n == 1
     modeling.write_text(code)

@@ -1,0 +1,244 @@
+"""The coverage sweep: every causal-LM type of the installed transformers, migrated from a tiny random
+checkpoint and checked against transformers on the same weights.
+
+    .venv/bin/python scripts/catalogue.py                 # all types -> docs/coverage.md + docs/coverage.json
+    .venv/bin/python scripts/catalogue.py --only llama phi3   # re-check some; the others keep their rows
+
+Writing into docs/ also regenerates the README's architecture list (between its coverage markers).
+
+Per type: out-of-scope architectures are named first (encoder-decoder, masked-LM encoders, multimodal
+wrappers, state-space / hybrid layers); otherwise a tiny config (the config class's own attribute names,
+through its attribute_map) and a seed whose greedy steps keep a top-1 margin of 0.01 are built, then
+`skill migrate --no-run` and `skill verify` (greedy tokens and the top-5 log-probabilities of every step,
+prefill included, fp32) run in subprocesses. A clean refusal is REFUSED with the migrator's message; a
+traceback anywhere is CRASH. Takes about half a minute per type on 2 CPU cores."""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from datetime import date
+from pathlib import Path
+
+import transformers
+from rich.progress import Progress
+from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, tiny_config
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+
+from skills.atomic_write import write_text_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+STATUSES = ("PASS", "MISMATCH", "REFUSED", "CRASH", "OUT OF SCOPE", "NO FIXTURE")
+NEW_TOKENS = 8
+TIMEOUT_S = 900
+# Config fields that only state-space / linear-attention / convolution layers have.
+STATE_FIELDS = re.compile(
+    r"^(ssm_|mamba_|state_size$|d_state$|linear_(num|key|value)_|conv_L_cache$|time_step_)"
+)
+MODALITY = re.compile(r"vision|audio|image|video|speech|vq_")
+NON_ATTENTION_LAYERS = re.compile(r"mamba|linear_attention|conv|ssm|recurrent", re.IGNORECASE)
+
+
+LEGEND = (
+    "PASS: `skill migrate` + `skill verify` on a tiny random checkpoint give transformers' greedy tokens "
+    f"({len(PARITY_PROMPTS)} prompts x {NEW_TOKENS}) and top-5 log-probabilities within 2e-3 (fp32). "
+    "REFUSED: the migrator or runtime named a construct it does not convert. CRASH: a traceback. "
+    "NO FIXTURE: transformers could not build a usable tiny model from the config class alone. "
+    "OUT OF SCOPE: not a decoder-only text model, or state-space layers."
+)
+
+
+@dataclasses.dataclass
+class Entry:
+    model_type: str
+    status: str
+    reason: str = ""
+    seconds: float = 0.0
+
+
+def out_of_scope(model_type: str) -> str | None:
+    """Why this type is outside what a decoder-only text runtime converts, or None."""
+    config = AutoConfig.for_model(model_type)
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "encoder-only architecture (masked LM; causal only as a BERT-style decoder)"
+    towers = sorted(
+        k for k, v in vars(config).items() if isinstance(v, PretrainedConfig) and MODALITY.search(k)
+    )
+    if towers:
+        return f"multimodal: the causal LM wraps {', '.join(towers)}"
+    fields = sorted(k for k in vars(config) if STATE_FIELDS.search(k))
+    layers = sorted(
+        {str(t) for t in getattr(config, "layer_types", None) or () if NON_ATTENTION_LAYERS.search(str(t))}
+    )
+    if fields or layers:
+        return (
+            f"state-space / hybrid layers ({', '.join(layers or fields[:3])}); no per-request state cache yet"
+        )
+    return None
+
+
+def _skill(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        timeout=TIMEOUT_S,
+        cwd=ROOT,
+    )
+
+
+def _failure(step: str, proc: subprocess.CompletedProcess) -> Entry:
+    text = proc.stderr.strip()
+    if "Traceback" in text:
+        last = [line for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line.strip())]
+        return Entry("", "CRASH", f"{step}: {(last or text.splitlines())[-1].strip()[:300]}")
+    message = text.split("error:", 1)[-1]
+    return Entry("", "REFUSED", f"{step}: {' '.join(message.split())[:400]}")
+
+
+def check(model_type: str, work: Path) -> Entry:
+    """One type, from fixture to verification."""
+    ckpt = work / "checkpoint"
+    try:
+        if reason := out_of_scope(model_type):
+            return Entry(model_type, "OUT OF SCOPE", reason)
+        config = tiny_config(model_type)
+        tokenizer = make_tokenizer(ckpt, config.vocab_size)
+        pick_seed(config, ckpt, [tokenizer(p)["input_ids"] for p in PARITY_PROMPTS], NEW_TOKENS)
+    except Exception as e:  # noqa: BLE001 -- transformers itself cannot build or run a tiny model of it
+        return Entry(model_type, "NO FIXTURE", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    proc = _skill("migrate", str(ckpt), "-o", str(work / "out"), "--no-run", "--json")
+    if proc.returncode:
+        return dataclasses.replace(_failure("migrate", proc), model_type=model_type)
+    model_dir = json.loads(proc.stdout)["model_dir"]
+    prompts = work / "prompts.json"
+    prompts.write_text(json.dumps(PARITY_PROMPTS))
+    proc = _skill("verify", model_dir, "--prompts-file", str(prompts), "--tokens", str(NEW_TOKENS), "--json")
+    if proc.returncode not in (0, 4) or not proc.stdout.strip():
+        return dataclasses.replace(_failure("run", proc), model_type=model_type)
+    result = json.loads(proc.stdout)
+    if result["status"] == "identical":
+        return Entry(
+            model_type,
+            "PASS",
+            f"{result['tokens_compared']} tokens, log-prob gap {result['max_logprob_diff']:.1e}",
+        )
+    first = result.get("first_difference") or {}
+    return Entry(
+        model_type,
+        "MISMATCH",
+        f"prompt {first.get('prompt_index')} position {first.get('position')}: "
+        f"{first.get('migrated_text')!r} vs transformers {first.get('transformers_text')!r}",
+    )
+
+
+def render(entries: dict[str, Entry]) -> str:
+    counts = {s: sum(e.status == s for e in entries.values()) for s in STATUSES}
+    lines = [
+        "# Coverage: every causal-LM type of the installed transformers",
+        "",
+        f"Written by `scripts/catalogue.py` on {date.today().isoformat()} against transformers "
+        f"{transformers.__version__}; {len(entries)} of its {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} "
+        "causal-LM types checked: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
+        "",
+        LEGEND,
+        "",
+        "| type | status | reason |",
+        "| --- | --- | --- |",
+    ]
+    for t in sorted(entries):
+        e = entries[t]
+        lines.append(f"| `{t}` | {e.status} | {e.reason.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+README_START, README_END = "<!-- coverage:start -->", "<!-- coverage:end -->"
+
+
+def load(data_file: Path) -> dict[str, Entry]:
+    return {e["model_type"]: Entry(**e) for e in json.loads(data_file.read_text())["types"]}
+
+
+def readme_block(entries: dict[str, Entry]) -> str:
+    """The README's architecture list, generated from the coverage table (between the coverage markers)."""
+    passed = sorted(t for t, e in entries.items() if e.status == "PASS")
+    counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(e.status == s for e in entries.values())))
+    body = (
+        f"Of the {len(entries)} causal-LM types of transformers {transformers.__version__} checked so far "
+        f"(of {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}; {counts}; "
+        f"`docs/coverage.md` has the reason for each), these convert with greedy tokens equal to "
+        f"transformers on tiny random checkpoints: {', '.join(passed) or 'none yet'}."
+    )
+    return f"{README_START}\n{textwrap.fill(body, 110)}\n{README_END}"
+
+
+def update_readme(readme: Path, entries: dict[str, Entry]) -> None:
+    text = readme.read_text()
+    start, end = text.index(README_START), text.index(README_END) + len(README_END)
+    write_text_atomic(readme, text[:start] + readme_block(entries) + text[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--only", nargs="+", metavar="TYPE", help="check these types (the rest keep their rows)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "docs", help="folder of coverage.md / coverage.json"
+    )
+    parser.add_argument("--resume", action="store_true", help="check only the types the table lacks")
+    args = parser.parse_args()
+    types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    unknown = sorted(set(args.only or ()) - set(types))
+    if unknown:
+        parser.error(f"not causal-LM types of transformers {transformers.__version__}: {', '.join(unknown)}")
+    data_file = args.out / "coverage.json"
+    entries = load(data_file) if (args.only or args.resume) and data_file.is_file() else {}
+    todo = args.only or [t for t in types if not (args.resume and t in entries)]
+    with Progress() as progress:
+        task = progress.add_task("catalogue", total=len(todo))
+        for model_type in todo:
+            progress.update(task, description=model_type)
+            start = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix=f"catalogue-{model_type}-") as work:
+                try:
+                    entry = check(model_type, Path(work))
+                except subprocess.TimeoutExpired as e:
+                    entry = Entry(model_type, "CRASH", f"`{' '.join(e.cmd[3:5])}` ran over {TIMEOUT_S} s")
+            entry.seconds = round(time.perf_counter() - start, 1)
+            entries[model_type] = entry
+            write(args.out, entries)  # after every type: an interrupted sweep keeps what it checked
+            progress.console.print(f"{model_type:28} {entry.status:12} {entry.reason[:90]}", highlight=False)
+            progress.advance(task)
+
+
+def write(out: Path, entries: dict[str, Entry]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "transformers": transformers.__version__,
+        "date": date.today().isoformat(),
+        "types": [dataclasses.asdict(entries[t]) for t in sorted(entries)],
+    }
+    write_text_atomic(out / "coverage.json", json.dumps(payload, indent=1) + "\n")
+    write_text_atomic(out / "coverage.md", render(entries))
+    if out.resolve() == (ROOT / "docs").resolve():
+        update_readme(ROOT / "README.md", entries)
+
+
+if __name__ == "__main__":
+    main()

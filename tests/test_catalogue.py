@@ -1,0 +1,53 @@
+"""scripts/catalogue.py on a small subset: a plain decoder PASSes through migrate + verify, a state-space
+model is OUT OF SCOPE with its reason, rows of other types survive a partial re-run, a traceback is a CRASH
+and a clean error a REFUSED naming the construct."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import catalogue
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sweep(out: Path, *types: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "catalogue.py"), "--out", str(out), "--only", *types],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
+    )
+
+
+def test_subset_sweep_writes_the_table_and_keeps_other_rows(tmp_path):
+    earlier = {"transformers": "x", "date": "x", "types": [{"model_type": "bart", "status": "OUT OF SCOPE"}]}
+    (tmp_path / "coverage.json").write_text(json.dumps(earlier))
+    proc = sweep(tmp_path, "llama", "mamba")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {e["model_type"]: e for e in json.loads((tmp_path / "coverage.json").read_text())["types"]}
+    assert rows["llama"]["status"] == "PASS", rows["llama"]
+    assert rows["mamba"]["status"] == "OUT OF SCOPE" and "state-space" in rows["mamba"]["reason"]
+    assert rows["bart"]["status"] == "OUT OF SCOPE"  # not re-checked, kept
+    table = (tmp_path / "coverage.md").read_text()
+    assert "| `llama` | PASS |" in table and "| `mamba` | OUT OF SCOPE |" in table and "`bart`" in table
+
+
+def test_unknown_type_is_refused_before_any_work(tmp_path):
+    proc = sweep(tmp_path, "no_such_model")
+    assert proc.returncode == 2 and "no_such_model" in proc.stderr and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "stderr,status,needle",
+    [
+        ("Traceback (most recent call last):\n  ...\nRuntimeError: size mismatch", "CRASH", "size mismatch"),
+        ("error: X uses constructs the migrator cannot convert safely: alibi", "REFUSED", "alibi"),
+    ],
+)
+def test_failures_are_classified(stderr, status, needle):
+    entry = catalogue._failure("migrate", subprocess.CompletedProcess([], 1, "", stderr))
+    assert entry.status == status and needle in entry.reason
