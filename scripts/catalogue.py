@@ -14,6 +14,7 @@ prefill included, fp32) run in subprocesses. A clean refusal is REFUSED with the
 traceback anywhere is CRASH. Takes about half a minute per type on 2 CPU cores."""
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -26,10 +27,11 @@ import time
 from datetime import date
 from pathlib import Path
 
+import torch
 import transformers
 from rich.progress import Progress
 from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, tiny_config
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -41,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STATUSES = ("PASS", "MISMATCH", "REFUSED", "CRASH", "OUT OF SCOPE", "NO FIXTURE")
 NEW_TOKENS = 8
 TIMEOUT_S = 900
+MAX_FIXTURE_PARAMS = 5_000_000  # a tiny llama has 0.2M; beyond this the standard size names did not apply
 # Config fields that only state-space / linear-attention / convolution layers have.
 STATE_FIELDS = re.compile(
     r"^(ssm_|mamba_|state_size$|d_state$|linear_(num|key|value)_|conv_L_cache$|time_step_)"
@@ -102,11 +105,16 @@ def _skill(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+TRACEBACK = re.compile(r"Traceback|❱")  # plain or rich; also inside a run failure verify relays
+
+
 def _failure(step: str, proc: subprocess.CompletedProcess) -> Entry:
     text = proc.stderr.strip()
-    if "Traceback" in text:
-        last = [line for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line.strip())]
-        return Entry("", "CRASH", f"{step}: {(last or text.splitlines())[-1].strip()[:300]}")
+    if TRACEBACK.search(text):
+        errors = [
+            line.strip() for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line.strip())
+        ]
+        return Entry("", "CRASH", f"{step}: {(errors or ['traceback, no exception line'])[-1][:300]}")
     message = text.split("error:", 1)[-1]
     return Entry("", "REFUSED", f"{step}: {' '.join(message.split())[:400]}")
 
@@ -118,6 +126,14 @@ def check(model_type: str, work: Path) -> Entry:
         if reason := out_of_scope(model_type):
             return Entry(model_type, "OUT OF SCOPE", reason)
         config = tiny_config(model_type)
+        sized = copy.deepcopy(config)
+        sized.pad_token_id = None  # the fixture's tokenizer sets it; a default may exceed the tiny vocab
+        with torch.device("meta"):
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(sized).parameters())
+        if size > MAX_FIXTURE_PARAMS:
+            raise ValueError(
+                f"the tiny config still builds {size / 1e6:.0f}M parameters (sizes it names differently)"
+            )
         tokenizer = make_tokenizer(ckpt, config.vocab_size)
         pick_seed(config, ckpt, [tokenizer(p)["input_ids"] for p in PARITY_PROMPTS], NEW_TOKENS)
     except Exception as e:  # noqa: BLE001 -- transformers itself cannot build or run a tiny model of it
@@ -130,7 +146,10 @@ def check(model_type: str, work: Path) -> Entry:
     prompts.write_text(json.dumps(PARITY_PROMPTS))
     proc = _skill("verify", model_dir, "--prompts-file", str(prompts), "--tokens", str(NEW_TOKENS), "--json")
     if proc.returncode not in (0, 4) or not proc.stdout.strip():
-        return dataclasses.replace(_failure("run", proc), model_type=model_type)
+        ran = _skill("run", model_dir, "--raw", "--max-new-tokens", "2")  # the run's own error, whole
+        return dataclasses.replace(
+            _failure(*(("run", ran) if ran.returncode else ("verify", proc))), model_type=model_type
+        )
     result = json.loads(proc.stdout)
     if result["status"] == "identical":
         return Entry(
@@ -174,13 +193,13 @@ def load(data_file: Path) -> dict[str, Entry]:
     return {e["model_type"]: Entry(**e) for e in json.loads(data_file.read_text())["types"]}
 
 
-def readme_block(entries: dict[str, Entry]) -> str:
+def readme_block(entries: dict[str, Entry], version: str = transformers.__version__) -> str:
     """The README's architecture list, generated from the coverage table (between the coverage markers)."""
     passed = sorted(t for t, e in entries.items() if e.status == "PASS")
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(e.status == s for e in entries.values())))
     body = (
-        f"Of the {len(entries)} causal-LM types of transformers {transformers.__version__} checked so far "
-        f"(of {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}; {counts}; "
+        f"Of the {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} causal-LM types of transformers {version}, "
+        f"{len(entries)} checked ({counts}; "
         f"`docs/coverage.md` has the reason for each), these convert with greedy tokens equal to "
         f"transformers on tiny random checkpoints: {', '.join(passed) or 'none yet'}."
     )

@@ -51,3 +51,11 @@ def test_unknown_type_is_refused_before_any_work(tmp_path):
 def test_failures_are_classified(stderr, status, needle):
     entry = catalogue._failure("migrate", subprocess.CompletedProcess([], 1, "", stderr))
     assert entry.status == status and needle in entry.reason
+
+
+def test_readme_architecture_list_is_generated_from_the_coverage_table():
+    data = ROOT / "docs" / "coverage.json"
+    version = json.loads(data.read_text())["transformers"]
+    assert catalogue.readme_block(catalogue.load(data), version) in (ROOT / "README.md").read_text(), (
+        "README.md's coverage block is stale: re-run scripts/catalogue.py (--only TYPE... for some types)"
+    )
