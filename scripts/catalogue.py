@@ -3,6 +3,7 @@ checkpoint and checked against transformers on the same weights.
 
     .venv/bin/python scripts/catalogue.py                 # all types -> docs/coverage.md + docs/coverage.json
     .venv/bin/python scripts/catalogue.py --only llama phi3   # re-check some; the others keep their rows
+    .venv/bin/python scripts/catalogue.py --only phi3 --out /tmp/probe   # a quick probe, docs/ untouched
 
 Writing into docs/ also regenerates the README's architecture list (between its coverage markers).
 
@@ -166,14 +167,20 @@ def check(model_type: str, work: Path) -> Entry:
     )
 
 
+def counts(entries: dict[str, Entry]) -> str:
+    """`42 PASS, 1 MISMATCH, ...` in STATUSES order, statuses nobody has left out."""
+    return ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(e.status == s for e in entries.values())))
+
+
 def render(entries: dict[str, Entry]) -> str:
-    counts = {s: sum(e.status == s for e in entries.values()) for s in STATUSES}
     lines = [
         "# Coverage: every causal-LM type of the installed transformers",
         "",
-        f"Written by `scripts/catalogue.py` on {date.today().isoformat()} against transformers "
-        f"{transformers.__version__}; {len(entries)} of its {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} "
-        "causal-LM types checked: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
+        (
+            f"Written by `scripts/catalogue.py` on {date.today().isoformat()} against transformers "
+            f"{transformers.__version__}; {len(entries)} of its {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} "
+            f"causal-LM types checked: {counts(entries)}."
+        ),
         "",
         LEGEND,
         "",
@@ -196,10 +203,9 @@ def load(data_file: Path) -> dict[str, Entry]:
 def readme_block(entries: dict[str, Entry], version: str = transformers.__version__) -> str:
     """The README's architecture list, generated from the coverage table (between the coverage markers)."""
     passed = sorted(t for t, e in entries.items() if e.status == "PASS")
-    counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(e.status == s for e in entries.values())))
     body = (
         f"Of the {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} causal-LM types of transformers {version}, "
-        f"{len(entries)} checked ({counts}; "
+        f"{len(entries)} checked ({counts(entries)}; "
         f"`docs/coverage.md` has the reason for each), these convert with greedy tokens equal to "
         f"transformers on tiny random checkpoints: {', '.join(passed) or 'none yet'}."
     )

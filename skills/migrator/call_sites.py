@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, method
-
-SELF_ATTR = m.Attribute(value=m.Name("self"))
+from skills.migrator.cst_utils import SELF_ATTR, classes, method
 
 
 def named_params(fn: cst.FunctionDef) -> list[cst.Param]:

@@ -3,6 +3,8 @@
 import libcst as cst
 import libcst.matchers as m
 
+SELF_ATTR = m.Attribute(value=m.Name("self"))  # `self.<name>`
+
 
 def pure(e: cst.BaseExpression) -> bool:
     """No call, await or yield inside: evaluating it has no side effects worth keeping."""

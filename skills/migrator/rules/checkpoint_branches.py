@@ -12,11 +12,10 @@ import libcst as cst
 import libcst.matchers as m
 from transformers import PretrainedConfig
 
-from skills.migrator.cst_utils import assigned_names, classes, dotted, method, names_in
+from skills.migrator.cst_utils import SELF_ATTR, assigned_names, classes, dotted, method, names_in
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
-SELF_ATTR = m.Attribute(value=m.Name("self"))
 BUILTINS = {"getattr": getattr, "len": len}
 # The RoPE types transformers' dynamic_rope_update acts on ("dynamic" in the type, or "longrope").
 DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -74,7 +73,8 @@ def _guard(test: cst.BaseExpression) -> cst.BaseStatement:
     return cst.SimpleStatementLine([cst.Raise(cst.Call(cst.Name("NotImplementedError"), [cst.Arg(message)]))])
 
 
-def _is_guard(body: cst.BaseSuite) -> bool:
+def is_guard(body: cst.BaseSuite) -> bool:
+    """body is one `raise` (a guard MG018 writes, or the file's own)."""
     return m.matches(body, m.IndentedBlock([m.SimpleStatementLine([m.Raise()])]))
 
 
@@ -93,7 +93,7 @@ class _Fold(cst.CSTTransformer):
 
     def leave_If(self, original: cst.If, updated: cst.If):
         scope = self.scopes.get(self.function[0]) if len(self.function) == 1 else None
-        if scope is None or _is_guard(updated.body) or not _config_only(updated.test, set(scope)):
+        if scope is None or is_guard(updated.body) or not _config_only(updated.test, set(scope)):
             return updated
         if not names_in(updated.body) & self.hf_names:
             return updated
@@ -116,7 +116,7 @@ def _pins_rope_type(cls: cst.ClassDef) -> bool:
         left=m.Attribute(attr=m.Name("rope_type")),
         comparisons=[m.ComparisonTarget(m.NotEqual(), m.SimpleString())],
     )
-    pinned = [i.test for i in m.findall(cls, m.If()) if _is_guard(i.body) and m.matches(i.test, pin)]
+    pinned = [i.test for i in m.findall(cls, m.If()) if is_guard(i.body) and m.matches(i.test, pin)]
     return any(
         not any(d in t.comparisons[0].comparator.evaluated_value for d in DYNAMIC_ROPE) for t in pinned
     )

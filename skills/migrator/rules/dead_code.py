@@ -7,8 +7,18 @@ from functools import partial
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, classes, dotted, free_names, method, param_names, pure
+from skills.migrator.cst_utils import (
+    SELF_ATTR,
+    assigned_names,
+    classes,
+    dotted,
+    free_names,
+    method,
+    param_names,
+    pure,
+)
 from skills.migrator.rule import Rule
+from skills.migrator.rules.checkpoint_branches import is_guard
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 # A non-persistent buffer of a copy: registering it touches nothing but the module itself.
@@ -86,7 +96,6 @@ class _DropIf(cst.CSTTransformer):
 
 
 CONFIG = m.Name("config") | m.Attribute(value=m.Name("self"), attr=m.Name("config"))
-SELF_ATTR = m.Attribute(value=m.Name("self"))
 
 
 def _family(bases: dict[str, set[str]], name: str) -> set[str]:
@@ -113,23 +122,33 @@ def _exposes_self(cls: cst.ClassDef, hf_names: set[str]) -> bool:
     return any(dotted(c.func).split(".")[0] in hf_names for c in calls)
 
 
-def _unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
-    """Per class, the `self.x` attributes it assigns that nothing can read: not `self.x` in its family, not
-    `<anything else>.x` anywhere (reads of the HF config's fields aside). The entry class keeps `config`."""
-    local, hf_names = classes(module), transformers_names(module)
+def _in_file_bases(local: dict[str, cst.ClassDef]) -> dict[str, set[str]]:
+    return {
+        n: {b.value.value for b in c.bases if isinstance(b.value, cst.Name) and b.value.value in local}
+        for n, c in local.items()
+    }
+
+
+def _attribute_reads(module: cst.Module) -> tuple[set[int], set[str]]:
+    """ids of the attribute assignment targets, and the attribute names read off anything but `self`
+    (reads of the HF config's fields and import paths aside)."""
     stored = {id(t.target) for t in m.findall(module, m.AssignTarget(m.Attribute()))}
     code = [s for s in module.body if not m.matches(s, m.SimpleStatementLine([m.Import() | m.ImportFrom()]))]
     attrs = [a for s in code for a in m.findall(s, m.Attribute())]
     reads = [a for a in attrs if id(a) not in stored and not m.matches(a.value, CONFIG)]
-    other_reads = {a.attr.value for a in reads if not m.matches(a, SELF_ATTR)}
+    return stored, {a.attr.value for a in reads if not m.matches(a, SELF_ATTR)}
+
+
+def _unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
+    """Per class, the `self.x` attributes it assigns that nothing can read: not `self.x` in its family, not
+    `<anything else>.x` anywhere (reads of the HF config's fields aside). The entry class keeps `config`."""
+    local, hf_names = classes(module), transformers_names(module)
+    stored, other_reads = _attribute_reads(module)
     self_reads = {
         name: {a.attr.value for a in m.findall(cls, SELF_ATTR) if id(a) not in stored}
         for name, cls in local.items()
     }
-    bases = {
-        n: {b.value.value for b in c.bases if isinstance(b.value, cst.Name) and b.value.value in local}
-        for n, c in local.items()
-    }
+    bases = _in_file_bases(local)
     unused = {}
     for name, cls in local.items():
         family = _family(bases, name)
@@ -166,24 +185,17 @@ def _init_only_attrs(module: cst.Module) -> dict[str, set[str]]:
     """Per class without in-file relatives, the `self.x = <pure>` attributes only its `__init__` reads
     (`self.hidden_size` feeding nn.Linear sizes): they become locals of `__init__` where the name is free."""
     local, hf_names = classes(module), transformers_names(module)
-    related = {b.value.value for c in local.values() for b in c.bases if isinstance(b.value, cst.Name)}
-    stored = {id(t.target) for t in m.findall(module, m.AssignTarget(m.Attribute()))}
-    other_reads = {
-        a.attr.value
-        for a in m.findall(module, m.Attribute())
-        if id(a) not in stored and not m.matches(a, SELF_ATTR) and not m.matches(a.value, CONFIG)
-    }
+    stored, other_reads = _attribute_reads(module)
+    bases = _in_file_bases(local)
     found = {}
     for name, cls in local.items():
         init = method(cls, "__init__")
-        if init is None or name in related or _exposes_self(cls, hf_names):
-            continue
-        if any(isinstance(b.value, cst.Name) and b.value.value in local for b in cls.bases):
+        if init is None or _family(bases, name) != {name} or _exposes_self(cls, hf_names):
             continue
         elsewhere = {a.attr.value for s in cls.body.body if s is not init for a in m.findall(s, SELF_ATTR)}
         writes = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
         read_here = {a.attr.value for a in m.findall(init, SELF_ATTR) if id(a) not in stored}
-        guards = m.findall(init, m.If(body=m.IndentedBlock([m.SimpleStatementLine([m.Raise()])])))
+        guards = [i for i in m.findall(init, m.If()) if is_guard(i.body)]
         quoted = {a.attr.value for g in guards for a in m.findall(g.test, SELF_ATTR)}  # in the message
         taken = free_names(init.body) | assigned_names(init.body) | set(param_names(init))
         single = {

@@ -7,11 +7,11 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
+from skills.migrator.cst_utils import SELF_ATTR
 from skills.migrator.rule import VisitorRule
 
 MODULES = {"torch.nn.Dropout", "torch.nn.Dropout1d", "torch.nn.Dropout2d", "torch.nn.Dropout3d"}
 FUNCTIONAL = {"torch.nn.functional.dropout", "torch.dropout"}
-SELF_ATTR = m.Attribute(value=m.Name("self"))
 
 
 class DropDropout(VisitorRule):
