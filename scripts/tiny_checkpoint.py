@@ -143,6 +143,10 @@ def _reinit_(model: PreTrainedModel, init_std: float) -> None:
             param.add_(torch.randn_like(param), alpha=0.1)
             if sandwich and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
                 param.add_(post_norm_shift)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, value in model.state_dict().items():  # persistent float buffers (a router's bias) vary too
+            if name not in params and value.is_floating_point():
+                value.add_(torch.randn_like(value), alpha=0.1)
 
 
 def build_tiny_checkpoint(

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.legacy_cache import LegacyCacheRows
+from runtime.errors import UserError
 from runtime.kernels import host_decode_attention
 from runtime.kv_cache import NULL_BLOCK, CacheEntry, KVCacheManager, ModelCacheInfo, cdiv
 from runtime.layers.attention import Attention
@@ -179,6 +180,32 @@ def test_cache_holds_written_kv_at_mapped_slots():
         assert torch.equal(cache[1], xa[:4]) and torch.equal(cache[2, :3], xa[4:7])
         assert torch.equal(cache[3], xb[:4])
         assert not cache[2, 3:].any() and not cache[4:].any()  # nothing else was written
+
+
+def _prefill(run: Run, tokens: int) -> ForwardMetaData:
+    assert run.kv.allocate_slots("r", 0, tokens)
+    return metadata(True, [tokens], [0], run.tables(["r"]), BS, run.group)
+
+
+def test_keys_with_another_head_count_than_cached_are_refused_by_name():
+    run = Run()
+    run.layer.prefix = "model.layers.0.self_attn.attn"
+    md, wide = (
+        _prefill(run, 3),
+        run.randn(3, 2 * KV * D),
+    )  # keys repeated after the cache update, as jetmoe does
+    with pytest.raises(
+        UserError, match=r"model.layers.0.self_attn.attn receives keys with 4 heads but caches 2"
+    ):
+        run.layer(run.randn(3, H * D), wide, wide, md)
+
+
+def test_a_layer_run_twice_in_one_forward_is_refused():
+    run = Run()
+    md, (q, k, v) = _prefill(run, 3), (run.randn(3, n * D) for n in (H, KV, KV))
+    run.layer(q, k, v, md)
+    with pytest.raises(UserError, match="ran twice in one forward pass"):
+        run.layer(q, k, v, md)  # a looped (recurrent-depth) layer would overwrite its own cache entries
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the portable path runs instead")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from model_dirs import make_model_dir
 
 
@@ -25,11 +26,17 @@ def _cmdline(path: Path) -> str:
         return ""
 
 
-def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
+# decode1 alone in `make test` (it reports the most: MBU, bandwidth limit); every workload with `-m slow`
+@pytest.mark.parametrize(
+    "workload", ["decode1", pytest.param("all", marks=pytest.mark.slow)], ids=["decode1", "all"]
+)
+def test_workloads_run_and_report(workload, tmp_path, tiny_llama_dir):
     model_dir = make_model_dir(tmp_path, tiny_llama_dir)
     plot = tmp_path / "bench.png"
     proc = skill_bench(
         model_dir,
+        "--workload",
+        workload,
         "--quick",
         "--compare",
         "transformers",
@@ -47,7 +54,9 @@ def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["bandwidth_gb_s"] > 0 and report["machine"]["threads"] == 1
-    assert set(report["workloads"]) == {"decode1", "mixed64", "prefill"}
+    assert set(report["workloads"]) == (
+        {"decode1", "mixed64", "prefill"} if workload == "all" else {workload}
+    )
     for name, w in report["workloads"].items():
         assert w["ours_tok_s"] > 0 and w["peer_tok_s"] > 0
         assert abs(w["ratio"] - w["ours_tok_s"] / w["peer_tok_s"]) < 1e-9
@@ -63,7 +72,8 @@ def test_every_workload_runs_and_reports(tmp_path, tiny_llama_dir):
     decode = report["workloads"]["decode1"]
     assert 0 < decode["mbu"] and decode["bandwidth_limit_tok_s"] > 0
     assert abs(decode["achieved_gb_s"] / report["bandwidth_gb_s"] - decode["mbu"]) < 1e-9
-    assert report["workloads"]["prefill"]["mbu"] is None
+    if workload == "all":
+        assert report["workloads"]["prefill"]["mbu"] is None
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "skill bench" in proc.stderr  # the table
     assert not [c for c in map(_cmdline, Path("/proc").glob("[0-9]*/cmdline")) if str(model_dir) in c], (

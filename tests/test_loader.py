@@ -46,3 +46,43 @@ def test_dummy_weights_run_without_a_checkpoint_file(tmp_path, tiny_llama_dir):
     first = prefill_logits(model_dir, [[1, 2, 3]])
     assert torch.isfinite(first).all()
     torch.testing.assert_close(prefill_logits(model_dir, [[1, 2, 3]]), first)  # same seed on every run
+
+
+class _Router(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 2))
+        self.e_score_correction_bias = torch.nn.Buffer(torch.zeros(4))  # persistent: checkpoints carry it
+        self.inv_freq = torch.nn.Buffer(torch.ones(2), persistent=False)
+
+
+def test_persistent_buffers_load_like_parameters_and_missing_ones_keep_their_values(caplog):
+    from runtime.layers.weights import load_named_weights, missing_weights
+
+    router = _Router()
+    loaded = load_named_weights(
+        router, [("weight", torch.ones(4, 2)), ("e_score_correction_bias", torch.arange(4.0))]
+    )
+    assert torch.equal(router.e_score_correction_bias, torch.arange(4.0)) and not missing_weights(
+        router, loaded
+    )
+    with pytest.raises(UserError, match="'inv_freq' matches no parameter"):
+        load_named_weights(router, [("inv_freq", torch.zeros(2))])  # a non-persistent buffer is not a weight
+    assert missing_weights(_Router(), {"weight"}) == []
+    assert "no values for buffers ['e_score_correction_bias']" in caplog.text
+
+
+def test_zero_dim_weights_load_from_safetensors(tmp_path):
+    # XIELU activations (apertus) keep 0-dim `beta` / `eps` buffers in the checkpoint.
+    from safetensors.torch import save_file
+
+    from runtime.layers.weights import load_named_weights
+
+    class Act(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.beta = torch.nn.Buffer(torch.tensor(0.0))
+
+    save_file({"beta": torch.tensor(0.5)}, tmp_path / "model.safetensors")
+    act = Act()
+    assert load_named_weights(act, iterate_weights(tmp_path)) == {"beta"} and act.beta.item() == 0.5

@@ -51,8 +51,14 @@ def assert_framework_run_matches(reference: dict, model_dir: Path) -> None:
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
 
 
-def test_framework_mode_matches_transformers(arch, tmp_path):
-    assert_framework_run_matches(arch, migrate(arch, tmp_path, "--kv", "paged", "--mode", "framework"))
+@pytest.fixture(scope="module")
+def framework_dir(arch, tmp_path_factory) -> Path:
+    """The default migration (framework mode, paged KV), shared by the tests that only read it."""
+    return migrate(arch, tmp_path_factory.mktemp("framework"), "--kv", "paged", "--mode", "framework")
+
+
+def test_framework_mode_matches_transformers(arch, framework_dir):
+    assert_framework_run_matches(arch, framework_dir)
 
 
 @pytest.mark.parametrize("arch", LEGACY_ARCHS, indirect=True)
@@ -84,8 +90,8 @@ def test_standalone_mode_matches_transformers(arch, tmp_path, kv):
     assert [o["token_ids"] for o in out["outputs"]] == arch["tokens"]
 
 
-def test_prefill_logits_match_transformers(arch, tmp_path):
-    logits = prefill_logits(migrate(arch, tmp_path), arch["ids"])
+def test_prefill_logits_match_transformers(arch, framework_dir):
+    logits = prefill_logits(framework_dir, arch["ids"])
     torch.testing.assert_close(logits, arch["logits"], atol=1e-4, rtol=0)
 
 

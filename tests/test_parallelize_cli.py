@@ -43,9 +43,15 @@ def reference(tmp_path_factory):
     return build_reference("llama", tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def migrated_once(reference, tmp_path_factory):
+    return migrate(reference, tmp_path_factory.mktemp("models"))
+
+
 @pytest.fixture
-def model_dir(reference, tmp_path):
-    return migrate(reference, tmp_path / "models")
+def model_dir(migrated_once, tmp_path):
+    """A fresh copy of the migrated directory: tests parallelize and edit it."""
+    return Path(shutil.copytree(migrated_once, tmp_path / migrated_once.name))
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from hf_reference import (
 
 # mistral is llama's layout: its multi-rank scenarios run with `-m slow`, to keep `make test` under 30 minutes
 ARCHS = ["llama", "qwen3", pytest.param("mistral", marks=pytest.mark.slow)]
-# every scenario on qwen3 (llama's layout plus q/k norms) in `make test`; llama's TP 2 runs in make test too
-# (test_tp2_from_convert_weights_output, test_parallelize_cli), its other scenarios with `-m slow`
+# qwen3 (llama's layout plus q/k norms) runs the TP+DP pattern in `make test`, llama TP 2 from converted
+# shards (and test_parallelize_cli); every other scenario x architecture runs with `-m slow`
 SCENARIO_ARCHS = [
     pytest.param("llama", marks=pytest.mark.slow),
     "qwen3",
@@ -67,8 +67,8 @@ def migrated(request, tmp_path_factory):
 @pytest.mark.parametrize(
     "scenario",
     # TP 2 alone runs in test_tp2_from_convert_weights_output, attention DP with dense TP inside the TP+DP
-    # pattern: their own runs here are `-m slow`
-    [pytest.param(n, marks=pytest.mark.slow) if n in ("tp2", "dp2_dense_tp2") else n for n in SCENARIOS],
+    # pattern; kv-head replication is unit-tested (test_parallel_layers): their own runs here are `-m slow`
+    [pytest.param(n, marks=pytest.mark.slow) if n != "tp2_dp2_dense_tp4" else n for n in SCENARIOS],
 )
 def test_scenarios_match_single_rank_and_transformers(migrated, scenario, tmp_path):
     reference, model_dir = migrated
@@ -86,6 +86,9 @@ def test_scenarios_match_single_rank_and_transformers(migrated, scenario, tmp_pa
     assert [o["token_ids"] for o in run(model_dir)["outputs"]] == reference["tokens"]
 
 
+@pytest.mark.parametrize(
+    "migrated", ["llama", pytest.param("qwen3", marks=pytest.mark.slow), ARCHS[2]], indirect=True
+)
 def test_tp2_from_convert_weights_output(migrated, tmp_path):
     reference, model_dir = migrated
     config = parallel_yaml(tmp_path / "tp2.yaml", *SCENARIOS["tp2"])

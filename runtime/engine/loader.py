@@ -15,6 +15,7 @@ from torch import nn
 
 from runtime.config import ParallelConfig
 from runtime.errors import UserError
+from runtime.layers.weights import missing_weights, named_weights
 
 CONVERTED_META = "parallel_config.json"
 SHARD_FILE = "model.safetensors"
@@ -132,7 +133,7 @@ def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | Non
             f"{model_path} --force`, or point model_config.model_path at the original "
             "checkpoint."
         )
-    params, loaded = dict(model.named_parameters()), set()
+    params, loaded = named_weights(model), set()
     try:
         with safe_open(str(file), framework="pt") as f:
             names = f.keys()
@@ -163,7 +164,7 @@ def load_checkpoint(
         loaded = _load_converted(model, model_path, parallel_config, rank)
     else:
         loaded = model.load_weights(iterate_weights(model_path))
-    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    missing = missing_weights(model, set(loaded))
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise UserError(

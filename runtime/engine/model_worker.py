@@ -19,6 +19,7 @@ from runtime.engine.loader import init_dummy_weights, load_checkpoint
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from runtime.kv_cache import KVCacheManager, blocks_for_batch, blocks_for_memory
+from runtime.layers.attention import Attention
 from runtime.layers.host_linear import pack_host_linears
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,11 @@ class ModelWorker:
         start = time.perf_counter()
         with torch.device(self.dist.device), default_dtype(mc.torch_dtype):
             model = model_cls(self.hf_config, self.config, self.comm_manager, prefix="")
-        model.eval().requires_grad_(False)
+        # factories the device context misses (torch.normal) leave their tensors on the host
+        model.to(self.dist.device).eval().requires_grad_(False)
+        for name, module in model.named_modules():  # migrated code builds Attention without a prefix
+            if isinstance(module, Attention) and not module.prefix:
+                module.prefix = name
         if hasattr(model, "check_model_settings"):
             model.check_model_settings()
         if mc.with_ckpt:

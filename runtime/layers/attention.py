@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine.forward_metadata import ForwardMetaData
+from runtime.errors import UserError
 from runtime.kernels import host_decode_attention
 
 LEGACY = "legacy"
@@ -167,6 +168,8 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
         assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
+        if md.is_prefill and not torch.compiler.is_compiling():
+            self._check_fits_cache(k, md)
         shape = (-1, self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
         return attend(
             q,
@@ -180,6 +183,25 @@ class Attention(nn.Module):
             self.sliding_window,
             self.soft_cap,
         )
+
+    def _check_fits_cache(self, k: torch.Tensor, md: ForwardMetaData) -> None:
+        """Refuse by name what this layer's cache cannot hold; checked on eager prefill steps."""
+        where = f"Attention layer {self.prefix or '(unnamed)'}"
+        if k.shape[1] != self.num_kv_heads:
+            raise UserError(
+                f"{where} receives keys with {k.shape[1]} heads but caches {self.num_kv_heads}: the model "
+                "code computes its key heads in a way the migrator did not follow (for example repeating "
+                "keys after the cache update). Set `Attention(num_kv_heads=...)` in the modeling file to "
+                "the key tensor's head count."
+            )
+        seen = md.memo("attention_layers_run", set)
+        if id(self) in seen:
+            raise UserError(
+                f"{where} ran twice in one forward pass (a layer applied in a loop, as recurrent-depth "
+                "models do). It owns one cache slot per token, so the second pass would overwrite the "
+                "first; looped layers are not supported."
+            )
+        seen.add(id(self))
 
 
 def cache_info_of(model: nn.Module, dtype: torch.dtype):

@@ -43,7 +43,7 @@ def read_narrow(loaded: LoadedWeight, dim: int, start: int, length: int) -> torc
 
 def materialize(loaded: LoadedWeight) -> torch.Tensor:
     """The whole tensor (reads a lazy slice from disk)."""
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]  # `[:]` fails on 0-dim tensors
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:

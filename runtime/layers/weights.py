@@ -1,12 +1,42 @@
 """Model-side weight loading: map checkpoint names onto parameters and their ``weight_loader``s."""
 
+import logging
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from runtime.errors import UserError
 from runtime.layers.checkpoint_layout import CheckpointLayout, load_stacked_part
 from runtime.layers.linear import default_weight_loader, materialize
+from runtime.layers.prefix import join_prefix
+
+logger = logging.getLogger(__name__)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers a checkpoint carries besides parameters (a router's score-correction bias, a layer scalar)."""
+    return {
+        join_prefix(prefix, name): buffer
+        for prefix, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    }
+
+
+def named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything a checkpoint must provide: parameters (shared ones once) and persistent buffers."""
+    return {**dict(model.named_parameters()), **persistent_buffers(model)}
+
+
+def missing_weights(model: nn.Module, loaded: set[str]) -> list[str]:
+    """Parameters the checkpoint did not provide. Persistent buffers it lacks keep their initial values, as in
+    transformers, with a warning."""
+    if unset := sorted(set(persistent_buffers(model)) - loaded):
+        logger.warning(
+            "the checkpoint has no values for buffers %s; they keep their initial values", unset[:8]
+        )
+    return sorted(set(dict(model.named_parameters())) - loaded)
 
 
 def load_named_weights(
@@ -18,12 +48,12 @@ def load_named_weights(
     """Load ``(name, weight)`` pairs; returns the canonical names of the parameters loaded.
 
     ``stacked_params_mapping`` holds ``(fused_param, checkpoint_part, shard_id)`` such as
-    ``(".qkv_proj", ".q_proj", "q")``. Names that match no parameter go through transformers' checkpoint
+    ``(".qkv_proj", ".q_proj", "q")``. Persistent buffers load like parameters. Names that match no parameter go through transformers' checkpoint
     conversion for the model type (per-expert MoE tensors -> stacked 3-D parameters); a name nothing
     takes is an error, and so is a stacked parameter left with holes.
     """
-    canonical = {id(p): n for n, p in model.named_parameters()}
-    params = dict(model.named_parameters(remove_duplicate=False))
+    canonical = {id(p): n for n, p in named_weights(model).items()}
+    params = {**dict(model.named_parameters(remove_duplicate=False)), **persistent_buffers(model)}
     mapping, skips = list(stacked_params_mapping), tuple(skip_prefixes)
     layout = None
     stacked: dict[str, set[tuple[int, int]]] = {}

@@ -106,9 +106,20 @@ class _Index(cst.CSTVisitor):
                 self.member_reads.add(id(node.value))
 
     def visit_For(self, node: cst.For) -> None:
-        over = node.iter.value if isinstance(node.iter, cst.Subscript) else node.iter
-        if isinstance(node.target, cst.Name) and m.matches(over, SELF_ATTR):
-            self.loops[self._key(over.attr.value)].append(node)
+        if (over := loop_over(node)) is not None:
+            self.loops[self._key(over[0].attr.value)].append(node)
+
+
+def loop_over(loop: cst.For) -> tuple[cst.Attribute, str] | None:
+    """(`self.layers`, the loop variable) of `for layer in self.layers[...]` or `for i, layer in
+    enumerate(self.layers[...])`, else None."""
+    over, target = loop.iter, loop.target
+    if m.matches(over, m.Call(func=m.Name("enumerate"), args=[m.Arg()])) and m.matches(
+        target, m.Tuple([m.Element(m.Name()), m.Element(m.Name())])
+    ):
+        over, target = over.args[0].value, target.elements[1].value
+    over = over.value if isinstance(over, cst.Subscript) else over
+    return (over, target.value) if isinstance(target, cst.Name) and m.matches(over, SELF_ATTR) else None
 
 
 def call_sites(module: cst.Module) -> dict[str, Sites]:
@@ -128,11 +139,11 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
             explained = {id(t.target) for t in assigned}
             if is_list:
                 for loop in index.loops[(owner, attr)]:
-                    over = loop.iter.value if isinstance(loop.iter, cst.Subscript) else loop.iter
+                    over, var = loop_over(loop)
                     explained.add(id(over))
-                    calls = m.findall(loop.body, m.Call(func=m.Name(loop.target.value)))
+                    calls = m.findall(loop.body, m.Call(func=m.Name(var)))
                     sites[target].called += calls
-                    if len(calls) != len(m.findall(loop.body, m.Name(loop.target.value))):
+                    if len(calls) != len(m.findall(loop.body, m.Name(var))):
                         sites[target].instances_escape = True
             else:
                 sites[target].called += index.self_calls[(owner, attr)]

@@ -23,6 +23,7 @@ class Finding:
 class RewriteContext:
     entry_class: str  # the *ForCausalLM class the runtime instantiates
     config_module: str = ""  # import name of the vendored configuration module
+    config_rename: tuple[str, str] | None = None  # (config class imported, the vendored one's) if they differ
     hf_package: str = ""  # e.g. "transformers.models.llama", for `from .x import y`
     kv_layout: str = "paged"  # "paged" | "legacy"
     checkpoint_config: Any = None  # the checkpoint's transformers config, when there is a checkpoint

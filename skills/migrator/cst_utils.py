@@ -90,6 +90,13 @@ def called_name(call: cst.Call) -> str:
     return dotted(call.func)
 
 
+def with_args(call: cst.Call, args: list[cst.Arg]) -> cst.Call:
+    """call with args (some of its own, some dropped) and no comma left dangling: `f(x, )` -> `f(x)`."""
+    if args and len(args) < len(call.args) and call.args[-1].comma is cst.MaybeSentinel.DEFAULT:
+        args = [*args[:-1], args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+    return call.with_changes(args=args)
+
+
 def kwarg(call: cst.Call, name: str) -> cst.Arg | None:
     return next((a for a in call.args if a.keyword and a.keyword.value == name), None)
 

@@ -109,15 +109,17 @@ def convert_code(
     """models/modeling_<name>.py and models/configuration_<name>.py, rewritten and tidied; with the
     checkpoint's config, branches it never takes are specialised away (MG018)."""
     check_rule_ids(disabled, MIGRATE_RULES)
-    sources = {f"models/modeling_{name}.py": (src.modeling, rewrite)}
+    sources = {f"models/modeling_{name}.py": (src.modeling, rewrite, src.hf_package, src.config_rename)}
     if src.configuration is not None:
-        sources[f"models/configuration_{name}.py"] = (src.configuration, rewrite_configuration)
+        package = src.config_package or src.hf_package
+        sources[f"models/configuration_{name}.py"] = (src.configuration, rewrite_configuration, package, None)
     done, findings = Conversion({}, {}), []
-    for rel, (path, rules) in sources.items():
+    for rel, (path, rules, package, config_rename) in sources.items():
         ctx = RewriteContext(
             entry_class=src.entry_class,
             config_module=f"configuration_{name}",
-            hf_package=src.hf_package,
+            config_rename=config_rename,
+            hf_package=package,
             kv_layout=kv,
             checkpoint_config=checkpoint_config,
             filename=str(path),

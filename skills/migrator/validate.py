@@ -12,6 +12,7 @@ from runtime.engine.loader import iterate_weights
 from runtime.engine.model_worker import ModelWorker
 from runtime.errors import UserError
 from runtime.layers.linear import weight_shape
+from runtime.layers.weights import missing_weights
 
 
 def _meta_weights(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -27,11 +28,13 @@ def validate_model_dir(model_dir: Path, yaml_path: Path) -> None:
     model_cls, hf_config = worker.model_class_and_config()
     try:
         with torch.device("meta"):
-            model = model_cls(hf_config, config, None, prefix="")
+            model = model_cls(hf_config, config, None, prefix="").to(
+                "meta"
+            )  # torch.normal ignores the context
     except Exception as e:
         raise UserError(f"the converted {model_cls.__name__} does not build: {type(e).__name__}: {e}") from e
     loaded = model.load_weights(_meta_weights(worker.model_path))
-    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    missing = missing_weights(model, set(loaded))
     if missing:
         raise UserError(
             f"the checkpoint {worker.model_path} has no weights for {missing[:8]} of the converted "

@@ -1,7 +1,7 @@
 """Locate the HF source of a checkpoint's architecture: the installed transformers' files, or the
 checkpoint's own remote code (parsed, never executed)."""
 
-import importlib.util
+import inspect
 import json
 import re
 from dataclasses import dataclass
@@ -16,8 +16,12 @@ class VendoredSource:
     entry_class: str  # the *ForCausalLM class
     modeling: Path
     configuration: Path | None
-    hf_package: str  # for `from .x import y` in the source
+    hf_package: str  # for `from .x import y` in the modeling file
     remote_code: bool
+    config_package: str = ""  # the same for the configuration file, when it lives elsewhere
+    # (config class the modeling file imports, the vendored configuration's class) when a type borrows
+    # another's modeling code, as exaone runs LlamaForCausalLM with its own ExaoneConfig
+    config_rename: tuple[str, str] | None = None
 
 
 def read_config_json(checkpoint: Path) -> dict:
@@ -71,7 +75,8 @@ def locate_source(checkpoint: Path) -> VendoredSource:
     config = read_config_json(checkpoint)
     if auto_map := config.get("auto_map"):
         return _remote(checkpoint, config, auto_map)
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
@@ -81,16 +86,18 @@ def locate_source(checkpoint: Path) -> VendoredSource:
             "the installed transformers; upgrade transformers or provide the model code via auto_map."
         )
     archs = [a for a in config.get("architectures") or [] if a.endswith("ForCausalLM")]
-    entry = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
-    module = model_type_to_module_name(model_type)
-    package = f"transformers.models.{module}"
-    folder = Path(importlib.util.find_spec(package).submodule_search_locations[0])
-    configuration = folder / f"configuration_{module}.py"
+    entry = next(
+        (a for a in archs if hasattr(transformers, a)), MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    )
+    entry_cls, config_cls = getattr(transformers, entry), CONFIG_MAPPING[model_type]
+    imported = getattr(entry_cls.config_class, "__name__", config_cls.__name__)
     return VendoredSource(
         model_type,
         entry,
-        folder / f"modeling_{module}.py",
-        configuration if configuration.is_file() else None,
-        package,
+        Path(inspect.getsourcefile(entry_cls)),
+        Path(inspect.getsourcefile(config_cls)),
+        entry_cls.__module__.rpartition(".")[0],
         False,
+        config_cls.__module__.rpartition(".")[0],
+        (imported, config_cls.__name__) if imported != config_cls.__name__ else None,
     )

@@ -38,6 +38,7 @@ from runtime.engine.loader import (
 from runtime.engine.model_worker import default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
+from runtime.layers.weights import named_weights
 from skills.atomic_write import write_text_atomic
 from skills.parallel_impl.pipeline import _load, _Target, scenario_yaml_name
 from skills.parallel_impl.scenario import scenario_yaml
@@ -144,7 +145,7 @@ def _build_rank(
 def _save_rank(model: nn.Module, source: Path, folder: Path) -> int:
     """Loads `source` through the weight loaders and saves the parameters (tied ones once); their bytes."""
     load_checkpoint(model, source)
-    state = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    state = {name: p.detach().contiguous() for name, p in named_weights(model).items()}
     folder.mkdir()
     save_file(state, folder / SHARD_FILE, metadata={"format": "pt"})
     os.chmod(folder / SHARD_FILE, folder.stat().st_mode & 0o666)  # safetensors creates it 0600

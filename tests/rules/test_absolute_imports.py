@@ -84,3 +84,31 @@ def test_absolute_imports_untouched(run_rule):
             return logging
         """)
     assert run_rule(rule, code) == code
+
+
+# exaone has no modeling file of its own: it runs LlamaForCausalLM with its ExaoneConfig.
+BORROWED = dedent("""\
+    from .configuration_llama import LlamaConfig
+
+
+    class LlamaModel(nn.Module):
+        def __init__(self, config: LlamaConfig):
+            super().__init__()
+    """)
+EXAONE_CTX = {"config_module": "configuration_exaone", "config_rename": ("LlamaConfig", "ExaoneConfig")}
+
+
+def test_borrowed_modeling_code_names_the_types_own_config_class(run_rule):
+    assert run_rule(rule, BORROWED, **EXAONE_CTX) == dedent("""\
+        from configuration_exaone import ExaoneConfig
+
+
+        class LlamaModel(nn.Module):
+            def __init__(self, config: ExaoneConfig):
+                super().__init__()
+        """)
+
+
+def test_borrowed_rename_idempotent(run_rule):
+    once = run_rule(rule, BORROWED, **EXAONE_CTX)
+    assert run_rule(rule, once, **EXAONE_CTX) == once

@@ -139,8 +139,6 @@ def test_reassignment_ends_constness(run_rule):
             if attention_mask is None:
                 b = 2
             use_cache = False
-            if use_cache:
-                c = 3
             return hidden_states, attention_mask
         """)
 
@@ -237,3 +235,86 @@ def test_functions_without_hf_only_params_untouched(run_rule):
                 return x, position_ids
         """)
     assert run_rule(rule, code) == code
+
+
+# CTRLModel.forward (v5): the flag is re-derived from the config, then the cache reaches layers as layer_past.
+CTRL = dedent("""\
+    def forward(self, input_ids, cache=None, use_cache=None, **kwargs):
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        for h in self.h:
+            hidden_states = h(input_ids, layer_past=cache)
+        return hidden_states
+    """)
+
+
+def test_a_name_folded_to_a_literal_stays_known(run_rule):
+    assert run_rule(rule, CTRL) == dedent("""\
+        def forward(self, input_ids, **kwargs):
+            use_cache = False
+            for h in self.h:
+                hidden_states = h(input_ids)
+            return hidden_states
+        """)
+
+
+def test_a_name_reassigned_in_a_loop_is_not_known_inside_it(run_rule):
+    code = dedent("""\
+        def forward(self, x):
+            last = None
+            for layer in self.layers:
+                if last is not None:
+                    x = x + last
+                last = layer(x)
+            return x
+        """)
+    assert run_rule(rule, code) == code
+
+
+# OPTDecoder (v5) hands its position mask to the learned positional embedding positionally.
+OPT = dedent("""\
+    class OPTLearnedPositionalEmbedding(nn.Embedding):
+        def forward(self, attention_mask, cache_length: int = 0, position_ids=None):
+            return super().forward(position_ids + cache_length)
+
+
+    class OPTDecoder(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.embed_positions = OPTLearnedPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+
+        def forward(self, input_ids, position_ids, **kwargs):
+            position_attention_mask = torch.ones_like(input_ids)
+            return self.embed_positions(position_attention_mask, 0, position_ids=position_ids)
+    """)
+
+
+def test_arguments_bound_to_a_removed_parameter_go_whatever_their_name(run_rule):
+    out = run_rule(rule, OPT)
+    assert "def forward(self, cache_length: int = 0, position_ids=None):" in out
+    assert "return self.embed_positions(0, position_ids=position_ids)" in out
+    assert run_rule(rule, out) == out
+
+
+def test_blocks_called_in_an_enumerate_loop_lose_the_positional_arguments_too(run_rule):
+    # GPT2Model.forward (v5) passes cache and mask to each block positionally.
+    code = dedent("""\
+        class GPT2Block(nn.Module):
+            def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, **kwargs):
+                return hidden_states
+
+
+        class GPT2Model(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.h = nn.ModuleList([GPT2Block(config) for i in range(config.num_hidden_layers)])
+
+            def forward(self, hidden_states, position_ids, **kwargs):
+                for i, block in enumerate(self.h):
+                    hidden_states = block(hidden_states, None, None, None, position_ids=position_ids)
+                return hidden_states
+        """)
+    out = run_rule(rule, code)
+    assert "def forward(self, hidden_states, encoder_hidden_states=None, **kwargs):" in out
+    assert "hidden_states = block(hidden_states, None, position_ids=position_ids)" in out

@@ -39,7 +39,7 @@ AFTER = dedent("""\
 
     class LlamaForCausalLM(nn.Module):
         def forward(self, input_ids, **kwargs):
-            outputs: BaseModelOutputWithPast = self.model(input_ids=input_ids, **kwargs)
+            outputs = self.model(input_ids=input_ids, **kwargs)
             return outputs
     """)
 
@@ -73,3 +73,22 @@ def test_torch_annotations_and_plain_returns_untouched(run_rule):
             return dict(hidden=x)
         """)
     assert run_rule(rule, code) == code
+
+
+def test_a_wrapper_reads_the_inner_models_tensor(run_rule):
+    # OPTModel (v5) returns what its OPTDecoder returned, read off the output dataclass.
+    code = dedent("""\
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+
+        class OPTModel(nn.Module):
+            def forward(self, input_ids, **kwargs):
+                decoder_outputs: BaseModelOutputWithPast = self.decoder(input_ids=input_ids, **kwargs)
+                return decoder_outputs.last_hidden_state
+        """)
+    out = run_rule(rule, code)
+    assert (
+        "decoder_outputs = self.decoder(input_ids=input_ids, **kwargs)\n        return decoder_outputs\n"
+        in out
+    )
+    assert run_rule(rule, out) == out

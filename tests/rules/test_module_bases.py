@@ -176,15 +176,29 @@ GPT2 = IMPORTS + dedent("""\
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)
 
         def forward(self, input_ids, **kwargs):
-            self.warn_if_padding_and_no_attention_mask(input_ids, None)
+            if input_ids is not None:
+                self.warn_if_padding_and_no_attention_mask(input_ids, None)
             return self.wte(input_ids)
     """)
 
 
-def test_inherited_hf_method_calls_do_not_survive(run_rule, make_ctx):
-    ctx = make_ctx(entry_class="GPT2LMHeadModel")
+def test_bare_inherited_hf_method_calls_go(run_rule, make_ctx):
+    ctx = make_ctx(entry_class="GPT2Model")
     out = run_rule(rule, GPT2, ctx)
-    assert ctx.findings or "warn_if_padding_and_no_attention_mask" not in out
+    assert not ctx.findings
+    assert (
+        "warn_if_padding_and_no_attention_mask" not in out
+        and "if input_ids is not None:\n            pass" in out
+    )
+
+
+def test_inherited_hf_method_results_are_reported(run_rule, make_ctx):
+    ctx = make_ctx(entry_class="GPT2Model")
+    used = GPT2.replace("return self.wte(input_ids)", "return self.get_extended_attention_mask(input_ids)")
+    run_rule(rule, used, ctx)
+    assert [f.what for f in ctx.findings] == [
+        "`self.get_extended_attention_mask(...)` is a PreTrainedModel method that nn.Module lacks"
+    ]
 
 
 def test_recognised_by_qualified_name_not_by_spelling(run_rule, make_ctx):

@@ -227,3 +227,58 @@ def test_positional_mask_argument(run_rule, make_ctx):
     assert (
         "for idx, decoder_layer in enumerate(self.layers):" in out and "return hidden_states" in out
     ) or ctx.findings
+
+
+# BeamModel.forward (v5): the mask loop and the rotary loop share their loop variable.
+SHARED_LOOP_VARIABLE = dedent("""\
+    def forward(self, hidden_states, position_ids):
+        causal_mask_mapping = {}
+        for layer_type in set(self.config.layer_types):
+            causal_mask_mapping[layer_type] = create_causal_mask(hidden_states)
+        position_embeddings = {}
+        for layer_type in set(self.config.layer_types):
+            position_embeddings[layer_type] = self.rotary_emb(hidden_states, position_ids, layer_type)
+        for i, layer in enumerate(self.layers):
+            layer_type = self.config.layer_types[i]
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=causal_mask_mapping[layer_type],
+                position_embeddings=position_embeddings[layer_type],
+            )
+        return hidden_states
+    """)
+
+
+def test_a_loop_variable_shared_with_the_mask_loop_is_not_a_mask(run_rule):
+    assert run_rule(rule, SHARED_LOOP_VARIABLE) == dedent("""\
+        def forward(self, hidden_states, position_ids):
+            position_embeddings = {}
+            for layer_type in set(self.config.layer_types):
+                position_embeddings[layer_type] = self.rotary_emb(hidden_states, position_ids, layer_type)
+            for i, layer in enumerate(self.layers):
+                layer_type = self.config.layer_types[i]
+                hidden_states = layer(
+                    hidden_states,
+                    position_embeddings=position_embeddings[layer_type],
+                )
+            return hidden_states
+        """)
+
+
+def test_a_statement_binding_a_mask_beside_other_values_stays(run_rule):
+    # Gemma4UnifiedTextModel.forward (v5) slices hidden states, positions and masks in one call.
+    code = dedent("""\
+        def forward(self, hidden_states, position_embeddings):
+            causal_mask_mapping = {"full_attention": create_causal_mask(hidden_states)}
+            hidden_states, position_embeddings, causal_mask_mapping = self.slice_inputs(
+                hidden_states, position_embeddings, causal_mask_mapping
+            )
+            return self.layer(hidden_states, position_embeddings, mask=causal_mask_mapping["full_attention"])
+        """)
+    assert run_rule(rule, code) == dedent("""\
+        def forward(self, hidden_states, position_embeddings):
+            hidden_states, position_embeddings, causal_mask_mapping = self.slice_inputs(
+                hidden_states, position_embeddings, None
+            )
+            return self.layer(hidden_states, position_embeddings)
+        """)

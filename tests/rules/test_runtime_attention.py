@@ -263,3 +263,20 @@ def test_attention_not_used_by_the_entry_class_untouched(run_rule, make_ctx, ent
     assert [f.what.split(";")[0] for f in ctx.findings] == [
         "no attention class calls ALL_ATTENTION_FUNCTIONS / eager_attention_forward"
     ]
+
+
+def test_each_attention_call_gets_its_own_layer_and_cache(run_rule):
+    # DiffLlamaAttention (v5) attends twice with the same queries and keys over two halves of the values.
+    second = (
+        "        attn_output2, _ = attention_interface(\n"
+        "            self, query_states, key_states, value_states, None, scaling=self.scaling, **kwargs\n"
+        "        )\n"
+        "        attn_output = self.o_proj(attn_output + attn_output2)\n"
+    )
+    code = HEADER + attention().replace("        attn_output = self.o_proj(attn_output)\n", second) + CALLERS
+    out = run_rule(rule, code)
+    assert "attn_output = self.attn(query_states, key_states, value_states, forward_metadata)" in out
+    assert "attn_output2 = self.attn_2(query_states, key_states, value_states, forward_metadata)" in out
+    ctors = [line.strip().split(" = ")[0] for line in out.splitlines() if "= Attention(" in line]
+    assert ctors == ["self.attn", "self.attn_2"]
+    assert run_rule(rule, out) == out

@@ -1,5 +1,7 @@
 """Relative imports become absolute: `...x` -> `transformers.x`, the model's own configuration module
-by the name the runtime registers it under, other siblings under the model's transformers package."""
+by the name the runtime registers it under, other siblings under the model's transformers package. A type
+that borrows another's modeling code (exaone runs llama's) names its own config class instead of the
+borrowed one (`LlamaConfig` -> `ExaoneConfig`)."""
 
 import libcst as cst
 
@@ -24,10 +26,16 @@ class _Absolute(cst.CSTTransformer):
             target = ".".join([*base, tail] if tail else base)
         return updated.with_changes(relative=[], module=cst.parse_expression(target))
 
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
+        rename = self.ctx.config_rename
+        return updated.with_changes(value=rename[1]) if rename and updated.value == rename[0] else updated
+
 
 class AbsoluteImports(Rule):
     ID = "MG001"
-    DESCRIPTION = "Relative imports become absolute: transformers.x, the vendored configuration module."
+    DESCRIPTION = (
+        "Relative imports become absolute: transformers.x, the vendored configuration module and class."
+    )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite

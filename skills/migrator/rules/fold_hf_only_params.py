@@ -6,7 +6,8 @@ call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses it
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names
+from skills.migrator.call_sites import binding, call_sites, named_params
+from skills.migrator.cst_utils import assigned_names, classes, method, with_args
 from skills.migrator.rule import Rule
 
 HF_ONLY: dict[str, object] = {
@@ -34,24 +35,35 @@ def _literal(value: object) -> cst.BaseExpression:
 
 
 class _Env:
-    def __init__(self, consts: dict[str, object], given: set[str]):
-        self.consts, self.given = consts, given
+    """consts: removed parameters, whose reads become literals; facts: locals assigned a literal (after
+    folding, as `use_cache = False`), known to branch tests only; given: names never None."""
+
+    def __init__(self, consts: dict[str, object], given: set[str], facts: dict[str, object] | None = None):
+        self.consts, self.given, self.facts = consts, given, facts or {}
 
     def copy(self) -> "_Env":
-        return _Env(dict(self.consts), set(self.given))
+        return _Env(dict(self.consts), set(self.given), dict(self.facts))
 
     def forget(self, names: set[str]) -> None:
         for n in names:
             self.consts.pop(n, None)
+            self.facts.pop(n, None)
             self.given.discard(n)
+
+    def known(self, name: str) -> tuple[bool, object]:
+        for values in (self.consts, self.facts):
+            if name in values:
+                return True, values[name]
+        return False, None
 
     def truth(self, e: cst.BaseExpression):
         """True / False when the value is known under the contract, else None."""
         if m.matches(e, GRADIENT_CHECKPOINTING):
             return False
         if isinstance(e, cst.Name):
-            if e.value in self.consts:
-                return bool(self.consts[e.value])
+            found, value = self.known(e.value)
+            if found:
+                return bool(value)
             return {"True": True, "False": False, "None": False}.get(e.value)
         if isinstance(e, cst.UnaryOperation) and isinstance(e.operator, cst.Not):
             v = self.truth(e.expression)
@@ -67,13 +79,8 @@ class _Env:
         if isinstance(e, cst.Comparison) and len(e.comparisons) == 1 and isinstance(e.left, cst.Name):
             op, right = e.comparisons[0].operator, e.comparisons[0].comparator
             if m.matches(right, m.Name("None")) and isinstance(op, (cst.Is, cst.IsNot)):
-                is_none = (
-                    self.consts[e.left.value] is None
-                    if e.left.value in self.consts
-                    else False
-                    if e.left.value in self.given
-                    else None
-                )
+                found, value = self.known(e.left.value)
+                is_none = value is None if found else False if e.left.value in self.given else None
                 return None if is_none is None else is_none == isinstance(op, cst.Is)
         return None
 
@@ -90,7 +97,7 @@ class _Substitute(cst.CSTTransformer):
             for old, new in zip(original.args, updated.args, strict=True)
             if not (old.keyword and isinstance(old.value, cst.Name) and old.value.value in self.env.consts)
         ]
-        return updated.with_changes(args=args)
+        return with_args(updated, args)
 
     def leave_Name(self, original, updated):
         return _literal(self.env.consts[updated.value]) if updated.value in self.env.consts else updated
@@ -123,12 +130,22 @@ class _Substitute(cst.CSTTransformer):
         return updated if v is None else (updated.body if v else updated.orelse)
 
 
+NAMED = {"True": True, "False": False, "None": None}
+LITERAL = m.Name("True") | m.Name("False") | m.Name("None") | m.Integer()
+LITERAL_ASSIGN = m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())], value=LITERAL)])
+
+
 def _fold_block(body, env: _Env) -> list:
     out = []
     for s in body:
         folded = _fold_stmt(s, env)
         for f in folded:
             env.forget(assigned_names(f))
+            if m.matches(f, LITERAL_ASSIGN):  # `use_cache = False` once folded: known from here on
+                name, value = f.body[0].targets[0].target.value, f.body[0].value
+                env.facts[name] = (
+                    value.evaluated_value if isinstance(value, cst.Integer) else NAMED[value.value]
+                )
         out.extend(folded)
     return out
 
@@ -203,9 +220,32 @@ class _Fold(cst.CSTTransformer):
         return updated.with_changes(params=new_params, body=_block(updated.body, body))
 
 
+def _bound_to_hf_only(module: cst.Module) -> set[int]:
+    """ids of the arguments in-file calls bind to the HF-only parameters of in-file classes' methods, whatever
+    the argument's name (OPT passes its position mask to its embedding positionally): they go too."""
+    local, doomed = classes(module), set()
+    for name, where in call_sites(module).items():
+        forward = None if method(local[name], "__call__") else method(local[name], "forward")
+        for fn, calls in ((method(local[name], "__init__"), where.constructed), (forward, where.called)):
+            for param in named_params(fn) if fn is not None else ():
+                if param.name.value in HF_ONLY:
+                    doomed |= {id(a) for c in calls if (a := binding(c, fn, param)) is not None}
+    return doomed
+
+
+class _DropArgs(cst.CSTTransformer):
+    def __init__(self, doomed: set[int]):
+        self.doomed = doomed
+
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg):
+        return cst.RemoveFromParent() if id(original) in self.doomed else updated
+
+
 class FoldHFOnlyParams(Rule):
     ID = "MG004"
     DESCRIPTION = "Parameters only HF's generate / training API uses are removed and branches on them folded."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        if doomed := _bound_to_hf_only(module):
+            module = module.visit(_DropArgs(doomed))
         return module.visit(_Fold())

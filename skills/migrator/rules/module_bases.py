@@ -74,6 +74,7 @@ class _DropInheritedHFCalls(cst.CSTTransformer):
 
     def __init__(self, own: set[str], ctx: RewriteContext | None, scope: str):
         self.own, self.ctx, self.scope = own, ctx, scope
+        self.bare: set[int] = set()  # ids of the calls that are whole statements, which simply go
 
     def _inherited(self, node) -> str | None:
         if m.matches(node, m.Call(func=m.Attribute(value=m.Name("self")))):
@@ -82,14 +83,22 @@ class _DropInheritedHFCalls(cst.CSTTransformer):
                 return name
         return None
 
+    def _bare_call(self, line: cst.SimpleStatementLine) -> cst.Call | None:
+        small = line.body[0]
+        whole = len(line.body) == 1 and isinstance(small, cst.Expr) and self._inherited(small.value)
+        return small.value if whole else None
+
+    def visit_SimpleStatementLine(self, node) -> None:
+        if call := self._bare_call(node):
+            self.bare.add(id(call))
+
     def leave_SimpleStatementLine(self, original, updated):
-        small = updated.body[0]
-        if len(updated.body) == 1 and isinstance(small, cst.Expr) and self._inherited(small.value):
-            return cst.RemoveFromParent()
-        return updated
+        return cst.RemoveFromParent() if self._bare_call(original) else updated
 
     def leave_Call(self, original, updated):
-        if self.ctx is not None and (name := self._inherited(updated)) is not None:
+        if self.ctx is None or id(original) in self.bare:
+            return updated
+        if (name := self._inherited(updated)) is not None:
             self.ctx.unsupported(
                 self.scope, 0, f"`self.{name}(...)` is a PreTrainedModel method that nn.Module lacks"
             )

@@ -5,8 +5,9 @@ computed only from them, are removed; call arguments that pass them on are dropp
 import re
 
 import libcst as cst
+import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, free_names, names_in
+from skills.migrator.cst_utils import assigned_names, free_names, names_in, with_args
 from skills.migrator.rule import Rule
 
 MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IGNORECASE)
@@ -15,6 +16,34 @@ MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IG
 def _builds_mask(node: cst.CSTNode) -> bool:
     """Calls or names a mask factory (`create_causal_mask`, `mask_function = create_... if ... else ...`)."""
     return any(MASK_FACTORY.search(n) for n in free_names(node))
+
+
+def _rebound(stmt: cst.CSTNode) -> set[int]:
+    """ids of the Name nodes under stmt that only rebind a name: `x = ...` / `a, b = ...` targets, loop targets."""
+    found: set[int] = set()
+
+    def plain(target: cst.BaseExpression) -> None:
+        if isinstance(target, cst.Name):
+            found.add(id(target))
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for el in target.elements:
+                plain(el.value)
+
+    for node in m.findall(stmt, m.AssignTarget() | m.For()):
+        plain(node.target)
+    return found
+
+
+def _reads(stmt: cst.CSTNode) -> set[str]:
+    """Names stmt uses; rebinding a name is not using it."""
+    rebound = _rebound(stmt)
+    return {n.value for n in m.findall(stmt, m.Name()) if id(n) not in rebound}
+
+
+def _clean_loop_targets(stmt: cst.CSTNode, tainted: set[str]) -> set[str]:
+    """Names bound by the for-loops under stmt that iterate over something else than a mask."""
+    loops = [loop for loop in m.findall(stmt, m.For()) if not names_in(loop.iter) & tainted]
+    return {n for loop in loops for n in names_in(loop.target)}
 
 
 class _DropTaintedArgs(cst.CSTTransformer):
@@ -31,7 +60,15 @@ class _DropTaintedArgs(cst.CSTTransformer):
                 args.append(a.with_changes(value=cst.Name("None")))
             elif not a.keyword:
                 args.append(a)
-        return updated.with_changes(args=args) if args != list(updated.args) else updated
+        return with_args(updated, args) if args != list(updated.args) else updated
+
+
+PASS_BODY = m.IndentedBlock([m.SimpleStatementLine([m.Pass()])])
+
+
+def _emptied(stmt: cst.BaseStatement) -> bool:
+    """A loop or with-block left with nothing but `pass` (its mask statements went)."""
+    return isinstance(stmt, (cst.For, cst.While, cst.With)) and m.matches(stmt.body, PASS_BODY)
 
 
 class _Clean(cst.CSTTransformer):
@@ -41,16 +78,20 @@ class _Clean(cst.CSTTransformer):
         self.tainted = tainted
 
     def _is_mask(self, stmt: cst.BaseStatement) -> bool:
-        """Builds a mask, or uses one (compound statements count as a whole)."""
-        return _builds_mask(stmt) or bool(names_in(stmt) & self.tainted)
+        """Builds a mask, uses one, or only binds mask names (compound statements count as a whole); a
+        statement that also binds other names stays (`h, pos, mask = self.f(h, pos, mask)`)."""
+        if _builds_mask(stmt) or _reads(stmt) & self.tainted:
+            return True
+        bound = assigned_names(stmt)  # only (re)initialises mask names: `causal_mask_mapping = {}`
+        return bool(bound) and bound <= self.tainted
 
     def on_leave(self, original, updated):
         if isinstance(updated, cst.IndentedBlock):
             kept = []
-            for s in updated.body:
+            for before, s in zip(original.body, updated.body, strict=True):
                 s = s.visit(_DropTaintedArgs(self.tainted))
-                if self._is_mask(s):
-                    self.tainted |= assigned_names(s)
+                if self._is_mask(s) or (_emptied(s) and not _emptied(before)):
+                    self.tainted |= assigned_names(s) - _clean_loop_targets(s, self.tainted)
                 else:
                     kept.append(s)
             return updated.with_changes(body=kept or [cst.SimpleStatementLine([cst.Pass()])])

@@ -23,6 +23,7 @@ from skills.migrator.rule import Rule
 INTERFACE = {"attention_interface", "eager_attention_forward"}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
 RUNTIME_KWARGS = {"scaling": "scale", "sliding_window": "sliding_window", "softcap": "soft_cap"}
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float"}
 
 
@@ -48,7 +49,9 @@ class _Forward(cst.CSTTransformer):
 
     def __init__(self, ctx: RewriteContext, scope: str):
         self.ctx, self.scope = ctx, scope
-        self.call: cst.Call | None = None
+        self.calls: list[
+            cst.Call
+        ] = []  # one runtime Attention (and KV cache) each: `self.attn`, `self.attn_2`
         self.weights: str | None = None
 
     def leave_SimpleStatementLine(self, original, updated):
@@ -57,14 +60,15 @@ class _Forward(cst.CSTTransformer):
         call = _interface_call(updated)
         if call is None or not isinstance(updated.body[0], cst.Assign):
             return updated
-        self.call = call
+        self.calls.append(call)
         target = updated.body[0].targets[0].target
         out = target.elements[0].value if isinstance(target, cst.Tuple) else target
-        if isinstance(target, cst.Tuple) and len(target.elements) > 1:
+        if isinstance(target, cst.Tuple) and len(target.elements) > 1 and self.weights is None:
             self.weights = cst.Module([]).code_for_node(target.elements[1].value)
         q, k, v = (a.value for a in call.args[1:4])
         new = cst.Assign(
-            [cst.AssignTarget(out)], cst.parse_expression("self.attn(q, k, v, forward_metadata)")
+            [cst.AssignTarget(out)],
+            cst.parse_expression(f"self.{attention_attr(len(self.calls))}(q, k, v, forward_metadata)"),
         )
         new = new.with_changes(
             value=new.value.with_changes(args=[cst.Arg(q), cst.Arg(k), cst.Arg(v), new.value.args[3]])
@@ -89,8 +93,13 @@ class _Forward(cst.CSTTransformer):
         return updated
 
 
+def attention_attr(n: int) -> str:
+    """The n-th (1-based) runtime Attention of a class: `attn`, then `attn_2`, ..."""
+    return "attn" if n == 1 else f"attn_{n}"
+
+
 def _attention_ctor(
-    call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, scope: str
+    call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, scope: str, attr: str
 ) -> cst.BaseStatement:
     init_code = cst.Module([]).code_for_node(init)
     head_dim = next(
@@ -98,8 +107,11 @@ def _attention_ctor(
         "config.hidden_size // config.num_attention_heads",
     )
     args = ["num_heads=config.num_attention_heads", f"head_dim={head_dim}"]
+    kv_attr = next((a for a in KV_HEAD_ATTRS if f"self.{a} =" in init_code), None)
     if "num_key_value_heads" in init_code:
         args.append("num_kv_heads=config.num_key_value_heads")
+    elif kv_attr:  # e.g. `self.kv_heads = 1 if self.multi_query else self.num_heads`
+        args.append(f"num_kv_heads=self.{kv_attr}")
     for a in call.args:
         key = a.keyword.value if a.keyword else None
         if key is None or key in IGNORED_KWARGS:
@@ -119,7 +131,7 @@ def _attention_ctor(
         )
     if ctx.kv_layout == "legacy":
         args.append("legacy=True")
-    return stmt(f"self.attn = Attention({', '.join(args)})\n")
+    return stmt(f"self.{attr} = Attention({', '.join(args)})\n")
 
 
 def _with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
@@ -153,11 +165,14 @@ class _Classes(cst.CSTTransformer):
         new_fwd = _with_forward_metadata(fwd.visit(rewriter))
         if rewriter.weights:
             new_fwd = new_fwd.with_changes(returns=None)
-        if rewriter.call is None:
+        if not rewriter.calls:
             self.ctx.unsupported(name, 0, "attention call whose result is not assigned")
             return cls
-        ctor = _attention_ctor(rewriter.call, init, self.ctx, name)
-        new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, ctor]))
+        ctors = [
+            _attention_ctor(call, init, self.ctx, name, attention_attr(n))
+            for n, call in enumerate(rewriter.calls, 1)
+        ]
+        new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, *ctors]))
         body = [new_fwd if s is fwd else new_init if s is init else s for s in cls.body.body]
         return cls.with_changes(body=cls.body.with_changes(body=body))
 

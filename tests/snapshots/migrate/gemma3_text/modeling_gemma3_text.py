@@ -279,8 +279,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: torch.Tensor = None,
-        position_ids: torch.LongTensor | None = None,
+        position_embeddings: torch.Tensor,
         **kwargs,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         residual = hidden_states
@@ -353,7 +352,6 @@ class Gemma3TextModel(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings[self.config.layer_types[i]],
-                position_ids=position_ids,
                 **kwargs,
             )
 

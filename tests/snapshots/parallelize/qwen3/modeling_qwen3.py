@@ -275,8 +275,7 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_ids: torch.LongTensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -344,7 +343,6 @@ class Qwen3Model(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
-                position_ids=position_ids,
                 **kwargs,
             )
 
