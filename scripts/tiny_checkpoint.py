@@ -107,6 +107,24 @@ def make_tokenizer(out_dir: Path, vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 _MOE = {"num_experts": 4, "num_local_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
+# Sizes some configs name apart from head_dim, shrunk where the config sets them (MLA ranks and head parts,
+# partial rotary): left at their defaults they contradict the tiny head_dim.
+_SUB_SIZES = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "qk_head_dim": 32,
+    "v_head_dim": 16,
+    "rotary_dim": 8,
+}
+
+
+def _is_set(config: PretrainedConfig, name: str) -> bool:
+    try:
+        return getattr(config, name, None) is not None
+    except RuntimeError:  # a per-layer attribute (heterogeneous configs) refuses a global read
+        return False
 
 
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
@@ -118,6 +136,9 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     }
     params = {k: v for k, v in params.items() if k not in derived}  # e.g. Falcon computes head_dim
     params.update({k: v for k, v in _MOE.items() if hasattr(defaults, k) and k not in overrides})
+    params.update({k: v for k, v in _SUB_SIZES.items() if _is_set(defaults, k) and k not in overrides})
+    if _is_set(defaults, "kv_lora_rank") and "num_key_value_heads" not in overrides:
+        params["num_key_value_heads"] = params["num_attention_heads"]  # MLA: a key head per query head
     if model_type == "gemma3_text" and "layer_types" not in overrides:
         # Alternate so that both attention kinds appear from 2 layers on.
         params["layer_types"] = [

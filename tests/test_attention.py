@@ -230,3 +230,13 @@ def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, ca
         expected = naive(q_hist, ctx_k, ctx_v, [n - 1], window, cap)[0]
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got[b].double(), expected, atol=tol, rtol=tol)
+
+
+def test_values_of_another_head_size_than_keys_are_refused_by_name():
+    run = Run()
+    md = _prefill(
+        run, 3
+    )  # MLA, in the HF layout migrated models use: 2 * D per query / key head, D per value
+    q, k, v = run.randn(1, H, 3, 2 * D), run.randn(1, KV, 3, 2 * D), run.randn(1, KV, 3, D)
+    with pytest.raises(UserError, match=r"receives keys \[2, 32\] and values \[2, 16\] per token"):
+        run.layer(q, k, v, md)

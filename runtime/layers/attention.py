@@ -169,7 +169,7 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
         assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         if md.is_prefill and not torch.compiler.is_compiling():
-            self._check_fits_cache(k, md)
+            self._check_fits_cache(k, v, md)
         shape = (-1, self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
         return attend(
             q,
@@ -184,7 +184,7 @@ class Attention(nn.Module):
             self.soft_cap,
         )
 
-    def _check_fits_cache(self, k: torch.Tensor, md: ForwardMetaData) -> None:
+    def _check_fits_cache(self, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> None:
         """Refuse by name what this layer's cache cannot hold; checked on eager prefill steps."""
         where = f"Attention layer {self.prefix or '(unnamed)'}"
         if k.shape[1] != self.num_kv_heads:
@@ -193,6 +193,12 @@ class Attention(nn.Module):
                 "code computes its key heads in a way the migrator did not follow (for example repeating "
                 "keys after the cache update). Set `Attention(num_kv_heads=...)` in the modeling file to "
                 "the key tensor's head count."
+            )
+        if k.shape[1:] != v.shape[1:] or k.shape[-1] != self.head_dim:
+            raise UserError(
+                f"{where} receives keys {list(k.shape[1:])} and values {list(v.shape[1:])} per token "
+                f"([heads, head_dim]) but caches [{self.num_kv_heads}, {self.head_dim}] for both: keys and "
+                "values of different head sizes (multi-head latent attention) are not supported yet."
             )
         seen = md.memo("attention_layers_run", set)
         if id(self) in seen:
