@@ -48,12 +48,13 @@ def load_named_weights(
     """Load ``(name, weight)`` pairs; returns the canonical names of the parameters loaded.
 
     ``stacked_params_mapping`` holds ``(fused_param, checkpoint_part, shard_id)`` such as
-    ``(".qkv_proj", ".q_proj", "q")``. Persistent buffers load like parameters. Names that match no parameter go through transformers' checkpoint
-    conversion for the model type (per-expert MoE tensors -> stacked 3-D parameters); a name nothing
-    takes is an error, and so is a stacked parameter left with holes.
+    ``(".qkv_proj", ".q_proj", "q")``. Persistent buffers load like parameters. Names that match no
+    parameter go through transformers' checkpoint conversion for the model type (per-expert MoE tensors ->
+    stacked 3-D parameters); a name nothing takes is an error, and so is a stacked parameter left with holes.
     """
-    canonical = {id(p): n for n, p in named_weights(model).items()}
-    params = {**dict(model.named_parameters(remove_duplicate=False)), **persistent_buffers(model)}
+    buffers = persistent_buffers(model)
+    canonical = {id(p): n for n, p in [*model.named_parameters(), *buffers.items()]}
+    params = {**dict(model.named_parameters(remove_duplicate=False)), **buffers}
     mapping, skips = list(stacked_params_mapping), tuple(skip_prefixes)
     layout = None
     stacked: dict[str, set[tuple[int, int]]] = {}
