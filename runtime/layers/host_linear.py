@@ -11,12 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKED_DTYPES = (torch.bfloat16, torch.float16)
 FLOAT32_ROWS = 1024
 
 
-def _onednn_ok() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this host's oneDNN prepacks ``dtype`` weights: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT;
+    on an AVX2-only CPU the reorder raises, and the linears stay ``nn.Linear``."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 class HostPackedLinear(nn.Module):
@@ -55,13 +60,13 @@ def pack_host_linears(model: nn.Module) -> int:
     A weight another module shares (the embedding of a tied LM head) is packed too: the packed copy costs its
     size once more in memory and saves about 2 ms of the 3.4 ms SmolLM2's head takes per decode step."""
     first = next(model.parameters(), None)
-    if first is None or first.device.type != "cpu" or first.dtype not in _PACKED_DTYPES or not _onednn_ok():
+    if first is None or first.device.type != "cpu" or not onednn_packs(first.dtype):
         return 0
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype in _PACKED_DTYPES
+        if type(child) is nn.Linear and child.weight.dtype == first.dtype
     ]
     for parent, name, child in swaps:
         setattr(parent, name, HostPackedLinear(child))
