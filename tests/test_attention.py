@@ -4,7 +4,9 @@ Metadata is built like ExecutionEngine._build_model_inputs from the block tables
 (or LegacyCacheRows), so prefill, decode, sliding-window eviction and the legacy layout run as in the engine.
 """
 
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.errors import UserError
-from runtime.kernels import host_decode_attention
+from runtime.kernels import STALE_LOCK_S, _drop_stale_lock, host_decode_attention
 from runtime.kv_cache import NULL_BLOCK, CacheEntry, KVCacheManager, ModelCacheInfo, cdiv
 from runtime.layers.attention import Attention
 
@@ -21,17 +23,22 @@ H, KV, D, BS, SCALE, MAX_LEN = 8, 2, 16, 4, 0.3, 32
 LENS = [1, 5, 11]
 
 
-def naive(q, k, v, rows, window=None, cap=None):
-    """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`."""
+SINKS = torch.linspace(-1.0, 2.0, H)  # per query head; the upper ones outweigh most scores
+
+
+def naive(q, k, v, rows, window=None, cap=None, sinks=None):
+    """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`.
+    A sink is one more logit in the softmax, with no value row."""
     q, k, v = q.double(), k.double().repeat_interleave(H // KV, 1), v.double().repeat_interleave(H // KV, 1)
-    out = torch.empty(len(rows), H, D, dtype=torch.float64)
+    out = torch.empty(len(rows), H, v.shape[-1], dtype=torch.float64)
     for n, i in enumerate(rows):
         js = [j for j in range(i + 1) if window is None or j > i - window]
         for h in range(H):
             s = k[js, h] @ q[i, h] * SCALE
             if cap:
                 s = torch.tanh(s / cap) * cap
-            out[n, h] = torch.softmax(s, 0) @ v[js, h]
+            p = torch.softmax(s if sinks is None else torch.cat([s, sinks[h : h + 1].double()]), 0)
+            out[n, h] = p[: len(js)] @ v[js, h]
     return out
 
 
@@ -56,16 +63,19 @@ class Run:
     """One attention layer with its cache bookkeeping, fed random q/k/v; every step is checked against
     `naive` over the request's whole history, and the cache against the history at the mapped slots."""
 
-    def __init__(self, window=None, cap=None, legacy=False, num_blocks=64, seed=0):
-        self.layer = Attention(H, D, SCALE, KV, sliding_window=window, soft_cap=cap, legacy=legacy)
-        self.window, self.cap, self.legacy = window, cap, legacy
+    def __init__(self, window=None, cap=None, legacy=False, num_blocks=64, seed=0, sinks=None, dv=D):
+        self.layer = Attention(
+            H, D, SCALE, KV, sliding_window=window, soft_cap=cap, legacy=legacy, v_head_dim=dv
+        )
+        self.window, self.cap, self.legacy, self.sinks, self.dv = window, cap, legacy, sinks, dv
         self.gen = torch.Generator().manual_seed(seed)
         if legacy:
-            self.kv, shape = LegacyCacheRows(4, MAX_LEN), (4, MAX_LEN, KV * D)
+            self.kv, shape, v_shape = LegacyCacheRows(4, MAX_LEN), (4, MAX_LEN, KV * D), (4, MAX_LEN, KV * dv)
         else:
-            info = ModelCacheInfo([CacheEntry("attn", KV, D, torch.float32, window)])
+            info = ModelCacheInfo([CacheEntry("attn", KV, D, torch.float32, window, dv)])
             self.kv, shape = KVCacheManager(info, num_blocks, BS), (num_blocks, BS, KV, D)
-        self.layer.k_cache, self.layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+            v_shape = (*shape[:-1], dv)
+        self.layer.k_cache, self.layer.v_cache = torch.zeros(shape), torch.zeros(v_shape)
         if not legacy:  # the null block is only ever read under the mask: make any leak show
             for c in (self.layer.k_cache, self.layer.v_cache):
                 c[NULL_BLOCK] = 100 * torch.randn(
@@ -93,12 +103,12 @@ class Run:
         tables = self.tables(rids)
         md = metadata(prefill, lens, computed, tables, self.kv.block_size, self.group)
         T = sum(lens)
-        q, k, v = self.randn(T, H, D), self.randn(T, KV, D), self.randn(T, KV, D)
-        out = self.layer(q.flatten(1), k.flatten(1), v.flatten(1), md).view(T, H, D)
+        q, k, v = self.randn(T, H, D), self.randn(T, KV, D), self.randn(T, KV, self.dv)
+        out = self.layer(q.flatten(1), k.flatten(1), v.flatten(1), md, self.sinks).view(T, H, self.dv)
         for r, c, n, a in zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist()):
             h = self.hist.setdefault(r, [q[:0], k[:0], v[:0]])
             h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v))]
-            ref = naive(*h, range(c, c + n), self.window, self.cap)
+            ref = naive(*h, range(c, c + n), self.window, self.cap, self.sinks)
             torch.testing.assert_close(out[a : a + n].double(), ref, atol=1e-5, rtol=0)
         self.check_cache(rids, tables)
         return out
@@ -106,7 +116,7 @@ class Run:
     def check_cache(self, rids, tables):
         """K/V of every position still held sits at slot table[p // bs] * bs + p % bs; the window is held."""
         bs = self.kv.block_size
-        kc, vc = (c.view(-1, KV, D) for c in (self.layer.k_cache, self.layer.v_cache))
+        kc, vc = self.layer.k_cache.view(-1, KV, D), self.layer.v_cache.view(-1, KV, self.dv)
         for r, table in zip(rids, tables):
             _, k, v = self.hist[r]
             for p in range(len(k)):
@@ -128,20 +138,32 @@ def prefill_then_decode(run, lens, steps, order=None):
 
 
 @pytest.mark.parametrize(
-    "lens, window, cap",
+    "lens, window, cap, sinks",
     [
-        (LENS, None, None),
-        ([7], None, None),
-        (LENS, 3, None),
-        (LENS, 6, None),
-        ([9], 3, None),
-        (LENS, None, 1.5),
-        (LENS, 3, 1.5),
+        (LENS, None, None, None),
+        ([7], None, None, None),
+        (LENS, 3, None, None),
+        (LENS, 6, None, None),
+        ([9], 3, None, None),
+        (LENS, None, 1.5, None),
+        (LENS, 3, 1.5, None),
+        (LENS, None, None, SINKS),
+        (LENS, 3, None, SINKS),
     ],
-    ids=["full", "full-single", "window3", "window6", "window3-single", "softcap", "softcap-window3"],
+    ids=[
+        "full",
+        "full-single",
+        "window3",
+        "window6",
+        "window3-single",
+        "softcap",
+        "softcap-window3",
+        "sinks",
+        "sinks-window3",
+    ],
 )
-def test_prefill_then_decode_matches_naive(lens, window, cap):
-    run = Run(window, cap)
+def test_prefill_then_decode_matches_naive(lens, window, cap, sinks):
+    run = Run(window, cap, sinks=sinks)
     prefill_then_decode(run, lens, steps=6)
     if window:  # blocks wholly before the window were handed back and read as the null block
         assert any(NULL_BLOCK in t for t in run.tables(range(len(lens))))
@@ -158,10 +180,12 @@ def test_sliding_window_with_evicted_and_reused_blocks(window):
 
 
 @pytest.mark.parametrize(
-    "window, cap", [(None, None), (3, None), (None, 1.5)], ids=["full", "window3", "softcap"]
+    "window, cap, sinks",
+    [(None, None, None), (3, None, None), (None, 1.5, None), (None, None, SINKS)],
+    ids=["full", "window3", "softcap", "sinks"],
 )
-def test_legacy_layout_matches_paged(window, cap):
-    paged, legacy = (Run(window, cap, legacy=flag) for flag in (False, True))
+def test_legacy_layout_matches_paged(window, cap, sinks):
+    paged, legacy = (Run(window, cap, legacy=flag, sinks=sinks) for flag in (False, True))
     order = [2, 0, 1]  # request 2 gets legacy row 0, so rows differ from request ids
     a, b = (prefill_then_decode(r, LENS, steps=5, order=order) for r in (paged, legacy))
     assert legacy.kv.block_tables([0, 1, 2]) == {"legacy": [[1], [2], [0]]}
@@ -210,8 +234,10 @@ def test_a_layer_run_twice_in_one_forward_is_refused():
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the portable path runs instead")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("window", "cap"), [(None, None), (5, None), (None, 2.0)])
-def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, cap):
+@pytest.mark.parametrize(
+    ("window", "cap", "sinks"), [(None, None, None), (5, None, None), (None, 2.0, None), (5, None, SINKS)]
+)
+def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, cap, sinks):
     """The tests above run decode through the C++ kernel where it builds; here it must, reading scattered
     blocks of three requests (one a single token) in place."""
     kernel = host_decode_attention()
@@ -221,22 +247,51 @@ def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, ca
     q = torch.randn(3, H, D, generator=gen)
     table, lens = torch.tensor([[7, 2, 0], [3, 0, 0], [4, 8, 6]]), torch.tensor([6, 1, 12])
     got = kernel.paged_decode_attention(
-        q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, lens, SCALE, window or 0, cap or 0.0
+        q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, lens, SCALE, window or 0, cap or 0.0, sinks
     )
     for b, n in enumerate(lens.tolist()):
         ctx_k, ctx_v = (c[table[b]].reshape(-1, KV, D)[:n] for c in (k_cache, v_cache))
         q_hist = torch.zeros(n, H, D)
         q_hist[-1] = q[b]
-        expected = naive(q_hist, ctx_k, ctx_v, [n - 1], window, cap)[0]
+        expected = naive(q_hist, ctx_k, ctx_v, [n - 1], window, cap, sinks)[0]
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got[b].double(), expected, atol=tol, rtol=tol)
 
 
-def test_values_of_another_head_size_than_keys_are_refused_by_name():
+@pytest.mark.parametrize("legacy", [False, True], ids=["paged", "legacy"])
+def test_values_narrower_than_keys(legacy):
+    """MLA with its keys and values expanded per head: values of another head size than keys."""
+    run = Run(3, legacy=legacy, dv=D // 2)
+    prefill_then_decode(run, LENS, steps=4)
+    assert run.layer.v_cache.shape[-1] == (KV * D // 2 if legacy else D // 2)
+
+
+def test_values_of_another_head_size_than_cached_are_refused_by_name():
     run = Run()
-    md = _prefill(
-        run, 3
-    )  # MLA, in the HF layout migrated models use: 2 * D per query / key head, D per value
+    md = _prefill(run, 3)  # the HF layout migrated models use: 2 * D per query / key head, D per value
     q, k, v = run.randn(1, H, 3, 2 * D), run.randn(1, KV, 3, 2 * D), run.randn(1, KV, 3, D)
-    with pytest.raises(UserError, match=r"receives keys \[2, 32\] and values \[2, 16\] per token"):
+    with pytest.raises(
+        UserError,
+        match=r"receives keys \[2, 32\] and values \[2, 16\] per token .* caches keys \[2, 16\] and values "
+        r"\[2, 16\]. Set `Attention\(head_dim=..., v_head_dim=...\)`",
+    ):
         run.layer(q, k, v, md)
+
+
+@pytest.mark.parametrize(
+    ("sinks", "dv"), [(None, D), (SINKS, D), (None, D // 2)], ids=["plain", "sinks", "dv"]
+)
+def test_portable_decode_path_matches_naive(monkeypatch, sinks, dv):
+    """Where the C++ kernel cannot be built (and inside compiled graphs) decode gathers the context for SDPA."""
+    monkeypatch.setattr("runtime.layers.attention.host_decode_attention", lambda: None)
+    prefill_then_decode(Run(3, sinks=sinks, dv=dv), LENS, steps=4)
+
+
+def test_a_stale_kernel_build_lock_is_removed(tmp_path):
+    """A build killed midway leaves its lock behind, on which torch would wait forever."""
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    fresh.touch(), stale.touch()
+    old = time.time() - STALE_LOCK_S - 1
+    os.utime(stale, (old, old))
+    _drop_stale_lock(fresh), _drop_stale_lock(stale), _drop_stale_lock(tmp_path / "absent")
+    assert fresh.exists() and not stale.exists()

@@ -150,17 +150,18 @@ class ModelWorker:
                 )
             for m in owners:
                 m.k_cache = torch.zeros(batch, max_seq, *m.cache_unit, dtype=dtype, device=self.dist.device)
-                m.v_cache = torch.zeros_like(m.k_cache)
+                v_unit = getattr(m, "v_cache_unit", None) or m.cache_unit
+                m.v_cache = torch.zeros(batch, max_seq, *v_unit, dtype=dtype, device=self.dist.device)
             return LegacyCacheRows(batch, max_seq)
         bytes_per_block = info.bytes_per_block(sc.block_size)
         num_blocks = sc.num_kv_blocks or self._blocks_from_memory(bytes_per_block)
         manager = KVCacheManager(info, num_blocks, sc.block_size)
         for entries in manager.groups.values():
             for e in entries:
-                shape = (num_blocks, sc.block_size, e.num_kv_heads, e.head_dim)
+                shape = (num_blocks, sc.block_size, e.num_kv_heads)
                 module = modules[e.name]
-                module.k_cache = lazy_zeros(shape, e.dtype, self.dist.device)
-                module.v_cache = lazy_zeros(shape, e.dtype, self.dist.device)
+                module.k_cache = lazy_zeros((*shape, e.head_dim), e.dtype, self.dist.device)
+                module.v_cache = lazy_zeros((*shape, e.value_dim), e.dtype, self.dist.device)
         logger.info(
             "[Main] paged KV cache: %d blocks x %d tokens (%.1f MiB), %s",
             num_blocks,

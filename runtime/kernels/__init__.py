@@ -9,11 +9,15 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
+STALE_LOCK_S = (
+    600  # a build takes about a minute on two cores; an older lock outlived the process that took it
+)
 
 
 def _cpu_tag() -> str:
@@ -31,10 +35,12 @@ def host_decode_attention():
     if os.environ.get("SKILL_HOST_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        name = f"skill_paged_decode_attention_{_cpu_tag()}"
+        _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
         return load(
-            name=f"skill_paged_decode_attention_{_cpu_tag()}",
+            name=name,
             sources=[str(_SOURCES / "paged_decode_attention.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -43,3 +49,14 @@ def host_decode_attention():
     except Exception as e:  # noqa: BLE001 - any build failure means: use the portable path
         logger.warning("host decode-attention kernel unavailable (%s); using the gather + SDPA path", e)
         return None
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch waits forever on the lock of a build whose process was killed; remove one that old."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing the stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)

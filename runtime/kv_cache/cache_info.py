@@ -12,10 +12,11 @@ class CacheEntry:
     head_dim: int
     dtype: torch.dtype
     sliding_window: int | None = None
+    v_head_dim: int | None = None  # values' head size where it differs from the keys' (MLA)
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads <= 0 or self.head_dim <= 0:
-            raise ValueError(f"{self.name}: num_kv_heads and head_dim must be positive")
+        if self.num_kv_heads <= 0 or self.head_dim <= 0 or self.value_dim <= 0:
+            raise ValueError(f"{self.name}: num_kv_heads and head sizes must be positive")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"{self.name}: sliding_window must be positive, got {self.sliding_window}")
 
@@ -23,9 +24,13 @@ class CacheEntry:
     def attn_type(self) -> str:
         return "full" if self.sliding_window is None else f"sliding_window_{self.sliding_window}"
 
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
     def bytes_per_block(self, block_size: int) -> int:
         """K + V bytes one block of this layer takes."""
-        return 2 * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return block_size * self.num_kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
 
 @dataclass

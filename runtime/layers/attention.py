@@ -63,15 +63,20 @@ def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> tor
     return md.memo(("decode_mask", window, num_slots), build)
 
 
-def _sdpa(q, k, v, mask, scale, soft_cap):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
-    if soft_cap is None:
+def _sdpa(q, k, v, mask, scale, soft_cap, sinks):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None -> [B, H, Lq, D]."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / soft_cap) * soft_cap
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(q.dtype) @ v
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # one more logit, no value row
+    return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].to(q.dtype) @ v
 
 
 def attend(
@@ -85,12 +90,14 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D], caches [blocks, block_size, Hkv, D] -> [T, H, D]."""
-    kv_heads, head_dim = k_cache.shape[2:]
+    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H]
+    -> [T, H, Dv]."""
+    kv_heads, head_dim, v_head_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     slots = md.slot_mapping[group]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    v_cache.view(-1, kv_heads, v_head_dim).index_copy_(0, slots, v)
     if md.is_prefill:
         index, L = _prefill_layout(md)
         B, heads = md.batch_size, q.shape[1]
@@ -100,8 +107,8 @@ def attend(
             out[index] = x
             return out.view(B, L, *x.shape[1:]).transpose(1, 2)
 
-        o = _sdpa(pad(q), pad(k), pad(v), _prefill_mask(md, sliding_window), scale, soft_cap)
-        return o.transpose(1, 2).reshape(B * L, heads, head_dim)[index]
+        o = _sdpa(pad(q), pad(k), pad(v), _prefill_mask(md, sliding_window), scale, soft_cap, sinks)
+        return o.transpose(1, 2).reshape(B * L, heads, v_head_dim)[index]
     table = md.block_table[group]
     if q.device.type == "cpu" and not torch.compiler.is_compiling() and (kernel := host_decode_attention()):
         return kernel.paged_decode_attention(
@@ -113,12 +120,13 @@ def attend(
             scale,
             sliding_window or 0,
             soft_cap or 0.0,
+            sinks,
         )
     B = table.shape[0]
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
-    ctx_v = v_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
+    ctx_v = v_cache[table].view(B, -1, kv_heads, v_head_dim).transpose(1, 2)
     mask = _decode_mask(md, sliding_window, ctx_k.shape[2])
-    return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap)[:, :, 0]
+    return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks)[:, :, 0]
 
 
 class Attention(nn.Module):
@@ -139,12 +147,15 @@ class Attention(nn.Module):
         soft_cap: float | None = None,
         legacy: bool = False,
         prefix: str = "",
+        v_head_dim: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
+        self.v_head_dim = v_head_dim or head_dim  # values may be narrower than keys (MLA)
         self.sliding_window, self.soft_cap, self.prefix = sliding_window, soft_cap, prefix
         self.cache_unit = (self.num_kv_heads * head_dim,) if legacy else None
+        self.v_cache_unit = (self.num_kv_heads * self.v_head_dim,) if legacy else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -152,36 +163,52 @@ class Attention(nn.Module):
     def cache_group(self) -> str:
         return LEGACY if self.cache_unit else cache_group_key(self.sliding_window)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
-        """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads) -> [T, H*D].
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        md: ForwardMetaData,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads, v of head size Dv) -> [T, H*Dv].
 
-        HF layout, as migrated models call it: q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D].
+        HF layout, as migrated models call it: q [1, H, T, D], k/v [1, Hkv, T, D | Dv] -> [1, T, H, Dv].
+        ``sinks`` [H]: a learned logit per query head that joins each softmax's denominator (GPT-OSS).
         """
         if q.dim() == 4:
             q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
-            return self._attend(q, k, v, md)[None]
+            return self._attend(q, k, v, md, sinks)[None]
         T = q.shape[0]
         q = q.view(T, -1, self.head_dim)
         k = k.view(T, -1, self.head_dim)
-        v = v.view(T, -1, self.head_dim)
-        return self._attend(q, k, v, md).reshape(T, -1)
+        v = v.view(T, -1, self.v_head_dim)
+        return self._attend(q, k, v, md, sinks).reshape(T, -1)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        md: ForwardMetaData,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         if md.is_prefill and not torch.compiler.is_compiling():
             self._check_fits_cache(k, v, md)
-        shape = (-1, self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
+        shape = (-1, self.k_cache.shape[1], self.num_kv_heads)
         return attend(
             q,
             k.contiguous(),
             v.contiguous(),
-            self.k_cache.view(shape),
-            self.v_cache.view(shape),
+            self.k_cache.view(*shape, self.head_dim),
+            self.v_cache.view(*shape, self.v_head_dim),
             md,
             self.cache_group,
             self.scale,
             self.sliding_window,
             self.soft_cap,
+            sinks,
         )
 
     def _check_fits_cache(self, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> None:
@@ -194,11 +221,12 @@ class Attention(nn.Module):
                 "keys after the cache update). Set `Attention(num_kv_heads=...)` in the modeling file to "
                 "the key tensor's head count."
             )
-        if k.shape[1:] != v.shape[1:] or k.shape[-1] != self.head_dim:
+        if (k.shape[-1], v.shape[1], v.shape[-1]) != (self.head_dim, self.num_kv_heads, self.v_head_dim):
             raise UserError(
                 f"{where} receives keys {list(k.shape[1:])} and values {list(v.shape[1:])} per token "
-                f"([heads, head_dim]) but caches [{self.num_kv_heads}, {self.head_dim}] for both: keys and "
-                "values of different head sizes (multi-head latent attention) are not supported yet."
+                f"([heads, head_dim]) but caches keys [{self.num_kv_heads}, {self.head_dim}] and values "
+                f"[{self.num_kv_heads}, {self.v_head_dim}]. Set `Attention(head_dim=..., v_head_dim=...)` in "
+                "the modeling file to the key and value head sizes."
             )
         seen = md.memo("attention_layers_run", set)
         if id(self) in seen:
@@ -216,7 +244,7 @@ def cache_info_of(model: nn.Module, dtype: torch.dtype):
 
     return ModelCacheInfo(
         [
-            CacheEntry(name, m.num_kv_heads, m.head_dim, dtype, m.sliding_window)
+            CacheEntry(name, m.num_kv_heads, m.head_dim, dtype, m.sliding_window, m.v_head_dim)
             for name, m in model.named_modules()
             if isinstance(m, Attention)
         ]

@@ -193,7 +193,17 @@ def test_default_scale_without_scaling_kwarg(run_rule):
 
 
 def test_unsupported_kwarg_is_a_finding(run_rule, make_ctx):
-    # GptOssAttention: attention sinks have no runtime equivalent.
+    # DeepseekV32Attention: sparse attention over indexer-chosen positions has no runtime equivalent.
+    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "indices=topk_indices,")) + CALLERS
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert [(f.scope, f.what) for f in ctx.findings] == [
+        ("LlamaAttention", "attention argument `indices=` has no equivalent in the runtime Attention")
+    ]
+
+
+def test_attention_sinks_are_passed_on_every_call(run_rule, make_ctx):
+    # GptOssAttention: its per-head sink logits stay its own parameter and go to the runtime Attention.
     code = (
         HEADER
         + attention(
@@ -203,10 +213,14 @@ def test_unsupported_kwarg_is_a_finding(run_rule, make_ctx):
         + CALLERS
     )
     ctx = make_ctx()
-    run_rule(rule, code, ctx)
-    assert [(f.scope, f.what) for f in ctx.findings] == [
-        ("LlamaAttention", "attention argument `s_aux=` has no equivalent in the runtime Attention")
-    ]
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert ctor_line(out).endswith("num_kv_heads=config.num_key_value_heads, scale=self.scaling)")
+    assert (
+        "attn_output = self.attn(query_states, key_states, value_states, forward_metadata, sinks=self.sinks)"
+        in out
+    )
+    assert run_rule(rule, out) == out
 
 
 def test_forward_time_argument_is_a_finding(run_rule, make_ctx):
@@ -280,3 +294,23 @@ def test_each_attention_call_gets_its_own_layer_and_cache(run_rule):
     ctors = [line.strip().split(" = ")[0] for line in out.splitlines() if "= Attention(" in line]
     assert ctors == ["self.attn", "self.attn_2"]
     assert run_rule(rule, out) == out
+
+
+def test_mla_key_and_value_head_sizes(run_rule, make_ctx):
+    # DeepseekV3Attention: keys and queries of qk_head_dim, values of v_head_dim.
+    code = (
+        HEADER
+        + attention(
+            init_extra=(
+                "self.v_head_dim = config.v_head_dim",
+                "self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim",
+            )
+        )
+        + CALLERS
+    )
+    ctx = make_ctx()
+    assert ctor_line(run_rule(rule, code, ctx)) == (
+        "self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.qk_head_dim, "
+        "v_head_dim=self.v_head_dim, num_kv_heads=config.num_key_value_heads, scale=self.scaling)"
+    )
+    assert ctx.findings == []

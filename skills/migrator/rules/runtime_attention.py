@@ -23,6 +23,7 @@ from skills.migrator.rule import Rule
 INTERFACE = {"attention_interface", "eager_attention_forward"}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
 RUNTIME_KWARGS = {"scaling": "scale", "sliding_window": "sliding_window", "softcap": "soft_cap"}
+FORWARD_KWARGS = {"s_aux": "sinks"}  # passed on every call: GPT-OSS's per-head sink logits
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float"}
 
@@ -70,9 +71,18 @@ class _Forward(cst.CSTTransformer):
             [cst.AssignTarget(out)],
             cst.parse_expression(f"self.{attention_attr(len(self.calls))}(q, k, v, forward_metadata)"),
         )
-        new = new.with_changes(
-            value=new.value.with_changes(args=[cst.Arg(q), cst.Arg(k), cst.Arg(v), new.value.args[3]])
-        )
+        forwarded = [
+            a.with_changes(keyword=cst.Name(FORWARD_KWARGS[a.keyword.value]), comma=cst.MaybeSentinel.DEFAULT)
+            for a in call.args
+            if a.keyword and a.keyword.value in FORWARD_KWARGS
+        ]
+        args = [
+            cst.Arg(q),
+            cst.Arg(k),
+            cst.Arg(v),
+            new.value.args[3].with_changes(comma=cst.MaybeSentinel.DEFAULT),
+        ]
+        new = new.with_changes(value=new.value.with_changes(args=[*args, *forwarded]))
         return updated.with_changes(body=[new])
 
     def leave_If(self, original, updated):
@@ -103,10 +113,12 @@ def _attention_ctor(
 ) -> cst.BaseStatement:
     init_code = cst.Module([]).code_for_node(init)
     head_dim = next(
-        (f"self.{a}" for a in ("head_dim", "head_size") if f"self.{a} =" in init_code),
+        (f"self.{a}" for a in ("qk_head_dim", "head_dim", "head_size") if f"self.{a} =" in init_code),
         "config.hidden_size // config.num_attention_heads",
     )
     args = ["num_heads=config.num_attention_heads", f"head_dim={head_dim}"]
+    if "self.v_head_dim =" in init_code:  # MLA: values narrower than queries / keys
+        args.append("v_head_dim=self.v_head_dim")
     kv_attr = next((a for a in KV_HEAD_ATTRS if f"self.{a} =" in init_code), None)
     if "num_key_value_heads" in init_code:
         args.append("num_kv_heads=config.num_key_value_heads")
@@ -114,7 +126,7 @@ def _attention_ctor(
         args.append(f"num_kv_heads=self.{kv_attr}")
     for a in call.args:
         key = a.keyword.value if a.keyword else None
-        if key is None or key in IGNORED_KWARGS:
+        if key is None or key in IGNORED_KWARGS or key in FORWARD_KWARGS:
             continue
         if key not in RUNTIME_KWARGS:
             ctx.unsupported(
