@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from dist_harness import distributed_tests
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from runtime.config.comm_manager import CommManager
 from runtime.errors import ConfigError
@@ -18,6 +19,7 @@ from runtime.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from runtime.layers.head_shard import shard_heads
 
 
 class FakeTP:
@@ -331,3 +333,15 @@ CHECKS = {
 
 
 world_results, test_distributed = distributed_tests(_setup, CHECKS)
+
+
+def test_per_head_parameter_keeps_this_ranks_heads():
+    sinks = torch.randn(8)
+    for rank in range(4):
+        param = shard_heads(nn.Parameter(torch.empty(8)), FakeTP(4, rank), "attn_tp_group")
+        load(param, sinks)
+        assert torch.equal(param, rows(sinks, 2 * rank, 2))
+    whole = nn.Parameter(torch.empty(8))
+    assert shard_heads(whole, None, "attn_tp_group") is whole and shard_heads(None, FakeTP(2, 0), "g") is None
+    with pytest.raises(ConfigError, match="6 heads is not divisible by attn_tp_group \\(4\\)"):
+        shard_heads(nn.Parameter(torch.empty(6)), FakeTP(4, 0), "attn_tp_group")

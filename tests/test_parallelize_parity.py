@@ -27,9 +27,14 @@ SCENARIO_ARCHS = [
     "qwen3",
     pytest.param("mistral", marks=pytest.mark.slow),
 ]
-# qkv bias (qwen2, `-m slow`: its TP+DP run is llama's plus biases); sliding-window layers with a scaled
-# embedding the rules leave replicated, tied to the head (gemma3)
-OTHER_ARCHS = [pytest.param("qwen2", marks=pytest.mark.slow), "gemma3_text"]
+# (architecture, scenario): qkv bias (qwen2, `-m slow`: its TP+DP run is llama's plus biases); sliding-window
+# layers with a scaled embedding the rules leave replicated, tied to the head (gemma3); attention sinks split by
+# query heads, alternating sliding / full layers and MoE experts left whole (gpt_oss)
+OTHER_ARCHS = [
+    pytest.param("qwen2", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+    ("gemma3_text", "tp2_dp2_dense_tp4"),
+    ("gpt_oss", "tp2"),
+]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {
     "tp2": (2, 2, 2, 2, 2),
@@ -117,15 +122,14 @@ def test_tp2_from_convert_weights_output(migrated, tmp_path):
     assert out["param_bytes_per_rank"] == done["ranks"]
 
 
-@pytest.mark.parametrize("arch", OTHER_ARCHS)
-def test_tp_dp_pattern_on_other_architectures(arch, tmp_path_factory, tmp_path):
+@pytest.mark.parametrize(("arch", "scenario"), OTHER_ARCHS)
+def test_other_architectures(arch, scenario, tmp_path_factory, tmp_path):
     reference = build_reference(arch, tmp_path_factory)
     model_dir = migrate(reference, tmp_path / "models")
-    proc = parallelize(
-        model_dir, parallel_yaml(tmp_path / "p.yaml", *SCENARIOS["tp2_dp2_dense_tp4"]), "--json"
-    )
+    sizes = SCENARIOS[scenario]
+    proc = parallelize(model_dir, parallel_yaml(tmp_path / "p.yaml", *sizes), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
     out = run(model_dir, Path(done["yaml"]))
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
-    assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * 4
+    assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * sizes[0]

@@ -36,7 +36,7 @@ from skills.parallel_impl.scenario import scenario_yaml
 PRISTINE = Path("agentic") / "migrated_models"
 _PARALLEL_ATTR = re.compile(
     r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
-    r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead)\("
+    r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead|shard_heads)\("
 )
 _INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
 

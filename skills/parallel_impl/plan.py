@@ -253,6 +253,8 @@ def _held(
 ) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name)
+    if (leaf := name.rsplit(".", 1)[-1]) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
+        return numel // pc.attn_tp_size
     if (
         module.removeprefix("shared_") not in sharded
     ):  # includes MoE experts: expert TP / EP is not implemented

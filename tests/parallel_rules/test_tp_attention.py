@@ -194,3 +194,28 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
         assert code != BEFORE, reason
         what = _finding(run_rule, make_ctx, code)
         assert what.startswith("attention cannot be sharded by heads: ") and reason in what, (reason, what)
+
+
+SINKS_LINE = "        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))\n"
+SINKS_BEFORE = BEFORE.replace(
+    "        self.attn = Attention(\n", SINKS_LINE + "        self.attn = Attention(\n"
+).replace("value_states, forward_metadata)", "value_states, forward_metadata, sinks=self.sinks)")
+
+
+def test_attention_sinks_keep_this_ranks_heads(run_rule, make_ctx):
+    # GptOssAttention: one sink logit per query head, handed to the runtime Attention on every call.
+    ctx = make_ctx()
+    out = run_rule(rule, SINKS_BEFORE, ctx)
+    assert ctx.findings == []
+    assert (
+        "        self.sinks = shard_heads(nn.Parameter(torch.empty(config.num_attention_heads)), comm_manager, "
+        '"attn_tp_group")\n' in out
+    )
+    assert out.startswith("from runtime.layers.head_shard import shard_heads\n")
+    assert ctx.rewrites[-1] == "LlamaAttention: sinks -> this rank's heads (shard_heads, attn_tp_group)"
+    assert run_rule(rule, out) == out
+
+
+def test_per_head_parameter_used_otherwise_is_a_finding(run_rule, make_ctx):
+    code = SINKS_BEFORE.replace("return attn_output\n", "return attn_output * self.sinks.sum()\n")
+    assert "is sized for all heads" in _finding(run_rule, make_ctx, code)

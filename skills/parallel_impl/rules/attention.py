@@ -1,6 +1,7 @@
 """Attention is sharded by heads in attn_tp_group: q_proj/k_proj/v_proj become one QKVParallelLinear
 `qkv_proj`, o_proj a RowParallelLinear whose partial sums the class's TPRegion reduces on the way out, and
-the runtime `Attention` gets the per-rank head counts (which also size this rank's KV cache).
+the runtime `Attention` gets the per-rank head counts (which also size this rank's KV cache), and a per-head
+parameter it receives as `sinks=` keeps this rank's heads (`shard_heads`).
 
 Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
 
@@ -68,6 +69,21 @@ def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> 
     return None
 
 
+def _sink_lines(cls: cst.ClassDef, init: cst.FunctionDef, fwd: cst.FunctionDef) -> dict[int, str]:
+    """id() of each __init__ line `self.x = ...` whose parameter forward uses only as `sinks=self.x` -> x."""
+    sink = m.Arg(keyword=m.Name("sinks"), value=m.Attribute(m.Name("self"), m.Name()))
+    attrs = {a.value.attr.value for a in m.findall(fwd, sink)}
+    return {
+        id(s): a
+        for s in init.body.body
+        for a in attrs
+        if m.matches(
+            s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(a)))])])
+        )
+        and self_refs(cls, a) == 2
+    }
+
+
 def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
     """call with parameter `name` (positional `pos`) set to value, added as a keyword when absent."""
     if (old := arg(call, pos, name)) is None:
@@ -128,7 +144,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return "the Attention layer is built before q_proj, whose per-rank head counts it takes"
     if _computed_later(init, sizes, linears["q_proj"].line, attn.line):
         return "the Attention head counts use values computed after q_proj"
-    skip = [linears[a].line for a in (*QKV, out)] + [attn.line]
+    sinks = _sink_lines(cls, init, fwd)
+    skip = (
+        [linears[a].line for a in (*QKV, out)] + [attn.line] + [s for s in init.body.body if id(s) in sinks]
+    )
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     if found := GLOBAL_SIZES.search(code(fwd.body)):
@@ -161,6 +180,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     call = _set_kwarg(attn.call, 0, "num_heads", "self.qkv_proj.num_heads")
     call = _set_kwarg(call, 3, "num_kv_heads", "self.qkv_proj.num_kv_heads")
     attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
+    sink_lines = {id(s): [_sharded_by_heads(s)] for s in init.body.body if id(s) in sinks}
     new_init = edit_body(
         init,
         {
@@ -169,6 +189,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
             id(linears["v_proj"].line): [],
             id(linears[out].line): [o_proj],
             id(attn.line): [attn_line],
+            **sink_lines,
         },
         [region(GROUP, whole_sequence=True)],
     )
@@ -176,9 +197,16 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     ctx.rewrites += [
         f"{name}: q_proj/k_proj/v_proj -> QKVParallelLinear qkv_proj ({GROUP})",
         f"{name}: {out} -> RowParallelLinear ({GROUP})",
+        *(f"{name}: {a} -> this rank's heads (shard_heads, {GROUP})" for a in sinks.values()),
     ]
     ctx.fused += [s for s in STACKED if s not in ctx.fused]
     return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
+
+
+def _sharded_by_heads(line: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    assign = line.body[0]
+    value = cst.parse_expression(f'shard_heads({code(assign.value)}, comm_manager, "{GROUP}")')
+    return line.with_changes(body=[assign.with_changes(value=value)])
 
 
 def _is_attention(init: cst.FunctionDef) -> bool:
@@ -217,4 +245,6 @@ class ShardAttention(Rule):
         self.add_needed_imports(
             [(LINEAR_IMPORT, "QKVParallelLinear"), (LINEAR_IMPORT, "RowParallelLinear"), *REGION_IMPORTS]
         )
+        if any("shard_heads(" in code(cls) for cls in new.values()):
+            self.add_needed_imports([("runtime.layers.head_shard", "shard_heads")])
         return replace_classes(module, new)
