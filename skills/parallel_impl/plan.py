@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from runtime.config import ParallelConfig
 from runtime.config.comm_manager import group_layout
 from runtime.errors import ConfigError, UserError
+from skills.parallel_impl.rules.attention import FUSED_ON_DISK
 
 VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
 _WORLD_SPLITS = (
@@ -35,7 +36,7 @@ _WORLD_SPLITS = (
     "cp_size",
 )
 # MLP projections the mlp rule shards over dense_tp_group: column (output split) then row (input split)
-_MLP_COLUMN = ("gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h")
+_MLP_COLUMN = ("gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h", "gate_up_proj")
 _MLP_ROW = ("down_proj", "fc2", "c_proj", "dense_4h_to_h")
 _MLP = (*_MLP_COLUMN, *_MLP_ROW)
 _ROW = ("o_proj", *_MLP_ROW, "shared_down_proj")  # input split: the bias stays whole
@@ -230,6 +231,7 @@ def _module(name: str) -> str:
 def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
     a, d = pc.attn_tp_size, pc.dense_tp_size
     return {
+        **dict.fromkeys(FUSED_ON_DISK, a),
         "q_proj": a,
         "k_proj": a,
         "v_proj": a,
@@ -253,7 +255,9 @@ def _held(
 ) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name)
-    if (leaf := name.rsplit(".", 1)[-1]) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
+    if (
+        leaf := name.rsplit(".", 1)[-1]
+    ) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
         return numel // pc.attn_tp_size
     if (
         module.removeprefix("shared_") not in sharded
@@ -264,6 +268,8 @@ def _held(
         return _padded(shape[0], size) // size * math.prod(shape[1:])
     if module in ("k_proj", "v_proj"):  # max(kv // tp, 1) heads: split, or one replicated head
         return numel // s.kv_heads * max(s.kv_heads // size, 1)
+    if module in FUSED_ON_DISK:  # [q; k; v] rows: q heads split, kv heads as above
+        return numel // (s.heads + 2 * s.kv_heads) * (s.heads // size + 2 * max(s.kv_heads // size, 1))
     return numel if module in _ROW and name.endswith("bias") else numel // size
 
 
@@ -392,9 +398,11 @@ def make_plan(
     validate(pc, hf_config)
     shapes = _param_shapes(hf_config)
     modules = {_module(name) for name in shapes}
-    if not {"q_proj", "k_proj", "v_proj", "o_proj"} <= modules:
+    if "o_proj" not in modules or not (
+        {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK}
+    ):
         raise UserError(
-            f"{s.model_type} has no separate q_proj / k_proj / v_proj / o_proj attention projections; "
+            f"{s.model_type} has neither q_proj / k_proj / v_proj nor a fused qkv projection, with o_proj; "
             "skill parallelize shards Llama-style attention only."
         )
     steps, sizes = _rewrites(pc, s, modules, sharded)

@@ -121,7 +121,8 @@ def test_absent_kv_heads_passed_explicitly(run_rule):
     assert "num_kv_heads=self.qkv_proj.num_kv_heads" in out
 
 
-def test_fused_qkv_on_disk_is_a_finding(make_ctx):
+def test_fused_qkv_cut_other_than_in_blocks_is_a_finding(make_ctx):
+    # GPT-NeoX interleaves q/k/v per head in its fused tensor: forward chunks it, not in [q; k; v] blocks
     code = dedent("""\
         class GPTNeoXAttention(nn.Module):
             def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
@@ -138,8 +139,8 @@ def test_fused_qkv_on_disk_is_a_finding(make_ctx):
     assert "QKVParallelLinear" not in parallelize_source(code, ctx)
     (finding,) = ctx.findings
     assert str(finding).startswith(
-        "modeling_gpt_neox.py:1 in GPTNeoXAttention: attention projection "
-        "`self.query_key_value` is fused q/k/v on disk"
+        "modeling_gpt_neox.py:1 in GPTNeoXAttention: attention cannot be sharded by heads: "
+        "`self.query_key_value` is q/k/v fused on disk, and forward does not bind"
     )
     assert finding.rule == rule.ID and str(finding).endswith(f" [{rule.ID}]")  # which rule refused
 
@@ -219,3 +220,81 @@ def test_attention_sinks_keep_this_ranks_heads(run_rule, make_ctx):
 def test_per_head_parameter_used_otherwise_is_a_finding(run_rule, make_ctx):
     code = SINKS_BEFORE.replace("return attn_output\n", "return attn_output * self.sinks.sum()\n")
     assert "is sized for all heads" in _finding(run_rule, make_ctx, code)
+
+
+PHI3_BEFORE = dedent("""\
+    class Phi3Attention(nn.Module):
+        def __init__(self, config, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.config = config
+            self.head_dim = config.head_dim
+            self.num_key_value_heads = config.num_key_value_heads
+            op_size = config.num_attention_heads * self.head_dim + 2 * (config.num_key_value_heads * self.head_dim)
+            self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+            self.qkv_proj = nn.Linear(config.hidden_size, op_size, bias=False)
+            self.attn = Attention(
+                num_heads=config.num_attention_heads,
+                head_dim=self.head_dim,
+                num_kv_heads=config.num_key_value_heads,
+                scale=self.head_dim**-0.5,
+            )
+
+        def forward(self, hidden_states, position_embeddings, *, forward_metadata, **kwargs):
+            hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+
+            qkv = self.qkv_proj(hidden_states)
+            query_pos = self.config.num_attention_heads * self.head_dim
+            query_states = qkv[..., :query_pos]
+            key_states = qkv[..., query_pos : query_pos + self.num_key_value_heads * self.head_dim]
+            value_states = qkv[..., query_pos + self.num_key_value_heads * self.head_dim :]
+
+            query_states = query_states.view(hidden_shape).transpose(1, 2)
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            return self.o_proj(attn_output)
+    """)
+
+PHI3_AFTER = IMPORTS + dedent("""\
+    class Phi3Attention(nn.Module):
+        def __init__(self, config, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.config = config
+            self.head_dim = config.head_dim
+            self.num_key_value_heads = config.num_key_value_heads
+            self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False, reduce_results=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "o_proj"))
+            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "qkv_proj"))
+            self.attn = Attention(
+                num_heads=self.qkv_proj.num_heads,
+                head_dim=self.head_dim,
+                num_kv_heads=self.qkv_proj.num_kv_heads,
+                scale=self.head_dim**-0.5,
+            )
+            self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
+
+        def forward(self, hidden_states, position_embeddings, *, forward_metadata, **kwargs):
+            hidden_states = self.tp_region.enter(hidden_states)
+            hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+
+            qkv = self.qkv_proj(hidden_states)
+            query_states, key_states, value_states = qkv.split(self.qkv_proj.output_partition_sizes, dim=-1)
+
+            query_states = query_states.view(hidden_shape).transpose(1, 2)
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            return self.tp_region.exit(self.o_proj(attn_output))
+    """)
+
+
+def test_qkv_fused_on_disk_in_blocks_is_split_per_rank(run_rule, make_ctx):
+    # Phi-3: one [q; k; v] tensor on disk, cut in forward at whole-model sizes; its loader splits it per rank.
+    ctx = make_ctx()
+    assert run_rule(rule, PHI3_BEFORE, ctx) == PHI3_AFTER
+    assert ctx.findings == [] and ctx.fused == []  # the checkpoint names qkv_proj itself
+    assert ctx.rewrites[0] == "Phi3Attention: qkv_proj -> QKVParallelLinear qkv_proj (attn_tp_group)"
+    assert run_rule(rule, PHI3_AFTER) == PHI3_AFTER
+
+
+def test_fused_qkv_cut_out_of_order_is_a_finding(run_rule, make_ctx):
+    code = PHI3_BEFORE.replace("qkv[..., :query_pos]", "qkv[..., :self.head_dim]")
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    (finding,) = ctx.findings
+    assert "other than as 3 consecutive slices of its last dim" in finding.what

@@ -127,19 +127,51 @@ def test_unshardable_mlp_stays_replicated(run_rule, make_ctx):
         assert ctx.rewrites == ctx.fused == ctx.findings == []
 
 
-def test_fused_gate_up_column_stays_replicated(run_rule, make_ctx):
-    # ChatGLM-style: gate and up stacked in one column that forward chunks; a contiguous shard would mix them.
-    code = dedent("""\
-        class GLMMLP(nn.Module):
-            def __init__(self, config, infer_config, comm_manager=None, prefix=""):
-                super().__init__()
-                self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=False)
-                self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+GLM = dedent("""\
+    class GLMMLP(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.dense_h_to_4h = nn.Linear(config.hidden_size, 2 * config.ffn_hidden_size, bias=False)
+            self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
 
-            def forward(self, x):
-                gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
-                return self.dense_4h_to_h(F.silu(gate) * up)
-        """)
+        def forward(self, x):
+            gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)
+            return self.dense_4h_to_h(F.silu(gate) * up)
+    """)
+
+
+def test_gate_and_up_fused_on_disk_keep_their_halves(run_rule, make_ctx):
+    # ChatGLM / Phi-3: [gate; up] in one column that forward halves; each rank keeps its share of each half.
     ctx = make_ctx()
-    assert run_rule(rule, code, ctx) == code
-    assert ctx.rewrites == ctx.fused == ctx.findings == []
+    out = run_rule(rule, GLM, ctx)
+    assert (
+        "self.dense_h_to_4h = MergedColumnParallelLinear(config.hidden_size, [config.ffn_hidden_size, "
+        "config.ffn_hidden_size], bias=False," in out
+    )
+    assert "gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)" in out  # the rank's [gate; up] halves as is
+    assert (
+        ctx.rewrites[0]
+        == "GLMMLP: dense_h_to_4h -> MergedColumnParallelLinear dense_h_to_4h (dense_tp_group)"
+    )
+    assert ctx.fused == ctx.findings == []  # the checkpoint names the fused tensor itself
+    assert run_rule(rule, out) == out
+    phi3 = GLM.replace(  # the output bound to a name the halving rebinds
+        "gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)",
+        "up = self.dense_h_to_4h(x)\n        gate, up = up.chunk(2, dim=-1)",
+    )
+    assert "MergedColumnParallelLinear(" in run_rule(rule, phi3)
+    read_again = phi3.replace("return self.dense_4h_to_h(", "return up + self.dense_4h_to_h(").replace(
+        "gate, up = up", "gate, u = up"
+    )
+    assert "MergedColumnParallelLinear(" not in run_rule(rule, read_again)
+
+
+def test_fused_column_cut_otherwise_stays_replicated(run_rule, make_ctx):
+    # a contiguous shard of a column cut any other way (thirds, interleaved halves) would mix its parts
+    for cut in ("chunk(3, dim=-1)", "chunk(2, dim=0)", "split(2, dim=-1)"):
+        code = GLM.replace("chunk(2, dim=-1)", cut)
+        ctx = make_ctx()
+        assert run_rule(rule, code, ctx) == code
+        assert ctx.rewrites == ctx.fused == ctx.findings == []
+    code = GLM.replace("2 * config.ffn_hidden_size", "3 * config.ffn_hidden_size")
+    assert run_rule(rule, code) == code

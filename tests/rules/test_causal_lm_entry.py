@@ -258,3 +258,16 @@ def test_tail_reads_only_names_the_new_forward_defines(run_rule, make_ctx):
             if isinstance(n, ast.Name)
         }
     )
+
+
+def test_hidden_states_scaled_before_the_head_stay(run_rule):
+    # MiniCPM3 divides the hidden states before the LM head; dropping it would keep greedy tokens, not logits.
+    scaled = "hidden_states = slice_logits_to_keep(hidden_states, 0)\n        hidden_states = hidden_states / self.config.logits_scaling\n"
+    code = BEFORE.replace("hidden_states = slice_logits_to_keep(hidden_states, 0)\n", scaled)
+    out = run_rule(rule, code, **GEMMA3)
+    expected = AFTER.replace(
+        "        logits = self.lm_head(hidden_states)\n",
+        "        hidden_states = hidden_states / self.config.logits_scaling\n        logits = self.lm_head(hidden_states)\n",
+    )
+    assert out == expected
+    assert run_rule(rule, out, **GEMMA3) == out

@@ -314,3 +314,20 @@ def test_mla_key_and_value_head_sizes(run_rule, make_ctx):
         "v_head_dim=self.v_head_dim, num_kv_heads=config.num_key_value_heads, scale=self.scaling)"
     )
     assert ctx.findings == []
+
+
+def test_callers_of_a_list_of_attention_modules_drop_the_weights(run_rule):
+    # LongcatFlash: two attention modules per layer, `self.self_attn = nn.ModuleList([...])`, called by index.
+    callers = CALLERS.replace(
+        "self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)",
+        "self.self_attn = nn.ModuleList([LlamaAttention(config=config, layer_idx=2 * layer_idx + i) for i in range(2)])",
+    ).replace("hidden_states, _ = self.self_attn(", "hidden_states, _ = self.self_attn[0](")
+    out = run_rule(rule, HEADER + attention() + callers)
+    assert "        hidden_states = self.self_attn[0](\n" in out
+    assert run_rule(rule, out) == out
+
+
+def test_kv_heads_computed_in_a_local_are_cached(run_rule):
+    # MiMo-V2-Flash: sliding layers have twice the kv heads, computed in a local of __init__.
+    code = HEADER + attention(init_extra=("num_key_value_heads = config.num_key_value_heads * 2",)) + CALLERS
+    assert "num_kv_heads=num_key_value_heads, scale=self.scaling)" in ctor_line(run_rule(rule, code))

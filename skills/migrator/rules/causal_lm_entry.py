@@ -72,8 +72,9 @@ def _vocab_projection(init: cst.FunctionDef) -> str:
     return "lm_head" if "lm_head" in names or not names else names[0]
 
 
-def _logits_tail(fwd: cst.FunctionDef, head: str) -> list[cst.BaseStatement] | None:
-    """The output projection (fed the last positions) and the logits post-processing after it."""
+def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseStatement] | None:
+    """The output projection (fed the last positions) with the per-token processing of the hidden states
+    before it (MiniCPM's `hidden_states / logits_scaling`) and of the logits after it."""
     body = list(fwd.body.body)
     idx = next(
         (i for i, s in enumerate(body) if m.findall(s, m.Call(func=m.Attribute(attr=m.Name(head))))), None
@@ -83,12 +84,23 @@ def _logits_tail(fwd: cst.FunctionDef, head: str) -> list[cst.BaseStatement] | N
     head = stmt(f"logits = self.{head}(hidden_states)\n")
     dropped = {n for s in body[:idx] for n in assigned_names(s)} | set(param_names(fwd)) | {"loss", "outputs"}
     dropped -= {"self", "hidden_states", "logits", "input_ids", "position_ids", "kwargs"}
-    tail = [
+    model_call = m.Call(func=m.Attribute(m.Name("self"), m.Name(inner)))
+    position_slice = m.Call(
+        func=m.Name("slice_logits_to_keep")
+    )  # the runtime picks the last positions itself
+    before = [
+        s
+        for s in body[:idx]
+        if assigned_names(s) == {"hidden_states"}
+        and not free_names(s) & dropped
+        and not m.findall(s, model_call | position_slice)
+    ]
+    after = [
         s
         for s in body[idx + 1 :]
         if not (m.matches(s, m.SimpleStatementLine([m.Return()])) or free_names(s) & dropped)
     ]
-    return [head, *tail, stmt("return logits[:, None, :]\n")]
+    return [*before, head, *after, stmt("return logits[:, None, :]\n")]
 
 
 class CausalLMEntry(Rule):
@@ -106,7 +118,7 @@ class CausalLMEntry(Rule):
             return module  # already in contract form
         inner = _inner_model_attr(cls, module)
         head = _vocab_projection(init)
-        tail = _logits_tail(fwd, head)
+        tail = None if inner is None else _logits_tail(fwd, inner, head)
         if inner is None or tail is None:
             ctx.unsupported(
                 ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward"

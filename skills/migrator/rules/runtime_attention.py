@@ -120,7 +120,10 @@ def _attention_ctor(
     if "self.v_head_dim =" in init_code:  # MLA: values narrower than queries / keys
         args.append("v_head_dim=self.v_head_dim")
     kv_attr = next((a for a in KV_HEAD_ATTRS if f"self.{a} =" in init_code), None)
-    if "num_key_value_heads" in init_code:
+    kv_local = next((a for a in KV_HEAD_ATTRS if any(a in assigned_names(s) for s in init.body.body)), None)
+    if kv_local:  # e.g. MiMo-V2: `num_key_value_heads = config.num_key_value_heads * 2 if is_swa else ...`
+        args.append(f"num_kv_heads={kv_local}")
+    elif "num_key_value_heads" in init_code:
         args.append("num_kv_heads=config.num_key_value_heads")
     elif kv_attr:  # e.g. `self.kv_heads = 1 if self.multi_query else self.num_heads`
         args.append(f"num_kv_heads=self.{kv_attr}")
@@ -190,12 +193,12 @@ class _Classes(cst.CSTTransformer):
 
 
 def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
-    """`self.X` attributes of cls that hold an attention module."""
+    """`self.X` attributes of cls that hold an attention module, or a list of them (`nn.ModuleList([...])`)."""
     found = set()
     for a in m.findall(
         cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
     ):
-        if called_name(a.value) in attn:
+        if any(called_name(c) in attn for c in m.findall(a.value, m.Call())):
             found.add(a.targets[0].target.attr.value)
     return found
 
@@ -209,11 +212,11 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
         self.needs_kwargs = False
 
     def _is_attention_call(self, node) -> bool:
-        return (
-            isinstance(node, cst.Call)
-            and m.matches(node.func, m.Attribute(value=m.Name("self")))
-            and node.func.attr.value in self.attrs
-        )
+        """`self.X(...)`, or `self.X[i](...)` for a list of attention modules."""
+        if not isinstance(node, cst.Call):
+            return False
+        func = node.func.value if isinstance(node.func, cst.Subscript) else node.func
+        return m.matches(func, m.Attribute(value=m.Name("self"))) and func.attr.value in self.attrs
 
     def leave_Call(self, original, updated):
         if not self._is_attention_call(updated) or any(a.star == "**" for a in updated.args):

@@ -263,3 +263,72 @@ def wrap_region(fwd: cst.FunctionDef) -> cst.FunctionDef | None:
     at = 1 if is_docstring(body[0]) else 0
     body.insert(at, stmt(f"{hidden} = self.tp_region.enter({hidden})\n"))
     return fwd.with_changes(body=fwd.body.with_changes(body=body))
+
+
+def _block_slice(s: cst.BaseStatement, x: str) -> tuple[str, str | None, str | None] | None:
+    """(target, lower, upper) of `target = x[..., lower:upper]` (bounds as code, None when open)."""
+    pattern = m.SimpleStatementLine(
+        [
+            m.Assign(
+                [m.AssignTarget(m.Name())],
+                m.Subscript(
+                    m.Name(x),
+                    [m.SubscriptElement(m.Index(m.Ellipsis())), m.SubscriptElement(m.Slice(step=None))],
+                ),
+            )
+        ]
+    )
+    if not m.matches(s, pattern):
+        return None
+    assign = s.body[0]
+    cut = assign.value.slice[1].slice
+    return assign.targets[0].target.value, *(None if b is None else code(b) for b in (cut.lower, cut.upper))
+
+
+def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.FunctionDef | str:
+    """forward cutting `x = self.<attr>(...)` into `parts` consecutive blocks of its last dim (`a = x[..., :p]`,
+    `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes) made to split it by the parallel
+    layer's per-rank sizes instead: `a, b, c = x.split(self.<attr>.output_partition_sizes, dim=-1)`. Locals
+    only those bounds read go too. Returns why not when the output is used any other way."""
+    body = list(fwd.body.body)
+    call = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
+    at = next(
+        (
+            i
+            for i, s in enumerate(body)
+            if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)]))
+        ),
+        None,
+    )
+    if at is None or self_refs(fwd, attr) != 1:
+        return f"forward does not bind `self.{attr}(...)`'s output to a name once"
+    x = body[at].body[0].targets[0].target.value
+    cuts = [(i, c) for i, s in enumerate(body) if (c := _block_slice(s, x))]
+    uses = len(m.findall(fwd, m.Name(x))) - 1
+    bounds = [b for _, c in cuts for b in c[1:]]
+    consecutive = bounds[:1] == [None] and bounds[-1:] == [None] and bounds[1:-1:2] == bounds[2:-1:2]
+    if len(cuts) != parts or uses != parts or not consecutive:
+        return f"forward uses `self.{attr}`'s output other than as {parts} consecutive slices of its last dim"
+    targets = ", ".join(c[0] for _, c in cuts)
+    split = stmt(f"{targets} = {x}.split(self.{attr}.output_partition_sizes, dim=-1)\n")
+    first = cuts[0][0]
+    body[first] = split.with_changes(leading_lines=body[first].leading_lines)
+    dropped = {i for i, _ in cuts[1:]}
+    body = [s for i, s in enumerate(body) if i not in dropped]
+    read = set().union(*(free_names(cst.parse_expression(b)) for b in bounds if b))
+    return drop_unused_locals(fwd.with_changes(body=fwd.body.with_changes(body=body)), read)
+
+
+def drop_unused_locals(fn: cst.FunctionDef, names: Iterable[str]) -> cst.FunctionDef:
+    """fn without the top-level `name = ...` of each of names that nothing reads any more."""
+    body = list(fn.body.body)
+    for name in names:
+        binding = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])
+        binders = [s for s in body if name in assigned_names(s)]
+        if (
+            len(binders) == 1
+            and m.matches(binders[0], binding)
+            and len(m.findall(cst.Module(body), m.Name(name))) == 1
+        ):
+            body = [s for s in body if s is not binders[0]]
+    return fn.with_changes(body=fn.body.with_changes(body=body))

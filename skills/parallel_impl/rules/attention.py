@@ -22,6 +22,7 @@ from skills.parallel_impl.rules._units import (
     Layer,
     arg,
     code,
+    drop_unused_locals,
     edit_body,
     fuse_calls,
     has_region,
@@ -34,6 +35,7 @@ from skills.parallel_impl.rules._units import (
     returns_output_of,
     self_layers,
     self_refs,
+    split_fused_output,
     with_kwarg,
     wrap_region,
 )
@@ -117,7 +119,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     linears = self_layers(init, LINEAR)
     attention = list(self_layers(init, {"Attention"}).values())
     out = next((a for a in OUT if a in linears), None)
-    missing = [a for a in QKV if a not in linears] + ([] if out else ["o_proj"])
+    fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
+    projections = (fused,) if fused else QKV
+    missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
     if missing:
         return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
     if len(attention) != 1:
@@ -126,11 +130,17 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return "no forward"
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
-    q, k, v, o = (linear_args(linears[a].call) for a in (*QKV, out))
-    if None in (q, k, v, o):
+    args = [linear_args(linears[a].call) for a in (*projections, out)]
+    if None in args:
         return "a projection passes nn.Linear arguments other than in/out features and bias"
-    if len({q.in_features, k.in_features, v.in_features}) != 1 or len({q.bias, k.bias, v.bias}) != 1:
+    q, o = args[0], args[-1]
+    if len({a.in_features for a in args[:-1]}) != 1 or len({a.bias for a in args[:-1]}) != 1:
         return "q/k/v projections differ in input size or bias"
+    if fused:
+        fwd = split_fused_output(fwd, fused, 3)
+        if isinstance(fwd, str):
+            return f"`self.{fused}` is q/k/v fused on disk, and {fwd}"
+    qkv_attr, first = fused or "qkv_proj", linears[projections[0]].line
     attn: Layer = attention[0]
     heads, head_dim, kv_heads = (
         arg(attn.call, 0, "num_heads"),
@@ -140,35 +150,30 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if heads is None or head_dim is None:
         return "the Attention call does not pass num_heads and head_dim"
     sizes = [code(a.value) for a in (head_dim, heads, kv_heads or heads)]
-    if init.body.body.index(attn.line) < init.body.body.index(linears["q_proj"].line):
-        return "the Attention layer is built before q_proj, whose per-rank head counts it takes"
-    if _computed_later(init, sizes, linears["q_proj"].line, attn.line):
-        return "the Attention head counts use values computed after q_proj"
+    if init.body.body.index(attn.line) < init.body.body.index(first):
+        return f"the Attention layer is built before {projections[0]}, whose per-rank head counts it takes"
+    if _computed_later(init, sizes, first, attn.line):
+        return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _sink_lines(cls, init, fwd)
-    skip = (
-        [linears[a].line for a in (*QKV, out)] + [attn.line] + [s for s in init.body.body if id(s) in sinks]
-    )
+    skip = [linears[a].line for a in (*projections, out)] + [attn.line]
+    skip += [s for s in init.body.body if id(s) in sinks]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     if found := GLOBAL_SIZES.search(code(fwd.body)):
         return f"forward uses the whole model's `{found.group()}`, which a rank no longer has"
     if not returns_output_of(fwd, out):
         return f"forward does not return {out}'s output as is"
-    new_fwd = fuse_calls(fwd, QKV, "qkv_proj")
+    new_fwd = fwd if fused else fuse_calls(fwd, QKV, "qkv_proj")
     if isinstance(new_fwd, str):
         return new_fwd
-    if any(self_refs(cls, a) != 2 for a in QKV):
-        return "q_proj/k_proj/v_proj are used outside __init__ and forward"
+    if any(self_refs(cls, a) != 2 for a in projections):
+        return f"{'/'.join(projections)} are used outside __init__ and forward"
     new_fwd = wrap_region(new_fwd)
     if new_fwd is None:
         return "forward takes no hidden-states argument"
 
     qkv = parallel_layer(
-        "qkv_proj",
-        "QKVParallelLinear",
-        [q.in_features, *sizes, f"bias={q.bias}"],
-        GROUP,
-        linears["q_proj"].line,
+        qkv_attr, "QKVParallelLinear", [q.in_features, *sizes, f"bias={q.bias}"], GROUP, first
     )
     o_proj = parallel_layer(
         out,
@@ -177,29 +182,30 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         GROUP,
         linears[out].line,
     )
-    call = _set_kwarg(attn.call, 0, "num_heads", "self.qkv_proj.num_heads")
-    call = _set_kwarg(call, 3, "num_kv_heads", "self.qkv_proj.num_kv_heads")
+    call = _set_kwarg(attn.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
+    call = _set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads")
     attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
     sink_lines = {id(s): [_sharded_by_heads(s)] for s in init.body.body if id(s) in sinks}
     new_init = edit_body(
         init,
         {
-            id(linears["q_proj"].line): [qkv],
-            id(linears["k_proj"].line): [],
-            id(linears["v_proj"].line): [],
+            **{id(linears[a].line): [] for a in projections},
+            id(first): [qkv],
             id(linears[out].line): [o_proj],
             id(attn.line): [attn_line],
             **sink_lines,
         },
         [region(GROUP, whole_sequence=True)],
     )
+    new_init = drop_unused_locals(new_init, free_names(linears[projections[0]].call))
     name = cls.name.value
     ctx.rewrites += [
-        f"{name}: q_proj/k_proj/v_proj -> QKVParallelLinear qkv_proj ({GROUP})",
+        f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})",
         f"{name}: {out} -> RowParallelLinear ({GROUP})",
         *(f"{name}: {a} -> this rank's heads (shard_heads, {GROUP})" for a in sinks.values()),
     ]
-    ctx.fused += [s for s in STACKED if s not in ctx.fused]
+    if not fused:
+        ctx.fused += [s for s in STACKED if s not in ctx.fused]
     return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
 
 
@@ -210,7 +216,9 @@ def _sharded_by_heads(line: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
 
 
 def _is_attention(init: cst.FunctionDef) -> bool:
-    return bool(self_layers(init, {"Attention"})) or any(a in QKV for a in self_layers(init, LINEAR))
+    return bool(self_layers(init, {"Attention"})) or any(
+        a in (*QKV, *FUSED_ON_DISK) for a in self_layers(init, LINEAR)
+    )
 
 
 class ShardAttention(Rule):
@@ -226,15 +234,7 @@ class ShardAttention(Rule):
             init = method(cls, "__init__")
             if init is None or has_region(cls):
                 continue
-            fused = [a for a in FUSED_ON_DISK if a in self_layers(init, LINEAR)]
-            if fused:
-                ctx.unsupported(
-                    name,
-                    0,
-                    f"attention projection `self.{fused[0]}` is fused q/k/v on disk; only "
-                    "separate q_proj/k_proj/v_proj can be sharded by heads",
-                )
-            elif _is_attention(init):
+            if _is_attention(init):
                 result = _rewrite(cls, ctx)
                 if isinstance(result, str):
                     ctx.unsupported(name, 0, f"attention cannot be sharded by heads: {result}")

@@ -1,6 +1,8 @@
 """Dense MLPs are sharded along the intermediate size in dense_tp_group: gate_proj + up_proj become one
-MergedColumnParallelLinear `gate_up_proj` (a lone up projection a ColumnParallelLinear), the down projection a
-RowParallelLinear whose partial sums the class's TPRegion reduces on the way out.
+MergedColumnParallelLinear `gate_up_proj` (a lone up projection a ColumnParallelLinear; one of output `2 * X` that
+forward only halves with `.chunk(2, dim=-1)`, gate and up fused on disk, a MergedColumnParallelLinear whose
+loader splits the tensor), the down projection a RowParallelLinear whose partial sums the class's TPRegion
+reduces on the way out.
 
 A replicated MLP is still correct, so a class that doesn't match (MoE experts held as 3-D parameters, a router
 named `gate`, extra arguments) is left as it is, without a finding."""
@@ -11,8 +13,9 @@ import re
 from typing import TYPE_CHECKING
 
 import libcst as cst
+import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, method
+from skills.migrator.cst_utils import assigned_names, classes, method
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
@@ -41,7 +44,7 @@ if TYPE_CHECKING:
 
 GROUP = "dense_tp_group"
 GATED = ("gate_proj", "up_proj")
-COLUMN = ("fc1", "c_fc", "dense_h_to_4h", "up_proj")
+COLUMN = ("fc1", "c_fc", "dense_h_to_4h", "up_proj", "gate_up_proj")
 ROW = ("fc2", "c_proj", "dense_4h_to_h", "down_proj")
 STACKED = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
 _SPLITS = re.compile(r"\.(chunk|split|unbind|tensor_split)\(|\[\s*\.\.\.\s*,|\bswiglu\(")
@@ -55,6 +58,43 @@ def _unit(linears: dict[str, Layer]) -> tuple[tuple[str, ...], str] | None:
     if len(rows) != 1 or len(columns) != (2 if gated else 1) or set(linears) != {*columns, *rows}:
         return None
     return columns, rows[0]
+
+
+def _halves(out_features: str) -> str | None:
+    """X of an output size written `2 * X` or `X * 2`."""
+    size = cst.parse_expression(out_features)
+    if not m.matches(size, m.BinaryOperation(operator=m.Multiply())):
+        return None
+    if m.matches(size.left, m.Integer("2")):
+        return code(size.right)
+    return code(size.left) if m.matches(size.right, m.Integer("2")) else None
+
+
+def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
+    """forward calls `self.<attr>` once and only halves its output, `.chunk(2, dim=-1)` on the call or on the name
+    one top-level statement binds it to."""
+    call = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
+
+    def halved(of: m.BaseMatcherNode) -> m.Call:
+        minus_one = m.UnaryOperation(m.Minus(), m.Integer("1"))
+        return m.Call(
+            m.Attribute(of, m.Name("chunk")), [m.Arg(m.Integer("2")), m.Arg(minus_one, keyword=m.Name("dim"))]
+        )
+
+    if self_refs(fwd, attr) != 1:
+        return False
+    if m.findall(fwd, halved(call)):
+        return True
+    body = list(fwd.body.body)
+    bound = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)])
+    at = next((i for i, s in enumerate(body) if m.matches(s, bound)), None)
+    if at is None:
+        return False
+    y = body[at].body[0].targets[0].target.value
+    later = [s for s in body[at + 1 :] if m.findall(s, m.Name(y))]
+    if not later or not m.matches(later[0], m.SimpleStatementLine([m.Assign(value=halved(m.Name(y)))])):
+        return False
+    return y in assigned_names(later[0]) or len(later) == 1  # y rebound by the halving, or never read again
 
 
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> cst.ClassDef | None:
@@ -83,9 +123,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
             "MergedColumnParallelLinear",
             f"[{first.out_features}, {up.out_features}]",
         )
-    elif _SPLITS.search(
-        code(fwd.body)
-    ):  # e.g. gate and up fused in one column: a contiguous shard would mix them
+    elif (half := _halves(first.out_features)) and _only_halved(fwd, columns[0]):  # [gate; up] on disk
+        attr, ctor, out = columns[0], "MergedColumnParallelLinear", f"[{half}, {half}]"
+    elif _SPLITS.search(code(fwd.body)):  # a contiguous shard of a column cut otherwise would mix its parts
         return None
     else:
         attr, ctor, out = columns[0], "ColumnParallelLinear", first.out_features
@@ -103,7 +143,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         parallel_layer(row, "RowParallelLinear", row_args, GROUP, linears[row].line)
     ]
     name = cls.name.value
-    fused_name = f" {attr}" if len(columns) == 2 else ""
+    fused_name = f" {attr}" if ctor == "MergedColumnParallelLinear" else ""
     ctx.rewrites += [
         f"{name}: {'/'.join(columns)} -> {ctor}{fused_name} ({GROUP})",
         f"{name}: {row} -> RowParallelLinear ({GROUP})",
