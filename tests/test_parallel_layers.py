@@ -19,7 +19,7 @@ from runtime.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from runtime.layers.head_shard import shard_heads
+from runtime.layers.head_shard import gather_heads, shard_heads
 
 
 class FakeTP:
@@ -326,9 +326,34 @@ def check_lm_head(cm: CommManager) -> None:
     _close(tied(h), F.linear(h, w))
 
 
+def check_norm_over_all_heads(cm: CommManager) -> None:
+    """OLMo2's q_norm / k_norm under TP: each rank's heads normalised with every head's statistics."""
+    torch.manual_seed(5)
+    ws, x = [_rand(n * HEAD_DIM, HIDDEN) for n in (HEADS, KV_HEADS, KV_HEADS)], _rand(3, HIDDEN)
+    qkv = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, comm_manager=cm)
+    load(qkv.weight, torch.cat(ws))
+    q, k, _ = qkv(x).split(qkv.output_partition_sizes, dim=-1)
+    for local, w, heads in ((q, ws[0], HEADS), (k, ws[1], KV_HEADS)):
+        norm = nn.RMSNorm(heads * HEAD_DIM, eps=1e-6)
+        nn.init.normal_(norm.weight)
+        expected = norm(F.linear(x, w))
+        got = gather_heads(norm, heads, cm, "attn_tp_group")(local)
+        per_rank = max(heads // cm.get_size("attn_tp_group"), 1) * HEAD_DIM
+        replicas = max(cm.get_size("attn_tp_group") // heads, 1)
+        start = cm.get_rank("attn_tp_group") // replicas * per_rank
+        _close(got, expected[:, start : start + per_rank])
+
+
 CHECKS = {
     f.__name__: f
-    for f in (check_qkv_row, check_merged_row, check_column_gather, check_vocab_embedding, check_lm_head)
+    for f in (
+        check_qkv_row,
+        check_merged_row,
+        check_column_gather,
+        check_vocab_embedding,
+        check_lm_head,
+        check_norm_over_all_heads,
+    )
 }
 
 

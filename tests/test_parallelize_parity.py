@@ -30,12 +30,13 @@ SCENARIO_ARCHS = [
 # (architecture, scenario): qkv bias (qwen2, `-m slow`: its TP+DP run is llama's plus biases); sliding-window
 # layers with a scaled embedding the rules leave replicated, tied to the head (gemma3); attention sinks split by
 # query heads, alternating sliding / full layers and MoE experts left whole (gpt_oss); q/k/v and gate/up fused
-# on disk (phi3)
+# on disk (phi3); q / k norms over all heads, run on every head (olmo2)
 OTHER_ARCHS = [
     pytest.param("qwen2", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
     ("gemma3_text", "tp2_dp2_dense_tp4"),
     ("gpt_oss", "tp2"),
     ("phi3", "tp2_dp2_dense_tp4"),
+    ("olmo2", "tp2_dp2_dense_tp4"),
 ]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {

@@ -1,13 +1,15 @@
-"""Per-head parameters (attention sinks) cut to the heads this rank computes."""
+"""Per-head parameters and modules under attention TP: sinks cut to this rank's heads, a module over all heads' q
+or k run on every head."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from runtime.errors import ConfigError
-from runtime.layers.comm import tp_info
+from runtime.layers.comm import all_gather, tp_info
 from runtime.layers.linear import LoadedWeight, ShardId, check_shape, read_narrow, set_weight_attrs
 
 if TYPE_CHECKING:
@@ -35,3 +37,33 @@ def shard_heads(
 
     set_weight_attrs(shard, weight_loader=load)
     return shard
+
+
+def gather_heads(
+    module: nn.Module, total_heads: int, comm_manager: CommManager | None, tp_group: str
+) -> nn.Module:
+    """``module`` made to run on every head of an activation each rank holds only its heads of: a norm over all
+    heads' q or k (OLMo2's ``q_norm`` / ``k_norm``) computed exactly under attention TP. Its input is gathered
+    in head order (one copy of kv heads replicated over ranks), it runs on the whole width with its weights
+    whole (their names unchanged: hooks, not a wrapper), and each rank keeps its own heads of the result."""
+    size, rank, group = tp_info(comm_manager, tp_group)
+    if group is None:
+        return module
+    replicas = max(size // total_heads, 1)  # ranks holding each head (kv heads fewer than ranks)
+    local_heads = max(total_heads // size, 1)
+
+    def gather(_: nn.Module, args: tuple) -> tuple:
+        whole = all_gather(args[0], group, dim=-1)
+        if replicas > 1:  # every head `replicas` times in a row: keep one of each
+            whole = whole.unflatten(-1, (size, -1))[..., ::replicas, :].flatten(-2)
+        return (whole, *args[1:])
+
+    def keep_own(_: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        assert out.shape == args[0].shape, f"{type(module).__name__} changed the shape of all heads"
+        width = out.shape[-1] // total_heads * local_heads
+        own = rank // replicas * width
+        return out[..., own : own + width]
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(keep_own)
+    return module

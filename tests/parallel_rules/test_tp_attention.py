@@ -298,3 +298,49 @@ def test_fused_qkv_cut_out_of_order_is_a_finding(run_rule, make_ctx):
     assert run_rule(rule, code, ctx) == code
     (finding,) = ctx.findings
     assert "other than as 3 consecutive slices of its last dim" in finding.what
+
+
+OLMO2_BEFORE = (
+    BEFORE.replace(
+        "        self.attn = Attention(\n",
+        "        self.q_norm = Olmo2RMSNorm(config.num_attention_heads * self.head_dim, config.rms_norm_eps)\n"
+        "        self.k_norm = Olmo2RMSNorm(config.num_key_value_heads * self.head_dim, config.rms_norm_eps)\n"
+        "        self.attn = Attention(\n",
+    )
+    .replace(
+        "self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
+        "self.q_norm(self.q_proj(hidden_states)).view(hidden_shape).transpose(1, 2)",
+    )
+    .replace(
+        "self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+        "self.k_norm(self.k_proj(hidden_states)).view(hidden_shape).transpose(1, 2)",
+    )
+)
+
+
+def test_norm_over_all_heads_runs_on_every_head(run_rule, make_ctx):
+    # OLMo2: q_norm / k_norm normalise the whole q / k projection output, every head together.
+    ctx = make_ctx()
+    out = run_rule(rule, OLMO2_BEFORE, ctx)
+    assert ctx.findings == []
+    assert (
+        "        self.q_norm = gather_heads(Olmo2RMSNorm(config.num_attention_heads * self.head_dim, "
+        'config.rms_norm_eps), config.num_attention_heads, comm_manager, "attn_tp_group")\n' in out
+    )
+    assert (
+        "        self.k_norm = gather_heads(Olmo2RMSNorm(config.num_key_value_heads * self.head_dim, "
+        'config.rms_norm_eps), config.num_key_value_heads, comm_manager, "attn_tp_group")\n' in out
+    )
+    assert "query_states = self.q_norm(q_proj_out).view(hidden_shape)" in out
+    assert (
+        ctx.rewrites[-1]
+        == "LlamaAttention: k_norm runs on every head of k_proj's output (gather_heads, attn_tp_group)"
+    )
+    assert run_rule(rule, out) == out
+
+
+def test_all_head_module_applied_elsewhere_is_a_finding(run_rule, make_ctx):
+    code = OLMO2_BEFORE.replace(
+        "self.k_norm(self.k_proj(hidden_states))", "self.k_norm(self.k_proj(hidden_states) + 1)"
+    )
+    assert "`self.k_norm = Olmo2RMSNorm(" in _finding(run_rule, make_ctx, code)

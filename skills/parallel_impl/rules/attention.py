@@ -1,7 +1,8 @@
 """Attention is sharded by heads in attn_tp_group: q_proj/k_proj/v_proj become one QKVParallelLinear
 `qkv_proj`, o_proj a RowParallelLinear whose partial sums the class's TPRegion reduces on the way out, and
 the runtime `Attention` gets the per-rank head counts (which also size this rank's KV cache), and a per-head
-parameter it receives as `sinks=` keeps this rank's heads (`shard_heads`).
+parameter it receives as `sinks=` keeps this rank's heads (`shard_heads`); a module applied to all heads' q or k
+projection output (OLMo2's q_norm / k_norm) runs on every head (`gather_heads`).
 
 Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
 
@@ -86,6 +87,29 @@ def _sink_lines(cls: cst.ClassDef, init: cst.FunctionDef, fwd: cst.FunctionDef) 
     }
 
 
+def _all_head_modules(
+    init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef
+) -> dict[int, tuple[str, str]]:
+    """id() of each __init__ line `self.x = Module(...)` whose module forward applies only to the whole output of
+    q_proj or k_proj (`self.x(self.q_proj(h))`) -> (x, "q" or "k")."""
+    found = {}
+    for s in init.body.body:
+        target = m.SimpleStatementLine(
+            [m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))], m.Call())]
+        )
+        if not m.matches(s, target):
+            continue
+        attr = s.body[0].targets[0].target.attr.value
+        for proj in ("q_proj", "k_proj"):
+            applied = m.Call(
+                m.Attribute(m.Name("self"), m.Name(attr)),
+                [m.Arg(m.Call(m.Attribute(m.Name("self"), m.Name(proj))))],
+            )
+            if len(m.findall(fwd, applied)) == 1 and self_refs(cls, attr) == 2:
+                found[id(s)] = (attr, proj[0])
+    return found
+
+
 def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
     """call with parameter `name` (positional `pos`) set to value, added as a keyword when absent."""
     if (old := arg(call, pos, name)) is None:
@@ -155,8 +179,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if _computed_later(init, sizes, first, attn.line):
         return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _sink_lines(cls, init, fwd)
+    all_heads = {} if fused else _all_head_modules(init, fwd, cls)
     skip = [linears[a].line for a in (*projections, out)] + [attn.line]
-    skip += [s for s in init.body.body if id(s) in sinks]
+    skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     if found := GLOBAL_SIZES.search(code(fwd.body)):
@@ -186,6 +211,12 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     call = _set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads")
     attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
     sink_lines = {id(s): [_sharded_by_heads(s)] for s in init.body.body if id(s) in sinks}
+    heads_of = {"q": sizes[1], "k": sizes[2]}
+    all_head_lines = {
+        id(s): [_on_every_head(s, heads_of[all_heads[id(s)][1]])]
+        for s in init.body.body
+        if id(s) in all_heads
+    }
     new_init = edit_body(
         init,
         {
@@ -194,6 +225,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
             id(linears[out].line): [o_proj],
             id(attn.line): [attn_line],
             **sink_lines,
+            **all_head_lines,
         },
         [region(GROUP, whole_sequence=True)],
     )
@@ -203,6 +235,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})",
         f"{name}: {out} -> RowParallelLinear ({GROUP})",
         *(f"{name}: {a} -> this rank's heads (shard_heads, {GROUP})" for a in sinks.values()),
+        *(
+            f"{name}: {a} runs on every head of {p}_proj's output (gather_heads, {GROUP})"
+            for a, p in all_heads.values()
+        ),
     ]
     if not fused:
         ctx.fused += [s for s in STACKED if s not in ctx.fused]
@@ -212,6 +248,12 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
 def _sharded_by_heads(line: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
     assign = line.body[0]
     value = cst.parse_expression(f'shard_heads({code(assign.value)}, comm_manager, "{GROUP}")')
+    return line.with_changes(body=[assign.with_changes(value=value)])
+
+
+def _on_every_head(line: cst.SimpleStatementLine, heads: str) -> cst.SimpleStatementLine:
+    assign = line.body[0]
+    value = cst.parse_expression(f'gather_heads({code(assign.value)}, {heads}, comm_manager, "{GROUP}")')
     return line.with_changes(body=[assign.with_changes(value=value)])
 
 
@@ -245,6 +287,7 @@ class ShardAttention(Rule):
         self.add_needed_imports(
             [(LINEAR_IMPORT, "QKVParallelLinear"), (LINEAR_IMPORT, "RowParallelLinear"), *REGION_IMPORTS]
         )
-        if any("shard_heads(" in code(cls) for cls in new.values()):
-            self.add_needed_imports([("runtime.layers.head_shard", "shard_heads")])
+        for helper in ("shard_heads", "gather_heads"):
+            if any(f"{helper}(" in code(cls) for cls in new.values()):
+                self.add_needed_imports([("runtime.layers.head_shard", helper)])
         return replace_classes(module, new)
