@@ -16,10 +16,13 @@ import pytest
 import torch
 from model_dirs import make_model_dir
 from tiny_checkpoint import PARITY_PROMPTS
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime.config import InferenceConfig
 from runtime.errors import ConfigError, UserError
+from runtime.layers.attention import Attention
+from skills.migrator.attention_layout import attention_layouts
 from skills.migrator.render import PARALLEL_KEYS, RenderContext, render_artifacts
 
 SKILL = str(Path(sys.executable).parent / "skill")  # not shutil.which: procps ships a `skill` too
@@ -306,3 +309,37 @@ def test_infer_sh_online_mode_and_node_lists(tmp_path):
     write(model_dir, render_artifacts(make_ctx(mode="standalone", skill_executable=str(skill))))
     out = infer_sh(model_dir, "--mode", "online", env=env)
     assert out.returncode == 2 and "framework mode" in out.stderr
+
+
+class _SinkAttention(nn.Module):
+    def __init__(self, window):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.zeros(4))
+        self.attn = Attention(4, 8, 0.3, 2, sliding_window=window, v_head_dim=4)
+
+    def forward(self, q, k, v, md):
+        return self.attn(q, k, v, md, sinks=self.sinks)
+
+
+class _PlainAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(4, 8, 0.3, 4, soft_cap=50.0)
+
+    def forward(self, q, k, v, md):
+        return self.attn(q, k, v, md)
+
+
+def test_readme_lists_the_attention_layers_read_off_the_model():
+    model = nn.ModuleList([_SinkAttention(16), _PlainAttention(), _SinkAttention(16)])
+    layouts = attention_layouts(model)
+    assert [(a["layers"], a["first"], a["sinks"], a["cache_values_per_token"]) for a in layouts] == [
+        (2, "0.attn", "yes", 2 * (8 + 4)),
+        (1, "1.attn", "no", 4 * (8 + 8)),
+    ]
+    readme = render_artifacts(make_ctx(attention=layouts))["README.md"]
+    assert (
+        "| 2 | `0.attn` | 4 / 2 | 8 / 4 | 16 | - | yes | 24 |\n| 1 | `1.attn` | 4 / 4 | 8 / 8 | - | 50.00 | no | 64 |\n"
+        in readme
+    )
+    assert "## Attention" not in render_artifacts(make_ctx())["README.md"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from runtime.errors import UserError
+from skills.atomic_write import write_text_atomic
 from skills.migrator.codestyle import tidy
 from skills.migrator.context import RewriteContext
 from skills.migrator.mode import decide_mode
@@ -246,8 +247,10 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     files = {**converted.files, **render_artifacts(render_ctx)}
     staging = stage(model_dir, files, opts.force)
     try:
-        validate_model_dir(staging, staging / "config" / f"{name}.yaml")
+        layouts = validate_model_dir(staging, staging / "config" / f"{name}.yaml")
         log(f"converted {src.entry_class}: code imports, builds and takes every checkpoint weight")
+        render_ctx = replace(render_ctx, attention=layouts)
+        write_text_atomic(staging / "README.md", render_artifacts(render_ctx)["README.md"])
         outcome = {}
         if opts.run:
             from skills.migrator.doctor import collect_run

@@ -50,6 +50,9 @@ class RenderContext:
     prompts: list[str] = field(default_factory=list)  # data_config.prompts; empty: the bundled default set
     yaml_name: str = ""  # config/<yaml_name>.yaml; default: <name>
     trust_remote_code: bool = False
+    attention: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # runtime Attention kinds of the built model
 
 
 def yaml_value(value: Any) -> str:

@@ -1,0 +1,33 @@
+"""What the converted model's runtime attention layers are, read off the built model for its README: head
+counts and sizes, sliding window, soft cap, sinks, and what the KV cache holds per token."""
+
+import inspect
+
+from torch import nn
+
+from runtime.layers.attention import Attention
+
+
+def _sinks(parent: nn.Module) -> bool:
+    """Whether the module owning an Attention hands it sinks (read from the converted forward's source)."""
+    return "sinks=" in inspect.getsource(type(parent).forward)
+
+
+def attention_layouts(model: nn.Module) -> list[dict]:
+    """One row per kind of Attention layer (layers built alike share a row), in order of first appearance."""
+    modules = dict(model.named_modules())
+    rows: dict[tuple, dict] = {}
+    for name, layer in modules.items():
+        if not isinstance(layer, Attention):
+            continue
+        row = {
+            "heads": f"{layer.num_heads} / {layer.num_kv_heads}",
+            "head_size": f"{layer.head_dim} / {layer.v_head_dim}",
+            "sliding_window": layer.sliding_window or "-",
+            "soft_cap": layer.soft_cap or "-",
+            "sinks": "yes" if _sinks(modules[name.rpartition(".")[0]]) else "no",
+            "cache_values_per_token": layer.num_kv_heads * (layer.head_dim + layer.v_head_dim),
+        }
+        entry = rows.setdefault(tuple(row.values()), {"layers": 0, "first": name, **row})
+        entry["layers"] += 1
+    return list(rows.values())
