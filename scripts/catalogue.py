@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 from rich.progress import Progress
-from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, tiny_config
+from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, set_token_id, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -128,7 +128,9 @@ def check(model_type: str, work: Path) -> Entry:
             return Entry(model_type, "OUT OF SCOPE", reason)
         config = tiny_config(model_type)
         sized = copy.deepcopy(config)
-        sized.pad_token_id = None  # the fixture's tokenizer sets it; a default may exceed the tiny vocab
+        set_token_id(
+            sized, "pad_token_id", None, 0
+        )  # the fixture's tokenizer sets it; a default may exceed the vocab
         with torch.device("meta"):
             size = sum(p.numel() for p in AutoModelForCausalLM.from_config(sized).parameters())
         if size > MAX_FIXTURE_PARAMS:
@@ -158,7 +160,9 @@ def check(model_type: str, work: Path) -> Entry:
             "PASS",
             f"{result['tokens_compared']} tokens, log-prob gap {result['max_logprob_diff']:.1e}",
         )
-    first = result.get("first_difference") or {}
+    first = result.get("first_difference")
+    if first is None:  # the tokens agree, the log-probabilities do not
+        return Entry(model_type, "MISMATCH", result["reason"])
     return Entry(
         model_type,
         "MISMATCH",

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoConfig,
@@ -170,6 +171,15 @@ def _reinit_(model: PreTrainedModel, init_std: float) -> None:
                 value.add_(torch.randn_like(value), alpha=0.1)
 
 
+def set_token_id(config: PretrainedConfig, key: str, value: int | None, fallback: int) -> None:
+    """``config.<key> = value``; a strictly typed config that wants an int there (cwm's bos, modernbert-decoder's
+    pad) gets ``fallback`` instead."""
+    try:
+        setattr(config, key, value)
+    except StrictDataclassError:
+        setattr(config, key, fallback)
+
+
 def build_tiny_checkpoint(
     config: PretrainedConfig,
     out_dir: Path,
@@ -187,7 +197,7 @@ def build_tiny_checkpoint(
         "bos_token_id": None,
     }
     for key, value in ids.items():
-        setattr(config, key, value)
+        set_token_id(config, key, value, tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit_(model, init_std)
