@@ -15,9 +15,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
-STALE_LOCK_S = (
-    600  # a build takes about a minute on two cores; an older lock outlived the process that took it
-)
+# a build takes about a minute on two cores; an older lock outlived the process that took it
+STALE_LOCK_S = 600
 
 
 def _cpu_tag() -> str:

@@ -285,24 +285,25 @@ def _block_slice(s: cst.BaseStatement, x: str) -> tuple[str, str | None, str | N
     return assign.targets[0].target.value, *(None if b is None else code(b) for b in (cut.lower, cut.upper))
 
 
+def bound_call(body: Sequence[cst.BaseStatement], attr: str) -> tuple[int, str] | None:
+    """(index, name) of the first top-level statement `name = self.<attr>(...)` of body."""
+    call = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
+    bound = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)])
+    return next(
+        ((i, s.body[0].targets[0].target.value) for i, s in enumerate(body) if m.matches(s, bound)), None
+    )
+
+
 def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.FunctionDef | str:
     """forward cutting `x = self.<attr>(...)` into `parts` consecutive blocks of its last dim (`a = x[..., :p]`,
     `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes) made to split it by the parallel
     layer's per-rank sizes instead: `a, b, c = x.split(self.<attr>.output_partition_sizes, dim=-1)`. Locals
     only those bounds read go too. Returns why not when the output is used any other way."""
     body = list(fwd.body.body)
-    call = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
-    at = next(
-        (
-            i
-            for i, s in enumerate(body)
-            if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)]))
-        ),
-        None,
-    )
-    if at is None or self_refs(fwd, attr) != 1:
+    bound = bound_call(body, attr)
+    if bound is None or self_refs(fwd, attr) != 1:
         return f"forward does not bind `self.{attr}(...)`'s output to a name once"
-    x = body[at].body[0].targets[0].target.value
+    x = bound[1]
     cuts = [(i, c) for i, s in enumerate(body) if (c := _block_slice(s, x))]
     uses = len(m.findall(fwd, m.Name(x))) - 1
     bounds = [b for _, c in cuts for b in c[1:]]

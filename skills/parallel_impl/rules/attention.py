@@ -210,10 +210,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     call = _set_kwarg(attn.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
     call = _set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads")
     attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
-    sink_lines = {id(s): [_sharded_by_heads(s)] for s in init.body.body if id(s) in sinks}
+    sink_lines = {id(s): [_wrapped(s, "shard_heads")] for s in init.body.body if id(s) in sinks}
     heads_of = {"q": sizes[1], "k": sizes[2]}
     all_head_lines = {
-        id(s): [_on_every_head(s, heads_of[all_heads[id(s)][1]])]
+        id(s): [_wrapped(s, "gather_heads", heads_of[all_heads[id(s)][1]])]
         for s in init.body.body
         if id(s) in all_heads
     }
@@ -245,15 +245,12 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
 
 
-def _sharded_by_heads(line: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+def _wrapped(line: cst.SimpleStatementLine, helper: str, *args: str) -> cst.SimpleStatementLine:
+    """`self.x = <value>` -> `self.x = helper(<value>, *args, comm_manager, GROUP)`."""
     assign = line.body[0]
-    value = cst.parse_expression(f'shard_heads({code(assign.value)}, comm_manager, "{GROUP}")')
-    return line.with_changes(body=[assign.with_changes(value=value)])
-
-
-def _on_every_head(line: cst.SimpleStatementLine, heads: str) -> cst.SimpleStatementLine:
-    assign = line.body[0]
-    value = cst.parse_expression(f'gather_heads({code(assign.value)}, {heads}, comm_manager, "{GROUP}")')
+    value = cst.parse_expression(
+        f'{helper}({", ".join([code(assign.value), *args])}, comm_manager, "{GROUP}")'
+    )
     return line.with_changes(body=[assign.with_changes(value=value)])
 
 

@@ -23,6 +23,7 @@ from skills.parallel_impl.rules._units import (
     REGION_IMPORTS,
     Layer,
     LinearArgs,
+    bound_call,
     code,
     edit_body,
     fuse_calls,
@@ -86,11 +87,9 @@ def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
     if m.findall(fwd, halved(call)):
         return True
     body = list(fwd.body.body)
-    bound = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)])
-    at = next((i for i, s in enumerate(body) if m.matches(s, bound)), None)
-    if at is None:
+    if (bound := bound_call(body, attr)) is None:
         return False
-    y = body[at].body[0].targets[0].target.value
+    at, y = bound
     later = [s for s in body[at + 1 :] if m.findall(s, m.Name(y))]
     if not later or not m.matches(later[0], m.SimpleStatementLine([m.Assign(value=halved(m.Name(y)))])):
         return False
