@@ -155,12 +155,28 @@ class CommManager:
         return self._entry(name).name
 
 
+EP_GROUP = "moe_ep_group"
+
+
 def register_tp_groups(comm_manager: CommManager | None, pc: ParallelConfig, names: Iterable[str]) -> None:
-    """Registers each named TP group whose size in `pc` is > 1, as consecutive blocks of ranks; a layer whose
-    group is absent runs unsharded."""
+    """Registers each named TP group whose size in `pc` is > 1, as consecutive blocks of ranks, and
+    `moe_ep_group` (see register_ep_groups); a layer whose group is absent runs unsharded."""
     if comm_manager is None:
         return
     for name in names:
+        if name == EP_GROUP:
+            register_ep_groups(comm_manager, pc)
+            continue
         size = getattr(pc, TP_GROUP_SIZES[name])
         if size > 1:
             comm_manager.register_group(name, pc.world_size // size, size)
+
+
+def register_ep_groups(comm_manager: CommManager, pc: ParallelConfig) -> None:
+    """`moe_ep_group` when moe_ep_size > 1: the ranks sharing a moe_tp index (interleaved by moe_tp_size), each
+    holding world / ep of the experts; and `moe_ep_group_mc2` over the same ranks on a communicator of its own
+    (seed 002: the MC2 dispatch group never reuses a physical group)."""
+    ep, tp = pc.moe_ep_size, pc.moe_tp_size
+    if ep > 1:
+        comm_manager.register_group(EP_GROUP, tp, ep, group_stride=tp)
+        comm_manager.register_group(f"{EP_GROUP}_mc2", tp, ep, group_stride=tp, allow_physical_reuse=False)

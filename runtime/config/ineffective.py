@@ -19,8 +19,8 @@ NO_EFFECT: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("model_config", "force_eplb"): (
         bool,
         (
-            "expert-parallel load balancing needs expert parallelism, which this "
-            "runtime does not have yet (experts stay whole on every rank)"
+            "expert-parallel load balancing (moving hot experts between ranks) is not implemented; "
+            "each rank keeps the fixed block of experts moe_ep_group gives it"
         ),
     ),
     ("model_config", "next_n"): (bool, "multi-token prediction (MTP) is not implemented: one token per step"),

@@ -109,6 +109,8 @@ class ParallelConfig(_Section):
     o_proj_tp_size: int = Field(1, ge=1)
     shared_tp_size: int = Field(1, ge=1)
     cp_size: int = Field(1, ge=1)
+    # how tokens reach the experts of other ranks when ranks hold different tokens (runtime/layers/moe.py)
+    moe_dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
     _global_rank: int = PrivateAttr(0)
     _local_rank: int = PrivateAttr(0)
 

@@ -48,9 +48,12 @@ class CheckpointLayout:
         return name, None
 
 
-def load_stacked_part(param: torch.nn.Parameter, weight: torch.Tensor, part: StackedPart) -> None:
+def load_stacked_part(
+    param: torch.nn.Parameter, weight: torch.Tensor, part: StackedPart, expert: int
+) -> None:
+    """`weight` into `param[expert]` (the expert's row of this rank's stack; part.expert is its global id)."""
     rows = weight.shape[0]
-    dst = param.data[part.expert].narrow(0, part.part * rows, rows)
+    dst = param.data[expert].narrow(0, part.part * rows, rows)
     if dst.shape != weight.shape:
         raise ValueError(
             f"{part.target}[{part.expert}]: checkpoint tensor of shape {list(weight.shape)} does not "

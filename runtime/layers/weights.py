@@ -50,7 +50,7 @@ def load_named_weights(
     ``stacked_params_mapping`` holds ``(fused_param, checkpoint_part, shard_id)`` such as
     ``(".qkv_proj", ".q_proj", "q")``. Persistent buffers load like parameters. Names that match no
     parameter go through transformers' checkpoint conversion for the model type (per-expert MoE tensors ->
-    stacked 3-D parameters); a name nothing takes is an error, and so is a stacked parameter left with holes.
+    stacked 3-D parameters; experts outside a parameter's ``owned_experts`` are skipped unread); a name nothing takes is an error, and so is a stacked parameter left with holes.
     """
     buffers = persistent_buffers(model)
     canonical = {id(p): n for n, p in [*model.named_parameters(), *buffers.items()]}
@@ -79,7 +79,10 @@ def load_named_weights(
             )
         try:
             if part is not None:
-                load_stacked_part(param, materialize(weight), part)
+                owned = getattr(param, "owned_experts", range(param.shape[0]))
+                if part.expert not in owned:  # another rank's expert: never read
+                    continue
+                load_stacked_part(param, materialize(weight), part, part.expert - owned.start)
                 stacked.setdefault(target, set()).add((part.expert, part.part))
                 if len(stacked[target]) < param.shape[0] * part.num_parts:
                     continue

@@ -1,0 +1,142 @@
+"""Expert parallelism for a model's own experts module (seed 002's MoE EP).
+
+The migrated experts module keeps its math: stacked per-expert parameters ``[num_experts, ...]`` and a forward
+``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` that applies the routing weights.
+Under ``moe_ep_group`` each rank builds only its ``num_experts / ep`` experts (a contiguous block; their loaders
+read only those from the checkpoint) and ``ExpertParallel`` runs the module on the (token, expert) pairs routed
+to them:
+
+* tokens replicated over the group (attention DP 1): each rank runs its experts on its pairs, the partial
+  sums are all_reduced;
+* tokens sharded (each rank its own rows, the TP+DP layout): pairs are dispatched to their owners with
+  ``all_to_all_single`` (uneven splits) and the weighted outputs come back the same way to be summed per token
+  (``moe_dispatch: all_to_all``, the default); or every rank's rows are all_gathered, run as above and
+  reduce_scattered back (``moe_dispatch: all_gather``); parallel_config.moe_dispatch picks one.
+
+Every rank runs the same collectives in every step, also when no pair reaches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.config.comm_manager import EP_GROUP
+from runtime.errors import ConfigError
+from runtime.layers.comm import all_gather, all_reduce, reduce_scatter, tp_info
+from runtime.layers.linear import LoadedWeight, ShardId, check_shape, read_narrow, set_weight_attrs
+from runtime.layers.token_layout import current_layout
+
+if TYPE_CHECKING:
+    from runtime.config import InferenceConfig
+    from runtime.config.comm_manager import CommManager
+
+ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ExpertParallel:
+    """This rank's block of experts in ``ep_group`` and the dispatch / combine around them."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        infer_config: InferenceConfig | None,
+        comm_manager: CommManager | None,
+        ep_group: str = EP_GROUP,
+        prefix: str = "",
+    ):
+        self.ep_size, self.ep_rank, self.group = tp_info(comm_manager, ep_group)
+        if num_experts % self.ep_size:
+            raise ConfigError(
+                f"{prefix}: {num_experts} experts cannot be split evenly over {ep_group} of {self.ep_size} ranks"
+            )
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.local_experts
+        self.dispatch = infer_config.parallel_config.moe_dispatch if infer_config else "all_to_all"
+
+    @property
+    def owned(self) -> range:
+        """Global ids of this rank's experts."""
+        return range(self.first_expert, self.first_expert + self.local_experts)
+
+    def shard(self, *params: nn.Parameter) -> None:
+        """Stacked parameters ``[local_experts, ...]`` that read only this rank's experts from the checkpoint:
+        a packed ``[num_experts, ...]`` tensor through their loader, per-expert tensors by expert id
+        (``owned_experts``: the checkpoint layout skips the others unread)."""
+        for param in params:
+            assert param.shape[0] == self.local_experts, (
+                f"a stacked expert parameter has {param.shape[0]} experts, expected {self.local_experts}"
+            )
+            set_weight_attrs(param, weight_loader=self._load, owned_experts=self.owned)
+
+    def _load(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
+        assert shard_id is None, f"a stacked expert parameter takes no shard_id, got {shard_id!r}"
+        check_shape(param, loaded, (self.num_experts, *param.shape[1:]), tuple(param.shape))
+        param.data.copy_(read_narrow(loaded, 0, self.first_expert, self.local_experts))
+
+    def __call__(
+        self,
+        experts: ExpertsForward,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.group is None:
+            return experts(hidden, top_k_index, top_k_weights)
+        if not current_layout().sharded:  # every rank of the group holds the same tokens
+            return all_reduce(self._run_owned(experts, hidden, top_k_index, top_k_weights), self.group)
+        if self.dispatch == "all_gather":
+            gathered = [all_gather(t, self.group, dim=0) for t in (hidden, top_k_index, top_k_weights)]
+            return reduce_scatter(self._run_owned(experts, *gathered), self.group, dim=0)
+        return self._all_to_all(experts, hidden, top_k_index, top_k_weights)
+
+    def _run_owned(
+        self,
+        experts: ExpertsForward,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's experts' weighted outputs summed per token ([T, H]; zero rows where none was chosen)."""
+        local = top_k_index - self.first_expert
+        token, slot = torch.nonzero((local >= 0) & (local < self.local_experts), as_tuple=True)
+        out = torch.zeros_like(hidden)
+        if token.numel():
+            rows = experts(hidden[token], local[token, slot, None], top_k_weights[token, slot, None])
+            out.index_add_(0, token, rows.to(out.dtype))
+        return out
+
+    def _all_to_all(
+        self,
+        experts: ExpertsForward,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each (token, expert) pair to the expert's owner and its weighted output back, summed per token."""
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        owner = flat // self.local_experts
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=self.ep_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        sent, received = send_counts.tolist(), recv_counts.tolist()
+        token = order // k
+
+        def exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+            out = t.new_empty((sum(out_splits), *t.shape[1:]))
+            dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
+            return out
+
+        rows = exchange(hidden[token], received, sent)
+        ids = exchange(flat[order], received, sent) - self.first_expert
+        weights = exchange(top_k_weights.reshape(-1)[order], received, sent)
+        done = experts(rows, ids[:, None], weights[:, None]) if rows.shape[0] else rows
+        back = exchange(done.to(hidden.dtype), sent, received)
+        return torch.zeros_like(hidden).index_add_(0, token, back)
