@@ -61,20 +61,16 @@ def run_json(cmd: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
-def parallel_yaml(path: Path, world: int, attn: int, dense: int, embed: int, lmhead: int) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "parallel_config": {
-                    "world_size": world,
-                    "attn_tp_size": attn,
-                    "dense_tp_size": dense,
-                    "embed_tp_size": embed,
-                    "lmhead_tp_size": lmhead,
-                }
-            }
-        )
-    )
+def parallel_yaml(path: Path, world: int, attn: int, dense: int, embed: int, lmhead: int, **extra) -> Path:
+    """A parallel_config file; `extra` adds keys such as moe_tp_size."""
+    sizes = {
+        "world_size": world,
+        "attn_tp_size": attn,
+        "dense_tp_size": dense,
+        "embed_tp_size": embed,
+        "lmhead_tp_size": lmhead,
+    }
+    path.write_text(yaml.safe_dump({"parallel_config": {**sizes, **extra}}))
     return path
 
 

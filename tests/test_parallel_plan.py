@@ -14,7 +14,7 @@ from runtime.errors import ConfigError, UserError
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
-from skills.parallel_impl.plan import format_plan, make_plan, validate
+from skills.parallel_impl.plan import SHARDABLE, format_plan, make_plan, validate
 
 BF16 = torch.bfloat16.itemsize
 
@@ -236,18 +236,44 @@ def test_valid_configs_give_groups_rewrites_and_bytes(cfg, p, groups, fragments)
     assert groups[0][0] in out.getvalue() and "params per rank" in out.getvalue()
 
 
-def test_moe_experts_stay_whole_and_are_counted_whole():
-    cfg, p = qwen3_moe(), pc(4, 2, 1, 2, 4, moe_tp_size=2)
-    plan = make_plan(p, cfg, torch.bfloat16)
-    assert {g.name for g in plan.groups} == {"attn_tp_group", "embed_tp_group", "lmhead_tp_group"}
-    text = "\n".join(plan.rewrites)
-    assert "MoE experts: all 4 replicated on every rank" in text and "not implemented" in text
-    assert "gate_proj/up_proj" not in text  # every layer is sparse: no dense MLP, no dense_tp_group
+def _moe_bytes(experts_per_rank: int) -> int:
+    """qwen3_moe() at attn_tp 2, embed_tp 2, lmhead_tp 4 with `experts_per_rank` of its 4 experts per rank."""
     h, d, layers = 64, 16, 2
     attention = (h * 4 * d // 2 + 2 * h * 1 * d) + 4 * d // 2 * h + 2 * d  # qkv, o_proj, q_norm/k_norm
-    moe = 4 * 3 * h * 32 + 4 * h  # all 4 experts of gate/up/down, router
-    expected = layers * (attention + moe + 2 * h) + h + 512 // 2 * h + 512 // 4 * h
-    assert plan.per_rank_param_bytes == expected * BF16
+    moe = experts_per_rank * 3 * h * 32 + 4 * h  # this rank's experts of gate/up/down, router
+    return (layers * (attention + moe + 2 * h) + h + 512 // 2 * h + 512 // 4 * h) * BF16
+
+
+def test_moe_experts_stay_whole_without_an_experts_module_the_rules_split():
+    plan = make_plan(pc(4, 2, 1, 2, 4), qwen3_moe(), torch.bfloat16)
+    assert {g.name for g in plan.groups} == {"attn_tp_group", "embed_tp_group", "lmhead_tp_group"}
+    text = "\n".join(plan.rewrites)
+    assert "MoE experts: all 4 whole on every rank" in text and "no experts module" in text
+    assert "gate_proj/up_proj" not in text  # every layer is sparse: no dense MLP, no dense_tp_group
+    assert plan.per_rank_param_bytes == _moe_bytes(4)
+
+
+@pytest.mark.parametrize(
+    ("moe_tp", "ep_ranks", "owners"),
+    [
+        (1, [(0, 1, 2, 3)], "experts 0-0 on ranks [0]; experts 1-1 on ranks [1]; experts 2-2 on ranks [2]"),
+        (2, [(0, 2), (1, 3)], "experts 0-1 on ranks [0, 1]; experts 2-3 on ranks [2, 3]"),
+    ],
+)
+def test_moe_experts_split_over_moe_ep_group(moe_tp, ep_ranks, owners):
+    sharded = SHARDABLE | {"experts"}
+    plan = make_plan(pc(4, 2, 1, 2, 4, moe_tp_size=moe_tp), qwen3_moe(), torch.bfloat16, sharded)
+    (ep,) = [g for g in plan.groups if g.name == "moe_ep_group"]
+    assert ep.ranks() == ep_ranks and ep.stride == moe_tp
+    text = "\n".join(plan.rewrites)
+    assert "MoE experts -> ExpertParallel" in text and owners in text
+    assert ("moe_tp_size 2 is validated but not applied" in text) == (moe_tp == 2)
+    assert plan.per_rank_param_bytes == _moe_bytes(4 // (4 // moe_tp))
+
+
+def test_moe_ep_with_plain_attention_dp_is_refused():
+    message = rejected(pc(2, 1, 1, 1, 1), qwen3_moe())
+    assert "moe_ep_size 2" in message and "step on their own" in message and "moe_tp_size 2" in message
 
 
 def test_mla_is_refused_by_name():

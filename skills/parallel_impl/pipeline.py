@@ -38,6 +38,7 @@ _PARALLEL_ATTR = re.compile(
     r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
     r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead|shard_heads)\("
 )
+_EXPERTS = "= ExpertParallel("  # an experts module split over moe_ep_group (rules/experts.py)
 _INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
 
 
@@ -161,9 +162,11 @@ class _Target:
 
 
 def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
-    """Attributes the rewritten code builds as parallel layers, fused ones under their checkpoint names."""
+    """Attributes the rewritten code builds as parallel layers, fused ones under their checkpoint names, and
+    "experts" when routed experts are split over moe_ep_group."""
     attrs = {a for text in new_code.values() for a in _PARALLEL_ATTR.findall(text)}
-    return frozenset(part for a in attrs for part in fused.get(a, (a,)))
+    experts = {"experts"} if any(_EXPERTS in text for text in new_code.values()) else set()
+    return frozenset({part for a in attrs for part in fused.get(a, (a,))} | experts)
 
 
 def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> _Target:

@@ -4,8 +4,9 @@
 parallel layers. `make_plan` turns the seed's "配置参数 → 实施步骤速查" table into the groups and rewrites that
 `skill parallelize` performs for this model. Every linear / embedding layer gets its parallel class whatever its TP
 size (the seed's rule), so the vocab is padded to a multiple of 64 * tp even at TP 1, as VocabParallelEmbedding
-does. Not implemented, and said so: MoE expert TP / EP (experts stay whole on every rank; the sizes are still
-validated) and multi-head latent attention (refused).
+does. Routed experts are split over moe_ep_group (expert parallelism, each rank its block of experts). Not
+implemented, and said so: MoE expert TP (moe_tp_size > 1 keeps each expert whole within its moe_tp group; the
+size is still validated) and multi-head latent attention (refused).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from runtime.config import ParallelConfig
 from runtime.config.comm_manager import group_layout
 from runtime.errors import ConfigError, UserError
+from runtime.layers.token_layout import needs_sharded_layout
 from skills.parallel_impl.rules.attention import FUSED_ON_DISK
 
 VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
@@ -195,6 +197,13 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
                 f"parallel_config.{key} is {value}, but {'; and '.join(failed)}; valid {key} values for "
                 f"world_size {w}: {', '.join(valid) or 'none, change world_size'}."
             )
+    if s.experts and pc.moe_ep_size > 1 and pc.attn_dp_size > 1 and not needs_sharded_layout(pc):
+        problems.append(
+            f"parallel_config splits {s.experts} experts over moe_ep_size {pc.moe_ep_size} ranks with attention DP "
+            f"{pc.attn_dp_size} and every TP size 1: such DP ranks step on their own, but each MoE layer needs "
+            "every rank of moe_ep_group in every step; set attn_tp_size, dense_tp_size or embed_tp_size > 1 (the "
+            f"TP+DP pattern steps all ranks together), or moe_tp_size {w} to keep the experts whole on every rank."
+        )
     if s.tied and e != lm:
         fixes = [f"lmhead_tp_size {e}"] + ([f"embed_tp_size {lm}"] if lm % a == 0 else [])
         problems.append(
@@ -255,13 +264,14 @@ def _held(
 ) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name)
+    if module == "experts":  # stacked [num_experts, ...]: each rank of moe_ep_group its block
+        split = "experts" in sharded and shape[0] == s.experts
+        return numel // pc.moe_ep_size if split else numel
     if (
         leaf := name.rsplit(".", 1)[-1]
     ) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
         return numel // pc.attn_tp_size
-    if (
-        module.removeprefix("shared_") not in sharded
-    ):  # includes MoE experts: expert TP / EP is not implemented
+    if module.removeprefix("shared_") not in sharded:
         return numel
     size = tp.get(module, 1)
     if module in ("embed_tokens", "lm_head"):
@@ -331,12 +341,30 @@ def _rewrites(
             f"RowParallelLinear (with the dense MLP, dense_tp={d}: intermediate {i} -> {i // d} per rank)"
             f"{on('dense_tp_group', d)}"
         )
-    if "experts" in modules:
-        steps.append(
-            f"MoE experts: all {s.experts} replicated on every rank, router gate replicated (expert TP / "
-            f"EP is not implemented: moe_tp_size {pc.moe_tp_size} / moe_ep_size {pc.moe_ep_size} are "
-            "validated but not applied)"
+    if "experts" in sharded and pc.moe_ep_size > 1:
+        ep, per = pc.moe_ep_size, s.experts // pc.moe_ep_size
+        owners = "; ".join(
+            f"experts {i * per}-{(i + 1) * per - 1} on ranks {[r for r in range(w) if r // pc.moe_tp_size == i]}"
+            for i in range(ep)
         )
+        steps.append(
+            f"MoE experts -> ExpertParallel (moe_ep={ep}: {per} of {s.experts} experts per rank; {owners}): "
+            f"tokens dispatched to their experts' owners (parallel_config.moe_dispatch {pc.moe_dispatch}) "
+            f"when ranks hold their own tokens, else partial sums all_reduced{on('moe_ep_group', ep)}; "
+            "router replicated"
+        )
+        if pc.moe_tp_size > 1:
+            steps.append(
+                f"moe_tp_size {pc.moe_tp_size} is validated but not applied: each expert stays whole on the "
+                "ranks of its moe_tp group (expert TP is not implemented)"
+            )
+    elif "experts" in modules:
+        why = (
+            "the migrated code holds no experts module the rules split"
+            if "experts" not in sharded
+            else f"moe_ep_size is 1 (moe_tp_size {pc.moe_tp_size}; expert TP is not implemented)"
+        )
+        steps.append(f"MoE experts: all {s.experts} whole on every rank, router replicated: {why}")
     if "embed_tokens" in modules:
         p = _padded(s.vocab, e)
         steps.append(
@@ -407,7 +435,8 @@ def make_plan(
         )
     steps, sizes = _rewrites(pc, s, modules, sharded)
     w = pc.world_size
-    groups = [GroupSpec(name, w // n, n) for name, n in sizes.items()]
+    ep_stride = {"moe_ep_group": pc.moe_tp_size}  # ranks sharing a moe_tp index
+    groups = [GroupSpec(name, w // n, n, ep_stride.get(name, 1)) for name, n in sizes.items()]
     tp = _tp_sizes(pc)
     held = sum(_held(name, shape, pc, s, tp, sharded) for name, shape in shapes.items())
     total = sum(math.prod(shape) for shape in shapes.values())

@@ -219,3 +219,44 @@ BLT = dedent("""\
 def test_for_loop_append_prefix(run_rule):
     out = run_rule(rule, BLT, entry_class="BltForCausalLM")
     assert 'prefix=join_prefix(prefix, f"layers.{layer_idx}")' in out
+
+
+def test_stacked_expert_parameters_count_as_weights():
+    """An experts module holding `[num_experts, ...]` parameters is plumbed, and so is the MoE block building it;
+    a module of 2-D parameters only (a router) is not."""
+    import libcst as cst
+
+    from skills.migrator.rules.constructor_plumbing import plumbed_classes
+
+    code = dedent("""\
+        class MoeExperts(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.num_experts = config.num_experts
+                self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * config.moe_dim, config.hidden))
+                self.down_proj = nn.Parameter(torch.empty((self.num_experts, config.hidden, config.moe_dim)))
+
+
+        class MoeRouter(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden))
+
+
+        class MoeBlock(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.experts = MoeExperts(config)
+                self.gate = MoeRouter(config)
+
+
+        class MoeForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.mlp = MoeBlock(config)
+        """)
+    assert plumbed_classes(cst.parse_module(code), "MoeForCausalLM") == {
+        "MoeForCausalLM",
+        "MoeBlock",
+        "MoeExperts",
+    }

@@ -1,10 +1,12 @@
 """Constructors take the runtime contract `(config, ..., infer_config, comm_manager, prefix)` and pass
-it down to every in-file module that holds weights, with `prefix` naming the child's path."""
+it down to every in-file module that holds weights (layers, or parameters stacked per expert), with `prefix`
+naming the child's path."""
 
 import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import called_name, classes, method, param_names
+from skills.migrator.expert_params import expert_params
 from skills.migrator.rule import Rule
 
 WEIGHTED = {"nn.Linear", "Linear", "Attention", "nn.Embedding", "Embedding"}
@@ -20,7 +22,8 @@ def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
             if init is None:
                 continue
             callees = {called_name(c) for c in m.findall(init, m.Call())}
-            if callees & (WEIGHTED | plumbed) and "config" in param_names(init):
+            weighted = callees & (WEIGHTED | plumbed) or expert_params(init)
+            if weighted and "config" in param_names(init):
                 grown.add(name)
         if grown == plumbed:
             return plumbed

@@ -4,8 +4,17 @@ then the entry class's comm groups (collected from the layers) and weight loadin
 from skills.parallel_impl.rules.attention import ShardAttention
 from skills.parallel_impl.rules.comm_groups import RegisterCommGroups
 from skills.parallel_impl.rules.embedding import ShardEmbedding
+from skills.parallel_impl.rules.experts import ShardExperts
 from skills.parallel_impl.rules.lm_head import ShardLMHead
 from skills.parallel_impl.rules.mlp import ShardMLP
 from skills.parallel_impl.rules.stacked_params import StackedParams
 
-PARALLEL_RULES = [ShardAttention, ShardMLP, ShardEmbedding, ShardLMHead, RegisterCommGroups, StackedParams]
+PARALLEL_RULES = [
+    ShardAttention,
+    ShardMLP,
+    ShardExperts,
+    ShardEmbedding,
+    ShardLMHead,
+    RegisterCommGroups,
+    StackedParams,
+]

@@ -12,17 +12,17 @@ from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import edit_body, replace_classes
 
 METHOD = "init_parallel_comm_group"
-ORDER = ("attn_tp_group", "dense_tp_group", "embed_tp_group", "lmhead_tp_group")
+ORDER = ("attn_tp_group", "dense_tp_group", "embed_tp_group", "lmhead_tp_group", "moe_ep_group")
 SUPER_INIT = m.SimpleStatementLine(
     [m.Expr(m.Call(func=m.Attribute(m.Call(func=m.Name("super")), m.Name("__init__"))))]
 )
 
 
 def used_groups(module: cst.Module) -> list[str]:
-    """The `tp_group="..."` names of the module's parallel layers, in ORDER, others after."""
+    """The `tp_group="..."` / `ep_group="..."` names of the module's parallel layers, in ORDER, others after."""
     found = {
         a.value.evaluated_value
-        for a in m.findall(module, m.Arg(m.SimpleString(), keyword=m.Name("tp_group")))
+        for a in m.findall(module, m.Arg(m.SimpleString(), keyword=m.Name("tp_group") | m.Name("ep_group")))
     }
     return [g for g in ORDER if g in found] + sorted(found - set(ORDER))
 
