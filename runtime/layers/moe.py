@@ -13,6 +13,10 @@ to them:
   (``moe_dispatch: all_to_all``, the default); or every rank's rows are all_gathered, run as above and
   reduce_scattered back (``moe_dispatch: all_gather``); parallel_config.moe_dispatch picks one.
 
+Under ``moe_tp_group`` (expert TP) each rank also keeps its share of every expert's intermediate size; the
+group's partial sums are all_reduced (tokens replicated) or, when each rank holds its own rows, the group
+all_gathers its rows first and reduce_scatters the sums back.
+
 Every rank runs the same collectives in every step, also when no pair reaches it.
 """
 
@@ -27,8 +31,16 @@ from torch import nn
 
 from runtime.config.comm_manager import EP_GROUP
 from runtime.errors import ConfigError
+from runtime.layers.checkpoint_layout import StackedPart, load_stacked_part
 from runtime.layers.comm import all_gather, all_reduce, reduce_scatter, tp_info
-from runtime.layers.linear import LoadedWeight, ShardId, check_shape, read_narrow, set_weight_attrs
+from runtime.layers.linear import (
+    LoadedWeight,
+    ShardId,
+    check_shape,
+    materialize,
+    read_narrow,
+    set_weight_attrs,
+)
 from runtime.layers.token_layout import current_layout
 
 if TYPE_CHECKING:
@@ -39,7 +51,8 @@ ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 class ExpertParallel:
-    """This rank's block of experts in ``ep_group`` and the dispatch / combine around them."""
+    """This rank's block of experts in ``ep_group`` (and its share of each expert's intermediate size in
+    ``tp_group``), and the dispatch / combine around them."""
 
     def __init__(
         self,
@@ -47,6 +60,7 @@ class ExpertParallel:
         infer_config: InferenceConfig | None,
         comm_manager: CommManager | None,
         ep_group: str = EP_GROUP,
+        tp_group: str | None = None,
         prefix: str = "",
     ):
         self.ep_size, self.ep_rank, self.group = tp_info(comm_manager, ep_group)
@@ -54,32 +68,117 @@ class ExpertParallel:
             raise ConfigError(
                 f"{prefix}: {num_experts} experts cannot be split evenly over {ep_group} of {self.ep_size} ranks"
             )
+        self.tp_size, self.tp_rank, self.tp_group = (
+            tp_info(comm_manager, tp_group) if tp_group else (1, 0, None)
+        )
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.local_experts
         self.dispatch = infer_config.parallel_config.moe_dispatch if infer_config else "all_to_all"
+        self.prefix = prefix
 
     @property
     def owned(self) -> range:
         """Global ids of this rank's experts."""
         return range(self.first_expert, self.first_expert + self.local_experts)
 
-    def shard(self, *params: nn.Parameter) -> None:
+    def tp_part(self, size: int) -> int:
+        """This rank's share of an expert's intermediate size (the whole size without expert TP)."""
+        if size % self.tp_size:
+            raise ConfigError(
+                f"{self.prefix}: the experts' intermediate size {size} is not divisible by moe_tp_size "
+                f"{self.tp_size}"
+            )
+        return size // self.tp_size
+
+    def shard(
+        self, *params: nn.Parameter, tp_dim: int | None = None, halves: bool = False, once: bool = False
+    ) -> None:
         """Stacked parameters ``[local_experts, ...]`` that read only this rank's experts from the checkpoint:
         a packed ``[num_experts, ...]`` tensor through their loader, per-expert tensors by expert id
-        (``owned_experts``: the checkpoint layout skips the others unread)."""
+        (``owned_experts``: the checkpoint layout skips the others unread). Under expert TP, ``tp_dim`` is the
+        intermediate dimension each rank keeps its contiguous share of (of each of two ``halves``, [gate; up],
+        when set); ``once``: a bias added after the intermediate sum, kept by moe_tp rank 0 only (zero
+        elsewhere) so that the reduced output holds it once."""
         for param in params:
             assert param.shape[0] == self.local_experts, (
                 f"a stacked expert parameter has {param.shape[0]} experts, expected {self.local_experts}"
             )
-            set_weight_attrs(param, weight_loader=self._load, owned_experts=self.owned)
 
-    def _load(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
-        assert shard_id is None, f"a stacked expert parameter takes no shard_id, got {shard_id!r}"
-        check_shape(param, loaded, (self.num_experts, *param.shape[1:]), tuple(param.shape))
-        param.data.copy_(read_narrow(loaded, 0, self.first_expert, self.local_experts))
+            def load(p: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
+                assert shard_id is None, f"a stacked expert parameter takes no shard_id, got {shard_id!r}"
+                self._load(p, loaded, tp_dim, halves, once)
+
+            def load_part(p: nn.Parameter, loaded: LoadedWeight, part: StackedPart, expert: int) -> None:
+                self._load_part(p, loaded, part, expert, tp_dim, once)
+
+            set_weight_attrs(
+                param, weight_loader=load, expert_part_loader=load_part, owned_experts=self.owned
+            )
+
+    def _load(
+        self, param: nn.Parameter, loaded: LoadedWeight, tp_dim: int | None, halves: bool, once: bool
+    ) -> None:
+        full = [self.num_experts, *param.shape[1:]]
+        if tp_dim is not None:
+            full[tp_dim] *= self.tp_size
+        check_shape(param, loaded, tuple(full), tuple(param.shape))
+        if once and self.tp_rank:
+            param.data.zero_()
+            return
+        experts = read_narrow(loaded, 0, self.first_expert, self.local_experts)
+        if tp_dim is None or self.tp_size == 1:
+            param.data.copy_(experts)
+            return
+        local = param.shape[tp_dim] // (2 if halves else 1)
+        blocks = experts.chunk(2, dim=tp_dim) if halves else (experts,)
+        own = [b.narrow(tp_dim, self.tp_rank * local, local) for b in blocks]
+        param.data.copy_(torch.cat(own, dim=tp_dim))
+
+    def _load_part(
+        self,
+        param: nn.Parameter,
+        loaded: LoadedWeight,
+        part: StackedPart,
+        expert: int,
+        tp_dim: int | None,
+        once: bool,
+    ) -> None:
+        """One per-expert checkpoint tensor (part ``part.part`` of ``part.num_parts`` stacked along the expert's
+        first dimension) into this rank's expert number ``expert``, only its TP share."""
+        if tp_dim is None or self.tp_size == 1:
+            load_stacked_part(param, materialize(loaded), part, expert)
+            return
+        if once or (part.num_parts > 1 and tp_dim != 1):
+            raise ValueError(
+                f"{part.target}: per-expert tensors cannot be split for expert TP in this layout (a bias added "
+                "after the expert sum, or parts stacked along another dimension than the one split)"
+            )
+        local = param.shape[tp_dim] // part.num_parts
+        weight = read_narrow(loaded, tp_dim - 1, self.tp_rank * local, local)
+        param.data[expert].narrow(tp_dim - 1, part.part * local, local).copy_(weight)
 
     def __call__(
+        self,
+        experts: ExpertsForward,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """The experts' weighted outputs summed per token, for this rank's tokens."""
+        if self.tp_group is None:
+            return self._expert_parallel(experts, hidden, top_k_index, top_k_weights)
+        if (
+            not current_layout().sharded
+        ):  # the moe_tp group holds the same tokens: sum the intermediate shares
+            return all_reduce(
+                self._expert_parallel(experts, hidden, top_k_index, top_k_weights), self.tp_group
+            )
+        # each rank its own rows: the moe_tp group computes shares of all its rows, then each keeps its own
+        gathered = [all_gather(t, self.tp_group, dim=0) for t in (hidden, top_k_index, top_k_weights)]
+        return reduce_scatter(self._expert_parallel(experts, *gathered), self.tp_group, dim=0)
+
+    def _expert_parallel(
         self,
         experts: ExpertsForward,
         hidden: torch.Tensor,

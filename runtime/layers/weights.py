@@ -82,7 +82,11 @@ def load_named_weights(
                 owned = getattr(param, "owned_experts", range(param.shape[0]))
                 if part.expert not in owned:  # another rank's expert: never read
                     continue
-                load_stacked_part(param, materialize(weight), part, part.expert - owned.start)
+                load_part = getattr(param, "expert_part_loader", None)
+                if load_part is None:
+                    load_stacked_part(param, materialize(weight), part, part.expert - owned.start)
+                else:
+                    load_part(param, weight, part, part.expert - owned.start)
                 stacked.setdefault(target, set()).add((part.expert, part.part))
                 if len(stacked[target]) < param.shape[0] * part.num_parts:
                     continue
