@@ -236,11 +236,11 @@ def test_valid_configs_give_groups_rewrites_and_bytes(cfg, p, groups, fragments)
     assert groups[0][0] in out.getvalue() and "params per rank" in out.getvalue()
 
 
-def _moe_bytes(experts_per_rank: int) -> int:
+def _moe_bytes(experts_per_rank: float) -> int:
     """qwen3_moe() at attn_tp 2, embed_tp 2, lmhead_tp 4 with `experts_per_rank` of its 4 experts per rank."""
     h, d, layers = 64, 16, 2
     attention = (h * 4 * d // 2 + 2 * h * 1 * d) + 4 * d // 2 * h + 2 * d  # qkv, o_proj, q_norm/k_norm
-    moe = experts_per_rank * 3 * h * 32 + 4 * h  # this rank's experts of gate/up/down, router
+    moe = int(experts_per_rank * 3 * h * 32) + 4 * h  # this rank's experts of gate/up/down, router
     return (layers * (attention + moe + 2 * h) + h + 512 // 2 * h + 512 // 4 * h) * BF16
 
 
@@ -254,21 +254,30 @@ def test_moe_experts_stay_whole_without_an_experts_module_the_rules_split():
 
 
 @pytest.mark.parametrize(
-    ("moe_tp", "ep_ranks", "owners"),
+    ("moe_tp", "expert_tp", "ep_ranks", "owners"),
     [
-        (1, [(0, 1, 2, 3)], "experts 0-0 on ranks [0]; experts 1-1 on ranks [1]; experts 2-2 on ranks [2]"),
-        (2, [(0, 2), (1, 3)], "experts 0-1 on ranks [0, 1]; experts 2-3 on ranks [2, 3]"),
+        (
+            1,
+            False,
+            [(0, 1, 2, 3)],
+            "experts 0-0 on ranks [0]; experts 1-1 on ranks [1]; experts 2-2 on ranks [2]",
+        ),
+        (2, False, [(0, 2), (1, 3)], "experts 0-1 on ranks [0, 1]; experts 2-3 on ranks [2, 3]"),
+        (2, True, [(0, 2), (1, 3)], "experts 0-1 on ranks [0, 1]; experts 2-3 on ranks [2, 3]"),
     ],
 )
-def test_moe_experts_split_over_moe_ep_group(moe_tp, ep_ranks, owners):
-    sharded = SHARDABLE | {"experts"}
+def test_moe_experts_split_over_moe_ep_group(moe_tp, expert_tp, ep_ranks, owners):
+    sharded = SHARDABLE | {"experts"} | ({"experts_tp"} if expert_tp else set())
     plan = make_plan(pc(4, 2, 1, 2, 4, moe_tp_size=moe_tp), qwen3_moe(), torch.bfloat16, sharded)
     (ep,) = [g for g in plan.groups if g.name == "moe_ep_group"]
     assert ep.ranks() == ep_ranks and ep.stride == moe_tp
+    assert ("moe_tp_group" in {g.name for g in plan.groups}) == expert_tp
     text = "\n".join(plan.rewrites)
     assert "MoE experts -> ExpertParallel" in text and owners in text
-    assert ("moe_tp_size 2 is validated but not applied" in text) == (moe_tp == 2)
-    assert plan.per_rank_param_bytes == _moe_bytes(4 // (4 // moe_tp))
+    assert ("moe_tp_size 2 is validated but not applied" in text) == (moe_tp == 2 and not expert_tp)
+    assert ("intermediate 32 -> 16 per rank" in text) == expert_tp
+    held = 4 // (4 // moe_tp) / (moe_tp if expert_tp else 1)  # experts' worth of weights each rank holds
+    assert plan.per_rank_param_bytes == _moe_bytes(held)
 
 
 def test_moe_ep_with_plain_attention_dp_is_refused():

@@ -50,21 +50,24 @@ SCENARIOS = {
 }
 
 
-# MoE: routed experts split over moe_ep_group (moe_ep_size = world_size / moe_tp_size); each scenario's
-# (world, attn, dense, embed, lmhead) sizes and extra keys. Tokens replicated over the group (attention DP 1)
-# sum partial outputs with all_reduce; the TP+DP layout dispatches (token, expert) pairs with all_to_all, or
-# all_gathers rows; moe_tp 2 keeps each expert whole (ep 1).
+# MoE: routed experts split over moe_ep_group (moe_ep_size = world_size / moe_tp_size) and their intermediate
+# size over moe_tp_group; each scenario's (world, attn, dense, embed, lmhead) sizes and extra keys. Tokens
+# replicated over the group (attention DP 1) sum partial outputs with all_reduce; the TP+DP layout dispatches
+# (token, expert) pairs with all_to_all, or all_gathers rows.
 MOE_SCENARIOS = {
     "ep2": ((2, 2, 2, 2, 2), {}),
     "ep4": ((4, 4, 4, 4, 4), {}),
     "moe_tp2": ((2, 2, 2, 2, 2), {"moe_tp_size": 2}),
     "tp2_ep4": ((4, 2, 4, 4, 4), {}),
     "tp2_ep4_all_gather": ((4, 2, 4, 4, 4), {"moe_dispatch": "all_gather"}),
+    "tp2_moe_tp2_ep2": ((4, 2, 4, 4, 4), {"moe_tp_size": 2}),
 }
 # gpt_oss EP 2 runs in OTHER_ARCHS (its tp2 scenario splits the experts); `make test` runs qwen3_moe's TP+DP
-# pattern with all_to_all, `-m slow` every other pair
+# pattern with all_to_all over EP 2 and expert TP 2, `-m slow` every other pair
 MOE_RUNS = [
-    pytest.param(arch, name, marks=() if (arch, name) == ("qwen3_moe", "tp2_ep4") else pytest.mark.slow)
+    pytest.param(
+        arch, name, marks=() if (arch, name) == ("qwen3_moe", "tp2_moe_tp2_ep2") else pytest.mark.slow
+    )
     for arch in ("qwen3_moe", "mixtral", "gpt_oss")
     for name in MOE_SCENARIOS
 ]
@@ -186,8 +189,8 @@ def test_moe_expert_parallel(moe_models, arch, scenario, tmp_path):
     out = run(model_dir, Path(done["yaml"]))
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
     assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * sizes[0]
-    whole = parallel_yaml(tmp_path / "whole.yaml", *sizes, **{**extra, "moe_tp_size": sizes[0]})
-    plan = parallelize(model_dir, whole, "--plan", "--json")
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    split = extra.get("moe_tp_size", 1) < sizes[0]  # moe_ep_size > 1: each rank holds only its experts
-    assert (done["per_rank_param_bytes"] < json.loads(plan.stdout)["per_rank_param_bytes"]) == split
+    whole = parallelize(
+        model_dir, config, "--plan", "--json", "--disable", "PR007"
+    )  # every expert everywhere
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert done["per_rank_param_bytes"] < json.loads(whole.stdout)["per_rank_param_bytes"]

@@ -39,6 +39,7 @@ _PARALLEL_ATTR = re.compile(
     r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead|shard_heads)\("
 )
 _EXPERTS = "= ExpertParallel("  # an experts module split over moe_ep_group (rules/experts.py)
+_EXPERTS_TP = 'tp_group="moe_tp_group"'  # ... and over moe_tp_group
 _INFER_SH_YAML = re.compile(r'^YAML="\$\{YAML:-\$DIR/[^}]*\}"$', re.MULTILINE)
 
 
@@ -163,9 +164,11 @@ class _Target:
 
 def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
     """Attributes the rewritten code builds as parallel layers, fused ones under their checkpoint names, and
-    "experts" when routed experts are split over moe_ep_group."""
+    "experts" when routed experts are split over moe_ep_group, "experts_tp" when also over moe_tp_group."""
     attrs = {a for text in new_code.values() for a in _PARALLEL_ATTR.findall(text)}
-    experts = {"experts"} if any(_EXPERTS in text for text in new_code.values()) else set()
+    code = "".join(new_code.values())
+    experts = {"experts"} if _EXPERTS in code else set()
+    experts |= {"experts_tp"} if _EXPERTS_TP in code else set()
     return frozenset({part for a in attrs for part in fused.get(a, (a,))} | experts)
 
 

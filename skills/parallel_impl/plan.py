@@ -4,9 +4,9 @@
 parallel layers. `make_plan` turns the seed's "配置参数 → 实施步骤速查" table into the groups and rewrites that
 `skill parallelize` performs for this model. Every linear / embedding layer gets its parallel class whatever its TP
 size (the seed's rule), so the vocab is padded to a multiple of 64 * tp even at TP 1, as VocabParallelEmbedding
-does. Routed experts are split over moe_ep_group (expert parallelism, each rank its block of experts). Not
-implemented, and said so: MoE expert TP (moe_tp_size > 1 keeps each expert whole within its moe_tp group; the
-size is still validated) and multi-head latent attention (refused).
+does. Routed experts are split over moe_ep_group (expert parallelism, each rank its block of experts) and, where
+the experts module's shapes allow, their intermediate size over moe_tp_group. Not implemented, and said so:
+multi-head latent attention (refused).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class Plan:
 @dataclass(frozen=True)
 class _Shapes:
     model_type: str
+    hidden: int
     heads: int
     kv_heads: int
     intermediate: int
@@ -96,6 +97,7 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
     )
     return _Shapes(
         cfg.model_type,
+        cfg.hidden_size,
         cfg.num_attention_heads,
         getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         cfg.intermediate_size,
@@ -265,8 +267,11 @@ def _held(
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name)
     if module == "experts":  # stacked [num_experts, ...]: each rank of moe_ep_group its block
-        split = "experts" in sharded and shape[0] == s.experts
-        return numel // pc.moe_ep_size if split else numel
+        if "experts" not in sharded or shape[0] != s.experts:
+            return numel
+        once = len(shape) == 2 and shape[1] == s.hidden  # a bias added after the intermediate sum
+        tp = pc.moe_tp_size if "experts_tp" in sharded and not once else 1
+        return numel // pc.moe_ep_size // tp
     if (
         leaf := name.rsplit(".", 1)[-1]
     ) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
@@ -341,7 +346,8 @@ def _rewrites(
             f"RowParallelLinear (with the dense MLP, dense_tp={d}: intermediate {i} -> {i // d} per rank)"
             f"{on('dense_tp_group', d)}"
         )
-    if "experts" in sharded and pc.moe_ep_size > 1:
+    expert_tp = pc.moe_tp_size if "experts_tp" in sharded else 1
+    if "experts" in sharded and max(pc.moe_ep_size, expert_tp) > 1:
         ep, per = pc.moe_ep_size, s.experts // pc.moe_ep_size
         owners = "; ".join(
             f"experts {i * per}-{(i + 1) * per - 1} on ranks {[r for r in range(w) if r // pc.moe_tp_size == i]}"
@@ -353,16 +359,23 @@ def _rewrites(
             f"when ranks hold their own tokens, else partial sums all_reduced{on('moe_ep_group', ep)}; "
             "router replicated"
         )
-        if pc.moe_tp_size > 1:
+        i = s.moe_intermediate
+        if expert_tp > 1:
             steps.append(
-                f"moe_tp_size {pc.moe_tp_size} is validated but not applied: each expert stays whole on the "
-                "ranks of its moe_tp group (expert TP is not implemented)"
+                f"expert TP (moe_tp={expert_tp}): each expert's intermediate {i} -> {i // expert_tp} per rank, "
+                f"partial sums reduced once after the combine{on('moe_tp_group', expert_tp)}"
+            )
+        elif pc.moe_tp_size > 1:
+            steps.append(
+                f"moe_tp_size {pc.moe_tp_size} is validated but not applied: the experts module's shapes do not "
+                "say which dimension is the intermediate one (or forward reads its whole size), so each expert "
+                "stays whole on the ranks of its moe_tp group"
             )
     elif "experts" in modules:
         why = (
             "the migrated code holds no experts module the rules split"
             if "experts" not in sharded
-            else f"moe_ep_size is 1 (moe_tp_size {pc.moe_tp_size}; expert TP is not implemented)"
+            else f"moe_ep_size is 1 and moe_tp_size {pc.moe_tp_size} is not applied to them"
         )
         steps.append(f"MoE experts: all {s.experts} whole on every rank, router replicated: {why}")
     if "embed_tokens" in modules:

@@ -77,7 +77,88 @@ AFTER_INLINE = dedent(f"""\
     """)
 
 
-@pytest.mark.parametrize(("before", "after"), [(BEFORE, AFTER), (BEFORE_INLINE, AFTER_INLINE)])
+# expert TP where the shapes say how: gate / up halves (`.chunk`) and interleaved pairs (`::2`) with biases
+BEFORE_TP = dedent(f"""\
+    class MoeExperts(nn.Module):
+        {INIT}
+            super().__init__()
+            self.num_experts = config.num_experts
+            inter = config.moe_dim
+            self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, config.hidden))
+            self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden, inter))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            gate, up = F.linear(hidden_states, self.gate_up_proj[0]).chunk(2, dim=-1)
+            return F.linear(gate * up, self.down_proj[0])
+""")
+
+AFTER_TP = dedent(f"""\
+    from runtime.layers.moe import ExpertParallel
+
+    class MoeExperts(nn.Module):
+        {INIT}
+            super().__init__()
+            self.expert_parallel = ExpertParallel(config.num_experts, infer_config, comm_manager, ep_group="moe_ep_group", tp_group="moe_tp_group", prefix=prefix)
+            self.num_experts = self.expert_parallel.local_experts
+            inter = config.moe_dim
+            self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.expert_parallel.tp_part(inter), config.hidden))
+            self.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden, self.expert_parallel.tp_part(inter)))
+            self.expert_parallel.shard(self.gate_up_proj, tp_dim=1, halves=True)
+            self.expert_parallel.shard(self.down_proj, tp_dim=2)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return self.expert_parallel(self.run_experts, hidden_states, top_k_index, top_k_weights)
+
+        def run_experts(self, hidden_states, top_k_index, top_k_weights):
+            gate, up = F.linear(hidden_states, self.gate_up_proj[0]).chunk(2, dim=-1)
+            return F.linear(gate * up, self.down_proj[0])
+""")
+
+BEFORE_TP_OSS = dedent(f"""\
+    class OssExperts(nn.Module):
+        {INIT}
+            super().__init__()
+            self.dim = config.dim
+            self.gate_up_proj = nn.Parameter(torch.empty(config.num_local_experts, config.hidden, 2 * self.dim))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(config.num_local_experts, 2 * self.dim))
+            self.down_proj = nn.Parameter(torch.empty((config.num_local_experts, self.dim, config.hidden)))
+            self.down_proj_bias = nn.Parameter(torch.empty(config.num_local_experts, config.hidden))
+
+        def forward(self, hidden_states, router_indices, routing_weights):
+            gate_up = hidden_states @ self.gate_up_proj[0] + self.gate_up_proj_bias[0]
+            return gate_up[..., ::2] * gate_up[..., 1::2] @ self.down_proj[0] + self.down_proj_bias[0]
+""")
+
+AFTER_TP_OSS = dedent(f"""\
+    from runtime.layers.moe import ExpertParallel
+
+    class OssExperts(nn.Module):
+        {INIT}
+            super().__init__()
+            self.dim = config.dim
+            self.expert_parallel = ExpertParallel(config.num_local_experts, infer_config, comm_manager, ep_group="moe_ep_group", tp_group="moe_tp_group", prefix=prefix)
+            self.gate_up_proj = nn.Parameter(torch.empty(self.expert_parallel.local_experts, config.hidden, 2 * self.expert_parallel.tp_part(self.dim)))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(self.expert_parallel.local_experts, 2 * self.expert_parallel.tp_part(self.dim)))
+            self.down_proj = nn.Parameter(torch.empty((self.expert_parallel.local_experts, self.expert_parallel.tp_part(self.dim), config.hidden)))
+            self.down_proj_bias = nn.Parameter(torch.empty(self.expert_parallel.local_experts, config.hidden))
+            self.expert_parallel.shard(self.gate_up_proj, tp_dim=2)
+            self.expert_parallel.shard(self.gate_up_proj_bias, self.down_proj, tp_dim=1)
+            self.expert_parallel.shard(self.down_proj_bias, once=True)
+
+        def forward(self, hidden_states, router_indices, routing_weights):
+            return self.expert_parallel(self.run_experts, hidden_states, router_indices, routing_weights)
+
+        def run_experts(self, hidden_states, router_indices, routing_weights):
+            gate_up = hidden_states @ self.gate_up_proj[0] + self.gate_up_proj_bias[0]
+            return gate_up[..., ::2] * gate_up[..., 1::2] @ self.down_proj[0] + self.down_proj_bias[0]
+""")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(BEFORE, AFTER), (BEFORE_INLINE, AFTER_INLINE), (BEFORE_TP, AFTER_TP), (BEFORE_TP_OSS, AFTER_TP_OSS)],
+    ids=["count-attribute", "count-inline", "tp-halves", "tp-interleaved-biases"],
+)
 def test_experts_hold_this_ranks_block(make_ctx, before, after):
     assert_codemod(rule, before, after, make_ctx)
 
@@ -139,3 +220,10 @@ def test_rewrite_is_reported(run_rule, make_ctx):
 )
 def test_leaves_other_modules_alone(make_ctx, code):
     assert_noop(rule, code, make_ctx)
+
+
+def test_forward_reading_the_intermediate_size_keeps_experts_whole_per_rank(run_rule):
+    """A forward that reads the whole intermediate size (`self.dim`) gets expert parallelism but no expert TP."""
+    code = BEFORE_TP_OSS.replace("gate_up[..., ::2] * gate_up[..., 1::2]", "gate_up[..., : self.dim]")
+    out = run_rule(rule, code)
+    assert "tp_part" not in out and "moe_tp_group" not in out and "ExpertParallel(" in out

@@ -12,7 +12,14 @@ from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import edit_body, replace_classes
 
 METHOD = "init_parallel_comm_group"
-ORDER = ("attn_tp_group", "dense_tp_group", "embed_tp_group", "lmhead_tp_group", "moe_ep_group")
+ORDER = (
+    "attn_tp_group",
+    "dense_tp_group",
+    "embed_tp_group",
+    "lmhead_tp_group",
+    "moe_tp_group",
+    "moe_ep_group",
+)
 SUPER_INIT = m.SimpleStatementLine(
     [m.Expr(m.Call(func=m.Attribute(m.Call(func=m.Name("super")), m.Name("__init__"))))]
 )

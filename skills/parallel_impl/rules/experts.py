@@ -4,10 +4,16 @@ transformers' MoE layers are written) is split over moe_ep_group: each rank buil
 runs the module's own math on the (token, expert) pairs routed to them (`run_experts`, the original forward)
 through `ExpertParallel`'s dispatch and combine. The router stays replicated.
 
+Expert TP (moe_tp_group) is added where the shapes say how: the dimension every stacked weight shares is the
+hidden size, the other one of each is the intermediate size (`2 * X`: gate and up fused, as halves when forward
+`.chunk`s them, interleaved pairs when it slices `::2`); a per-expert bias over the intermediate size is split
+with it, one over the hidden size is added once. Each rank then builds `tp_part(X)` of it.
+
 Matched by structure, not by name; a class that doesn't match is left whole on every rank, without a finding."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import libcst as cst
@@ -22,8 +28,11 @@ if TYPE_CHECKING:
     from skills.parallel_impl.rewrite import ParallelRewriteContext
 
 GROUP = "moe_ep_group"
+TP_GROUP = "moe_tp_group"
 ATTR = "expert_parallel"
 LOCAL = "run_experts"
+_INTERLEAVED = m.Slice(step=m.Integer("2"))  # gate_up[..., ::2] / [..., 1::2]
+_HALVED = m.Call(func=m.Attribute(attr=m.Name("chunk")), args=[m.Arg(m.Integer("2")), m.ZeroOrMore()])
 
 
 def _routed_forward(fwd: cst.FunctionDef | None) -> bool:
@@ -49,6 +58,84 @@ def _count_source(
     return found[-1] if found else None
 
 
+def _doubled(size: cst.BaseExpression) -> cst.BaseExpression | None:
+    """X of a size written `2 * X` or `X * 2`."""
+    if not m.matches(size, m.BinaryOperation(operator=m.Multiply())):
+        return None
+    if m.matches(size.left, m.Integer("2")):
+        return size.right
+    return size.left if m.matches(size.right, m.Integer("2")) else None
+
+
+@dataclass(frozen=True)
+class _TPSplit:
+    sizes: dict[int, cst.BaseExpression]  # id(parameter line) -> the intermediate size's node in its shape
+    shard_args: dict[str, str]  # attribute -> ExpertParallel.shard's keywords
+
+
+def _tp_split(params: list[ExpertParam], methods: list[cst.FunctionDef]) -> _TPSplit | None:
+    """How each stacked parameter splits over moe_tp_group, None when the shapes or the methods that compute with
+    them (forward and its helpers) leave it unclear."""
+
+    def found(pattern: m.BaseMatcherNode) -> list[cst.CSTNode]:
+        return [n for f in methods for n in m.findall(f, pattern)]
+
+    stacked = [p for p in params if len(p.dims) == 3]
+    if len(stacked) != sum(len(p.dims) >= 3 for p in params):
+        return None
+    dims = [[code(d) for d in p.dims[1:]] for p in stacked]
+    common = set.intersection(*map(set, dims))
+    if len(common) != 1:
+        return None
+    (hidden,) = common
+    interleaved, halved = bool(found(_INTERLEAVED)), bool(found(_HALVED))
+    sizes, shard_args, by_size = {}, {}, {}
+    for p, codes in zip(stacked, dims, strict=True):
+        split = [i for i, c in enumerate(codes, 1) if c != hidden]
+        if len(split) != 1:
+            return None
+        size = p.dims[split[0]]
+        inner = _doubled(size)
+        if inner is not None and interleaved == halved:  # how gate and up share the dimension is unclear
+            return None
+        halves = ", halves=True" if inner is not None and halved else ""
+        sizes[id(p.line)] = inner or size
+        shard_args[p.attr] = f"tp_dim={split[0]}{halves}"
+        by_size[code(size)] = (f"tp_dim=1{halves}", inner)
+    if len({code(s) for s in sizes.values()}) != 1:
+        return None
+    for p in params:
+        if len(p.dims) != 2:
+            continue
+        bias = code(p.dims[1])
+        if bias == hidden:  # added after the intermediate sum: once
+            shard_args[p.attr] = "once=True"
+        elif bias in by_size:
+            shard_args[p.attr], inner = by_size[bias]
+            sizes[id(p.line)] = p.dims[1] if inner is None else _doubled(p.dims[1])
+        else:
+            return None
+    read = {a.attr.value for a in found(m.Attribute(m.Name("self"), m.Name()))}
+    if any(
+        m.findall(s, m.Attribute(m.Name("self"), m.Name(m.MatchIfTrue(read.__contains__))))
+        for s in sizes.values()
+    ):
+        return None  # the computation reads the whole intermediate size
+    return _TPSplit(sizes, shard_args)
+
+
+class _Replace(cst.CSTTransformer):
+    """Nodes of the original tree (by identity) replaced by code."""
+
+    def __init__(self, new: dict[int, str]):
+        self.new = new
+
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+        if id(original) in self.new:
+            return cst.parse_expression(self.new[id(original)])
+        return updated
+
+
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | None:
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     if (
@@ -63,28 +150,43 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | N
         return None
     lead = params[0].dims[0]
     local = f"self.{ATTR}.local_experts"
+    tp = _tp_split(params, [f for f in cls.body.body if isinstance(f, cst.FunctionDef) and f is not init])
+    tp_group = f', tp_group="{TP_GROUP}"' if tp else ""
 
     def ctor(count: cst.BaseExpression) -> cst.SimpleStatementLine:
         return stmt(
             f"self.{ATTR} = ExpertParallel({code(count)}, infer_config, comm_manager, "
-            f'ep_group="{GROUP}", prefix=prefix)\n'
+            f'ep_group="{GROUP}"{tp_group}, prefix=prefix)\n'
         )
 
-    changes: dict[int, list[cst.BaseStatement]] = {}
-    if (source := _count_source(init, lead, params[0])) is not None:  # self.num_experts = config.num_experts
+    new_nodes: dict[int, str] = {}  # id(node in a shape) -> its code for this rank
+    for p in params:
+        if (
+            size := tp.sizes.get(id(p.line)) if tp else None
+        ) is not None:  # its share of the intermediate size
+            new_nodes[id(size)] = f"self.{ATTR}.tp_part({code(size)})"
+    source = _count_source(init, lead, params[0])
+    if source is None:  # the count written in each shape
+        new_nodes |= {id(p.dims[0]): local for p in params}
+    changes: dict[int, list[cst.BaseStatement]] = {
+        id(p.line): [p.line.visit(_Replace(new_nodes))] for p in params
+    }
+    if source is not None:  # self.num_experts = config.num_experts
         changes[id(source)] = [
             ctor(source.body[0].value).with_changes(leading_lines=source.leading_lines),
             stmt(f"{code(source.body[0].targets[0].target)} = {local}\n"),
         ]
-    else:  # the count written in each shape
-        for p in params:
-            changes[id(p.line)] = [p.line.deep_replace(p.dims[0], cst.parse_expression(local))]
+    else:
         first = changes[id(params[0].line)]
         first.insert(0, ctor(lead).with_changes(leading_lines=params[0].line.leading_lines))
         first[1] = first[1].with_changes(leading_lines=[])
-    shard = stmt(f"self.{ATTR}.shard({', '.join(f'self.{p.attr}' for p in params)})\n")
-    last = changes.setdefault(id(params[-1].line), [params[-1].line])
-    last.append(shard)
+    groups: dict[str, list[str]] = {}  # shard keywords -> attributes, in order
+    for p in params:
+        groups.setdefault(tp.shard_args[p.attr] if tp else "", []).append(f"self.{p.attr}")
+    changes[id(params[-1].line)] += [
+        stmt(f"self.{ATTR}.shard({', '.join([*attrs, *([kw] if kw else [])])})\n")
+        for kw, attrs in groups.items()
+    ]
     args = [x.name.value for x in fwd.params.params[1:]]
     (forward,) = cst.parse_module(
         f"def forward(self):\n    return self.{ATTR}(self.{LOCAL}, {', '.join(args)})\n"
@@ -100,8 +202,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | N
         else:
             body.append(s)
     name = cls.name.value
+    split = f" and their intermediate share of {TP_GROUP}" if tp else ""
     ctx.rewrites.append(
-        f"{name}: {'/'.join(p.attr for p in params)} -> this rank's experts of {GROUP} (ExpertParallel)"
+        f"{name}: {'/'.join(p.attr for p in params)} -> this rank's experts of {GROUP}{split} (ExpertParallel)"
     )
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
@@ -109,7 +212,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | N
 class ShardExperts(Rule):
     ID = "PR007"
     DESCRIPTION = (
-        "Experts modules hold this rank's block of experts; tokens reach them through ExpertParallel."
+        "Experts modules hold this rank's block of experts (and intermediate share); tokens reach them "
+        "through ExpertParallel."
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
