@@ -23,6 +23,7 @@ from runtime.config import InferenceConfig
 from runtime.errors import ConfigError, UserError
 from runtime.layers.attention import Attention
 from skills.migrator.attention_layout import attention_layouts
+from skills.migrator.expert_layout import expert_layouts
 from skills.migrator.render import PARALLEL_KEYS, RenderContext, render_artifacts
 
 SKILL = str(Path(sys.executable).parent / "skill")  # not shutil.which: procps ships a `skill` too
@@ -343,3 +344,62 @@ def test_readme_lists_the_attention_layers_read_off_the_model():
         in readme
     )
     assert "## Attention" not in render_artifacts(make_ctx())["README.md"]
+
+
+class _SigmoidRouter(nn.Module):
+    """DeepSeek-V3's router: sigmoid scores, a correction bias, group-limited top-k, scaled weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.num_group, self.topk_group, self.routed_scaling_factor = 2, 2, 1, 2.5
+        self.norm_topk_prob = True
+        self.weight = nn.Parameter(torch.zeros(4, 8))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(4))
+
+    def forward(self, x):
+        return (x @ self.weight.T).sigmoid() + self.e_score_correction_bias
+
+
+class _SoftmaxRouter(nn.Module):
+    """Mixtral's router: softmax, top-k, weights always renormalised."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k = 2
+        self.weight = nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x):
+        top, index = torch.softmax(x @ self.weight.T, dim=-1).topk(self.top_k)
+        top /= top.sum(dim=-1, keepdim=True)
+        return top, index
+
+
+class _MoeBlock(nn.Module):
+    def __init__(self, router: nn.Module, shared: bool):
+        super().__init__()
+        self.gate = router
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(4, 6, 8))
+        self.experts.down_proj = nn.Parameter(torch.zeros(4, 8, 3))
+        if shared:
+            self.shared_experts = nn.Linear(8, 8)
+
+
+def test_readme_lists_the_experts_and_routers_read_off_the_model():
+    model = nn.ModuleList([_MoeBlock(_SigmoidRouter(), True), _MoeBlock(_SoftmaxRouter(), False)])
+    layouts = expert_layouts(model)
+    assert [(e["layers"], e["first"], e["router"], e["shared"]) for e in layouts] == [
+        (1, "0.experts", "`gate` (_SigmoidRouter)", "`shared_experts`"),
+        (1, "1.experts", "`gate` (_SoftmaxRouter)", "-"),
+    ]
+    assert layouts[0]["scoring"] == (
+        "sigmoid scores, top-2, with bias (e_score_correction_bias), group-limited (2 groups, best 1), "
+        "top-k weights renormalised, scaled by 2.5"
+    )
+    assert layouts[1]["scoring"] == "softmax scores, top-2, top-k weights renormalised"
+    readme = render_artifacts(make_ctx(experts=layouts))["README.md"]
+    assert (
+        "| 1 | `1.experts` | 4 | `gate_up_proj` [4, 6, 8], `down_proj` [4, 8, 3] | `gate` (_SoftmaxRouter) |"
+        in readme
+    )
+    assert "## Experts" not in render_artifacts(make_ctx())["README.md"]

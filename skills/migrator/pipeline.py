@@ -247,9 +247,9 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     files = {**converted.files, **render_artifacts(render_ctx)}
     staging = stage(model_dir, files, opts.force)
     try:
-        layouts = validate_model_dir(staging, staging / "config" / f"{name}.yaml")
+        attention, experts = validate_model_dir(staging, staging / "config" / f"{name}.yaml")
         log(f"converted {src.entry_class}: code imports, builds and takes every checkpoint weight")
-        render_ctx = replace(render_ctx, attention=layouts)
+        render_ctx = replace(render_ctx, attention=attention, experts=experts)
         write_text_atomic(staging / "README.md", render_artifacts(render_ctx)["README.md"])
         outcome = {}
         if opts.run:

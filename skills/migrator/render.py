@@ -53,6 +53,7 @@ class RenderContext:
     attention: list[dict[str, Any]] = field(
         default_factory=list
     )  # runtime Attention kinds of the built model
+    experts: list[dict[str, Any]] = field(default_factory=list)  # its MoE experts modules and routers
 
 
 def yaml_value(value: Any) -> str:

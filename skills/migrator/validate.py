@@ -14,6 +14,7 @@ from runtime.errors import UserError
 from runtime.layers.linear import weight_shape
 from runtime.layers.weights import missing_weights
 from skills.migrator.attention_layout import attention_layouts
+from skills.migrator.expert_layout import expert_layouts
 
 
 def _meta_weights(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -22,8 +23,9 @@ def _meta_weights(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, torch.empty(weight_shape(weight), device="meta")
 
 
-def validate_model_dir(model_dir: Path, yaml_path: Path) -> list[dict]:
-    """Raises UserError naming what is wrong; returns the model's attention layouts (for its README)."""
+def validate_model_dir(model_dir: Path, yaml_path: Path) -> tuple[list[dict], list[dict]]:
+    """Raises UserError naming what is wrong; returns the model's attention and expert layouts (for its
+    README)."""
     config = InferenceConfig.from_yaml(yaml_path)
     config.model_config.trust_remote_code = True  # the code was only parsed so far; nothing runs from it here
     worker = ModelWorker(config, None, model_dir)
@@ -42,4 +44,4 @@ def validate_model_dir(model_dir: Path, yaml_path: Path) -> list[dict]:
             f"the checkpoint {worker.model_path} has no weights for {missing[:8]} of the converted "
             f"{model_cls.__name__}; check that it is complete (all shards present)."
         )
-    return attention_layouts(model)
+    return attention_layouts(model), expert_layouts(model)

@@ -358,6 +358,8 @@ def _rewrites(
             f"tokens dispatched to their experts' owners (parallel_config.moe_dispatch {pc.moe_dispatch}) "
             f"when ranks hold their own tokens, else partial sums all_reduced{on('moe_ep_group', ep)}; "
             "router replicated"
+            if ep > 1
+            else f"MoE experts -> ExpertParallel: all {s.experts} experts on every rank (moe_ep=1), router replicated"
         )
         i = s.moe_intermediate
         if expert_tp > 1:
