@@ -86,3 +86,33 @@ def test_zero_dim_weights_load_from_safetensors(tmp_path):
     save_file({"beta": torch.tensor(0.5)}, tmp_path / "model.safetensors")
     act = Act()
     assert load_named_weights(act, iterate_weights(tmp_path)) == {"beta"} and act.beta.item() == 0.5
+
+
+class _Layers(torch.nn.Module):
+    """One decoder layer whose config says its checkpoint also ships a multi-token-prediction layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"num_hidden_layers": 1, "num_nextn_predict_layers": 1})()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2, bias=False)])
+
+
+def test_mtp_layers_and_ignored_names_are_skipped_with_a_warning_and_others_refused(caplog):
+    from runtime.layers.weights import load_named_weights
+
+    model = _Layers()
+    checkpoint = [
+        ("layers.0.weight", torch.ones(2, 2)),
+        ("layers.1.weight", torch.ones(2, 2)),  # the MTP layer past the model's own
+        ("layers.1.eh_proj.weight", torch.ones(4, 2)),
+        ("rotary.inv_freq", torch.ones(1)),
+    ]
+    with caplog.at_level("WARNING"):
+        assert load_named_weights(model, checkpoint, ignored=[r"inv_freq"]) == {"layers.0.weight"}
+    text = caplog.text
+    assert (
+        "skipped 2 checkpoint tensors, multi-token-prediction layers" in text and "layers.1.eh_proj" in text
+    )
+    assert "skipped 1 checkpoint tensors, ignored by the model" in text
+    with pytest.raises(UserError, match="'rotary.inv_freq' matches no parameter"):
+        load_named_weights(model, checkpoint)

@@ -19,7 +19,7 @@ LEGACY_ARCHS = [
     "gemma3_text",
     *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "qwen3")),
 ]
-MOE_ARCHS = ["qwen3_moe", "mixtral"]  # framework + paged only: MoE blocks pass through unchanged
+MOE_ARCHS = ["qwen3_moe", "mixtral"]  # framework + paged only: MoE blocks keep their own routing and expert math
 
 
 @pytest.fixture(scope="module", params=ARCHS)

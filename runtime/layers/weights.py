@@ -1,6 +1,7 @@
 """Model-side weight loading: map checkpoint names onto parameters and their ``weight_loader``s."""
 
 import logging
+import re
 from collections.abc import Iterable
 
 import torch
@@ -43,25 +44,28 @@ def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, object]],
     stacked_params_mapping: Iterable[tuple[str, str, object]] = (),
-    skip_prefixes: Iterable[str] = (),
+    ignored: Iterable[str] = (),
 ) -> set[str]:
     """Load ``(name, weight)`` pairs; returns the canonical names of the parameters loaded.
 
     ``stacked_params_mapping`` holds ``(fused_param, checkpoint_part, shard_id)`` such as
     ``(".qkv_proj", ".q_proj", "q")``. Persistent buffers load like parameters. Names that match no
     parameter go through transformers' checkpoint conversion for the model type (per-expert MoE tensors ->
-    stacked 3-D parameters; experts outside a parameter's ``owned_experts`` are skipped unread); a name nothing takes is an error, and so is a stacked parameter left with holes.
+    stacked 3-D parameters; experts outside a parameter's ``owned_experts`` are skipped unread). A name
+    nothing takes is an error, unless it matches one of the ``ignored`` patterns (re.search, as transformers
+    reads the model's ``_keys_to_ignore_on_load_unexpected``) or belongs to a multi-token-prediction layer
+    past the model's own (``config.num_nextn_predict_layers``), which this runtime does not run: those are
+    skipped unread, and a warning names them. A stacked parameter left with holes is an error too.
     """
     buffers = persistent_buffers(model)
     canonical = {id(p): n for n, p in [*model.named_parameters(), *buffers.items()]}
     params = {**dict(model.named_parameters(remove_duplicate=False)), **buffers}
-    mapping, skips = list(stacked_params_mapping), tuple(skip_prefixes)
+    mapping = list(stacked_params_mapping)
+    skips = _Skips(model, ignored)
     layout = None
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
     for name, weight in weights:
-        if skips and name.startswith(skips):
-            continue
         target, shard_id, part = name, None, None
         for fused, piece, sid in mapping:
             if piece in name:
@@ -72,6 +76,8 @@ def load_named_weights(
             layout = layout or CheckpointLayout(model_type, type(model).__name__)
             target, part = layout.resolve(name)
         param = params.get(target)
+        if param is None and skips.take(name):
+            continue
         if param is None:
             raise UserError(
                 f"checkpoint weight {name!r} matches no parameter of {type(model).__name__}; "
@@ -95,4 +101,41 @@ def load_named_weights(
         except (UserError, ValueError) as e:
             raise UserError(f"loading {name!r} into {target!r}: {e}") from e
         loaded.add(canonical[id(param)])
+    skips.report(type(model).__name__)
     return loaded
+
+
+class _Skips:
+    """Checkpoint tensors the model does not use on purpose: names matching its ignore patterns, and the
+    multi-token-prediction layers some checkpoints ship after the model's own layers."""
+
+    def __init__(self, model: nn.Module, ignored: Iterable[str]):
+        self.patterns = [re.compile(p) for p in ignored]
+        config = getattr(model, "config", None)
+        mtp = getattr(config, "num_nextn_predict_layers", None) or getattr(config, "num_mtp_layers", None)
+        first = getattr(config, "num_hidden_layers", None)
+        self.mtp = (
+            re.compile(rf"(^|\.)layers\.({'|'.join(str(first + i) for i in range(mtp))})\.")
+            if isinstance(mtp, int) and mtp > 0 and isinstance(first, int)
+            else None
+        )
+        self.mtp_layers = mtp
+        self.skipped: dict[str, list[str]] = {}
+
+    def take(self, name: str) -> bool:
+        if self.mtp is not None and self.mtp.search(name):
+            why = (
+                f"multi-token-prediction layers (config.num_nextn_predict_layers = {self.mtp_layers}; this "
+                "runtime predicts one token per step)"
+            )
+        elif hit := next((p for p in self.patterns if p.search(name)), None):
+            why = f"ignored by the model as transformers ignores them ({hit.pattern!r})"
+        else:
+            return False
+        self.skipped.setdefault(why, []).append(name)
+        return True
+
+    def report(self, model: str) -> None:
+        for why, names in self.skipped.items():
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            logger.warning("%s skipped %d checkpoint tensors, %s: %s", model, len(names), why, shown)

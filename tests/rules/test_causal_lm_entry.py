@@ -271,3 +271,16 @@ def test_hidden_states_scaled_before_the_head_stay(run_rule):
     )
     assert out == expected
     assert run_rule(rule, out, **GEMMA3) == out
+
+
+def test_checkpoint_keys_transformers_ignores_are_ignored_by_load_weights(run_rule):
+    """DeepSeek-V3's PreTrainedModel ignores the multi-token-prediction layer its checkpoints ship
+    (`_keys_to_ignore_on_load_unexpected`); load_weights skips the same names, which the loader reports."""
+    base = 'class Gemma3PreTrainedModel(nn.Module):\n    _keys_to_ignore_on_load_unexpected = [r"model\\.layers\\.61.*"]\n\n\n'
+    load = entry_methods(run_rule(rule, base + BEFORE, **GEMMA3), "Gemma3ForCausalLM")["load_weights"]
+    assert (
+        ast.unparse(load.body[-1])
+        == "return load_named_weights(self, weights, ignored=['model\\\\.layers\\\\.61.*'])"
+    )
+    load = entry_methods(run_rule(rule, BEFORE, **GEMMA3), "Gemma3ForCausalLM")["load_weights"]
+    assert ast.unparse(load.body[-1]) == "return load_named_weights(self, weights)"

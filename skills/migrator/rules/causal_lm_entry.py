@@ -26,8 +26,9 @@ def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_m
 """
 LOAD_WEIGHTS = """
 def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    return load_named_weights(self, weights)
+    return load_named_weights(self, weights{ignored})
 """
+IGNORED = "_keys_to_ignore_on_load_unexpected"
 CACHE_INFO = """
 def get_cache_info(self) -> ModelCacheInfo:
     return cache_info_of(self, next(self.parameters()).dtype)
@@ -57,6 +58,31 @@ def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
                 dst, src = "lm_head.weight", f"{inner}.embed_tokens.weight"
             return stmts(f"if config.tie_word_embeddings:\n    self.{dst} = self.{src}\n")
     return []
+
+
+def _ignored_keys(cls: cst.ClassDef, module: cst.Module) -> str:
+    """`, ignored=[...]`: the checkpoint names transformers ignores for this model (the entry class's or an
+    in-file base's `_keys_to_ignore_on_load_unexpected`, a list of literal patterns), else nothing."""
+    local, seen = classes(module), set()
+    todo = [cls]
+    while todo:
+        c = todo.pop(0)
+        seen.add(c.name.value)
+        for s in c.body.body:
+            if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(IGNORED))])])):
+                value = s.body[0].value
+                literal = isinstance(value, cst.List | cst.Tuple) and all(
+                    isinstance(e.value, cst.SimpleString) for e in value.elements
+                )
+                return (
+                    f", ignored={cst.Module([]).code_for_node(value)}" if literal and value.elements else ""
+                )
+        todo += [
+            local[b]
+            for b in (cst.Module([]).code_for_node(a.value) for a in c.bases)
+            if b in local and b not in seen
+        ]
+    return ""
 
 
 def _vocab_projection(init: cst.FunctionDef) -> str:
@@ -132,7 +158,7 @@ class CausalLMEntry(Rule):
         new_init = init.with_changes(
             body=init.body.with_changes(body=[*init.body.body, *_tie_statement(cls, inner)])
         )
-        extra = [cst.parse_module(LOAD_WEIGHTS).body[0]]
+        extra = [cst.parse_module(LOAD_WEIGHTS.format(ignored=_ignored_keys(cls, module))).body[0]]
         if ctx.kv_layout == "paged":
             extra.append(cst.parse_module(CACHE_INFO).body[0])
         extra = [e.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for e in extra]
