@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from runtime.config.comm_manager import EP_GROUP
 from runtime.errors import ConfigError
@@ -166,33 +167,16 @@ class ExpertParallel:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """The experts' weighted outputs summed per token, for this rank's tokens."""
-        if self.tp_group is None:
-            return self._expert_parallel(experts, hidden, top_k_index, top_k_weights)
-        if (
-            not current_layout().sharded
-        ):  # the moe_tp group holds the same tokens: sum the intermediate shares
-            return all_reduce(
-                self._expert_parallel(experts, hidden, top_k_index, top_k_weights), self.tp_group
-            )
-        # each rank its own rows: the moe_tp group computes shares of all its rows, then each keeps its own
-        gathered = [all_gather(t, self.tp_group, dim=0) for t in (hidden, top_k_index, top_k_weights)]
-        return reduce_scatter(self._expert_parallel(experts, *gathered), self.tp_group, dim=0)
+        routed = (hidden, top_k_index, top_k_weights)
+        return _reduced(self.tp_group, lambda *r: self._over_experts(experts, *r), routed)
 
-    def _expert_parallel(
-        self,
-        experts: ExpertsForward,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
+    def _over_experts(self, experts: ExpertsForward, *routed: torch.Tensor) -> torch.Tensor:
+        """Every expert's share of this rank's intermediate slice, summed over moe_ep_group's experts."""
         if self.group is None:
-            return experts(hidden, top_k_index, top_k_weights)
-        if not current_layout().sharded:  # every rank of the group holds the same tokens
-            return all_reduce(self._run_owned(experts, hidden, top_k_index, top_k_weights), self.group)
-        if self.dispatch == "all_gather":
-            gathered = [all_gather(t, self.group, dim=0) for t in (hidden, top_k_index, top_k_weights)]
-            return reduce_scatter(self._run_owned(experts, *gathered), self.group, dim=0)
-        return self._all_to_all(experts, hidden, top_k_index, top_k_weights)
+            return experts(*routed)
+        if self.dispatch == "all_to_all" and current_layout().sharded:
+            return self._all_to_all(experts, *routed)
+        return _reduced(self.group, lambda *r: self._run_owned(experts, *r), routed)
 
     def _run_owned(
         self,
@@ -239,3 +223,15 @@ class ExpertParallel:
         done = experts(rows, ids[:, None], weights[:, None]) if rows.shape[0] else rows
         back = exchange(done.to(hidden.dtype), sent, received)
         return torch.zeros_like(hidden).index_add_(0, token, back)
+
+
+def _reduced(
+    group: ProcessGroup | None, run: Callable[..., torch.Tensor], routed: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """``run``'s partial sums over ``group``: all_reduced where the group holds the same tokens, else run on all
+    the group's rows (all_gather) and reduce_scattered back to each rank's own."""
+    if group is None:
+        return run(*routed)
+    if not current_layout().sharded:
+        return all_reduce(run(*routed), group)
+    return reduce_scatter(run(*(all_gather(t, group, dim=0) for t in routed)), group, dim=0)
