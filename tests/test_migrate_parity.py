@@ -19,7 +19,8 @@ LEGACY_ARCHS = [
     "gemma3_text",
     *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "qwen3")),
 ]
-MOE_ARCHS = ["qwen3_moe", "mixtral"]  # framework + paged only: MoE blocks keep their own routing and expert math
+# framework + paged only: MoE blocks keep their own routing and expert math
+MOE_ARCHS = ["qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
