@@ -456,3 +456,7 @@ def test_yaml_name():
         yaml_name("ds", pc(8, 1, 1, 1, 1, moe_tp_size=2, o_proj_tp_size=8), moe=True)
         == "ds_rank_8_1tp_8dp_oprojtp8_moetp2_ep4.yaml"
     )
+    assert (  # a second dispatch mode of the same sizes gets a YAML of its own
+        yaml_name("qwen3_moe", pc(4, 2, 4, 4, 4, moe_dispatch="all_gather"), moe=True)
+        == "qwen3_moe_rank_4_2tp_2dp_densetp4_embedtp4_lmheadtp4_ep4_allgather.yaml"
+    )

@@ -194,3 +194,24 @@ def test_moe_expert_parallel(moe_models, arch, scenario, tmp_path):
     )  # every expert everywhere
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert done["per_rank_param_bytes"] < json.loads(whole.stdout)["per_rank_param_bytes"]
+
+
+@pytest.mark.slow
+def test_moe_from_convert_weights_output(moe_models, tmp_path):
+    """Per-rank shards of each rank's experts and intermediate share (EP 2 x expert TP 2) load and match."""
+    reference, model_dir = moe_models("qwen3_moe")
+    sizes, extra = MOE_SCENARIOS["tp2_moe_tp2_ep2"]
+    config = parallel_yaml(tmp_path / "p.yaml", *sizes, **extra)
+    assert parallelize(model_dir, config).returncode == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config", str(config)]
+        + ["-o", str(tmp_path / "shards"), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout)
+    out = run(model_dir, Path(done["yaml"]))
+    assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
+    assert out["param_bytes_per_rank"] == done["ranks"]

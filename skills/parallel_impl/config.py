@@ -123,7 +123,8 @@ def yaml_name(model_name: str, pc: ParallelConfig, moe: bool = False, scenario: 
 
     After seed 002's ``{model}_rank_{W}_{tp}tp_prefill.yaml`` / ``..._densetp{n}_ep{m}.yaml``: attention's TP (and DP
     when > 1) come first; dense, embed and lmhead TP follow when they differ from attn_tp; oproj and shared TP when
-    neither 1 (unset) nor attn_tp; for MoE models ``moetp{n}`` when > 1 and ``ep{m}`` when > 1.
+    neither 1 (unset) nor attn_tp; for MoE models ``moetp{n}`` when > 1, ``ep{m}`` when > 1 and the dispatch mode
+    (``allgather``) when it is not the default.
     E.g. ``llama_rank_2_2tp.yaml``, ``llama_rank_4_2tp_2dp_densetp4_embedtp4_lmheadtp4.yaml``.
     """
     a = pc.attn_tp_size
@@ -142,5 +143,7 @@ def yaml_name(model_name: str, pc: ParallelConfig, moe: bool = False, scenario: 
     if moe:
         parts += [f"moetp{pc.moe_tp_size}"] if pc.moe_tp_size > 1 else []
         parts += [f"ep{pc.moe_ep_size}"] if pc.moe_ep_size > 1 else []
+        default = ParallelConfig.model_fields["moe_dispatch"].default
+        parts += [pc.moe_dispatch.replace("_", "")] if pc.moe_dispatch != default else []
     parts += [scenario] if scenario else []
     return "_".join(parts) + ".yaml"
