@@ -211,10 +211,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | N
 
 class ShardExperts(Rule):
     ID = "PR007"
-    DESCRIPTION = (
-        "Experts modules hold this rank's block of experts (and intermediate share); tokens reach them "
-        "through ExpertParallel."
-    )
+    DESCRIPTION = "Experts modules hold this rank's experts (and intermediate share) behind ExpertParallel."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         new = {
