@@ -16,8 +16,8 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def tp_info(comm_manager: CommManager | None, tp_group: str) -> tuple[int, int, ProcessGroup | None]:
-    """(size, rank, group) of `tp_group`; a layer without that group runs unsharded."""
+def tp_info(comm_manager: CommManager | None, tp_group: str | None) -> tuple[int, int, ProcessGroup | None]:
+    """(size, rank, group) of `tp_group`; a layer without that group (or None) runs unsharded."""
     if comm_manager is None or not comm_manager.has_group(tp_group):
         return 1, 0, None
     return comm_manager.get_size(tp_group), comm_manager.get_rank(tp_group), comm_manager.get_group(tp_group)

@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from runtime.config.comm_manager import EP_GROUP
 from runtime.errors import ConfigError
 from runtime.layers.checkpoint_layout import StackedPart, load_stacked_part
-from runtime.layers.comm import all_gather, all_reduce, reduce_scatter, tp_info
+from runtime.layers.comm import tp_info
 from runtime.layers.linear import (
     LoadedWeight,
     ShardId,
@@ -42,7 +41,7 @@ from runtime.layers.linear import (
     read_narrow,
     set_weight_attrs,
 )
-from runtime.layers.token_layout import current_layout
+from runtime.layers.token_layout import TPRegion, current_layout
 
 if TYPE_CHECKING:
     from runtime.config import InferenceConfig
@@ -69,9 +68,11 @@ class ExpertParallel:
             raise ConfigError(
                 f"{prefix}: {num_experts} experts cannot be split evenly over {ep_group} of {self.ep_size} ranks"
             )
-        self.tp_size, self.tp_rank, self.tp_group = (
-            tp_info(comm_manager, tp_group) if tp_group else (1, 0, None)
-        )
+        self.tp_size, self.tp_rank, _ = tp_info(comm_manager, tp_group)
+        # partial sums over a group: all_reduced where it holds the same tokens, else its rows gathered in and
+        # the sums reduce_scattered back (the token layout decides, as for every TP unit)
+        self.tp_region = TPRegion(comm_manager, tp_group)
+        self.ep_region = TPRegion(comm_manager, ep_group)
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.local_experts
@@ -167,8 +168,8 @@ class ExpertParallel:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """The experts' weighted outputs summed per token, for this rank's tokens."""
-        routed = (hidden, top_k_index, top_k_weights)
-        return _reduced(self.tp_group, lambda *r: self._over_experts(experts, *r), routed)
+        routed = [self.tp_region.enter(t) for t in (hidden, top_k_index, top_k_weights)]
+        return self.tp_region.exit(self._over_experts(experts, *routed))
 
     def _over_experts(self, experts: ExpertsForward, *routed: torch.Tensor) -> torch.Tensor:
         """Every expert's share of this rank's intermediate slice, summed over moe_ep_group's experts."""
@@ -176,7 +177,8 @@ class ExpertParallel:
             return experts(*routed)
         if self.dispatch == "all_to_all" and current_layout().sharded:
             return self._all_to_all(experts, *routed)
-        return _reduced(self.group, lambda *r: self._run_owned(experts, *r), routed)
+        routed = [self.ep_region.enter(t) for t in routed]
+        return self.ep_region.exit(self._run_owned(experts, *routed))
 
     def _run_owned(
         self,
@@ -223,15 +225,3 @@ class ExpertParallel:
         done = experts(rows, ids[:, None], weights[:, None]) if rows.shape[0] else rows
         back = exchange(done.to(hidden.dtype), sent, received)
         return torch.zeros_like(hidden).index_add_(0, token, back)
-
-
-def _reduced(
-    group: ProcessGroup | None, run: Callable[..., torch.Tensor], routed: tuple[torch.Tensor, ...]
-) -> torch.Tensor:
-    """``run``'s partial sums over ``group``: all_reduced where the group holds the same tokens, else run on all
-    the group's rows (all_gather) and reduce_scattered back to each rank's own."""
-    if group is None:
-        return run(*routed)
-    if not current_layout().sharded:
-        return all_reduce(run(*routed), group)
-    return reduce_scatter(run(*(all_gather(t, group, dim=0) for t in routed)), group, dim=0)

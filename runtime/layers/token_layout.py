@@ -126,10 +126,13 @@ def own_chunk(ids: torch.Tensor) -> torch.Tensor:
 class TPRegion:
     """Entry and exit of a tensor-parallel unit whose last layer is a RowParallelLinear(reduce_results=False).
 
-    ``whole_sequence``: the unit mixes tokens (attention) and so runs on all real tokens of its DP rank.
+    ``whole_sequence``: the unit mixes tokens (attention) and so runs on all real tokens of its DP rank. A group
+    name of None, or one not registered, is a group of this rank alone.
     """
 
-    def __init__(self, comm_manager: CommManager | None, group_name: str, whole_sequence: bool = False):
+    def __init__(
+        self, comm_manager: CommManager | None, group_name: str | None, whole_sequence: bool = False
+    ):
         self.group_name = group_name
         self.tp_size, _, self.group = tp_info(comm_manager, group_name)
         self.whole_sequence = whole_sequence
