@@ -4,6 +4,29 @@ import libcst as cst
 import libcst.matchers as m
 
 SELF_ATTR = m.Attribute(value=m.Name("self"))  # `self.<name>`
+# `self.<name> = <call>(...)`, a statement of its own
+SELF_ASSIGN_CALL = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())])
+
+
+def code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def doubled(size: cst.BaseExpression) -> cst.BaseExpression | None:
+    """X of a size written `2 * X` or `X * 2`."""
+    if not m.matches(size, m.BinaryOperation(operator=m.Multiply())):
+        return None
+    if m.matches(size.left, m.Integer("2")):
+        return size.right
+    return size.left if m.matches(size.right, m.Integer("2")) else None
+
+
+def in_file_bases(local: dict[str, cst.ClassDef]) -> dict[str, set[str]]:
+    """class -> the names of its direct bases defined in the same file."""
+    return {
+        n: {b.value.value for b in c.bases if isinstance(b.value, cst.Name) and b.value.value in local}
+        for n, c in local.items()
+    }
 
 
 def pure(e: cst.BaseExpression) -> bool:

@@ -6,11 +6,10 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import called_name
+from skills.migrator.cst_utils import SELF_ASSIGN_CALL, called_name, code
 
 PARAMETER = frozenset({"nn.Parameter", "torch.nn.Parameter", "Parameter"})
 _TENSOR = frozenset({"torch.empty", "torch.zeros", "torch.ones", "torch.randn", "torch.rand"})
-_SELF_ASSIGN = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())])
 
 
 @dataclass(frozen=True)
@@ -22,12 +21,8 @@ class ExpertParam:
     dims: tuple[cst.BaseExpression, ...]
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
-
-
 def _param(s: cst.BaseStatement) -> ExpertParam | None:
-    if not m.matches(s, _SELF_ASSIGN) or called_name(s.body[0].value) not in PARAMETER:
+    if not m.matches(s, SELF_ASSIGN_CALL) or called_name(s.body[0].value) not in PARAMETER:
         return None
     args = s.body[0].value.args
     tensor = args[0].value if args else None
@@ -44,7 +39,7 @@ def expert_params(init: cst.FunctionDef) -> list[ExpertParam]:
     experts), and the two-dim ones it also leads (per-expert biases). Empty when there are none, or when the
     stacked ones disagree on their leading size."""
     params = [p for s in init.body.body if (p := _param(s)) is not None]
-    leads = {_code(p.dims[0]) for p in params if len(p.dims) >= 3}
+    leads = {code(p.dims[0]) for p in params if len(p.dims) >= 3}
     if len(leads) != 1:
         return []
-    return [p for p in params if len(p.dims) >= 2 and _code(p.dims[0]) in leads]
+    return [p for p in params if len(p.dims) >= 2 and code(p.dims[0]) in leads]

@@ -9,7 +9,9 @@ from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
     classes,
+    code,
     free_names,
+    in_file_bases,
     method,
     param_names,
     stmt,
@@ -63,25 +65,20 @@ def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
 def _ignored_keys(cls: cst.ClassDef, module: cst.Module) -> str:
     """`, ignored=[...]`: the checkpoint names transformers ignores for this model (the entry class's or an
     in-file base's `_keys_to_ignore_on_load_unexpected`, a list of literal patterns), else nothing."""
-    local, seen = classes(module), set()
-    todo = [cls]
+    local = classes(module)
+    bases = in_file_bases(local)
+    todo, seen = [cls.name.value], set()
     while todo:
-        c = todo.pop(0)
-        seen.add(c.name.value)
-        for s in c.body.body:
+        name = todo.pop(0)
+        seen.add(name)
+        for s in local[name].body.body:
             if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(IGNORED))])])):
                 value = s.body[0].value
                 literal = isinstance(value, cst.List | cst.Tuple) and all(
                     isinstance(e.value, cst.SimpleString) for e in value.elements
                 )
-                return (
-                    f", ignored={cst.Module([]).code_for_node(value)}" if literal and value.elements else ""
-                )
-        todo += [
-            local[b]
-            for b in (cst.Module([]).code_for_node(a.value) for a in c.bases)
-            if b in local and b not in seen
-        ]
+                return f", ignored={code(value)}" if literal and value.elements else ""
+        todo += sorted(bases[name] - seen)
     return ""
 
 

@@ -13,6 +13,7 @@ from skills.migrator.cst_utils import (
     classes,
     dotted,
     free_names,
+    in_file_bases,
     method,
     param_names,
     pure,
@@ -122,13 +123,6 @@ def _exposes_self(cls: cst.ClassDef, hf_names: set[str]) -> bool:
     return any(dotted(c.func).split(".")[0] in hf_names for c in calls)
 
 
-def _in_file_bases(local: dict[str, cst.ClassDef]) -> dict[str, set[str]]:
-    return {
-        n: {b.value.value for b in c.bases if isinstance(b.value, cst.Name) and b.value.value in local}
-        for n, c in local.items()
-    }
-
-
 def _attribute_reads(module: cst.Module) -> tuple[set[int], set[str]]:
     """ids of the attribute assignment targets, and the attribute names read off anything but `self`
     (reads of the HF config's fields and import paths aside)."""
@@ -148,7 +142,7 @@ def _unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
         name: {a.attr.value for a in m.findall(cls, SELF_ATTR) if id(a) not in stored}
         for name, cls in local.items()
     }
-    bases = _in_file_bases(local)
+    bases = in_file_bases(local)
     unused = {}
     for name, cls in local.items():
         family = _family(bases, name)
@@ -186,7 +180,7 @@ def _init_only_attrs(module: cst.Module) -> dict[str, set[str]]:
     (`self.hidden_size` feeding nn.Linear sizes): they become locals of `__init__` where the name is free."""
     local, hf_names = classes(module), transformers_names(module)
     stored, other_reads = _attribute_reads(module)
-    bases = _in_file_bases(local)
+    bases = in_file_bases(local)
     found = {}
     for name, cls in local.items():
         init = method(cls, "__init__")

@@ -8,8 +8,10 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
+    SELF_ASSIGN_CALL,
     assigned_names,
     called_name,
+    code,
     free_names,
     kwarg,
     names_in,
@@ -22,10 +24,6 @@ EMBEDDING = frozenset({"nn.Embedding", "torch.nn.Embedding"})
 LINEAR_IMPORT = "runtime.layers.linear"
 PREFIX_IMPORT = ("runtime.layers.prefix", "join_prefix")
 REGION_IMPORTS = [("runtime.layers.token_layout", "TPRegion"), PREFIX_IMPORT]
-
-
-def code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
 
 
 def arg(call: cst.Call, pos: int, name: str) -> cst.Arg | None:
@@ -77,15 +75,12 @@ class Layer:
     call: cst.Call
 
 
-_SELF_ASSIGN = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())])
-
-
 def self_layers(init: cst.FunctionDef, ctors: Iterable[str]) -> dict[str, Layer]:
     """attr -> Layer for the top-level `self.<attr> = <ctor>(...)` statements of init, ctor one of ctors."""
     ctors = set(ctors)
     found = {}
     for s in init.body.body:
-        if m.matches(s, _SELF_ASSIGN) and called_name(s.body[0].value) in ctors:
+        if m.matches(s, SELF_ASSIGN_CALL) and called_name(s.body[0].value) in ctors:
             attr = s.body[0].targets[0].target.attr.value
             found[attr] = Layer(attr, s, s.body[0].value)
     return found

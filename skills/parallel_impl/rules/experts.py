@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, method, names_in, param_names, stmt
+from skills.migrator.cst_utils import classes, doubled, method, names_in, param_names, stmt
 from skills.migrator.expert_params import ExpertParam, expert_params
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import code, edit_body, plumbed, replace_classes
@@ -58,15 +58,6 @@ def _count_source(
     return found[-1] if found else None
 
 
-def _doubled(size: cst.BaseExpression) -> cst.BaseExpression | None:
-    """X of a size written `2 * X` or `X * 2`."""
-    if not m.matches(size, m.BinaryOperation(operator=m.Multiply())):
-        return None
-    if m.matches(size.left, m.Integer("2")):
-        return size.right
-    return size.left if m.matches(size.right, m.Integer("2")) else None
-
-
 @dataclass(frozen=True)
 class _TPSplit:
     sizes: dict[int, cst.BaseExpression]  # id(parameter line) -> the intermediate size's node in its shape
@@ -95,7 +86,7 @@ def _tp_split(params: list[ExpertParam], methods: list[cst.FunctionDef]) -> _TPS
         if len(split) != 1:
             return None
         size = p.dims[split[0]]
-        inner = _doubled(size)
+        inner = doubled(size)
         if inner is not None and interleaved == halved:  # how gate and up share the dimension is unclear
             return None
         halves = ", halves=True" if inner is not None and halved else ""
@@ -112,7 +103,7 @@ def _tp_split(params: list[ExpertParam], methods: list[cst.FunctionDef]) -> _TPS
             shard_args[p.attr] = "once=True"
         elif bias in by_size:
             shard_args[p.attr], inner = by_size[bias]
-            sizes[id(p.line)] = p.dims[1] if inner is None else _doubled(p.dims[1])
+            sizes[id(p.line)] = p.dims[1] if inner is None else doubled(p.dims[1])
         else:
             return None
     read = {a.attr.value for a in found(m.Attribute(m.Name("self"), m.Name()))}

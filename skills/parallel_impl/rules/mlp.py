@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, classes, method
+from skills.migrator.cst_utils import assigned_names, classes, doubled, method
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
@@ -61,16 +61,6 @@ def _unit(linears: dict[str, Layer]) -> tuple[tuple[str, ...], str] | None:
     return columns, rows[0]
 
 
-def _halves(out_features: str) -> str | None:
-    """X of an output size written `2 * X` or `X * 2`."""
-    size = cst.parse_expression(out_features)
-    if not m.matches(size, m.BinaryOperation(operator=m.Multiply())):
-        return None
-    if m.matches(size.left, m.Integer("2")):
-        return code(size.right)
-    return code(size.left) if m.matches(size.right, m.Integer("2")) else None
-
-
 def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
     """forward calls `self.<attr>` once and only halves its output, `.chunk(2, dim=-1)` on the call or on the name
     one top-level statement binds it to."""
@@ -108,6 +98,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
     if None in args.values() or not returns_output_of(fwd, row):
         return None
     first, down = args[columns[0]], args[row]
+    half = doubled(cst.parse_expression(first.out_features))  # X of an output `2 * X`
     if len(columns) == 2:
         up = args["up_proj"]
         if (first.in_features, first.bias) != (up.in_features, up.bias) or any(
@@ -122,8 +113,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
             "MergedColumnParallelLinear",
             f"[{first.out_features}, {up.out_features}]",
         )
-    elif (half := _halves(first.out_features)) and _only_halved(fwd, columns[0]):  # [gate; up] on disk
-        attr, ctor, out = columns[0], "MergedColumnParallelLinear", f"[{half}, {half}]"
+    elif half is not None and _only_halved(fwd, columns[0]):  # [gate; up] on disk
+        attr, ctor, out = columns[0], "MergedColumnParallelLinear", f"[{code(half)}, {code(half)}]"
     elif _SPLITS.search(code(fwd.body)):  # a contiguous shard of a column cut otherwise would mix its parts
         return None
     else:
