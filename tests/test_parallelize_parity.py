@@ -91,6 +91,23 @@ def run(model_dir: Path, yaml_path: Path | None = None) -> dict:
     )
 
 
+def check_converted_shards(model_dir: Path, config: Path, out: Path, reference: dict) -> None:
+    """`skill convert-weights` writes every rank's shards to `out`; the run from them gives transformers' tokens
+    with the bytes convert-weights reports for each rank."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config", str(config)]
+        + ["-o", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout)
+    result = run(model_dir, Path(done["yaml"]))
+    assert [o["token_ids"] for o in result["outputs"]] == reference["tokens"]
+    assert result["param_bytes_per_rank"] == done["ranks"]
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def migrated(request, tmp_path_factory):
     reference = build_reference(request.param, tmp_path_factory)
@@ -127,28 +144,7 @@ def test_tp2_from_convert_weights_output(migrated, tmp_path):
     reference, model_dir = migrated
     config = parallel_yaml(tmp_path / "tp2.yaml", *SCENARIOS["tp2"])
     assert parallelize(model_dir, config).returncode == 0
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "convert-weights",
-            str(model_dir),
-            "--config",
-            str(config),
-            "-o",
-            str(tmp_path / "shards"),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done = json.loads(proc.stdout)
-    out = run(model_dir, Path(done["yaml"]))
-    assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
-    assert out["param_bytes_per_rank"] == done["ranks"]
+    check_converted_shards(model_dir, config, tmp_path / "shards", reference)
 
 
 @pytest.mark.parametrize(("arch", "scenario"), OTHER_ARCHS)
@@ -203,15 +199,4 @@ def test_moe_from_convert_weights_output(moe_models, tmp_path):
     sizes, extra = MOE_SCENARIOS["tp2_moe_tp2_ep2"]
     config = parallel_yaml(tmp_path / "p.yaml", *sizes, **extra)
     assert parallelize(model_dir, config).returncode == 0
-    proc = subprocess.run(
-        [sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config", str(config)]
-        + ["-o", str(tmp_path / "shards"), "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done = json.loads(proc.stdout)
-    out = run(model_dir, Path(done["yaml"]))
-    assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
-    assert out["param_bytes_per_rank"] == done["ranks"]
+    check_converted_shards(model_dir, config, tmp_path / "shards", reference)
