@@ -104,7 +104,13 @@ def test_booleans_are_capitalised_and_prompts_inline(tmp_path):
     files = render_artifacts(make_ctx(prompts=['Say "hi": yes', "two"]))
     text = files["config/tiny_llama.yaml"]
     assert not re.search(r":\s*(true|false)\b", text)
-    for key in ("with_ckpt: True", "enable_profiler: False", "ignore_eos: False", "use_fast_rope: False"):
+    for key in (
+        "with_ckpt: True",
+        'quant_method: "none"',
+        "enable_profiler: False",
+        "ignore_eos: False",
+        "use_fast_rope: False",
+    ):
         assert key in text
     assert load_yaml(tmp_path, files).data_config.prompts == ['Say "hi": yes', "two"]
 

@@ -48,6 +48,8 @@ class ModelConfig(_Section):
     with_ckpt: bool = True
     next_n: int = Field(0, ge=0)
     exe_mode: str = "eager"
+    # quantize a float checkpoint's linear layers at load (runtime/layers/quantization/online.py)
+    quant_method: Literal["none", "int8_weight_only"] = "none"
     enable_profiler: bool = False
     # Accepted for compatibility with seed YAMLs; set, they warn that they have no effect (ineffective.py).
     enable_weight_nz: bool = False

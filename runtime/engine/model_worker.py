@@ -21,6 +21,7 @@ from runtime.errors import UserError
 from runtime.kv_cache import KVCacheManager, blocks_for_batch, blocks_for_memory
 from runtime.layers.attention import Attention
 from runtime.layers.host_linear import pack_host_linears
+from runtime.layers.quantization.online import process_weights_after_loading, quantize_online
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,9 @@ class ModelWorker:
             load_checkpoint(model, self.model_path, pc, self.dist.rank)
         else:
             init_dummy_weights(model)
-        if hasattr(model, "process_weights_after_loading"):
-            model.process_weights_after_loading()
+        if mc.quant_method != "none":
+            quantize_online(model, mc.quant_method)
+        process_weights_after_loading(model)
         tp = max(pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size, pc.moe_tp_size)
         if tp > 1 and not any(hasattr(p, "weight_loader") for p in model.parameters()):
             logger.warning(

@@ -19,35 +19,47 @@ _SOURCES = Path(__file__).parent
 STALE_LOCK_S = 600
 
 
-def _cpu_tag() -> str:
-    """The build is tuned to this CPU (-march=native), so the cache key names the CPU's feature flags."""
+def _build_tag() -> str:
+    """The build is tuned to this CPU (-march=native) and includes the shared headers, so the cache key names
+    the CPU's feature flags and the headers' contents (torch rebuilds on a change of the source alone)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+    headers = "".join(p.read_text() for p in sorted(_SOURCES.glob("*.h")))
+    return hashlib.sha1((flags + headers).encode()).hexdigest()[:10]
 
 
-@functools.cache
-def host_decode_attention():
+def _load(source: str, what: str):
+    """The compiled ``<source>.cpp``, or None (logged, naming the portable path ``what`` falls back to)."""
     if os.environ.get("SKILL_HOST_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        name = f"skill_paged_decode_attention_{_cpu_tag()}"
+        name = f"skill_{source}_{_build_tag()}"
         _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
         return load(
             name=name,
-            sources=[str(_SOURCES / "paged_decode_attention.cpp")],
+            sources=[str(_SOURCES / f"{source}.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any build failure means: use the portable path
-        logger.warning("host decode-attention kernel unavailable (%s); using the gather + SDPA path", e)
+        logger.warning("host kernel %s unavailable (%s); using %s", source, e, what)
         return None
+
+
+@functools.cache
+def host_decode_attention():
+    return _load("paged_decode_attention", "the gather + SDPA path")
+
+
+@functools.cache
+def host_int8_linear():
+    return _load("int8_linear", "dequantize + matmul")
 
 
 def _drop_stale_lock(lock: Path) -> None:

@@ -5,22 +5,13 @@
 // window. The query heads sharing a KV head are done together, so each cached row is read once; scores and sums
 // are float. Soft-capping is tanh(s / cap) * cap as in Gemma 2. An attention sink (GPT-OSS) is one more logit per
 // query head in the softmax's denominator, with no value row. Values may have another head size than keys (MLA).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "host_float.h"
+
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
-
-static inline float to_float(float x) { return x; }
-static inline float to_float(at::Half x) { return static_cast<float>(x); }
-static inline float to_float(at::BFloat16 x) {  // a shift, so the loops below vectorise
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // exp(x) for x <= 0 as 2^i * 2^f with a degree-6 polynomial for 2^f (relative error ~2e-7): unlike libm's
 // expf it vectorises, and the softmax is the kernel's hot loop.

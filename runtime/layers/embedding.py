@@ -11,6 +11,7 @@ from torch import nn
 from runtime.errors import ConfigError
 from runtime.layers.comm import all_gather, all_reduce, reduce_scatter
 from runtime.layers.linear import LoadedWeight, ShardId, TPModule, check_shape, read_narrow
+from runtime.layers.quantization.base import UNQUANTIZED
 from runtime.layers.token_layout import current_layout, pad_rows
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     ):
         super().__init__(num_embeddings, embedding_dim, comm_manager, tp_group, pad_to, params_dtype, prefix)
         self._add_bias(bias, self.shard_size)
+        self.quant_method = UNQUANTIZED
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Replicated layout: logits of the same rows on every rank. Sharded layout (attention-DP ranks hold
@@ -85,12 +87,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         layout = current_layout()
         # a group inside one attn-TP group (consecutive ranks, tp | attn_tp) already shares its rows
         if not layout.sharded or layout.attn_tp_size % self.tp_size == 0:
-            logits = all_gather(F.linear(hidden, self.weight, self.bias), self.group, dim=-1)
+            logits = all_gather(self.quant_method.apply(self, hidden, self.bias), self.group, dim=-1)
             return logits[..., : self.num_embeddings]
         n = hidden.shape[-2]
         most = int(all_gather(torch.tensor([n], device=hidden.device), self.group, dim=0).max())
         rows = all_gather(pad_rows(hidden, most), self.group, dim=-2)
-        logits = all_gather(F.linear(rows, self.weight, self.bias), self.group, dim=-1)
+        logits = all_gather(self.quant_method.apply(self, rows, self.bias), self.group, dim=-1)
         return logits[..., self.tp_rank * most : self.tp_rank * most + n, : self.num_embeddings].contiguous()
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:

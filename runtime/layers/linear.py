@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.errors import ConfigError
 from runtime.layers.comm import all_gather, all_reduce, tp_info
+from runtime.layers.quantization.base import UNQUANTIZED, UnquantizedLinearMethod
 
 if TYPE_CHECKING:
     from runtime.config.comm_manager import CommManager
@@ -102,6 +102,12 @@ class TPModule(nn.Module):
         )
         self.register_parameter(name, param)
 
+    def _create_weights(
+        self, quant_method: UnquantizedLinearMethod | None, output_size: int, input_size: int
+    ) -> None:
+        self.quant_method = quant_method or UNQUANTIZED
+        self.quant_method.create_weights(self, output_size, input_size)
+
     def _add_bias(self, bias: bool, size: int) -> None:
         if bias:
             self._add_param("bias", size)
@@ -137,13 +143,14 @@ class ReplicatedLinear(TPModule):
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_method: UnquantizedLinearMethod | None = None,
     ):
         super().__init__(prefix, params_dtype)
-        self._add_param("weight", output_size, input_size)
+        self._create_weights(quant_method, output_size, input_size)
         self._add_bias(bias, output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(TPModule):
@@ -159,6 +166,7 @@ class ColumnParallelLinear(TPModule):
         tp_group: str = "dense_tp_group",
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_method: UnquantizedLinearMethod | None = None,
     ):
         super().__init__(prefix, params_dtype, comm_manager, tp_group)
         self.input_size = input_size
@@ -169,7 +177,7 @@ class ColumnParallelLinear(TPModule):
             s.size for s in self.segments.values()
         ]  # per-rank block sizes, for split
         self.output_size_per_partition = sum(self.output_partition_sizes)
-        self._add_param("weight", self.output_size_per_partition, input_size)
+        self._create_weights(quant_method, self.output_size_per_partition, input_size)
         self._add_bias(bias, self.output_size_per_partition)
 
     def _make_segments(self) -> dict[ShardId, _Segment]:
@@ -198,7 +206,7 @@ class ColumnParallelLinear(TPModule):
             disk_offset += b.src_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
         return all_gather(out, self.group, dim=-1) if self.gather_output else out
 
 
@@ -214,10 +222,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp_group: str = "dense_tp_group",
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_method: UnquantizedLinearMethod | None = None,
     ):
         self.output_sizes = list(output_sizes)
         super().__init__(
-            input_size, sum(output_sizes), bias, False, comm_manager, tp_group, params_dtype, prefix
+            input_size,
+            sum(output_sizes),
+            bias,
+            False,
+            comm_manager,
+            tp_group,
+            params_dtype,
+            prefix,
+            quant_method,
         )
 
     def _make_segments(self) -> dict[ShardId, _Segment]:
@@ -246,12 +263,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_group: str = "attn_tp_group",
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_method: UnquantizedLinearMethod | None = None,
     ):
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
         output_size = (total_num_heads + 2 * self.total_num_kv_heads) * head_size
-        super().__init__(hidden_size, output_size, bias, False, comm_manager, tp_group, params_dtype, prefix)
+        super().__init__(
+            hidden_size, output_size, bias, False, comm_manager, tp_group, params_dtype, prefix, quant_method
+        )
         self.q_size = self.segments["q"].size
         self.kv_size = self.segments["k"].size
         self.num_heads = self.q_size // head_size
@@ -288,6 +308,7 @@ class RowParallelLinear(TPModule):
         tp_group: str = "dense_tp_group",
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_method: UnquantizedLinearMethod | None = None,
     ):
         super().__init__(prefix, params_dtype, comm_manager, tp_group)
         self.input_size = input_size
@@ -295,7 +316,7 @@ class RowParallelLinear(TPModule):
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.shard = self._split(input_size, "input size")
-        self._add_param("weight", output_size, self.shard.size)
+        self._create_weights(quant_method, output_size, self.shard.size)
         self._add_bias(bias, output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
@@ -307,7 +328,7 @@ class RowParallelLinear(TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = x.narrow(-1, self.shard.src_start, self.shard.size)
-        out = F.linear(x, self.weight)
+        out = self.quant_method.apply(self, x)
         if self.reduce_results:
             out, bias = all_reduce(out, self.group), self.bias
         else:  # the caller sums the partial outputs: only one rank adds the bias

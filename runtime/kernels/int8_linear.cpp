@@ -1,0 +1,113 @@
+// Weight-only int8 linear for a few rows of activations (decode), host only.
+//
+// out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n], with w int8 [N, K] and one float scale per output
+// channel. x is converted to float once and the products are summed in float, so the only difference from the
+// dequantized float product is the order of the sums. Four weight rows are done per pass (four independent FMA
+// chains sharing each load of x), and the next pass's rows are prefetched: decode reads the weights from memory
+// once per step, and without the prefetch the loop waits on it.
+#include <ATen/Parallel.h>
+
+#include "host_float.h"
+
+#include <algorithm>
+#include <vector>
+
+constexpr int64_t ROWS = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 load_int8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+static inline void dot_rows(const float* x, const int8_t* w, int64_t K, float* acc) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    a0 = _mm256_fmadd_ps(xv, load_int8(w + k), a0);
+    a1 = _mm256_fmadd_ps(xv, load_int8(w + K + k), a1);
+    a2 = _mm256_fmadd_ps(xv, load_int8(w + 2 * K + k), a2);
+    a3 = _mm256_fmadd_ps(xv, load_int8(w + 3 * K + k), a3);
+  }
+  acc[0] = hsum(a0), acc[1] = hsum(a1), acc[2] = hsum(a2), acc[3] = hsum(a3);
+  for (; k < K; ++k)
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] += x[k] * w[r * K + k];
+}
+#else
+static inline void dot_rows(const float* x, const int8_t* w, int64_t K, float* acc) {
+  for (int64_t r = 0; r < ROWS; ++r) {
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t k = 0; k < K; ++k) a += x[k] * w[r * K + k];
+    acc[r] = a;
+  }
+}
+#endif
+
+template <typename T>
+static void int8_gemv(const T* xt, const int8_t* w, const float* scale, const T* bias, T* out, int64_t M,
+                      int64_t N, int64_t K) {
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xt[i]);
+  const float* x = xf.data();
+  const int64_t passes = (N + ROWS - 1) / ROWS;
+  at::parallel_for(0, passes, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * ROWS, rows = std::min(ROWS, N - n0);
+      if (p + 1 < end) {
+        const char* next = reinterpret_cast<const char*>(w + (n0 + ROWS) * K);
+        for (int64_t off = 0; off < ROWS * K; off += 64) __builtin_prefetch(next + off);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K;
+        float acc[ROWS];
+        if (rows == ROWS) {
+          dot_rows(xm, w + n0 * K, K, acc);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            acc[r] = 0.f;
+            for (int64_t k = 0; k < K; ++k) acc[r] += xm[k] * w[(n0 + r) * K + k];
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t n = n0 + r;
+          out[m * N + n] = static_cast<T>(acc[r] * scale[n] + (bias ? to_float(bias[n]) : 0.f));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kChar && weight.is_contiguous(),
+              "weight: contiguous int8 [N, K]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
+              "scale: contiguous float32 [N]");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's input size");
+  auto rows = x.reshape({-1, K}).contiguous();
+  auto out = torch::empty({rows.size(0), N}, x.options());
+  torch::Tensor b;
+  if (bias) {
+    b = bias->to(x.scalar_type()).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias: one value per output channel");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
+    int8_gemv<scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                        bias ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows.size(0), N, K);
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int8_linear", &int8_linear); }

@@ -1,0 +1,36 @@
+"""The seed's quantization contract: every linear layer holds a ``quant_method`` that creates its weights,
+applies them and post-processes them once they are loaded.
+
+``UnquantizedLinearMethod`` is the default: a float weight [out, in] and ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from runtime.layers.linear import TPModule
+
+
+class UnquantizedLinearMethod:
+    """How a linear layer stores and applies its weight; quantized methods override what differs."""
+
+    name = "none"
+
+    def create_weights(
+        self, layer: TPModule, output_size_per_partition: int, input_size_per_partition: int
+    ) -> None:
+        """Registers the parameters the checkpoint loads (each with the layer's ``weight_loader``)."""
+        layer._add_param("weight", output_size_per_partition, input_size_per_partition)
+
+    def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer: TPModule) -> None:
+        """Turns the loaded parameters into the form ``apply`` reads; runs once, after every weight is loaded."""
+
+
+UNQUANTIZED = UnquantizedLinearMethod()

@@ -1,0 +1,66 @@
+"""``int8_weight_only``: a float checkpoint quantized at load to int8 weights with one scale per output channel
+(symmetric, scale = max |w| / 127). Activations stay in the model's dtype.
+
+On the host, up to ``KERNEL_ROWS`` rows (decode) go through the C++ kernel, which reads the int8 weight as is;
+more rows (prefill) and other devices dequantize the weight and use ``F.linear``. Under TP the scales equal
+the single-rank ones: a row-parallel layer's channel maxima are reduced over its group first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.kernels import host_int8_linear
+from runtime.layers.linear import RowParallelLinear, TPModule
+from runtime.layers.quantization.base import UnquantizedLinearMethod
+
+KERNEL_ROWS = 16
+CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float copy of a large LM head
+
+
+def quantize_rows(weight: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale per row) for the given per-row maxima of |weight|."""
+    scale = (amax.float() / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    for start in range(0, weight.shape[0], CHUNK_ROWS):
+        rows = slice(start, start + CHUNK_ROWS)
+        q[rows] = (weight[rows].float() / scale[rows, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(layer: TPModule, dtype: torch.dtype) -> torch.Tensor:
+    return (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
+
+
+class Int8WeightOnlyMethod(UnquantizedLinearMethod):
+    name = "int8_weight_only"
+
+    def process_weights_after_loading(self, layer: TPModule) -> None:
+        weight = layer.weight.detach()
+        amax = weight.abs().amax(dim=1).float()
+        if isinstance(layer, RowParallelLinear) and layer.group is not None:  # each rank holds part of a row
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.group)
+        q, scale = quantize_rows(weight, amax)
+        del layer.weight  # a tied LM head drops only its own reference; the embedding keeps the float weight
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if (
+            x.device.type == "cpu"
+            and rows <= KERNEL_ROWS
+            and not torch.compiler.is_compiling()
+            and (kernel := host_int8_linear())
+        ):
+            return kernel.int8_linear(x, layer.weight, layer.weight_scale, bias)
+        return F.linear(x, dequantize(layer, x.dtype), bias)
+
+    @staticmethod
+    def describe(device: torch.device) -> str:
+        if device.type == "cpu" and host_int8_linear():
+            return f"the host int8 kernel up to {KERNEL_ROWS} rows, dequantize + matmul above"
+        return "dequantize + matmul (no int8 kernel for this device)"

@@ -1,0 +1,64 @@
+"""``model_config.quant_method``: quantize a float checkpoint's linear layers once it is loaded.
+
+Plain ``nn.Linear`` layers of a single-rank model become ``ReplicatedLinear`` holding the same parameters, so
+every linear layer carries a ``quant_method``; the LM head is quantized too (an embedding tied to it is not).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from runtime.layers.embedding import ParallelLMHead
+from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from runtime.layers.quantization.base import UnquantizedLinearMethod
+from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
+
+logger = logging.getLogger(__name__)
+
+ONLINE_METHODS: dict[str, type[UnquantizedLinearMethod]] = {"int8_weight_only": Int8WeightOnlyMethod}
+LINEAR_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+
+
+def _replicated(linear: nn.Linear) -> ReplicatedLinear:
+    with torch.device("meta"):
+        layer = ReplicatedLinear(
+            linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype
+        )
+    layer.weight, layer.bias = linear.weight, linear.bias
+    return layer
+
+
+def quantize_online(model: nn.Module, method_name: str) -> int:
+    """Gives every linear layer the named method; returns how many. Call before the post-load hooks."""
+    method = ONLINE_METHODS[method_name]()
+    plain = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    for parent, name, child in plain:
+        setattr(parent, name, _replicated(child))
+    layers = [m for m in model.modules() if isinstance(m, LINEAR_LAYERS)]
+    for layer in layers:
+        layer.quant_method = method
+    device = next(model.parameters()).device
+    logger.info(
+        "[Main] %s: %d linear layers quantized at load; %s",
+        method_name,
+        len(layers),
+        method.describe(device),
+    )
+    return len(layers)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Runs every layer's ``quant_method`` hook, then the model's own ``process_weights_after_loading``."""
+    for module in list(model.modules()):
+        if (method := getattr(module, "quant_method", None)) is not None:
+            method.process_weights_after_loading(module)
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()

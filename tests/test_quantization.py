@@ -1,0 +1,191 @@
+"""int8 weight-only quantization: the host kernel, the quant_method contract of the linear layers, TP scales, and
+a whole model against transformers running the same (dequantized) int8 weights."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from dist_harness import distributed_tests
+from model_dirs import make_model_dir, prefill_logits
+from test_parity_llama import NEW_TOKENS, reference, skill_run  # noqa: F401 - reference is a fixture
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from runtime.config import InferenceConfig
+from runtime.config.comm_manager import CommManager
+from runtime.errors import ConfigError
+from runtime.kernels import host_int8_linear
+from runtime.layers import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
+from runtime.layers.quantization import int8_weight_only
+from runtime.layers.quantization.int8_weight_only import KERNEL_ROWS, Int8WeightOnlyMethod, quantize_rows
+from runtime.layers.quantization.online import process_weights_after_loading, quantize_online
+
+
+def _dequantized(w: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_rows(w, w.abs().amax(dim=1))
+    return q.float() * scale[:, None]
+
+
+def test_quantize_rows_rounds_each_row_to_its_own_scale():
+    w = torch.randn(6, 40) * torch.logspace(-3, 1, 6)[:, None]
+    w[2] = 0  # an all-zero row quantizes to zeros, not NaN
+    q, scale = quantize_rows(w, w.abs().amax(dim=1))
+    assert (
+        q.dtype == torch.int8
+        and q.abs().max() == 127
+        and torch.equal(q[2], torch.zeros(40, dtype=torch.int8))
+    )
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.skipif(host_int8_linear() is None, reason="no C++ compiler for the host kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 4, 8), (3, 7, 13), (5, 130, 576), (KERNEL_ROWS, 9, 1536)])
+def test_host_kernel_matches_the_dequantized_product(dtype, rows, n, k):
+    """Tails (N not a multiple of 4, K not of 8) and several rows; the sums are float, so only their order
+    differs from the float64 reference (bf16: plus the rounding of the output)."""
+    torch.manual_seed(0)
+    w, x, bias = torch.randn(n, k), torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    q, scale = quantize_rows(w, w.abs().amax(dim=1))
+    out = host_int8_linear().int8_linear(x, q, scale, bias)
+    ref = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+    assert out.dtype == dtype and out.shape == (rows, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [2, KERNEL_ROWS + 3])
+def test_kernel_and_fallback_give_the_same_layer_output(monkeypatch, rows):
+    torch.manual_seed(1)
+    layer = ReplicatedLinear(24, 10, bias=True)
+    layer.weight.data.normal_(), layer.bias.data.normal_()
+    x = torch.randn(rows, 24)
+    layer.quant_method = Int8WeightOnlyMethod()
+    process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (10,)
+    fast = layer(x)
+    monkeypatch.setattr(int8_weight_only, "host_int8_linear", lambda: None)
+    torch.testing.assert_close(fast, layer(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fast,
+        F.linear(x, layer.weight.float() * layer.weight_scale[:, None], layer.bias),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.proj(self.embed(ids)))
+
+
+def test_online_quantization_swaps_plain_linears_and_keeps_a_tied_embedding_float():
+    torch.manual_seed(2)
+    model = _Tied()
+    embedding = model.embed.weight.detach().clone()
+    assert quantize_online(model, "int8_weight_only") == 2
+    process_weights_after_loading(model)
+    assert type(model.proj) is ReplicatedLinear and model.proj.weight.dtype == torch.int8
+    assert model.head.weight.dtype == torch.int8 and torch.equal(model.embed.weight, embedding)
+    ids = torch.tensor([1, 5, 31])
+    proj_w = model.proj.weight.float() * model.proj.weight_scale[:, None]
+    head_w = model.head.weight.float() * model.head.weight_scale[:, None]
+    expected = F.linear(F.linear(F.embedding(ids, embedding), proj_w, model.proj.bias), head_w)
+    torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_quant_method_is_refused_naming_the_choices(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"model_config": {"quant_method": "int3"}}))
+    with pytest.raises(ConfigError, match=r"(?s)model_config\.quant_method.*int8_weight_only"):
+        InferenceConfig.from_yaml(path)
+
+
+# --- TP: every rank's shard quantized with the scales of the whole layer ---
+
+HIDDEN, INTER, VOCAB = 24, 40, 70
+
+
+def _setup(rank: int, world_size: int) -> CommManager:
+    cm = CommManager(world_size, rank)
+    cm.register_group("dense_tp_group", world_size, 1)
+    cm.register_group("lmhead_tp_group", world_size, 1)
+    return cm
+
+
+def _quantized(layer: nn.Module) -> nn.Module:
+    layer.quant_method = Int8WeightOnlyMethod()
+    process_weights_after_loading(layer)
+    return layer
+
+
+def check_column_row_and_head(cm: CommManager) -> None:
+    torch.manual_seed(3)
+    up, down, head = torch.randn(INTER, HIDDEN), torch.randn(HIDDEN, INTER), torch.randn(VOCAB, HIDDEN)
+    x = torch.randn(3, HIDDEN)
+    col = ColumnParallelLinear(HIDDEN, INTER, comm_manager=cm)
+    row = RowParallelLinear(INTER, HIDDEN, comm_manager=cm)
+    lm = ParallelLMHead(VOCAB, HIDDEN, comm_manager=cm, pad_to=8)
+    for layer, w in ((col, up), (row, down), (lm, head)):
+        layer.weight.weight_loader(layer.weight, w)
+        _quantized(layer)
+    out = lm(row(F.silu(col(x))))
+    ref = F.linear(F.linear(F.silu(F.linear(x, _dequantized(up))), _dequantized(down)), _dequantized(head))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+world_results, test_distributed = distributed_tests(
+    _setup, {"check_column_row_and_head": check_column_row_and_head}
+)
+
+
+# --- a whole model: the runtime's int8 run equals transformers on the same int8 weights ---
+
+
+@pytest.fixture(scope="module")
+def int8_reference(tiny_llama_dir, reference):  # noqa: F811
+    """transformers' greedy tokens and last prefill logits with every linear weight (the LM head too, untied
+    from the embedding) replaced by its int8 dequantization."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(_dequantized(module.weight.detach()), requires_grad=False)
+        ids = reference["ids"]
+        tokens = [
+            model.generate(torch.tensor([x]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(x) :
+            ].tolist()
+            for x in ids
+        ]
+        logits = torch.stack([model(torch.tensor([x])).logits[0, -1] for x in ids])
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    return {"ids": ids, "tokens": tokens, "logits": logits, "linears": linears}
+
+
+def _int8_model_dir(tmp_path, checkpoint):
+    model_dir = make_model_dir(tmp_path, checkpoint)
+    path = model_dir / "config" / f"{model_dir.name}.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["model_config"]["quant_method"] = "int8_weight_only"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return model_dir
+
+
+def test_int8_run_matches_transformers_on_the_same_int8_weights(tmp_path, tiny_llama_dir, int8_reference):
+    model_dir = _int8_model_dir(tmp_path, tiny_llama_dir)
+    proc = skill_run(model_dir)
+    out = json.loads(proc.stdout)
+    assert [o["token_ids"] for o in out["outputs"]] == int8_reference["tokens"]
+    assert f"int8_weight_only: {int8_reference['linears']} linear layers quantized at load" in proc.stderr
+    logits = prefill_logits(model_dir, int8_reference["ids"])
+    torch.testing.assert_close(logits, int8_reference["logits"], atol=1e-4, rtol=0)
