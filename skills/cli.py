@@ -311,12 +311,20 @@ def bench(
     quick: Annotated[
         bool, typer.Option("--quick", help="Tiny sizes: checks the bench, measures nothing.")
     ] = False,
+    quant_method: Annotated[
+        str | None,
+        typer.Option(
+            help="Also time the runtime with this model_config.quant_method (int8_weight_only), "
+            "against the unquantized runtime of the same run."
+        ),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")
     ] = False,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of tokens/s per workload.")] = None,
 ):
     """Time the runtime (and transformers) on fixed workloads; table on stderr, JSON on stdout."""
+    from runtime.layers.quantization.online import ONLINE_METHODS
     from skills.bench.report import plot as write_plot
     from skills.bench.report import print_table
     from skills.bench.run import BenchOptions, run_bench
@@ -333,6 +341,8 @@ def bench(
         raise UserError(f"--plot {plot}: the plot is a PNG; give a path ending in .png.")
     if exe_mode not in (None, "eager", "compile"):
         raise UserError(f"--exe-mode {exe_mode!r}: choose eager or compile.")
+    if quant_method is not None and quant_method not in ONLINE_METHODS:
+        raise UserError(f"--quant-method {quant_method!r}: choose {', '.join(ONLINE_METHODS)}.")
     opts = BenchOptions(
         model_dir,
         find_yaml(model_dir, yaml_file),
@@ -344,6 +354,7 @@ def bench(
         serve,
         repeats,
         quick,
+        quant_method=quant_method,
         log=lambda msg: err.print(f"[cyan]bench[/] {msg}", highlight=False),
     )
     report = run_bench(opts)

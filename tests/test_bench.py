@@ -50,6 +50,8 @@ def test_workloads_run_and_report(workload, tmp_path, tiny_llama_dir):
         "--json",
         "--plot",
         str(plot),
+        "--quant-method",
+        "int8_weight_only",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -69,6 +71,12 @@ def test_workloads_run_and_report(workload, tmp_path, tiny_llama_dir):
             served,
         )
         assert abs(served["vs_ours"] - served["tok_s"] / w["ours_tok_s"]) < 1e-9
+        quantized = w["quantized"]  # the runtime with int8 weights, timed in the same run
+        assert quantized["method"] == "int8_weight_only" and quantized["tok_s"] > 0
+        assert abs(quantized["vs_ours"] - quantized["tok_s"] / w["ours_tok_s"]) < 1e-9
+        assert quantized["spot_check_vs_ours"] and all(
+            v == "identical" or v.startswith("differs at step") for v in quantized["spot_check_vs_ours"]
+        )
     decode = report["workloads"]["decode1"]
     assert 0 < decode["mbu"] and decode["bandwidth_limit_tok_s"] > 0
     assert abs(decode["achieved_gb_s"] / report["bandwidth_gb_s"] - decode["mbu"]) < 1e-9
@@ -87,6 +95,7 @@ def test_bad_options_are_refused_before_anything_runs(tmp_path, tiny_llama_dir):
         (["--workload", "decode2"], "unknown workload"),
         (["--compare", "vllm"], "only peer"),
         (["--plot", str(tmp_path / "x.jpg")], "PNG"),
+        (["--quant-method", "int3"], "int8_weight_only"),
     ]:
         proc = skill_bench(model_dir, *args)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr

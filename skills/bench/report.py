@@ -17,6 +17,13 @@ def _served(s: dict | None) -> str:
     return f"{s['tok_s']:.1f} ({s['vs_ours']:.2f}x{same}), {s['ttft_p99_ms']:.0f}"
 
 
+def _quantized(q: dict | None) -> str:
+    if q is None:
+        return "-"
+    same = ", ".join(q["spot_check_vs_ours"])
+    return f"{q['tok_s']:.1f} ({q['vs_ours']:.2f}x; {same})"
+
+
 def print_table(report: dict, console: Console) -> None:
     m = report["machine"]
     table = Table(
@@ -35,6 +42,7 @@ def print_table(report: dict, console: Console) -> None:
         "peak RSS MB ours/peer",
         "greedy spot check",
         "served tok/s (vs ours), TTFT p99 ms",
+        "quantized tok/s (vs ours; greedy vs ours)",
     ):
         table.add_column(col, justify="left" if col == "workload" else "right")
     for name, w in report["workloads"].items():
@@ -55,6 +63,7 @@ def print_table(report: dict, console: Console) -> None:
             + ("" if spot["passed"] else " (FAILED)")
             + "".join(f"; {v}" for v in spot["verdicts"] if v != "identical"),
             _served(w["served"]),
+            _quantized(w["quantized"]),
         )
     console.print(table)
 
@@ -72,6 +81,8 @@ def plot(report: dict, path: Path) -> None:
         bars = [("ours", w["ours_tok_s"], "tab:blue")]
         if w.get("served"):
             bars.append(("served (HTTP)", w["served"]["tok_s"], "tab:cyan"))
+        if w.get("quantized"):
+            bars.append((w["quantized"]["method"], w["quantized"]["tok_s"], "tab:green"))
         if w["peer_tok_s"] is not None:
             bars.append(("transformers", w["peer_tok_s"], "tab:gray"))
         bars = ax.bar(*zip(*[(label, value) for label, value, _ in bars]), color=[c for *_, c in bars])

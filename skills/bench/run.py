@@ -24,6 +24,7 @@ class BenchOptions:
     serve: bool = False  # also time `skill serve` over HTTP on the same workload
     repeats: int = 3
     quick: bool = False
+    quant_method: str | None = None  # also time the runtime with this model_config.quant_method
     timeout_s: float = 3600.0
     log: Callable[[str], None] = field(default=lambda msg: None)
 
@@ -60,20 +61,25 @@ def _summary(workload: Workload, runs: list[dict]) -> dict:
     }
 
 
+def _first_difference(mine: list[int], theirs: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+
+
+def _verdict(mine: list[int], theirs: list[int], ties: list[bool] | None = None) -> str:
+    first = _first_difference(mine, theirs)
+    if first is None:
+        return "identical"
+    return f"{'tie' if ties and ties[first] else 'differs'} at step {first}"
+
+
 def spot_check(ours: list[list[int]], reference: dict) -> dict:
     """Our greedy tokens against transformers' for the first requests. A request passes if the tokens are
     identical, or first differ at a step where transformers' own top two logits tie within the dtype's rounding
     (a bf16 tie: either token is a correct greedy choice, and the continuations differ from there)."""
-    verdicts = []
-    for mine, theirs, ties in zip(ours, reference["outputs"], reference["ties"]):
-        first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
-        verdicts.append(
-            "identical"
-            if first is None
-            else f"tie at step {first}"
-            if ties[first]
-            else f"differs at step {first}"
-        )
+    verdicts = [
+        _verdict(mine, theirs, ties)
+        for mine, theirs, ties in zip(ours, reference["outputs"], reference["ties"])
+    ]
     return {
         "checked": len(verdicts),
         "identical": verdicts.count("identical"),
@@ -99,6 +105,10 @@ def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
             engines["served"] = Worker("served", args, opts.timeout_s)
         if opts.compare:
             engines["peer"] = Worker("peer", args, opts.timeout_s)
+        if opts.quant_method:
+            engines["quantized"] = Worker(
+                "quantized", [*args, "--quant-method", opts.quant_method], opts.timeout_s
+            )
         runs: dict[str, list[dict]] = {e: [] for e in engines}
         for i in range(opts.repeats):
             order = list(engines) if i % 2 == 0 else list(engines)[::-1]  # alternate so drift cancels
@@ -128,6 +138,7 @@ def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
         "peak_rss_mb": {"ours": rss["ours"], "peer": rss.get("peer")},
         "spot_check": None,
         "served": None,
+        "quantized": None,
     }
     if opts.serve:
         served = _summary(workload, runs["served"])
@@ -136,6 +147,18 @@ def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
             "vs_ours": served["tok_s"] / ours["tok_s"],
             "peak_rss_mb": rss["served"],
             "outputs_match_ours": all(r["outputs"] == runs["ours"][0]["outputs"] for r in runs["served"]),
+        }
+    if opts.quant_method:
+        quantized = _summary(workload, runs["quantized"])
+        out["quantized"] = {
+            **quantized,
+            "method": opts.quant_method,
+            "vs_ours": quantized["tok_s"] / ours["tok_s"],
+            "weight_bytes": engines["quantized"].info["weight_bytes"],
+            "peak_rss_mb": rss["quantized"],
+            "spot_check_vs_ours": [
+                _verdict(q, o) for q, o in zip(runs["quantized"][0]["outputs"], runs["ours"][0]["outputs"])
+            ][:SPOT_CHECK_REQUESTS],
         }
     if name == "decode1":  # batch 1: every step reads all weights plus the context's KV
         context = workload.prompt_lens[0] + workload.output_lens[0] / 2

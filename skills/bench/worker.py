@@ -1,11 +1,13 @@
 """One engine in its own process (so its peak RSS is its own), driven over stdin/stdout by `skill bench`.
 
-    python -m skills.bench.worker ours|served|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS EXE_MODE|- [--quick]
+    python -m skills.bench.worker ours|quantized|served|peer MODEL_DIR YAML WORKLOAD DTYPE THREADS EXE_MODE|-
+        [--quick] [--quant-method METHOD]
 
 Prints ``READY {...}``, then answers each ``run`` line with ``RESULT {...}`` and ``quit`` with
 ``DONE {"peak_rss_mb": ...}``; the peer also answers ``reference N`` with greedy outputs of the first N
 requests run one at a time (no padding) and where their top two logits tie, for the spot check. `served`
-reports the peak RSS of the server's processes, not its own. Everything else it prints goes to stderr.
+reports the peak RSS of the server's processes, not its own; `quantized` is `ours` with
+``model_config.quant_method`` set to METHOD. Everything else it prints goes to stderr.
 """
 
 import json
@@ -36,7 +38,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(int(threads))
     workload = make_workload(workload_name, quick="--quick" in argv)
-    if engine in ("ours", "served"):
+    if engine in ("ours", "quantized", "served"):
         from skills.bench.engines import Ours, Served, bench_config
 
         config = bench_config(
@@ -47,16 +49,13 @@ def main(argv: list[str]) -> int:
             max(workload.prompt_lens),
             max(workload.output_lens),
         )
-        runner = (
-            Ours(Path(model_dir), config)
-            if engine == "ours"
-            else Served(Path(model_dir), config, int(threads))
-        )
-        info = (
-            dict(zip(("weight_bytes", "kv_bytes_per_token"), runner.bytes_per_token()))
-            if engine == "ours"
-            else {}
-        )
+        if engine == "quantized":
+            config.model_config.quant_method = argv[argv.index("--quant-method") + 1]
+        if engine == "served":
+            runner, info = Served(Path(model_dir), config, int(threads)), {}
+        else:
+            runner = Ours(Path(model_dir), config)
+            info = dict(zip(("weight_bytes", "kv_bytes_per_token"), runner.bytes_per_token()))
     else:
         from runtime.config import InferenceConfig
         from skills.bench.engines import Peer
