@@ -104,6 +104,21 @@ def test_unknown_architecture(tiny_llama_dir, tmp_path):
     )
 
 
+def test_quantized_checkpoint_is_refused_naming_its_format(tiny_llama_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama_dir, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert_clean_failure(
+        skill("migrate", str(ckpt), "-o", str(tmp_path / "out")),
+        tmp_path / "out",
+        "'compressed-tensors'",
+        "'pack-quantized'",
+        "int8_weight_only",
+    )
+
+
 def test_missing_config_json(tmp_path):
     (tmp_path / "ckpt").mkdir()
     assert_clean_failure(
