@@ -591,6 +591,12 @@ def convert_weights(
     config: Annotated[Path, typer.Option("--config", help="PARALLEL.yaml: the config to shard for.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write (rank_<r>/ + config files).")],
     force: Annotated[bool, typer.Option("--force", help="Replace OUT and the offline YAML.")] = False,
+    quant_mode: Annotated[
+        str | None,
+        typer.Option(
+            help="w8a16: save int8 weights with one scale per output channel (quant_method int8_weight_only)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
     """Save each rank's weight shards for a parallel config, and the YAML that runs them (prints its path)."""
@@ -602,6 +608,7 @@ def convert_weights(
         out,
         force,
         log=lambda msg: err.print(f"[cyan]convert-weights[/] {msg}", highlight=False),
+        quant_mode=quant_mode,
     )
     print(json.dumps(done.to_dict()) if as_json else done.yaml)
 

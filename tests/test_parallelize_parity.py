@@ -147,6 +147,44 @@ def test_tp2_from_convert_weights_output(migrated, tmp_path):
     check_converted_shards(model_dir, config, tmp_path / "shards", reference)
 
 
+def _int8_yaml(source: Path, target: Path) -> Path:
+    doc = yaml.safe_load(source.read_text())
+    doc["model_config"]["quant_method"] = "int8_weight_only"
+    target.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return target
+
+
+@pytest.mark.parametrize("migrated", ["llama"], indirect=True)
+def test_int8_tp2_at_load_and_from_quantized_shards_match_the_single_rank(migrated, tmp_path):
+    """int8 weight-only: TP 2 quantizing at load (row-parallel scales reduced over the group) and TP 2 from
+    `convert-weights --quant-mode w8a16` shards give the single-rank int8 run's greedy tokens."""
+    _, model_dir = migrated
+    single = run(
+        model_dir, _int8_yaml(model_dir / "config" / f"{model_dir.name}.yaml", tmp_path / "int8.yaml")
+    )
+    tokens = [o["token_ids"] for o in single["outputs"]]
+    config = parallel_yaml(tmp_path / "tp2.yaml", *SCENARIOS["tp2"])
+    proc = parallelize(model_dir, config, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp2 = run(model_dir, _int8_yaml(Path(json.loads(proc.stdout)["yaml"]), tmp_path / "tp2_int8.yaml"))
+    assert [o["token_ids"] for o in tp2["outputs"]] == tokens
+    proc = subprocess.run(
+        [sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config", str(config)]
+        + ["-o", str(tmp_path / "shards"), "--quant-mode", "w8a16", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout)
+    assert (
+        yaml.safe_load(Path(done["yaml"]).read_text())["model_config"]["quant_method"] == "int8_weight_only"
+    )
+    shards = run(model_dir, Path(done["yaml"]))
+    assert [o["token_ids"] for o in shards["outputs"]] == tokens
+    assert shards["param_bytes_per_rank"] == done["ranks"] == tp2["param_bytes_per_rank"]
+
+
 @pytest.mark.parametrize(("arch", "scenario"), OTHER_ARCHS)
 def test_other_architectures(arch, scenario, tmp_path_factory, tmp_path):
     reference = build_reference(arch, tmp_path_factory)

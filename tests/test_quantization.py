@@ -2,6 +2,8 @@
 a whole model against transformers running the same (dequantized) int8 weights."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -189,3 +191,23 @@ def test_int8_run_matches_transformers_on_the_same_int8_weights(tmp_path, tiny_l
     assert f"int8_weight_only: {int8_reference['linears']} linear layers quantized at load" in proc.stderr
     logits = prefill_logits(model_dir, int8_reference["ids"])
     torch.testing.assert_close(logits, int8_reference["logits"], atol=1e-4, rtol=0)
+
+
+def test_convert_weights_refuses_an_unknown_quant_mode(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "convert-weights",
+            str(tmp_path),
+            "--config",
+            str(tmp_path / "p.yaml"),
+        ]
+        + ["-o", str(tmp_path / "out"), "--quant-mode", "w4a16"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "'w4a16'" in proc.stderr and "w8a16" in proc.stderr and not (tmp_path / "out").exists()

@@ -102,6 +102,11 @@ def _read_meta(model_path: Path) -> dict:
         ) from e
 
 
+def converted_quant_method(model_path: Path) -> str | None:
+    """The quant_method a convert-weights directory's shards were saved with; None for a checkpoint."""
+    return _read_meta(Path(model_path)).get("quant_method", "none") if is_converted(model_path) else None
+
+
 def _check_converted_for(model: nn.Module, model_path: Path, meta: dict, pc: ParallelConfig) -> None:
     source = meta.get("source", "the original checkpoint")
     fix = (

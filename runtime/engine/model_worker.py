@@ -15,7 +15,7 @@ from runtime.device_memory import free_memory_bytes, lazy_zeros, synchronize
 from runtime.distributed import DistInfo
 from runtime.engine.graph_mode import compile_decode
 from runtime.engine.legacy_cache import LegacyCacheRows
-from runtime.engine.loader import init_dummy_weights, load_checkpoint
+from runtime.engine.loader import converted_quant_method, init_dummy_weights, load_checkpoint
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from runtime.kv_cache import KVCacheManager, blocks_for_batch, blocks_for_memory
@@ -96,11 +96,14 @@ class ModelWorker:
                 module.prefix = name
         if hasattr(model, "check_model_settings"):
             model.check_model_settings()
+        prequantized = self._prequantized() if mc.with_ckpt else False
+        if prequantized:
+            quantize_online(model, mc.quant_method, prequantized=True)
         if mc.with_ckpt:
             load_checkpoint(model, self.model_path, pc, self.dist.rank)
         else:
             init_dummy_weights(model)
-        if mc.quant_method != "none":
+        if mc.quant_method != "none" and not prequantized:
             quantize_online(model, mc.quant_method)
         process_weights_after_loading(model)
         tp = max(pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size, pc.moe_tp_size)
@@ -125,6 +128,17 @@ class ModelWorker:
             self.param_bytes,
             self.dist.rank,
         )
+
+    def _prequantized(self) -> bool:
+        """Whether model_path holds convert-weights shards saved quantized (they must match quant_method)."""
+        saved, wanted = converted_quant_method(self.model_path), self.config.model_config.quant_method
+        if saved is not None and saved != wanted:
+            raise UserError(
+                f"{self.model_path} holds weights convert-weights saved with quant_method {saved!r}, but "
+                f"model_config.quant_method is {wanted!r}; set it to {saved!r} (the YAML convert-weights "
+                "wrote does), or point model_path at the original checkpoint."
+            )
+        return saved not in (None, "none")
 
     def load_tokenizer(self):
         try:

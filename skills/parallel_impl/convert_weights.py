@@ -38,6 +38,8 @@ from runtime.engine.loader import (
 from runtime.engine.model_worker import default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
+from runtime.layers.linear import RowParallelLinear
+from runtime.layers.quantization.online import process_layers_after_loading, quantize_online
 from runtime.layers.weights import named_weights
 from skills.atomic_write import write_text_atomic
 from skills.parallel_impl.pipeline import _load, _Target, scenario_yaml_name
@@ -56,6 +58,9 @@ WEIGHT_PATTERNS = (
     "*.index.json",
 )
 _MODEL_PATH = re.compile(r"^(  model_path:).*$", re.MULTILINE)
+_QUANT_METHOD = re.compile(r"^  quant_method:.*\n", re.MULTILINE)
+# --quant-mode -> the model_config.quant_method its shards are saved with
+QUANT_MODES = {"w8a16": "int8_weight_only"}
 
 
 @dataclasses.dataclass
@@ -112,11 +117,15 @@ def _check_out(out: Path, source: Path, model_dir: Path, force: bool) -> None:
         )
 
 
-def _offline_yaml(t: _Target, out: Path) -> tuple[str, str]:
-    """(file name, text): the model's YAML with the parallel config applied and model_path set to `out`."""
-    name = scenario_yaml_name(t, scenario="offline")
+def _offline_yaml(t: _Target, out: Path, quant_method: str) -> tuple[str, str]:
+    """(file name, text): the model's YAML with the parallel config applied, model_path set to `out` and
+    model_config.quant_method to the shards' own."""
+    name = scenario_yaml_name(t, scenario="offline" if quant_method == "none" else f"offline_{quant_method}")
     text = scenario_yaml(t.yaml_path.read_text(encoding="utf-8"), t.pc, f"config/{name}")
-    text = _MODEL_PATH.sub(lambda m: f"{m[1]} {json.dumps(str(out))}", text, count=1)
+    text = _QUANT_METHOD.sub("", text)
+    text = _MODEL_PATH.sub(
+        lambda m: f"{m[1]} {json.dumps(str(out))}\n  quant_method: {json.dumps(quant_method)}", text, count=1
+    )
     if (yaml.safe_load(text).get("model_config") or {}).get("model_path") != str(out):
         raise ConfigError(
             f"{t.yaml_path} has no `  model_path:` line in its model_config section; re-run `skill migrate "
@@ -142,9 +151,34 @@ def _build_rank(
     return model.eval().requires_grad_(False)
 
 
-def _save_rank(model: nn.Module, source: Path, folder: Path) -> int:
-    """Loads `source` through the weight loaders and saves the parameters (tied ones once); their bytes."""
+def _row_maxima(t: _Target, config: InferenceConfig, source: Path) -> dict[str, torch.Tensor]:
+    """Per row-parallel layer, the largest |w| of each output row over every rank's shard: the scales of the
+    whole row, as the run's collective would compute them (convert-weights builds one rank at a time)."""
+    maxima: dict[str, torch.Tensor] = {}
+    for rank in range(t.pc.world_size):
+        model = _build_rank(t.model_cls, t.hf_config, config, rank)
+        load_checkpoint(model, source)
+        for name, m in model.named_modules():
+            if isinstance(m, RowParallelLinear):
+                amax = m.weight.detach().abs().amax(dim=1).float()
+                maxima[name] = torch.maximum(maxima[name], amax) if name in maxima else amax
+        del model
+        gc.collect()
+    return maxima
+
+
+def _save_rank(
+    model: nn.Module, source: Path, folder: Path, quant_method: str, row_maxima: dict[str, torch.Tensor]
+) -> int:
+    """Loads `source` through the weight loaders, quantizes it if asked and saves the parameters (tied ones
+    once); their bytes."""
     load_checkpoint(model, source)
+    if quant_method != "none":
+        quantize_online(model, quant_method)
+        for name, m in model.named_modules():
+            if name in row_maxima:
+                m.row_amax = row_maxima[name]
+        process_layers_after_loading(model)
     state = {name: p.detach().contiguous() for name, p in named_weights(model).items()}
     folder.mkdir()
     save_file(state, folder / SHARD_FILE, metadata={"format": "pt"})
@@ -152,10 +186,11 @@ def _save_rank(model: nn.Module, source: Path, folder: Path) -> int:
     return param_bytes(model)
 
 
-def _meta(t: _Target, source: Path, ranks: list[int]) -> dict:
+def _meta(t: _Target, source: Path, ranks: list[int], quant_method: str) -> dict:
     fingerprint = {str(f.relative_to(source)): f.stat().st_size for f in checkpoint_files(source)}
     return {
         "parallel_config": t.pc.model_dump(),
+        "quant_method": quant_method,
         "entry_class": t.model_cls.__name__,
         "source": str(source),
         "source_fingerprint": fingerprint,
@@ -184,12 +219,19 @@ def convert_weights(
     out: Path,
     force: bool = False,
     log: Callable[[str], None] = lambda msg: None,
+    quant_mode: str | None = None,
 ) -> ConvertResult:
+    if quant_mode is not None and quant_mode not in QUANT_MODES:
+        raise UserError(
+            f"--quant-mode {quant_mode!r} is not supported; choose {', '.join(QUANT_MODES)} (int8 weights with "
+            "one scale per output channel). w8a8 and fp8 shards are not implemented yet."
+        )
+    quant_method = QUANT_MODES.get(quant_mode, "none")
     resolve_model.cache_clear()  # the model code may have been rewritten since it was last imported
     t = _load(model_dir, config_path)
     out, source = out.expanduser().resolve(), _source(t)
     _check_out(out, source, t.model_dir, force)
-    name, text = _offline_yaml(t, out)
+    name, text = _offline_yaml(t, out, quant_method)
     target_yaml = t.model_dir / "config" / name
     _refuse_overwrite(target_yaml, text, force)
     config = InferenceConfig.from_dict(yaml.safe_load(text), source=str(target_yaml))
@@ -202,15 +244,16 @@ def convert_weights(
         shutil.copytree(
             source, staged, ignore=shutil.ignore_patterns(*WEIGHT_PATTERNS, ".*"), dirs_exist_ok=True
         )
+        row_maxima = _row_maxima(t, config, source) if quant_method != "none" else {}
         ranks = []
         for rank in range(t.pc.world_size):
             model = _build_rank(t.model_cls, t.hf_config, config, rank)
-            ranks.append(_save_rank(model, source, rank_dir(staged, rank)))
+            ranks.append(_save_rank(model, source, rank_dir(staged, rank), quant_method, row_maxima))
             del model
             gc.collect()  # parameters and their weight_loaders reference each other: free before the next rank
             log(f"rank {rank}/{t.pc.world_size}: {ranks[-1] / 2**20:.1f} MiB of parameters")
         (staged / CONVERTED_META).write_text(
-            json.dumps(_meta(t, source, ranks), indent=2) + "\n", encoding="utf-8"
+            json.dumps(_meta(t, source, ranks, quant_method), indent=2) + "\n", encoding="utf-8"
         )
         _install(staged, out)
     except BaseException:

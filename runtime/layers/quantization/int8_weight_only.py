@@ -36,13 +36,33 @@ def dequantize(layer: TPModule, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Int8WeightOnlyMethod(UnquantizedLinearMethod):
+    """``prequantized``: the checkpoint (convert-weights shards) already holds the int8 weights and scales."""
+
     name = "int8_weight_only"
 
+    def __init__(self, prequantized: bool = False):
+        self.prequantized = prequantized
+
+    def prepare_for_quantized_weights(self, layer: TPModule) -> None:
+        """Gives a float layer the int8 weight and the scales a quantized checkpoint stores."""
+        shape, device = layer.weight.shape, layer.weight.device
+        del layer.weight
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=torch.int8, device=device), requires_grad=False)
+        layer.weight_scale = nn.Parameter(
+            torch.empty(shape[0], dtype=torch.float32, device=device), requires_grad=False
+        )
+
     def process_weights_after_loading(self, layer: TPModule) -> None:
+        if self.prequantized:
+            return
         weight = layer.weight.detach()
-        amax = weight.abs().amax(dim=1).float()
-        if isinstance(layer, RowParallelLinear) and layer.group is not None:  # each rank holds part of a row
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.group)
+        amax = getattr(layer, "row_amax", None)  # set by convert-weights, which builds one rank at a time
+        if amax is None:
+            amax = weight.abs().amax(dim=1).float()
+            if (
+                isinstance(layer, RowParallelLinear) and layer.group is not None
+            ):  # each rank holds part of a row
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.group)
         q, scale = quantize_rows(weight, amax)
         del layer.weight  # a tied LM head drops only its own reference; the embedding keeps the float weight
         layer.weight = nn.Parameter(q, requires_grad=False)

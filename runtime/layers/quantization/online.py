@@ -31,9 +31,10 @@ def _replicated(linear: nn.Linear) -> ReplicatedLinear:
     return layer
 
 
-def quantize_online(model: nn.Module, method_name: str) -> int:
-    """Gives every linear layer the named method; returns how many. Call before the post-load hooks."""
-    method = ONLINE_METHODS[method_name]()
+def quantize_online(model: nn.Module, method_name: str, prequantized: bool = False) -> int:
+    """Gives every linear layer the named method; returns how many. Call after loading a float checkpoint and
+    before the post-load hooks, or (``prequantized``) before loading shards convert-weights quantized."""
+    method = ONLINE_METHODS[method_name](prequantized)
     plain = [
         (parent, name, child)
         for parent in model.modules()
@@ -45,20 +46,28 @@ def quantize_online(model: nn.Module, method_name: str) -> int:
     layers = [m for m in model.modules() if isinstance(m, LINEAR_LAYERS)]
     for layer in layers:
         layer.quant_method = method
+        if prequantized:
+            method.prepare_for_quantized_weights(layer)
     device = next(model.parameters()).device
     logger.info(
-        "[Main] %s: %d linear layers quantized at load; %s",
+        "[Main] %s: %d linear layers %s; %s",
         method_name,
         len(layers),
+        "read quantized from the checkpoint" if prequantized else "quantized at load",
         method.describe(device),
     )
     return len(layers)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Runs every layer's ``quant_method`` hook, then the model's own ``process_weights_after_loading``."""
+def process_layers_after_loading(model: nn.Module) -> None:
+    """Runs every layer's ``quant_method`` hook."""
     for module in list(model.modules()):
         if (method := getattr(module, "quant_method", None)) is not None:
             method.process_weights_after_loading(module)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """The layers' ``quant_method`` hooks, then the model's own ``process_weights_after_loading``."""
+    process_layers_after_loading(model)
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
