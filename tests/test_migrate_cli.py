@@ -108,13 +108,13 @@ def test_quantized_checkpoint_is_refused_naming_its_format(tiny_llama_dir, tmp_p
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_llama_dir, ckpt)
     config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (ckpt / "config.json").write_text(json.dumps(config))
     assert_clean_failure(
         skill("migrate", str(ckpt), "-o", str(tmp_path / "out")),
         tmp_path / "out",
-        "'compressed-tensors'",
-        "'pack-quantized'",
+        "'gptq'",
+        "compressed-tensors weight-only",
         "int8_weight_only",
     )
 

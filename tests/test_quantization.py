@@ -4,6 +4,7 @@ a whole model against transformers running the same (dequantized) int8 weights."
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,15 +45,18 @@ def test_quantize_rows_rounds_each_row_to_its_own_scale():
 
 @pytest.mark.skipif(host_int8_linear() is None, reason="no C++ compiler for the host kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 4, 8), (3, 7, 13), (5, 130, 576), (KERNEL_ROWS, 9, 1536)])
-def test_host_kernel_matches_the_dequantized_product(dtype, rows, n, k):
-    """Tails (N not a multiple of 4, K not of 8) and several rows; the sums are float, so only their order
-    differs from the float64 reference (bf16: plus the rounding of the output)."""
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "groups"), [(1, 4, 8, 1), (3, 7, 13, 1), (5, 130, 576, 3), (KERNEL_ROWS, 9, 1536, 12)]
+)
+def test_host_kernel_matches_the_dequantized_product(dtype, rows, n, k, groups):
+    """Tails (N not a multiple of 4, K not of 8), several rows, one scale per channel or per group of columns;
+    the sums are float, so only their order differs from the float64 reference (bf16: plus output rounding)."""
     torch.manual_seed(0)
-    w, x, bias = torch.randn(n, k), torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
-    q, scale = quantize_rows(w, w.abs().amax(dim=1))
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scale, x, bias = torch.rand(n, groups) / 100, torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
     out = host_int8_linear().int8_linear(x, q, scale, bias)
-    ref = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+    weight = (q.double().unflatten(1, (groups, -1)) * scale.double()[:, :, None]).flatten(1)
+    ref = x.double() @ weight.T + bias.double()
     assert out.dtype == dtype and out.shape == (rows, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
@@ -66,13 +70,13 @@ def test_kernel_and_fallback_give_the_same_layer_output(monkeypatch, rows):
     x = torch.randn(rows, 24)
     layer.quant_method = Int8WeightOnlyMethod()
     process_weights_after_loading(layer)
-    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (10,)
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (10, 1)
     fast = layer(x)
     monkeypatch.setattr(int8_weight_only, "host_int8_linear", lambda: None)
     torch.testing.assert_close(fast, layer(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
         fast,
-        F.linear(x, layer.weight.float() * layer.weight_scale[:, None], layer.bias),
+        F.linear(x, layer.weight.float() * layer.weight_scale, layer.bias),
         atol=1e-5,
         rtol=1e-5,
     )
@@ -99,8 +103,8 @@ def test_online_quantization_swaps_plain_linears_and_keeps_a_tied_embedding_floa
     assert type(model.proj) is ReplicatedLinear and model.proj.weight.dtype == torch.int8
     assert model.head.weight.dtype == torch.int8 and torch.equal(model.embed.weight, embedding)
     ids = torch.tensor([1, 5, 31])
-    proj_w = model.proj.weight.float() * model.proj.weight_scale[:, None]
-    head_w = model.head.weight.float() * model.head.weight_scale[:, None]
+    proj_w = model.proj.weight.float() * model.proj.weight_scale
+    head_w = model.head.weight.float() * model.head.weight_scale
     expected = F.linear(F.linear(F.embedding(ids, embedding), proj_w, model.proj.bias), head_w)
     torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
 
@@ -211,3 +215,62 @@ def test_convert_weights_refuses_an_unknown_quant_mode(tmp_path):
     )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "'w4a16'" in proc.stderr and "w8a16" in proc.stderr and not (tmp_path / "out").exists()
+
+
+# --- checkpoints saved by compressed-tensors: migrate verifies them against transformers' own loading ---
+
+
+def _migrate(checkpoint, out) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "skills.cli", "migrate", str(checkpoint), "-o", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16_g32", pytest.param("w8a16_int", marks=pytest.mark.slow)])
+def test_compressed_tensors_checkpoint_matches_transformers(scheme, tiny_llama_dir, tmp_path):
+    """W8A16 per channel (pack-quantized, and int-quantized with -m slow) and W4A16 in groups of 32: `skill
+    migrate` converts, runs and verifies the model against transformers loading the same checkpoint through
+    its compressed-tensors integration (greedy tokens identical, log-probs within the verifier's tolerance)."""
+    from quantized_checkpoint import save_compressed
+
+    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", scheme)
+    proc = _migrate(checkpoint, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout)
+    assert done["status"] == "ok" and done["verification"]["status"] == "identical", done["verification"]
+    assert done["verification"]["tokens_compared"] > 0
+    bits = 4 if scheme.startswith("w4") else 8
+    assert f"linear layers read as int{bits} weights (compressed-tensors" in proc.stderr
+
+
+def test_unsupported_compressed_tensors_scheme_is_refused_at_migrate(tiny_llama_dir, tmp_path):
+    from quantized_checkpoint import save_compressed
+
+    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", "w8a8")
+    proc = _migrate(checkpoint, tmp_path / "out")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    for needle in ("input activations", "'int-quantized'", "W8A16, W4A16"):
+        assert needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("scenario", ["tp2", pytest.param("tp2_dp2_dense_tp4", marks=pytest.mark.slow)])
+def test_compressed_tensors_checkpoint_parallel_matches_the_single_rank(scenario, tiny_llama_dir, tmp_path):
+    """W4A16 in groups of 32 under TP: column-parallel layers keep their rows' scales, row-parallel ones their
+    columns' groups; the multi-rank run gives the single-rank tokens."""
+    from hf_reference import parallel_yaml, parallelize
+    from quantized_checkpoint import save_compressed
+    from test_parallelize_parity import SCENARIOS, run
+
+    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", "w4a16_g32")
+    proc = _migrate(checkpoint, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model_dir = Path(json.loads(proc.stdout)["model_dir"])
+    single = run(model_dir)
+    proc = parallelize(model_dir, parallel_yaml(tmp_path / "p.yaml", *SCENARIOS[scenario]), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parallel = run(model_dir, Path(json.loads(proc.stdout)["yaml"]))
+    assert [o["token_ids"] for o in parallel["outputs"]] == [o["token_ids"] for o in single["outputs"]]

@@ -6,6 +6,7 @@ made for only.
 """
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,15 @@ from torch import nn
 
 from runtime.config import ParallelConfig
 from runtime.errors import UserError
+from runtime.layers.quantization.compressed_tensors import (
+    CheckpointScheme,
+    checkpoint_scheme,
+    decode_weights,
+    prepare_model,
+)
 from runtime.layers.weights import missing_weights, named_weights
+
+logger = logging.getLogger(__name__)
 
 CONVERTED_META = "parallel_config.json"
 SHARD_FILE = "model.safetensors"
@@ -159,16 +168,38 @@ def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | Non
     return loaded
 
 
+def prepare_for_checkpoint(model: nn.Module, model_path: Path) -> CheckpointScheme | None:
+    """A checkpoint saved quantized: its scheme, after giving the layers it quantizes their int8 weights."""
+    path = Path(model_path) / "config.json"
+    quant = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+    scheme = checkpoint_scheme(quant, str(path))
+    if scheme is not None:
+        logger.info(
+            "[Main] %d linear layers read as int%d weights (compressed-tensors, %s)",
+            prepare_model(model, scheme),
+            scheme.num_bits,
+            f"groups of {scheme.group_size}" if scheme.group_size else "per channel",
+        )
+    return scheme
+
+
+def checkpoint_weights(model_path: Path, scheme: CheckpointScheme | None) -> Iterator[tuple[str, object]]:
+    """(name, weight) as the model loads them: a quantized checkpoint's storage decoded."""
+    weights = iterate_weights(model_path)
+    return weights if scheme is None else decode_weights(weights, scheme)
+
+
 def load_checkpoint(
     model: nn.Module, model_path: Path, parallel_config: ParallelConfig | None = None, rank: int = 0
 ) -> None:
     """Loads the checkpoint (for a converted directory, this rank's shards) and checks every parameter got
     weights. `parallel_config` / `rank`: the running ones, which a converted directory must be made for."""
     model_path = Path(model_path)
+    scheme = prepare_for_checkpoint(model, model_path)
     if is_converted(model_path):
         loaded = _load_converted(model, model_path, parallel_config, rank)
     else:
-        loaded = model.load_weights(iterate_weights(model_path))
+        loaded = model.load_weights(checkpoint_weights(model_path, scheme))
     missing = missing_weights(model, set(loaded))
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

@@ -132,6 +132,11 @@ class ModelWorker:
     def _prequantized(self) -> bool:
         """Whether model_path holds convert-weights shards saved quantized (they must match quant_method)."""
         saved, wanted = converted_quant_method(self.model_path), self.config.model_config.quant_method
+        if wanted != "none" and getattr(self.hf_config, "quantization_config", None):
+            raise UserError(
+                f"{self.model_path} is a quantized checkpoint (its config.json has quantization_config), "
+                f'so model_config.quant_method {wanted!r} cannot quantize it again; set it to "none".'
+            )
         if saved is not None and saved != wanted:
             raise UserError(
                 f"{self.model_path} holds weights convert-weights saved with quant_method {saved!r}, but "

@@ -1,7 +1,7 @@
 // Weight-only int8 linear for a few rows of activations (decode), host only.
 //
-// out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n], with w int8 [N, K] and one float scale per output
-// channel. x is converted to float once and the products are summed in float, so the only difference from the
+// out[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * w[n, k] + bias[n], with w int8 [N, K] and float
+// scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel). x is converted to float once and the products are summed in float, so the only difference from the
 // dequantized float product is the order of the sums. Four weight rows are done per pass (four independent FMA
 // chains sharing each load of x), and the next pass's rows are prefetched: decode reads the weights from memory
 // once per step, and without the prefetch the loop waits on it.
@@ -27,26 +27,27 @@ static inline __m256 load_int8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-static inline void dot_rows(const float* x, const int8_t* w, int64_t K, float* acc) {
+// dot products of x[0, len) with ROWS weight rows `stride` apart
+static inline void dot_rows(const float* x, const int8_t* w, int64_t len, int64_t stride, float* acc) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  for (; k + 8 <= len; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
     a0 = _mm256_fmadd_ps(xv, load_int8(w + k), a0);
-    a1 = _mm256_fmadd_ps(xv, load_int8(w + K + k), a1);
-    a2 = _mm256_fmadd_ps(xv, load_int8(w + 2 * K + k), a2);
-    a3 = _mm256_fmadd_ps(xv, load_int8(w + 3 * K + k), a3);
+    a1 = _mm256_fmadd_ps(xv, load_int8(w + stride + k), a1);
+    a2 = _mm256_fmadd_ps(xv, load_int8(w + 2 * stride + k), a2);
+    a3 = _mm256_fmadd_ps(xv, load_int8(w + 3 * stride + k), a3);
   }
   acc[0] = hsum(a0), acc[1] = hsum(a1), acc[2] = hsum(a2), acc[3] = hsum(a3);
-  for (; k < K; ++k)
-    for (int64_t r = 0; r < ROWS; ++r) acc[r] += x[k] * w[r * K + k];
+  for (; k < len; ++k)
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] += x[k] * w[r * stride + k];
 }
 #else
-static inline void dot_rows(const float* x, const int8_t* w, int64_t K, float* acc) {
+static inline void dot_rows(const float* x, const int8_t* w, int64_t len, int64_t stride, float* acc) {
   for (int64_t r = 0; r < ROWS; ++r) {
     float a = 0.f;
 #pragma omp simd reduction(+ : a)
-    for (int64_t k = 0; k < K; ++k) a += x[k] * w[r * K + k];
+    for (int64_t k = 0; k < len; ++k) a += x[k] * w[r * stride + k];
     acc[r] = a;
   }
 }
@@ -54,7 +55,8 @@ static inline void dot_rows(const float* x, const int8_t* w, int64_t K, float* a
 
 template <typename T>
 static void int8_gemv(const T* xt, const int8_t* w, const float* scale, const T* bias, T* out, int64_t M,
-                      int64_t N, int64_t K) {
+                      int64_t N, int64_t K, int64_t G) {
+  const int64_t group = K / G;
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xt[i]);
   const float* x = xf.data();
@@ -67,19 +69,23 @@ static void int8_gemv(const T* xt, const int8_t* w, const float* scale, const T*
         for (int64_t off = 0; off < ROWS * K; off += 64) __builtin_prefetch(next + off);
       }
       for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * K;
-        float acc[ROWS];
-        if (rows == ROWS) {
-          dot_rows(xm, w + n0 * K, K, acc);
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            acc[r] = 0.f;
-            for (int64_t k = 0; k < K; ++k) acc[r] += xm[k] * w[(n0 + r) * K + k];
+        float acc[ROWS] = {0.f, 0.f, 0.f, 0.f}, part[ROWS];
+        for (int64_t g = 0; g < G; ++g) {
+          const float* xg = x + m * K + g * group;
+          const int8_t* wg = w + n0 * K + g * group;
+          if (rows == ROWS) {
+            dot_rows(xg, wg, group, K, part);
+          } else {
+            for (int64_t r = 0; r < rows; ++r) {
+              part[r] = 0.f;
+              for (int64_t k = 0; k < group; ++k) part[r] += xg[k] * wg[r * K + k];
+            }
           }
+          for (int64_t r = 0; r < rows; ++r) acc[r] += part[r] * scale[(n0 + r) * G + g];
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t n = n0 + r;
-          out[m * N + n] = static_cast<T>(acc[r] * scale[n] + (bias ? to_float(bias[n]) : 0.f));
+          out[m * N + n] = static_cast<T>(acc[r] + (bias ? to_float(bias[n]) : 0.f));
         }
       }
     }
@@ -90,9 +96,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
                           c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kChar && weight.is_contiguous(),
               "weight: contiguous int8 [N, K]");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
-              "scale: contiguous float32 [N]");
   const int64_t K = weight.size(1), N = weight.size(0);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+              scale.size(0) == N && K % scale.size(1) == 0,
+              "scale: contiguous float32 [N, G], G dividing the input size");
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's input size");
   auto rows = x.reshape({-1, K}).contiguous();
   auto out = torch::empty({rows.size(0), N}, x.options());
@@ -103,7 +110,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
     int8_gemv<scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                        bias ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows.size(0), N, K);
+                        bias ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows.size(0), N, K,
+                        scale.size(1));
   });
   auto shape = x.sizes().vec();
   shape.back() = N;

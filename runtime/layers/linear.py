@@ -93,8 +93,8 @@ class TPModule(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
         default_weight_loader(param, loaded, shard_id)
 
-    def _add_param(self, name: str, *shape: int) -> None:
-        param = nn.Parameter(torch.empty(shape, dtype=self.params_dtype), requires_grad=False)
+    def _add_param(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> None:
+        param = nn.Parameter(torch.empty(shape, dtype=dtype or self.params_dtype), requires_grad=False)
         set_weight_attrs(
             param,
             weight_loader=self.weight_loader,
@@ -320,10 +320,12 @@ class RowParallelLinear(TPModule):
         self._add_bias(bias, output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
-        if param is not self.weight:
+        """The weight, and parameters marked ``input_dim = 1`` (group scales), keep this rank's share of columns."""
+        if param is not self.weight and getattr(param, "input_dim", None) != 1:
             return default_weight_loader(param, loaded, shard_id)
-        check_shape(param, loaded, (self.output_size, self.input_size), tuple(param.shape))
-        param.data.copy_(read_narrow(loaded, 1, self.shard.src_start, self.shard.size))
+        cols = param.shape[1]
+        check_shape(param, loaded, (param.shape[0], cols * self.tp_size), tuple(param.shape))
+        param.data.copy_(read_narrow(loaded, 1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -2,13 +2,13 @@
 every parameter gets a checkpoint tensor of the right shape (shapes from safetensors headers, weights
 never read: the model is built on the meta device)."""
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from runtime.config import InferenceConfig
-from runtime.engine.loader import iterate_weights
+from runtime.engine.loader import checkpoint_weights, prepare_for_checkpoint
 from runtime.engine.model_worker import ModelWorker
 from runtime.errors import UserError
 from runtime.layers.linear import weight_shape
@@ -17,9 +17,9 @@ from skills.migrator.attention_layout import attention_layouts
 from skills.migrator.expert_layout import expert_layouts
 
 
-def _meta_weights(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _meta_weights(weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's names with empty tensors of its shapes: nothing is read beyond the headers."""
-    for name, weight in iterate_weights(checkpoint):
+    for name, weight in weights:
         yield name, torch.empty(weight_shape(weight), device="meta")
 
 
@@ -37,7 +37,8 @@ def validate_model_dir(model_dir: Path, yaml_path: Path) -> tuple[list[dict], li
             )  # torch.normal ignores the context
     except Exception as e:
         raise UserError(f"the converted {model_cls.__name__} does not build: {type(e).__name__}: {e}") from e
-    loaded = model.load_weights(_meta_weights(worker.model_path))
+    scheme = prepare_for_checkpoint(model, worker.model_path)
+    loaded = model.load_weights(_meta_weights(checkpoint_weights(worker.model_path, scheme)))
     missing = missing_weights(model, set(loaded))
     if missing:
         raise UserError(

@@ -168,7 +168,11 @@ def _row_maxima(t: _Target, config: InferenceConfig, source: Path) -> dict[str, 
 
 
 def _save_rank(
-    model: nn.Module, source: Path, folder: Path, quant_method: str, row_maxima: dict[str, torch.Tensor]
+    model: nn.Module,
+    source: Path,
+    folder: Path,
+    quant_method: str = "none",
+    row_maxima: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Loads `source` through the weight loaders, quantizes it if asked and saves the parameters (tied ones
     once); their bytes."""
@@ -176,7 +180,7 @@ def _save_rank(
     if quant_method != "none":
         quantize_online(model, quant_method)
         for name, m in model.named_modules():
-            if name in row_maxima:
+            if name in (row_maxima or {}):
                 m.row_amax = row_maxima[name]
         process_layers_after_loading(model)
     state = {name: p.detach().contiguous() for name, p in named_weights(model).items()}

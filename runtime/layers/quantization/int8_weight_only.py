@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.errors import ConfigError
 from runtime.kernels import host_int8_linear
 from runtime.layers.linear import RowParallelLinear, TPModule
 from runtime.layers.quantization.base import UnquantizedLinearMethod
@@ -32,7 +33,10 @@ def quantize_rows(weight: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tenso
 
 
 def dequantize(layer: TPModule, dtype: torch.dtype) -> torch.Tensor:
-    return (layer.weight.float() * layer.weight_scale[:, None]).to(dtype)
+    """weight * scale, each of the scale's G columns covering in / G consecutive input columns."""
+    weight, scale = layer.weight, layer.weight_scale
+    groups = weight.float().unflatten(1, (scale.shape[1], -1)) * scale[:, :, None]
+    return groups.flatten(1).to(dtype)
 
 
 class Int8WeightOnlyMethod(UnquantizedLinearMethod):
@@ -43,14 +47,23 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
     def __init__(self, prequantized: bool = False):
         self.prequantized = prequantized
 
-    def prepare_for_quantized_weights(self, layer: TPModule) -> None:
-        """Gives a float layer the int8 weight and the scales a quantized checkpoint stores."""
-        shape, device = layer.weight.shape, layer.weight.device
+    def prepare_for_quantized_weights(self, layer: TPModule, group_size: int | None = None) -> None:
+        """Gives a float layer the int8 weight and the scales a quantized checkpoint stores: [out, 1], or one per
+        group of ``group_size`` input columns (a row-parallel layer's loader narrows those with the weight)."""
+        (rows, cols), device = layer.weight.shape, layer.weight.device
+        if group_size and cols % group_size:
+            raise ConfigError(
+                f"{layer.prefix or type(layer).__name__}: its {cols} input columns on this rank are not whole "
+                f"groups of {group_size}; use a TP size that keeps the quantization groups whole"
+            )
         del layer.weight
-        layer.weight = nn.Parameter(torch.empty(shape, dtype=torch.int8, device=device), requires_grad=False)
-        layer.weight_scale = nn.Parameter(
-            torch.empty(shape[0], dtype=torch.float32, device=device), requires_grad=False
-        )
+        with torch.device(device):
+            layer._add_param("weight", rows, cols, dtype=torch.int8)
+            layer._add_param(
+                "weight_scale", rows, cols // group_size if group_size else 1, dtype=torch.float32
+            )
+        if group_size:
+            layer.weight_scale.input_dim = 1
 
     def process_weights_after_loading(self, layer: TPModule) -> None:
         if self.prequantized:
@@ -66,7 +79,7 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
         q, scale = quantize_rows(weight, amax)
         del layer.weight  # a tied LM head drops only its own reference; the embedding keeps the float weight
         layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale[:, None], requires_grad=False)
 
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -7,6 +7,7 @@ every linear layer carries a ``quant_method``; the LM head is quantized too (an 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,19 +32,21 @@ def _replicated(linear: nn.Linear) -> ReplicatedLinear:
     return layer
 
 
+def linear_layers(model: nn.Module, select: Callable[[str], bool] = lambda name: True) -> list[nn.Module]:
+    """The linear layers whose module names `select` takes, plain ``nn.Linear`` ones swapped for
+    ``ReplicatedLinear`` (which holds a ``quant_method``) with the same parameters."""
+    for name, child in list(model.named_modules()):
+        if type(child) is nn.Linear and select(name):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, _replicated(child))
+    return [m for name, m in model.named_modules() if isinstance(m, LINEAR_LAYERS) and select(name)]
+
+
 def quantize_online(model: nn.Module, method_name: str, prequantized: bool = False) -> int:
     """Gives every linear layer the named method; returns how many. Call after loading a float checkpoint and
     before the post-load hooks, or (``prequantized``) before loading shards convert-weights quantized."""
     method = ONLINE_METHODS[method_name](prequantized)
-    plain = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
-    for parent, name, child in plain:
-        setattr(parent, name, _replicated(child))
-    layers = [m for m in model.modules() if isinstance(m, LINEAR_LAYERS)]
+    layers = linear_layers(model)
     for layer in layers:
         layer.quant_method = method
         if prequantized:
