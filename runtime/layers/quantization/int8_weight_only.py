@@ -1,5 +1,7 @@
-"""``int8_weight_only``: a float checkpoint quantized at load to int8 weights with one scale per output channel
-(symmetric, scale = max |w| / 127). Activations stay in the model's dtype.
+"""Linear layers with int8 weights and float scales, one per output channel or per group of input columns;
+activations stay in the model's dtype. ``int8_weight_only`` quantizes a float checkpoint at load (symmetric,
+scale = max |w| / 127 per channel); ``prequantized`` layers read the weights and scales a checkpoint or
+convert-weights saved.
 
 On the host, up to ``KERNEL_ROWS`` rows (decode) go through the C++ kernel, which reads the int8 weight as is;
 more rows (prefill) and other devices dequantize the weight and use ``F.linear``. Under TP the scales equal
@@ -40,7 +42,7 @@ def dequantize(layer: TPModule, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Int8WeightOnlyMethod(UnquantizedLinearMethod):
-    """``prequantized``: the checkpoint (convert-weights shards) already holds the int8 weights and scales."""
+    """``prequantized``: the checkpoint already holds the int8 weights and scales (nothing to do after loading)."""
 
     name = "int8_weight_only"
 
@@ -72,9 +74,8 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
         amax = getattr(layer, "row_amax", None)  # set by convert-weights, which builds one rank at a time
         if amax is None:
             amax = weight.abs().amax(dim=1).float()
-            if (
-                isinstance(layer, RowParallelLinear) and layer.group is not None
-            ):  # each rank holds part of a row
+            if isinstance(layer, RowParallelLinear) and layer.group is not None:
+                # each rank holds part of every row: the whole row's maximum
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.group)
         q, scale = quantize_rows(weight, amax)
         del layer.weight  # a tied LM head drops only its own reference; the embedding keeps the float weight

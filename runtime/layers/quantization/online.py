@@ -14,12 +14,11 @@ from torch import nn
 
 from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from runtime.layers.quantization.base import UnquantizedLinearMethod
 from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
 
 logger = logging.getLogger(__name__)
 
-ONLINE_METHODS: dict[str, type[UnquantizedLinearMethod]] = {"int8_weight_only": Int8WeightOnlyMethod}
+ONLINE_METHODS: dict[str, type[Int8WeightOnlyMethod]] = {"int8_weight_only": Int8WeightOnlyMethod}
 LINEAR_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
