@@ -149,8 +149,27 @@ def check_column_row_and_head(cm: CommManager) -> None:
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def check_row_parallel_group_scales(cm: CommManager) -> None:
+    """A checkpoint's scales per group of 8 input columns: each rank keeps the groups of its own columns."""
+    torch.manual_seed(4)
+    q, scale, x = (
+        torch.randint(-8, 8, (HIDDEN, 64), dtype=torch.int8),
+        torch.rand(HIDDEN, 8) / 10,
+        torch.randn(3, 64),
+    )
+    row = RowParallelLinear(64, HIDDEN, input_is_parallel=False, comm_manager=cm)
+    row.quant_method = Int8WeightOnlyMethod(prequantized=True)
+    row.quant_method.prepare_for_quantized_weights(row, group_size=8)
+    row.weight.weight_loader(row.weight, q)
+    row.weight_scale.weight_loader(row.weight_scale, scale)
+    assert row.weight_scale.shape == (HIDDEN, 8 // row.tp_size), (row.weight_scale.shape, row.tp_size)
+    ref = F.linear(x, (q.float().unflatten(1, (8, 8)) * scale[:, :, None]).flatten(1))
+    torch.testing.assert_close(row(x), ref, atol=1e-5, rtol=1e-5)
+
+
 world_results, test_distributed = distributed_tests(
-    _setup, {"check_column_row_and_head": check_column_row_and_head}
+    _setup,
+    {f.__name__: f for f in (check_column_row_and_head, check_row_parallel_group_scales)},
 )
 
 
