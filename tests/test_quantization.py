@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, UserError
 from runtime.kernels import host_int8_linear
 from runtime.layers import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
 from runtime.layers.quantization import int8_weight_only
@@ -107,6 +107,14 @@ def test_online_quantization_swaps_plain_linears_and_keeps_a_tied_embedding_floa
     head_w = model.head.weight.float() * model.head.weight_scale
     expected = F.linear(F.linear(F.embedding(ids, embedding), proj_w, model.proj.bias), head_w)
     torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_a_checkpoint_holds_quantized_are_not_quantized_again():
+    """A compressed-tensors checkpoint (or convert-weights source) run with quant_method int8_weight_only."""
+    model = _Tied()
+    assert quantize_online(model, "int8_weight_only", prequantized=True) == 2
+    with pytest.raises(UserError, match=r'2 linear layers already hold quantized weights.*set it to "none"'):
+        quantize_online(model, "int8_weight_only")
 
 
 def test_unknown_quant_method_is_refused_naming_the_choices(tmp_path):

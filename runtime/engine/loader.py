@@ -22,6 +22,7 @@ from runtime.layers.quantization.compressed_tensors import (
     decode_weights,
     prepare_model,
 )
+from runtime.layers.quantization.online import quantize_online
 from runtime.layers.weights import missing_weights, named_weights
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,11 @@ def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | Non
 
 
 def prepare_for_checkpoint(model: nn.Module, model_path: Path) -> CheckpointScheme | None:
-    """A checkpoint saved quantized: its scheme, after giving the layers it quantizes their int8 weights."""
+    """Gives the layers a checkpoint holds quantized their int8 weights and scales, whether convert-weights
+    saved them so or compressed-tensors did; returns the compressed-tensors scheme, whose storage the loading
+    decodes."""
+    if (saved := converted_quant_method(model_path)) not in (None, "none"):
+        quantize_online(model, saved, prequantized=True)
     path = Path(model_path) / "config.json"
     quant = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
     scheme = checkpoint_scheme(quant, str(path))

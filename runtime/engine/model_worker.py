@@ -96,14 +96,12 @@ class ModelWorker:
                 module.prefix = name
         if hasattr(model, "check_model_settings"):
             model.check_model_settings()
-        prequantized = self._prequantized() if mc.with_ckpt else False
-        if prequantized:
-            quantize_online(model, mc.quant_method, prequantized=True)
+        saved = self._saved_quant_method() if mc.with_ckpt else None
         if mc.with_ckpt:
             load_checkpoint(model, self.model_path, pc, self.dist.rank)
         else:
             init_dummy_weights(model)
-        if mc.quant_method != "none" and not prequantized:
+        if mc.quant_method != "none" and saved is None:  # convert-weights shards hold theirs already
             quantize_online(model, mc.quant_method)
         process_weights_after_loading(model)
         tp = max(pc.attn_tp_size, pc.dense_tp_size, pc.embed_tp_size, pc.lmhead_tp_size, pc.moe_tp_size)
@@ -129,21 +127,17 @@ class ModelWorker:
             self.dist.rank,
         )
 
-    def _prequantized(self) -> bool:
-        """Whether model_path holds convert-weights shards saved quantized (they must match quant_method)."""
+    def _saved_quant_method(self) -> str | None:
+        """The quant_method convert-weights saved model_path's shards with (None: not such shards); it must be
+        the YAML's."""
         saved, wanted = converted_quant_method(self.model_path), self.config.model_config.quant_method
-        if wanted != "none" and getattr(self.hf_config, "quantization_config", None):
-            raise UserError(
-                f"{self.model_path} is a quantized checkpoint (its config.json has quantization_config), "
-                f'so model_config.quant_method {wanted!r} cannot quantize it again; set it to "none".'
-            )
         if saved is not None and saved != wanted:
             raise UserError(
                 f"{self.model_path} holds weights convert-weights saved with quant_method {saved!r}, but "
                 f"model_config.quant_method is {wanted!r}; set it to {saved!r} (the YAML convert-weights "
                 "wrote does), or point model_path at the original checkpoint."
             )
-        return saved not in (None, "none")
+        return saved
 
     def load_tokenizer(self):
         try:

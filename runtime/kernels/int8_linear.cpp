@@ -1,8 +1,9 @@
 // Weight-only int8 linear for a few rows of activations (decode), host only.
 //
 // out[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * w[n, k] + bias[n], with w int8 [N, K] and float
-// scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel). x is converted to float once and the products are summed in float, so the only difference from the
-// dequantized float product is the order of the sums. Four weight rows are done per pass (four independent FMA
+// scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel). x is converted to float
+// once and the products are summed in float, so the only difference from the dequantized float product is the
+// order of the sums. Four weight rows are done per pass (four independent FMA
 // chains sharing each load of x), and the next pass's rows are prefetched: decode reads the weights from memory
 // once per step, and without the prefetch the loop waits on it.
 #include <ATen/Parallel.h>

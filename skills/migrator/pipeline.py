@@ -11,11 +11,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from runtime.errors import UserError
+from runtime.layers.quantization.compressed_tensors import checkpoint_scheme
 from skills.atomic_write import write_text_atomic
 from skills.migrator.codestyle import tidy
 from skills.migrator.context import RewriteContext
 from skills.migrator.mode import decide_mode
-from skills.migrator.quantized_checkpoint import check_quantized
 from skills.migrator.render import RenderContext, render_artifacts
 from skills.migrator.rewrite import check_rule_ids, rewrite, rewrite_configuration
 from skills.migrator.rules import MIGRATE_RULES
@@ -225,7 +225,8 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     resolved = resolve_source(opts.source)
     src = locate_source(resolved.path)
     config = read_config_json(resolved.path)
-    check_quantized(config, resolved.path)
+    # a quantized checkpoint the runtime cannot read is refused before anything is converted
+    checkpoint_scheme(config.get("quantization_config"), str(resolved.path / "config.json"))
     name = opts.name or snake_name(src.model_type)
     model_dir = opts.out / name
     mode, why = decide_mode(opts.mode, opts.dispatch_prompt, opts.out, name)

@@ -39,6 +39,7 @@ from runtime.engine.model_worker import default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
 from runtime.layers.linear import RowParallelLinear
+from runtime.layers.quantization.int8_weight_only import channel_maxima
 from runtime.layers.quantization.online import process_layers_after_loading, quantize_online
 from runtime.layers.weights import named_weights
 from skills.atomic_write import write_text_atomic
@@ -160,7 +161,7 @@ def _row_maxima(t: _Target, config: InferenceConfig, source: Path) -> dict[str, 
         load_checkpoint(model, source)
         for name, m in model.named_modules():
             if isinstance(m, RowParallelLinear):
-                amax = m.weight.detach().abs().amax(dim=1).float()
+                amax = channel_maxima(m.weight)
                 maxima[name] = torch.maximum(maxima[name], amax) if name in maxima else amax
         del model
         gc.collect()
@@ -180,8 +181,8 @@ def _save_rank(
     if quant_method != "none":
         quantize_online(model, quant_method)
         for name, m in model.named_modules():
-            if name in (row_maxima or {}):
-                m.row_amax = row_maxima[name]
+            if (amax := (row_maxima or {}).get(name)) is not None:
+                m.row_amax = amax
         process_layers_after_loading(model)
     state = {name: p.detach().contiguous() for name, p in named_weights(model).items()}
     folder.mkdir()

@@ -36,16 +36,15 @@ class CheckpointScheme:
     ignore: list[str]
 
 
-def _config_dict(quant: Any) -> dict:
-    return quant if isinstance(quant, dict) else quant.to_dict()
+def _brief(args: Any, fields: set[str]) -> dict | None:
+    return args and args.model_dump(include=fields)
 
 
-def checkpoint_scheme(quant: Any, where: str) -> CheckpointScheme | None:
+def checkpoint_scheme(quant: dict | None, where: str) -> CheckpointScheme | None:
     """The scheme of a checkpoint's ``quantization_config`` (None when it has none); a UserError for one this
     runtime does not read."""
     if not quant:
         return None
-    quant = _config_dict(quant)
     method = quant.get("quant_method", "unknown")
     if method != "compressed-tensors":
         raise UserError(
@@ -84,8 +83,8 @@ def checkpoint_scheme(quant: Any, where: str) -> CheckpointScheme | None:
         got = (
             f"{len(groups)} config groups"
             if scheme is None
-            else f"weights {weights and weights.model_dump(include={'num_bits', 'type', 'symmetric', 'strategy', 'group_size', 'actorder'})}, "
-            f"input activations {scheme.input_activations and scheme.input_activations.model_dump(include={'num_bits', 'type', 'strategy', 'dynamic'})}, "
+            else f"weights {_brief(weights, {'num_bits', 'type', 'symmetric', 'strategy', 'group_size', 'actorder'})}, "
+            f"input activations {_brief(scheme.input_activations, {'num_bits', 'type', 'strategy', 'dynamic'})}, "
             f"format {fmt!r}"
         )
         raise UserError(
@@ -104,9 +103,8 @@ def prepare_model(model: nn.Module, scheme: CheckpointScheme) -> int:
     """Gives every linear layer the scheme targets int8 weights and their scales; returns how many."""
     from compressed_tensors.utils import is_match
 
-    probe = nn.Linear(
-        1, 1, device="meta"
-    )  # targets name module classes; every layer here stands for a Linear
+    # targets name module classes, and every layer here stands for a Linear
+    probe = nn.Linear(1, 1, device="meta")
     method = Int8WeightOnlyMethod(prequantized=True)
     layers = linear_layers(model, lambda name: is_match(name, probe, scheme.targets, scheme.ignore))
     for layer in layers:
@@ -141,12 +139,12 @@ def decode_weights(
 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors under the names and layout the prepared layers load: ``X.weight_packed`` becomes
     ``X.weight`` (int8), and ``X.weight_shape`` is checked against it."""
+    if not scheme.packed:
+        yield from weights
+        return
     widths: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
     for name, weight in weights:
-        if not scheme.packed:
-            yield name, weight
-            continue
         prefix, _, leaf = name.rpartition(".")
         if leaf == "weight_packed":
             ints = PackedInts(weight, scheme.num_bits)

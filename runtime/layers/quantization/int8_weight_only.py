@@ -24,6 +24,11 @@ KERNEL_ROWS = 16
 CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float copy of a large LM head
 
 
+def channel_maxima(weight: torch.Tensor) -> torch.Tensor:
+    """max |w| of each output row, in float32: what its per-channel scale is made from."""
+    return weight.detach().abs().amax(dim=1).float()
+
+
 def quantize_rows(weight: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, float32 scale per row) for the given per-row maxima of |weight|."""
     scale = (amax.float() / 127).clamp_min(torch.finfo(torch.float32).tiny)
@@ -73,7 +78,7 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
         weight = layer.weight.detach()
         amax = getattr(layer, "row_amax", None)  # set by convert-weights, which builds one rank at a time
         if amax is None:
-            amax = weight.abs().amax(dim=1).float()
+            amax = channel_maxima(weight)
             if isinstance(layer, RowParallelLinear) and layer.group is not None:
                 # each rank holds part of every row: the whole row's maximum
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.group)

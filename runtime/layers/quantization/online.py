@@ -12,8 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from runtime.errors import UserError
 from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from runtime.layers.quantization.base import UNQUANTIZED
 from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,12 @@ def quantize_online(model: nn.Module, method_name: str, prequantized: bool = Fal
     before the post-load hooks, or (``prequantized``) before loading shards convert-weights quantized."""
     method = ONLINE_METHODS[method_name](prequantized)
     layers = linear_layers(model)
+    if done := [layer for layer in layers if layer.quant_method is not UNQUANTIZED]:
+        raise UserError(
+            f"{len(done)} linear layers already hold quantized weights from the checkpoint "
+            f"({type(done[0].quant_method).__name__}); model_config.quant_method {method_name!r} cannot quantize "
+            'them again: set it to "none".'
+        )
     for layer in layers:
         layer.quant_method = method
         if prequantized:
