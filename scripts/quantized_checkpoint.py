@@ -17,6 +17,8 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from transformers import AutoModelForCausalLM
 
 _INT8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+_FP8 = {"num_bits": 8, "type": "float", "symmetric": True}
+_PER_TOKEN = {"strategy": "token", "dynamic": True}
 # name -> (weight args, input activation args, format)
 SCHEMES = {
     "w8a16": (_INT8_CHANNEL, None, "pack-quantized"),
@@ -26,10 +28,14 @@ SCHEMES = {
         None,
         "pack-quantized",
     ),
-    "w8a8": (
-        _INT8_CHANNEL,
-        {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
-        "int-quantized",
+    "w8a8": (_INT8_CHANNEL, {**_INT8_CHANNEL, **_PER_TOKEN}, "int-quantized"),
+    "fp8": ({**_FP8, "strategy": "channel"}, {**_FP8, **_PER_TOKEN}, "float-quantized"),
+    "fp8_tensor": ({**_FP8, "strategy": "tensor"}, {**_FP8, **_PER_TOKEN}, "float-quantized"),
+    # static activation scales (llm-compressor's FP8 preset): not read by the runtime
+    "fp8_static": (
+        {**_FP8, "strategy": "tensor"},
+        {**_FP8, "strategy": "tensor", "dynamic": False},
+        "float-quantized",
     ),
 }
 
@@ -38,6 +44,8 @@ def _range(w: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch
     if args.strategy == "group":
         w = w.unflatten(-1, (-1, args.group_size))
         return w.amin(dim=-1), w.amax(dim=-1)
+    if args.strategy == "tensor":
+        return w.amin().reshape(1), w.amax().reshape(1)
     return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
 
 

@@ -314,7 +314,7 @@ def bench(
     quant_method: Annotated[
         str | None,
         typer.Option(
-            help="Also time the runtime with this model_config.quant_method (int8_weight_only), "
+            help="Also time the runtime with this model_config.quant_method (int8_weight_only, w8a8_dynamic, fp8), "
             "against the unquantized runtime of the same run."
         ),
     ] = None,
@@ -594,7 +594,9 @@ def convert_weights(
     quant_mode: Annotated[
         str | None,
         typer.Option(
-            help="w8a16: save int8 weights with one scale per output channel (quant_method int8_weight_only)."
+            help="Save quantized weights, one scale per output channel: w8a16 (int8; quant_method "
+            "int8_weight_only), w8a8 (int8, activations quantized per token; w8a8_dynamic) or fp8 (e4m3, "
+            "activations too; fp8)."
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,

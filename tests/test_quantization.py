@@ -1,5 +1,6 @@
-"""int8 weight-only quantization: the host kernel, the quant_method contract of the linear layers, TP scales, and
-a whole model against transformers running the same (dequantized) int8 weights."""
+"""Quantized linear layers: the int8 host kernel, the quant_method contract (int8 weight-only, int8 / fp8 W8A8),
+per-token activation quantization against compressed-tensors' own, TP scales, a whole model against
+transformers running the same quantized weights, and compressed-tensors checkpoints through `skill migrate`."""
 
 import json
 import subprocess
@@ -22,13 +23,22 @@ from runtime.errors import ConfigError, UserError
 from runtime.kernels import host_int8_linear
 from runtime.layers import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
 from runtime.layers.quantization import int8_weight_only
-from runtime.layers.quantization.int8_weight_only import KERNEL_ROWS, Int8WeightOnlyMethod, quantize_rows
-from runtime.layers.quantization.online import process_weights_after_loading, quantize_online
+from runtime.layers.quantization.formats import FP8, INT8, dequantize, quantize_rows, quantize_tokens
+from runtime.layers.quantization.int8_weight_only import KERNEL_ROWS, Int8WeightOnlyMethod
+from runtime.layers.quantization.online import ONLINE_METHODS, process_weights_after_loading, quantize_online
+from runtime.layers.quantization.w8a8 import (
+    SCALED_MM_ROWS,
+    Fp8Method,
+    Int8DynamicMethod,
+    int_mm_sums,
+    integer_sums,
+)
 
 
-def _dequantized(w: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_rows(w, w.abs().amax(dim=1))
-    return q.float() * scale[:, None]
+def _dequantized(w: torch.Tensor, method_name: str = "int8_weight_only") -> torch.Tensor:
+    """w quantized as a single-rank layer of the method quantizes it, and dequantized."""
+    q, scale = quantize_rows(w, w.abs().amax(dim=1), ONLINE_METHODS[method_name].qtype)
+    return dequantize(q, scale[:, None], torch.float32)
 
 
 def test_quantize_rows_rounds_each_row_to_its_own_scale():
@@ -82,6 +92,76 @@ def test_kernel_and_fallback_give_the_same_layer_output(monkeypatch, rows):
     )
 
 
+def _ct_fake_quantized(x: torch.Tensor, qtype) -> torch.Tensor:
+    """compressed-tensors' own dynamic per-token quantize-dequantize of x [batch, tokens, hidden]."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = QuantizationArgs(
+        num_bits=8, type="int" if qtype.is_int else "float", symmetric=True, strategy="token", dynamic=True
+    )
+    scale, zero_point = compute_dynamic_scales_and_zp(x, args, module=None)
+    return fake_quantize(x, scale, zero_point, args)
+
+
+@pytest.mark.parametrize("qtype", [INT8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_quantization_is_compressed_tensors_own(qtype, dtype):
+    """Same scales, ties and clamps as the quantization W8A8 checkpoints were saved for (a zero token too)."""
+    torch.manual_seed(5)
+    x = (torch.randn(2, 7, 96) * torch.logspace(-2, 2, 7)[:, None]).to(dtype)
+    x[1, 3] = 0
+    q, scale = quantize_tokens(x, qtype)
+    assert q.dtype == qtype.dtype and scale.shape == (2, 7, 1)
+    assert torch.equal(q.to(dtype) * scale, _ct_fake_quantized(x, qtype))
+
+
+def _w8a8_layer(method, out: int = 40, inp: int = 64) -> ReplicatedLinear:
+    torch.manual_seed(6)
+    layer = ReplicatedLinear(inp, out, bias=True)
+    layer.weight.data.normal_(), layer.bias.data.normal_()
+    layer.quant_method = method
+    process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("method", [Int8DynamicMethod, Fp8Method])
+@pytest.mark.parametrize("rows", [2, KERNEL_ROWS + 3, SCALED_MM_ROWS + 5])
+def test_w8a8_layer_is_the_fake_quantized_product(method, rows):
+    """Every kernel path a row count picks (host int8 kernel, dequantize + matmul, torch._scaled_mm) equals
+    F.linear of the quantize-dequantized activations and weights."""
+    layer = _w8a8_layer(method())
+    qtype = layer.quant_method.qtype
+    assert layer.weight.dtype == qtype.dtype and layer.weight_scale.shape == (40, 1)
+    x = torch.randn(rows, 64)
+    weight = dequantize(layer.weight, layer.weight_scale, torch.float32)
+    ref = F.linear(_activations(x, layer.quant_method.name), weight, layer.bias)
+    torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_int8_sums_are_exact_on_every_path(monkeypatch):
+    """Host kernel, F.linear on the integers and the CUDA path's torch._int_mm (checked on the host) all give
+    the int32 sums exactly, so neither kernel choice nor batch shape changes a W8A8 layer's output."""
+    torch.manual_seed(7)
+    weight = torch.randint(-128, 128, (40, 1000), dtype=torch.int8)
+    q = torch.randint(-128, 128, (KERNEL_ROWS + 8, 1000), dtype=torch.int8)
+    exact = (q.long() @ weight.long().T).float()
+    assert torch.equal(int_mm_sums(q, weight), exact)
+    assert torch.equal(integer_sums(q, weight), exact)  # F.linear above KERNEL_ROWS
+    assert torch.equal(integer_sums(q[:3], weight), exact[:3])  # the host kernel
+    monkeypatch.setattr("runtime.layers.quantization.w8a8.host_int8_linear", lambda: None)
+    assert torch.equal(integer_sums(q[:3], weight), exact[:3])
+
+
+def test_every_online_method_is_a_config_choice():
+    from typing import get_args
+
+    from runtime.config.inference_config import ModelConfig
+
+    assert set(get_args(ModelConfig.model_fields["quant_method"].annotation)) == {"none", *ONLINE_METHODS}
+
+
 class _Tied(nn.Module):
     def __init__(self):
         super().__init__()
@@ -94,18 +174,29 @@ class _Tied(nn.Module):
         return self.head(self.proj(self.embed(ids)))
 
 
-def test_online_quantization_swaps_plain_linears_and_keeps_a_tied_embedding_float():
+def _activations(x: torch.Tensor, method_name: str) -> torch.Tensor:
+    """What a layer of the method multiplies: x itself (weight-only) or x quantize-dequantized per token."""
+    if method_name == "int8_weight_only":
+        return x
+    q, scale = quantize_tokens(x, ONLINE_METHODS[method_name].qtype)
+    return q.to(x.dtype) * scale
+
+
+@pytest.mark.parametrize("name", ONLINE_METHODS)
+def test_online_quantization_swaps_plain_linears_and_keeps_a_tied_embedding_float(name):
     torch.manual_seed(2)
     model = _Tied()
     embedding = model.embed.weight.detach().clone()
-    assert quantize_online(model, "int8_weight_only") == 2
+    assert quantize_online(model, name) == 2
     process_weights_after_loading(model)
-    assert type(model.proj) is ReplicatedLinear and model.proj.weight.dtype == torch.int8
-    assert model.head.weight.dtype == torch.int8 and torch.equal(model.embed.weight, embedding)
+    qtype = ONLINE_METHODS[name].qtype
+    assert type(model.proj) is ReplicatedLinear and model.proj.weight.dtype == qtype.dtype
+    assert model.head.weight.dtype == qtype.dtype and torch.equal(model.embed.weight, embedding)
     ids = torch.tensor([1, 5, 31])
-    proj_w = model.proj.weight.float() * model.proj.weight_scale
-    head_w = model.head.weight.float() * model.head.weight_scale
-    expected = F.linear(F.linear(F.embedding(ids, embedding), proj_w, model.proj.bias), head_w)
+    proj_w = dequantize(model.proj.weight, model.proj.weight_scale, torch.float32)
+    head_w = dequantize(model.head.weight, model.head.weight_scale, torch.float32)
+    hidden = F.linear(_activations(F.embedding(ids, embedding), name), proj_w, model.proj.bias)
+    expected = F.linear(_activations(hidden, name), head_w)
     torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -131,30 +222,43 @@ HIDDEN, INTER, VOCAB = 24, 40, 70
 
 def _setup(rank: int, world_size: int) -> CommManager:
     cm = CommManager(world_size, rank)
-    cm.register_group("dense_tp_group", world_size, 1)
-    cm.register_group("lmhead_tp_group", world_size, 1)
+    cm.register_group("dense_tp_group", 1, world_size)
+    cm.register_group("lmhead_tp_group", 1, world_size)
     return cm
 
 
-def _quantized(layer: nn.Module) -> nn.Module:
-    layer.quant_method = Int8WeightOnlyMethod()
+def _quantized(layer: nn.Module, method_name: str) -> nn.Module:
+    layer.quant_method = ONLINE_METHODS[method_name]()
     process_weights_after_loading(layer)
     return layer
 
 
-def check_column_row_and_head(cm: CommManager) -> None:
-    torch.manual_seed(3)
-    up, down, head = torch.randn(INTER, HIDDEN), torch.randn(HIDDEN, INTER), torch.randn(VOCAB, HIDDEN)
-    x = torch.randn(3, HIDDEN)
+def _mlp_and_head(cm: CommManager | None, method_name: str, x: torch.Tensor, weights: list[torch.Tensor]):
+    up, down, head = weights
     col = ColumnParallelLinear(HIDDEN, INTER, comm_manager=cm)
     row = RowParallelLinear(INTER, HIDDEN, comm_manager=cm)
     lm = ParallelLMHead(VOCAB, HIDDEN, comm_manager=cm, pad_to=8)
     for layer, w in ((col, up), (row, down), (lm, head)):
         layer.weight.weight_loader(layer.weight, w)
-        _quantized(layer)
-    out = lm(row(F.silu(col(x))))
-    ref = F.linear(F.linear(F.silu(F.linear(x, _dequantized(up))), _dequantized(down)), _dequantized(head))
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        _quantized(layer, method_name)
+    return lm(row(F.silu(col(x))))
+
+
+def check_column_row_and_head(cm: CommManager) -> None:
+    """Every online method: each rank's weight scales are the whole row's, and a row-parallel layer quantizes
+    each token's activations with the whole token's scale, so the TP result is the single-rank one; for int8
+    W8A8, whose sums are exact and scaled after the reduction, bit for bit."""
+    for name in ONLINE_METHODS:
+        torch.manual_seed(3)
+        weights = [torch.randn(INTER, HIDDEN), torch.randn(HIDDEN, INTER), torch.randn(VOCAB, HIDDEN)]
+        x = torch.randn(3, HIDDEN)
+        out = _mlp_and_head(cm, name, x, weights)
+        up, down, head = (_dequantized(w, name) for w in weights)
+        hidden = F.linear(_activations(F.silu(F.linear(_activations(x, name), up)), name), down)
+        ref = F.linear(_activations(hidden, name), head)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"{name}: not the single-rank product")
+        if name == "w8a8_dynamic":
+            assert torch.equal(out, _mlp_and_head(None, name, x, weights))
 
 
 def check_row_parallel_group_scales(cm: CommManager) -> None:
@@ -256,43 +360,77 @@ def _migrate(checkpoint, out) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("scheme", ["w8a16", "w4a16_g32", pytest.param("w8a16_int", marks=pytest.mark.slow)])
+# scheme -> what the migrate log says the layers read
+CHECKPOINT_SCHEMES = {
+    "w8a16": "int8 weights (compressed-tensors, per channel)",
+    "w4a16_g32": "int4 weights (compressed-tensors, groups of 32)",
+    "w8a8": "int8 weights (compressed-tensors, per channel, activations quantized per token)",
+    "fp8_tensor": "fp8 weights (compressed-tensors, per tensor, activations quantized per token)",
+    "w8a16_int": "int8 weights (compressed-tensors, per channel)",
+    "fp8": "fp8 weights (compressed-tensors, per channel, activations quantized per token)",
+}
+SLOW_SCHEMES = ("w8a16_int", "fp8")
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SCHEMES else s for s in CHECKPOINT_SCHEMES],
+)
 def test_compressed_tensors_checkpoint_matches_transformers(scheme, tiny_llama_dir, tmp_path):
-    """W8A16 per channel (pack-quantized, and int-quantized with -m slow) and W4A16 in groups of 32: `skill
-    migrate` converts, runs and verifies the model against transformers loading the same checkpoint through
-    its compressed-tensors integration (greedy tokens identical, log-probs within the verifier's tolerance)."""
+    """W8A16 per channel (pack-quantized; int-quantized with -m slow), W4A16 in groups of 32, W8A8 int8 and FP8
+    (per-tensor weight scales; per channel with -m slow), activations quantized per token: `skill migrate`
+    converts, runs and verifies the model against transformers loading the same checkpoint through its
+    compressed-tensors integration. Greedy tokens identical; log-probs within the verifier's tolerance, the
+    dtype's for weight-only schemes and 0.25 where activations are quantized: the host int8 kernel sums in
+    another order than transformers' F.linear, which now and then moves an activation across a rounding tie
+    (FP8 takes the same F.linear here and matches to ~1e-5)."""
     from quantized_checkpoint import save_compressed
 
     checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", scheme)
     proc = _migrate(checkpoint, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
-    assert done["status"] == "ok" and done["verification"]["status"] == "identical", done["verification"]
-    assert done["verification"]["tokens_compared"] > 0
-    bits = 4 if scheme.startswith("w4") else 8
-    assert f"linear layers read as int{bits} weights (compressed-tensors" in proc.stderr
+    verification = done["verification"]
+    assert done["status"] == "ok" and verification["status"] == "identical", verification
+    assert verification["tokens_compared"] > 0
+    quantized_activations = scheme.startswith(("w8a8", "fp8"))
+    assert verification["logprob_atol"] == (0.25 if quantized_activations else 2e-3)
+    assert f"linear layers read as {CHECKPOINT_SCHEMES[scheme]}" in proc.stderr
 
 
 def test_unsupported_compressed_tensors_scheme_is_refused_at_migrate(tiny_llama_dir, tmp_path):
+    """Static per-tensor activation scales (llm-compressor's FP8 preset) are not read."""
     from quantized_checkpoint import save_compressed
 
-    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", "w8a8")
+    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", "fp8_static")
     proc = _migrate(checkpoint, tmp_path / "out")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    for needle in ("input activations", "'int-quantized'", "W8A16, W4A16"):
+    for needle in ("input activations", "'dynamic': False", "'float-quantized'", "W8A16, W4A16", "W8A8"):
         assert needle in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-@pytest.mark.parametrize("scenario", ["tp2", pytest.param("tp2_dp2_dense_tp4", marks=pytest.mark.slow)])
-def test_compressed_tensors_checkpoint_parallel_matches_the_single_rank(scenario, tiny_llama_dir, tmp_path):
-    """W4A16 in groups of 32 under TP: column-parallel layers keep their rows' scales, row-parallel ones their
-    columns' groups; the multi-rank run gives the single-rank tokens."""
+@pytest.mark.parametrize(
+    ("scheme", "scenario"),
+    [
+        ("w4a16_g32", "tp2"),
+        ("w8a8", "tp2"),
+        pytest.param("fp8_tensor", "tp2", marks=pytest.mark.slow),
+        pytest.param("w4a16_g32", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+        pytest.param("w8a8", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+    ],
+)
+def test_compressed_tensors_checkpoint_parallel_matches_the_single_rank(
+    scheme, scenario, tiny_llama_dir, tmp_path
+):
+    """Under TP, column-parallel layers keep their rows' scales, row-parallel ones their columns' groups, and a
+    row-parallel layer quantizes each token's activations with the whole token's scale: the multi-rank run
+    gives the single-rank tokens."""
     from hf_reference import parallel_yaml, parallelize
     from quantized_checkpoint import save_compressed
     from test_parallelize_parity import SCENARIOS, run
 
-    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", "w4a16_g32")
+    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", scheme)
     proc = _migrate(checkpoint, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model_dir = Path(json.loads(proc.stdout)["model_dir"])

@@ -49,7 +49,7 @@ class ModelConfig(_Section):
     next_n: int = Field(0, ge=0)
     exe_mode: str = "eager"
     # quantize a float checkpoint's linear layers at load (runtime/layers/quantization/online.py)
-    quant_method: Literal["none", "int8_weight_only"] = "none"
+    quant_method: Literal["none", "int8_weight_only", "w8a8_dynamic", "fp8"] = "none"
     enable_profiler: bool = False
     # Accepted for compatibility with seed YAMLs; set, they warn that they have no effect (ineffective.py).
     enable_weight_nz: bool = False

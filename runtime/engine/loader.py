@@ -169,22 +169,25 @@ def _load_converted(model: nn.Module, model_path: Path, pc: ParallelConfig | Non
     return loaded
 
 
+def checkpoint_quantization(model_path: Path) -> CheckpointScheme | None:
+    """The compressed-tensors scheme config.json declares (None: the checkpoint is not quantized); a UserError
+    for one the runtime does not read."""
+    path = Path(model_path) / "config.json"
+    quant = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+    return checkpoint_scheme(quant, str(path))
+
+
 def prepare_for_checkpoint(model: nn.Module, model_path: Path) -> CheckpointScheme | None:
-    """Gives the layers a checkpoint holds quantized their int8 weights and scales, whether convert-weights
+    """Gives the layers a checkpoint holds quantized their weights and scales in that form, whether convert-weights
     saved them so or compressed-tensors did; returns the compressed-tensors scheme, whose storage the loading
     decodes."""
     if (saved := converted_quant_method(model_path)) not in (None, "none"):
         quantize_online(model, saved, prequantized=True)
-    path = Path(model_path) / "config.json"
-    quant = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
-    scheme = checkpoint_scheme(quant, str(path))
+    scheme = checkpoint_quantization(model_path)
     if scheme is not None:
-        logger.info(
-            "[Main] %d linear layers read as int%d weights (compressed-tensors, %s)",
-            prepare_model(model, scheme),
-            scheme.num_bits,
-            f"groups of {scheme.group_size}" if scheme.group_size else "per channel",
-        )
+        layers, device = prepare_model(model, scheme), next(model.parameters()).device
+        kernels = "" if device.type == "meta" else f"; {scheme.method().describe(device)}"
+        logger.info("[Main] %d linear layers read as %s%s", layers, scheme.describe(), kernels)
     return scheme
 
 

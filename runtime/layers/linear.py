@@ -330,9 +330,9 @@ class RowParallelLinear(TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = x.narrow(-1, self.shard.src_start, self.shard.size)
-        out = self.quant_method.apply(self, x)
+        out, finish = self.quant_method.apply_partial(self, x)
         if self.reduce_results:
-            out, bias = all_reduce(out, self.group), self.bias
+            out, bias = finish(all_reduce(out, self.group)), self.bias
         else:  # the caller sums the partial outputs: only one rank adds the bias
-            bias = self.bias if self.tp_rank == 0 else None
+            out, bias = finish(out), self.bias if self.tp_rank == 0 else None
         return out if bias is None else out + bias

@@ -39,7 +39,7 @@ from runtime.engine.model_worker import default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
 from runtime.layers.linear import RowParallelLinear
-from runtime.layers.quantization.int8_weight_only import channel_maxima
+from runtime.layers.quantization.formats import channel_maxima
 from runtime.layers.quantization.online import process_layers_after_loading, quantize_online
 from runtime.layers.weights import named_weights
 from skills.atomic_write import write_text_atomic
@@ -61,7 +61,7 @@ WEIGHT_PATTERNS = (
 _MODEL_PATH = re.compile(r"^(  model_path:).*$", re.MULTILINE)
 _QUANT_METHOD = re.compile(r"^  quant_method:.*\n", re.MULTILINE)
 # --quant-mode -> the model_config.quant_method its shards are saved with
-QUANT_MODES = {"w8a16": "int8_weight_only"}
+QUANT_MODES = {"w8a16": "int8_weight_only", "w8a8": "w8a8_dynamic", "fp8": "fp8"}
 
 
 @dataclasses.dataclass
@@ -228,8 +228,8 @@ def convert_weights(
 ) -> ConvertResult:
     if quant_mode is not None and quant_mode not in QUANT_MODES:
         raise UserError(
-            f"--quant-mode {quant_mode!r} is not supported; choose {', '.join(QUANT_MODES)} (int8 weights with "
-            "one scale per output channel). w8a8 and fp8 shards are not implemented yet."
+            f"--quant-mode {quant_mode!r} is not supported; choose {', '.join(QUANT_MODES)} (int8 weights; int8 "
+            "weights and activations; fp8 weights and activations; each weight with one scale per output channel)."
         )
     quant_method = QUANT_MODES.get(quant_mode, "none")
     resolve_model.cache_clear()  # the model code may have been rewritten since it was last imported

@@ -14,10 +14,11 @@ import torch
 import yaml
 
 from runtime.config import InferenceConfig
+from runtime.engine.loader import checkpoint_quantization
 from runtime.errors import UserError
 from skills.migrator.memory import available_memory
 from skills.migrator.pipeline import checkpoint_dtype
-from skills.verify.compare import LOGPROB_ATOL, Verification, compare
+from skills.verify.compare import LOGPROB_ATOL, Verification, compare, logprob_atol
 from skills.verify.reference import greedy_reference, load_reference_model
 
 DEFAULT_PROMPTS = [
@@ -149,4 +150,6 @@ def verify(
         config.model_config.model_path, trust_remote_code=trust_remote_code
     )
     result = replace(result, reference=f"transformers {__version__} {type(model).__name__}")
-    return replace(result, **compare(outputs, references, dtype, tokenizer.decode))
+    scheme = checkpoint_quantization(Path(config.model_config.model_path))
+    atol = logprob_atol(dtype, scheme is not None and scheme.activations)
+    return replace(result, **compare(outputs, references, dtype, tokenizer.decode, atol))

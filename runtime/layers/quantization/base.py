@@ -6,6 +6,7 @@ applies them and post-processes them once they are loaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,8 +30,19 @@ class UnquantizedLinearMethod:
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
+    def apply_partial(
+        self, layer: TPModule, x: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """A row-parallel layer's share of the product, and what turns the sum of every rank's share into the
+        output (a method whose shares sum exactly applies its scales there)."""
+        return self.apply(layer, x), _unchanged
+
     def process_weights_after_loading(self, layer: TPModule) -> None:
         """Turns the loaded parameters into the form ``apply`` reads; runs once, after every weight is loaded."""
+
+
+def _unchanged(out: torch.Tensor) -> torch.Tensor:
+    return out
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

@@ -1,9 +1,13 @@
 """Checkpoints saved by compressed-tensors (config.json ``quantization_config.quant_method: compressed-tensors``).
 
-Read: weight-only symmetric int8 / int4 schemes (W8A16, W4A16) with one scale per output channel or per group of
-input columns, stored ``pack-quantized`` (int32 words, unpacked with compressed-tensors' own helper),
-``naive-quantized`` or ``int-quantized``. The targeted linear layers hold int8 weights (int4 values widened) and
-their scales, and run through ``int8_weight_only``'s apply. Anything else is refused, naming the scheme.
+Read, with symmetric scales per output channel (int weights also per group of input columns, fp8 also per
+tensor):
+- weight-only int8 / int4 (W8A16, W4A16), stored ``pack-quantized`` (int32 words, unpacked with
+  compressed-tensors' own helper), ``naive-quantized`` or ``int-quantized``;
+- int8 weights with int8 activations quantized per token at run time (W8A8, ``int-quantized``);
+- fp8 e4m3 weights, alone or with fp8 activations quantized per token (FP8 dynamic, ``float-quantized``).
+The targeted linear layers hold the quantized weights (int4 values widened to a byte) and float32 scales, and
+run through the matching ``quant_method``. Anything else is refused, naming the scheme.
 """
 
 from __future__ import annotations
@@ -19,25 +23,68 @@ from runtime.errors import UserError
 from runtime.layers.linear import LoadedWeight, materialize, weight_shape
 from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
 from runtime.layers.quantization.online import linear_layers
+from runtime.layers.quantization.quantized_weights import QuantizedWeightMethod
+from runtime.layers.quantization.w8a8 import Fp8Method, Int8DynamicMethod
 
-FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
+INT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
+FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 SUPPORTED = (
-    "compressed-tensors weight-only symmetric int8 / int4 (W8A16, W4A16), per channel or per group, "
-    f"formats {', '.join(FORMATS)}"
+    "compressed-tensors symmetric schemes with one weight scale per output channel (or per group / tensor): "
+    f"weight-only int8 / int4 (W8A16, W4A16; formats {', '.join(INT_FORMATS)}), int8 weights with dynamic "
+    "per-token int8 activations (W8A8, int-quantized), and fp8 weights alone or with dynamic per-token fp8 "
+    f"activations ({', '.join(FLOAT_FORMATS)})"
 )
 
 
 @dataclass(frozen=True)
 class CheckpointScheme:
+    weight_type: str  # "int" or "float"
     num_bits: int
-    group_size: int | None  # None: one scale per output channel
+    strategy: str  # "channel", "group" or "tensor"
+    group_size: int | None  # strategy "group" only
+    activations: bool  # activations quantized per token (W8A8), as the weights are
     packed: bool
     targets: list[str]
     ignore: list[str]
 
+    def method(self) -> QuantizedWeightMethod:
+        if self.weight_type == "float":
+            return Fp8Method(prequantized=True, activations=self.activations)
+        return Int8DynamicMethod(True) if self.activations else Int8WeightOnlyMethod(True)
+
+    def describe(self) -> str:
+        weights = f"{'fp' if self.weight_type == 'float' else 'int'}{self.num_bits} weights"
+        per = f"groups of {self.group_size}" if self.group_size else f"per {self.strategy}"
+        acts = ", activations quantized per token" if self.activations else ""
+        return f"{weights} (compressed-tensors, {per}{acts})"
+
 
 def _brief(args: Any, fields: set[str]) -> dict | None:
     return args and args.model_dump(include=fields)
+
+
+def _weights_ok(weights: Any, fmt: str | None) -> bool:
+    if weights is None or not weights.symmetric or weights.actorder:
+        return False
+    if weights.type == "int":
+        return (
+            weights.num_bits in (4, 8)
+            and weights.strategy in ("channel", "group", "tensor")
+            and fmt in INT_FORMATS
+        )
+    return weights.num_bits == 8 and weights.strategy in ("channel", "tensor") and fmt in FLOAT_FORMATS
+
+
+def _activations_ok(acts: Any, weights: Any) -> bool:
+    """None, or dynamic per-token activations of the weights' type and width (scales per channel / tensor)."""
+    return acts is None or (
+        acts.dynamic is True
+        and acts.strategy == "token"
+        and acts.symmetric
+        and acts.type == weights.type
+        and acts.num_bits == weights.num_bits == 8
+        and weights.strategy != "group"
+    )
 
 
 def checkpoint_scheme(quant: dict | None, where: str) -> CheckpointScheme | None:
@@ -68,16 +115,10 @@ def checkpoint_scheme(quant: dict | None, where: str) -> CheckpointScheme | None
     weights = scheme and scheme.weights
     fmt = (scheme and scheme.format) or config.format
     ok = (
-        weights is not None
-        and scheme.input_activations is None
+        _weights_ok(weights, fmt)
+        and _activations_ok(scheme.input_activations, weights)
         and scheme.output_activations is None
         and config.kv_cache_scheme is None
-        and weights.type == "int"
-        and weights.symmetric
-        and weights.num_bits in (4, 8)
-        and weights.strategy in ("channel", "group")
-        and not weights.actorder
-        and fmt in FORMATS
     )
     if not ok:
         got = (
@@ -91,8 +132,11 @@ def checkpoint_scheme(quant: dict | None, where: str) -> CheckpointScheme | None
             f"{where} is a compressed-tensors checkpoint with {got}; this runtime reads {SUPPORTED}."
         )
     return CheckpointScheme(
+        weights.type,
         weights.num_bits,
+        weights.strategy,
         weights.group_size if weights.strategy == "group" else None,
+        scheme.input_activations is not None,
         fmt == "pack-quantized",
         list(scheme.targets),
         list(config.ignore or []),
@@ -100,12 +144,12 @@ def checkpoint_scheme(quant: dict | None, where: str) -> CheckpointScheme | None
 
 
 def prepare_model(model: nn.Module, scheme: CheckpointScheme) -> int:
-    """Gives every linear layer the scheme targets int8 weights and their scales; returns how many."""
+    """Gives every linear layer the scheme targets quantized weights and their scales; returns how many."""
     from compressed_tensors.utils import is_match
 
     # targets name module classes, and every layer here stands for a Linear
     probe = nn.Linear(1, 1, device="meta")
-    method = Int8WeightOnlyMethod(prequantized=True)
+    method = scheme.method()
     layers = linear_layers(model, lambda name: is_match(name, probe, scheme.targets, scheme.ignore))
     for layer in layers:
         layer.quant_method = method
@@ -138,25 +182,31 @@ def decode_weights(
     weights: Iterable[tuple[str, LoadedWeight]], scheme: CheckpointScheme
 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors under the names and layout the prepared layers load: ``X.weight_packed`` becomes
-    ``X.weight`` (int8), and ``X.weight_shape`` is checked against it."""
-    if not scheme.packed:
-        yield from weights
-        return
+    ``X.weight`` (int8), ``X.weight_shape`` is checked against it, and a per-tensor ``X.weight_scale`` is repeated
+    for every row of ``X.weight`` (the layers hold one scale per row, so fused q / k / v keep their own)."""
+    rows: dict[str, int] = {}
     widths: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
+    tensor_scales: dict[str, torch.Tensor] = {}
     for name, weight in weights:
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight_packed":
-            ints = PackedInts(weight, scheme.num_bits)
-            widths[prefix] = ints.shape[1]
-            yield f"{prefix}.weight", ints
-        elif leaf == "weight_shape":
+        if leaf == "weight_packed" and scheme.packed:
+            weight = PackedInts(weight, scheme.num_bits)
+            widths[prefix], name = weight.shape[1], f"{prefix}.weight"
+        elif leaf == "weight_shape" and scheme.packed:
             shapes[prefix] = materialize(weight).tolist()
-        else:
-            yield name, weight
+            continue
+        elif leaf == "weight_scale" and scheme.strategy == "tensor":
+            tensor_scales[prefix] = materialize(weight).reshape(1, 1)
+            continue
+        if name.endswith(".weight"):
+            rows[prefix] = weight_shape(weight)[0]
+        yield name, weight
     for prefix, shape in shapes.items():
         if prefix in widths and shape[1] != widths[prefix]:
             raise UserError(
                 f"{prefix}: weight_shape {shape} has {shape[1]} input columns, but its packed words hold "
                 f"{widths[prefix]}; padded packing is not read."
             )
+    for prefix, scale in tensor_scales.items():
+        yield f"{prefix}.weight_scale", scale.float().expand(rows.get(prefix, 1), 1)

@@ -17,10 +17,14 @@ from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from runtime.layers.quantization.base import UNQUANTIZED
 from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
+from runtime.layers.quantization.quantized_weights import QuantizedWeightMethod
+from runtime.layers.quantization.w8a8 import Fp8Method, Int8DynamicMethod
 
 logger = logging.getLogger(__name__)
 
-ONLINE_METHODS: dict[str, type[Int8WeightOnlyMethod]] = {"int8_weight_only": Int8WeightOnlyMethod}
+ONLINE_METHODS: dict[str, type[QuantizedWeightMethod]] = {
+    m.name: m for m in (Int8WeightOnlyMethod, Int8DynamicMethod, Fp8Method)
+}
 LINEAR_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
