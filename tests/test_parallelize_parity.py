@@ -147,39 +147,47 @@ def test_tp2_from_convert_weights_output(migrated, tmp_path):
     check_converted_shards(model_dir, config, tmp_path / "shards", reference)
 
 
-def _int8_yaml(source: Path, target: Path) -> Path:
+def _quantized_yaml(source: Path, target: Path, quant_method: str) -> Path:
     doc = yaml.safe_load(source.read_text())
-    doc["model_config"]["quant_method"] = "int8_weight_only"
+    doc["model_config"]["quant_method"] = quant_method
     target.write_text(yaml.safe_dump(doc, sort_keys=False))
     return target
 
 
+@pytest.mark.parametrize(
+    ("quant_mode", "quant_method"),
+    [
+        ("w8a16", "int8_weight_only"),
+        ("fp8", "fp8"),
+        pytest.param("w8a8", "w8a8_dynamic", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("migrated", ["llama"], indirect=True)
-def test_int8_tp2_at_load_and_from_quantized_shards_match_the_single_rank(migrated, tmp_path):
-    """int8 weight-only: TP 2 quantizing at load (row-parallel scales reduced over the group) and TP 2 from
-    `convert-weights --quant-mode w8a16` shards give the single-rank int8 run's greedy tokens."""
+def test_quantized_tp2_at_load_and_from_quantized_shards_match_the_single_rank(
+    migrated, quant_mode, quant_method, tmp_path
+):
+    """TP 2 quantizing at load (row-parallel weight scales and per-token activation scales reduced over the
+    group) and TP 2 from `convert-weights --quant-mode` shards give the single-rank quantized run's tokens."""
     _, model_dir = migrated
-    single = run(
-        model_dir, _int8_yaml(model_dir / "config" / f"{model_dir.name}.yaml", tmp_path / "int8.yaml")
-    )
+    base = model_dir / "config" / f"{model_dir.name}.yaml"
+    single = run(model_dir, _quantized_yaml(base, tmp_path / "single.yaml", quant_method))
     tokens = [o["token_ids"] for o in single["outputs"]]
     config = parallel_yaml(tmp_path / "tp2.yaml", *SCENARIOS["tp2"])
     proc = parallelize(model_dir, config, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tp2 = run(model_dir, _int8_yaml(Path(json.loads(proc.stdout)["yaml"]), tmp_path / "tp2_int8.yaml"))
+    tp2_yaml = _quantized_yaml(Path(json.loads(proc.stdout)["yaml"]), tmp_path / "tp2_q.yaml", quant_method)
+    tp2 = run(model_dir, tp2_yaml)
     assert [o["token_ids"] for o in tp2["outputs"]] == tokens
     proc = subprocess.run(
         [sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config", str(config)]
-        + ["-o", str(tmp_path / "shards"), "--quant-mode", "w8a16", "--json"],
+        + ["-o", str(tmp_path / "shards"), "--quant-mode", quant_mode, "--json"],
         capture_output=True,
         text=True,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
-    assert (
-        yaml.safe_load(Path(done["yaml"]).read_text())["model_config"]["quant_method"] == "int8_weight_only"
-    )
+    assert yaml.safe_load(Path(done["yaml"]).read_text())["model_config"]["quant_method"] == quant_method
     shards = run(model_dir, Path(done["yaml"]))
     assert [o["token_ids"] for o in shards["outputs"]] == tokens
     assert shards["param_bytes_per_rank"] == done["ranks"] == tp2["param_bytes_per_rank"]

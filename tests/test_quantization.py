@@ -53,18 +53,27 @@ def test_quantize_rows_rounds_each_row_to_its_own_scale():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
 
 
+def _random_weight(n: int, k: int, qtype) -> torch.Tensor:
+    """Every int8 value, or every finite fp8 byte (subnormals included) with random signs."""
+    if qtype.is_int:
+        return torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    q = torch.randint(0, 256, (n, k), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return torch.where(q.float().isnan(), 0.0, q.float()).to(torch.float8_e4m3fn)
+
+
 @pytest.mark.skipif(host_int8_linear() is None, reason="no C++ compiler for the host kernel")
+@pytest.mark.parametrize("qtype", [INT8, FP8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("rows", "n", "k", "groups"), [(1, 4, 8, 1), (3, 7, 13, 1), (5, 130, 576, 3), (KERNEL_ROWS, 9, 1536, 12)]
 )
-def test_host_kernel_matches_the_dequantized_product(dtype, rows, n, k, groups):
+def test_host_kernel_matches_the_dequantized_product(qtype, dtype, rows, n, k, groups):
     """Tails (N not a multiple of 4, K not of 8), several rows, one scale per channel or per group of columns;
     the sums are float, so only their order differs from the float64 reference (bf16: plus output rounding)."""
     torch.manual_seed(0)
-    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    q = _random_weight(n, k, qtype)
     scale, x, bias = torch.rand(n, groups) / 100, torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
-    out = host_int8_linear().int8_linear(x, q, scale, bias)
+    out = getattr(host_int8_linear(), f"{qtype.name}_linear")(x, q, scale, bias)
     weight = (q.double().unflatten(1, (groups, -1)) * scale.double()[:, :, None]).flatten(1)
     ref = x.double() @ weight.T + bias.double()
     assert out.dtype == dtype and out.shape == (rows, n)

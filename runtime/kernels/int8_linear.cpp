@@ -1,9 +1,9 @@
-// Weight-only int8 linear for a few rows of activations (decode), host only.
+// Linear with int8 or fp8 (e4m3) weights for a few rows of activations (decode), host only.
 //
-// out[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * w[n, k] + bias[n], with w int8 [N, K] and float
+// out[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * w[n, k] + bias[n], with w [N, K] and float
 // scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel). x is converted to float
-// once and the products are summed in float, so the only difference from the dequantized float product is the
-// order of the sums. Four weight rows are done per pass (four independent FMA
+// once, each weight exactly to float, and the products are summed in float, so the only difference from the
+// dequantized float product is the order of the sums. Four weight rows are done per pass (four independent FMA
 // chains sharing each load of x), and the next pass's rows are prefetched: decode reads the weights from memory
 // once per step, and without the prefetch the loop waits on it.
 #include <ATen/Parallel.h>
@@ -15,6 +15,18 @@
 
 constexpr int64_t ROWS = 4;
 
+struct Fp8 {  // float8_e4m3fn bits: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+  uint8_t bits;
+};
+
+static inline float weight_value(int8_t w) { return static_cast<float>(w); }
+static inline float weight_value(Fp8 w) {
+  const uint32_t bits = (static_cast<uint32_t>(w.bits & 0x7F) << 20) | (static_cast<uint32_t>(w.bits & 0x80) << 24);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f * 0x1p120f;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -24,39 +36,50 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-static inline __m256 load_int8(const int8_t* p) {
+static inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// e4m3 bits moved into a float's exponent and mantissa fields make 2^-120 times the value, subnormals included
+// (as float subnormals); one exact multiply rescales
+static inline __m256 load8(const Fp8* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
+}
+
 // dot products of x[0, len) with ROWS weight rows `stride` apart
-static inline void dot_rows(const float* x, const int8_t* w, int64_t len, int64_t stride, float* acc) {
+template <typename W>
+static inline void dot_rows(const float* x, const W* w, int64_t len, int64_t stride, float* acc) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t k = 0;
   for (; k + 8 <= len; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
-    a0 = _mm256_fmadd_ps(xv, load_int8(w + k), a0);
-    a1 = _mm256_fmadd_ps(xv, load_int8(w + stride + k), a1);
-    a2 = _mm256_fmadd_ps(xv, load_int8(w + 2 * stride + k), a2);
-    a3 = _mm256_fmadd_ps(xv, load_int8(w + 3 * stride + k), a3);
+    a0 = _mm256_fmadd_ps(xv, load8(w + k), a0);
+    a1 = _mm256_fmadd_ps(xv, load8(w + stride + k), a1);
+    a2 = _mm256_fmadd_ps(xv, load8(w + 2 * stride + k), a2);
+    a3 = _mm256_fmadd_ps(xv, load8(w + 3 * stride + k), a3);
   }
   acc[0] = hsum(a0), acc[1] = hsum(a1), acc[2] = hsum(a2), acc[3] = hsum(a3);
   for (; k < len; ++k)
-    for (int64_t r = 0; r < ROWS; ++r) acc[r] += x[k] * w[r * stride + k];
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] += x[k] * weight_value(w[r * stride + k]);
 }
 #else
-static inline void dot_rows(const float* x, const int8_t* w, int64_t len, int64_t stride, float* acc) {
+template <typename W>
+static inline void dot_rows(const float* x, const W* w, int64_t len, int64_t stride, float* acc) {
   for (int64_t r = 0; r < ROWS; ++r) {
     float a = 0.f;
 #pragma omp simd reduction(+ : a)
-    for (int64_t k = 0; k < len; ++k) a += x[k] * w[r * stride + k];
+    for (int64_t k = 0; k < len; ++k) a += x[k] * weight_value(w[r * stride + k]);
     acc[r] = a;
   }
 }
 #endif
 
-template <typename T>
-static void int8_gemv(const T* xt, const int8_t* w, const float* scale, const T* bias, T* out, int64_t M,
-                      int64_t N, int64_t K, int64_t G) {
+template <typename T, typename W>
+static void quantized_gemv(const T* xt, const W* w, const float* scale, const T* bias, T* out, int64_t M,
+                           int64_t N, int64_t K, int64_t G) {
   const int64_t group = K / G;
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xt[i]);
@@ -73,13 +96,13 @@ static void int8_gemv(const T* xt, const int8_t* w, const float* scale, const T*
         float acc[ROWS] = {0.f, 0.f, 0.f, 0.f}, part[ROWS];
         for (int64_t g = 0; g < G; ++g) {
           const float* xg = x + m * K + g * group;
-          const int8_t* wg = w + n0 * K + g * group;
+          const W* wg = w + n0 * K + g * group;
           if (rows == ROWS) {
             dot_rows(xg, wg, group, K, part);
           } else {
             for (int64_t r = 0; r < rows; ++r) {
               part[r] = 0.f;
-              for (int64_t k = 0; k < group; ++k) part[r] += xg[k] * wg[r * K + k];
+              for (int64_t k = 0; k < group; ++k) part[r] += xg[k] * weight_value(wg[r * K + k]);
             }
           }
           for (int64_t r = 0; r < rows; ++r) acc[r] += part[r] * scale[(n0 + r) * G + g];
@@ -93,10 +116,10 @@ static void int8_gemv(const T* xt, const int8_t* w, const float* scale, const T*
   });
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
-                          c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kChar && weight.is_contiguous(),
-              "weight: contiguous int8 [N, K]");
+template <typename W>
+static torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
+                                      c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K]");
   const int64_t K = weight.size(1), N = weight.size(0);
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
               scale.size(0) == N && K % scale.size(1) == 0,
@@ -109,14 +132,30 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
     b = bias->to(x.scalar_type()).contiguous();
     TORCH_CHECK(b.numel() == N, "bias: one value per output channel");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
-    int8_gemv<scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                        bias ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows.size(0), N, K,
-                        scale.size(1));
+  const W* w = reinterpret_cast<const W*>(weight.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear", [&] {
+    quantized_gemv<scalar_t, W>(rows.data_ptr<scalar_t>(), w, scale.data_ptr<float>(),
+                                bias ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows.size(0),
+                                N, K, scale.size(1));
   });
   auto shape = x.sizes().vec();
   shape.back() = N;
   return out.view(shape);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int8_linear", &int8_linear); }
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(weight.scalar_type() == torch::kChar, "weight: int8");
+  return quantized_linear<int8_t>(x, weight, scale, bias);
+}
+
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, "weight: float8_e4m3fn");
+  return quantized_linear<Fp8>(x, weight, scale, bias);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear);
+  m.def("fp8_linear", &fp8_linear);
+}

@@ -10,8 +10,10 @@ Kernels for the sums, chosen per call by device and rows (the log names them):
 - on the host up to 16 rows the C++ int8 kernel, above that ``F.linear`` on the integers in float32
   (``torch._int_mm`` ran 3x slower than a bf16 ``F.linear`` here, for 1 and 512 rows of 576 x 1536);
 - on CUDA above 16 rows ``torch._int_mm`` (int32 sums).
-fp8 on the host from 128 rows: ``torch._scaled_mm`` (512 rows of 576 x 1536: 9 ms against 47 ms for bf16
-``F.linear``; one row: 4.5 ms against 0.2 ms), dequantize + matmul below and on other devices.
+fp8 on the host: up to 16 rows the C++ kernel (which reads fp8 weights too), from 128 rows
+``torch._scaled_mm`` (512 rows of 576 x 1536: 9 ms against 47 ms for bf16 ``F.linear``; one row: 4.5 ms
+against 0.2 ms), dequantize + matmul between and on other devices (converting fp8 to bf16 alone took 2.5 ms
+for that weight, 25x its bf16 product).
 """
 
 from __future__ import annotations
@@ -120,17 +122,26 @@ class Fp8Method(QuantizedWeightMethod):
         self.activations = activations
 
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.activations:
-            return super().apply(layer, x, bias)
-        q, scale = _per_token(layer, x, FP8)
-        if x.device.type == "cpu" and _rows(x) >= SCALED_MM_ROWS and layer.weight_scale.shape[1] == 1:
-            out = scaled_mm_linear(q, scale, layer.weight, layer.weight_scale, x.dtype)
-            return out if bias is None else out + bias
-        return F.linear(q.to(x.dtype) * scale, dequantize(layer.weight, layer.weight_scale, x.dtype), bias)
+        rows, on_host = _rows(x), x.device.type == "cpu"
+        if self.activations:
+            q, scale = _per_token(layer, x, FP8)
+            if on_host and rows >= SCALED_MM_ROWS and layer.weight_scale.shape[1] == 1:
+                out = scaled_mm_linear(q, scale, layer.weight, layer.weight_scale, x.dtype)
+                return out if bias is None else out + bias
+            x = q.to(x.dtype) * scale
+        if (
+            on_host
+            and rows <= KERNEL_ROWS
+            and not torch.compiler.is_compiling()
+            and (kernel := host_int8_linear())
+        ):
+            return kernel.fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        return F.linear(x, dequantize(layer.weight, layer.weight_scale, x.dtype), bias)
 
     def describe(self, device: torch.device) -> str:
-        if not self.activations:
-            return "fp8 weights dequantized + matmul"
-        if device.type == "cpu":
-            return f"fp8 activations per token; torch._scaled_mm from {SCALED_MM_ROWS} rows, dequantize + matmul below"
-        return "fp8 activations per token, dequantize + matmul"
+        acts = "fp8 activations per token; " if self.activations else ""
+        if device.type != "cpu":
+            return f"{acts}dequantize + matmul"
+        kernel = f"the host fp8 kernel up to {KERNEL_ROWS} rows, " if host_int8_linear() else ""
+        scaled_mm = f", torch._scaled_mm from {SCALED_MM_ROWS}" if self.activations else ""
+        return f"{acts}{kernel}dequantize + matmul{' above' if kernel else ''}{scaled_mm}"
