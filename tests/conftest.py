@@ -13,14 +13,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, tiny_config
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny random llama whose greedy decoding of the raw PARITY_PROMPTS ids has a clear top-1 at every step."""
-    out = tmp_path_factory.mktemp("tiny_llama")
-    config = tiny_config("llama")
+def _tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, model_type: str) -> Path:
+    """Tiny random checkpoint whose greedy decoding of the raw PARITY_PROMPTS ids has a clear top-1 at every
+    step."""
+    out = tmp_path_factory.mktemp(f"tiny_{model_type}")
+    config = tiny_config(model_type)
     tokenizer = make_tokenizer(out, config.vocab_size)
     pick_seed(config, out, [tokenizer(p)["input_ids"] for p in PARITY_PROMPTS])
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_checkpoint(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_checkpoint(tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="session")

@@ -378,31 +378,39 @@ CHECKPOINT_SCHEMES = {
     "w8a16_int": "int8 weights (compressed-tensors, per channel)",
     "fp8": "fp8 weights (compressed-tensors, per channel, activations quantized per token)",
 }
-SLOW_SCHEMES = ("w8a16_int", "fp8")
+FAST_CHECKPOINTS = {("llama", s) for s in ("w8a16", "w4a16_g32", "w8a8", "fp8_tensor")} | {("qwen3", "w8a8")}
 
 
 @pytest.mark.parametrize(
-    "scheme",
-    [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SCHEMES else s for s in CHECKPOINT_SCHEMES],
+    ("arch", "scheme"),
+    [
+        pytest.param(arch, scheme, marks=() if (arch, scheme) in FAST_CHECKPOINTS else pytest.mark.slow)
+        for arch in ("llama", "qwen3")
+        for scheme in CHECKPOINT_SCHEMES
+    ],
 )
-def test_compressed_tensors_checkpoint_matches_transformers(scheme, tiny_llama_dir, tmp_path):
-    """W8A16 per channel (pack-quantized; int-quantized with -m slow), W4A16 in groups of 32, W8A8 int8 and FP8
-    (per-tensor weight scales; per channel with -m slow), activations quantized per token: `skill migrate`
-    converts, runs and verifies the model against transformers loading the same checkpoint through its
-    compressed-tensors integration. Greedy tokens identical; log-probs within the verifier's tolerance, the
-    dtype's for weight-only schemes and 0.25 where activations are quantized: the host int8 kernel sums in
-    another order than transformers' F.linear, which now and then moves an activation across a rounding tie
-    (FP8 takes the same F.linear here and matches to ~1e-5)."""
+def test_compressed_tensors_checkpoint_matches_transformers(arch, scheme, request, tmp_path):
+    """Tiny llama and qwen3 saved as W8A16 per channel (pack-quantized, int-quantized), W4A16 in groups of 32,
+    W8A8 int8 and FP8 (per-tensor and per-channel weight scales) with activations quantized per token; the
+    default run takes the llama's weight-only, W8A8 and per-tensor FP8 ones and qwen3's W8A8, -m slow the
+    rest. `skill migrate` converts, runs and verifies each against transformers loading the same checkpoint
+    through its compressed-tensors integration: greedy tokens identical; log-probs within the verifier's
+    tolerance, the dtype's for weight-only schemes and 0.25 where activations are quantized (our float sums
+    run in another order than transformers' F.linear, which now and then moves an activation across a
+    rounding tie: a whole quantization step)."""
     from quantized_checkpoint import save_compressed
 
-    checkpoint = save_compressed(tiny_llama_dir, tmp_path / "ckpt", scheme)
+    checkpoint = save_compressed(request.getfixturevalue(f"tiny_{arch}_dir"), tmp_path / "ckpt", scheme)
     proc = _migrate(checkpoint, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
     verification = done["verification"]
-    assert done["status"] == "ok" and verification["status"] == "identical", verification
-    assert verification["tokens_compared"] > 0
     quantized_activations = scheme.startswith(("w8a8", "fp8"))
+    # qwen3's per-channel FP8 parts from transformers in prompt 0 at a step where transformers' own top two are
+    # within the tolerance (a near tie): compared up to there
+    allowed = ("identical", "near_tie") if quantized_activations else ("identical",)
+    assert done["status"] == "ok" and verification["status"] in allowed, verification
+    assert verification["tokens_compared"] >= 16 * len(verification["prompts"]) - 10
     assert verification["logprob_atol"] == (0.25 if quantized_activations else 2e-3)
     assert f"linear layers read as {CHECKPOINT_SCHEMES[scheme]}" in proc.stderr
 

@@ -8,8 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tiny_checkpoint import PARITY_PROMPTS
+
+from skills.verify.compare import compare
+from skills.verify.reference import Reference
 
 
 def skill(*args: str) -> subprocess.CompletedProcess:
@@ -104,3 +108,29 @@ def test_parallelize_verifies_the_multi_rank_run(migrated, tmp_path):
     assert verification["identical"] and verification["world_size"] == 2, verification
     assert verification["yaml"] == str(Path(done["yaml"]).relative_to(migrated))
     assert recorded(migrated)[0]["world_size"] == 2
+
+
+def _run_output(tokens: list[int], logprobs: torch.Tensor) -> dict:
+    return {
+        "prompt": "p",
+        "token_ids": tokens,
+        "logprobs": [{"top": [[t, float(logprobs[i, t])]]} for i, t in enumerate(tokens)],
+    }
+
+
+@pytest.mark.parametrize(
+    ("gap", "allow", "status"),
+    [(0.1, True, "near_tie"), (0.1, False, "mismatch"), (0.5, True, "mismatch")],
+)
+def test_a_prompt_parting_at_a_near_tie_is_told_apart_from_a_mismatch(gap, allow, status):
+    """Activation-quantized checkpoints: where transformers rates our pick within the tolerance of its own, the
+    prompt is compared up to there and called a near tie; a wider gap, or other checkpoints, a mismatch."""
+    logprobs = torch.full((3, 4), -5.0)
+    logprobs[:, 0] = -0.1
+    logprobs[1, 2] = -0.1 - gap  # step 1: transformers picks 0, ours picks 2
+    reference = Reference([0, 0, 0], logprobs)
+    ours = _run_output([0, 2, 1], logprobs)
+    fields = compare([ours], [reference], "float32", lambda ids: str(ids), 0.25, allow_near_ties=allow)
+    assert fields["status"] == status and fields["tokens_compared"] == 2
+    differences = fields["near_ties"] if status == "near_tie" else [fields["first_difference"]]
+    assert [(d.position, d.migrated_token, d.transformers_token) for d in differences] == [(1, 2, 0)]

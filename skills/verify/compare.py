@@ -26,7 +26,7 @@ class Difference:
 
 @dataclass
 class Verification:
-    status: str  # "identical" | "mismatch" | "skipped"
+    status: str  # "identical" | "near_tie" | "mismatch" | "skipped"
     reference: str = ""  # e.g. "transformers 4.57.1 LlamaForCausalLM"
     dtype: str = ""
     world_size: int = 1
@@ -37,6 +37,9 @@ class Verification:
     max_logprob_diff: float | None = None
     logprob_atol: float | None = None
     first_difference: Difference | None = None
+    # activation-quantized checkpoints: prompts that parted where transformers' own top two were within the
+    # tolerance (each prompt is compared up to there)
+    near_ties: list[Difference] = field(default_factory=list)
     reason: str = ""  # why a check was skipped, or why logits alone failed it
     checked_at: str = ""
 
@@ -52,10 +55,18 @@ def logprob_atol(dtype: str, quantized_activations: bool = False) -> float:
     return max(LOGPROB_ATOL[dtype], ACTIVATION_QUANT_LOGPROB_ATOL if quantized_activations else 0.0)
 
 
-def compare(outputs: list[dict], references: list[Reference], dtype: str, decode, atol: float) -> dict:
+def compare(
+    outputs: list[dict],
+    references: list[Reference],
+    dtype: str,
+    decode,
+    atol: float,
+    allow_near_ties: bool = False,
+) -> dict:
     """Fields of a Verification for `skill run --json --logprobs K` outputs against the references, each up
-    to (and including) the first differing token; decode(ids) -> text."""
-    compared, worst, first = 0, 0.0, None
+    to (and including) the first differing token; decode(ids) -> text. ``allow_near_ties``: a prompt whose
+    tokens part where transformers rates ours within `atol` of its own pick is a near tie, not a mismatch."""
+    compared, worst, first, ties = 0, 0.0, None, []
     for i, (out, ref) in enumerate(zip(outputs, references, strict=True)):
         for pos, theirs in enumerate(ref.tokens):
             ours = out["token_ids"][pos] if pos < len(out["token_ids"]) else None
@@ -64,7 +75,12 @@ def compare(outputs: list[dict], references: list[Reference], dtype: str, decode
                 worst = max(worst, abs(logprob - float(ref.logprobs[pos, token])))
             if ours != theirs:
                 text = decode([ours]) if ours is not None else "(stopped)"
-                first = Difference(i, out["prompt"], pos, ours, theirs, text, decode([theirs]))
+                difference = Difference(i, out["prompt"], pos, ours, theirs, text, decode([theirs]))
+                tied = ours is not None and float(ref.logprobs[pos, theirs] - ref.logprobs[pos, ours]) <= atol
+                if allow_near_ties and tied:
+                    ties.append(difference)
+                else:
+                    first = difference
                 break
         if first:
             break
@@ -73,6 +89,7 @@ def compare(outputs: list[dict], references: list[Reference], dtype: str, decode
         "max_logprob_diff": worst,
         "logprob_atol": atol,
         "first_difference": first,
+        "near_ties": ties,
     }
     if first:
         return {**fields, "status": "mismatch"}
@@ -83,4 +100,4 @@ def compare(outputs: list[dict], references: list[Reference], dtype: str, decode
             "reason": f"greedy tokens are identical but log-probabilities differ by up to {worst:.3g} "
             f"(tolerance {atol:g} in {dtype}{' with activations quantized' if atol > LOGPROB_ATOL[dtype] else ''})",
         }
-    return {**fields, "status": "identical"}
+    return {**fields, "status": "near_tie" if ties else "identical"}

@@ -21,16 +21,23 @@ def describe(v: Verification) -> str:
         f"(`{v.yaml}`), against {v.reference} on the same weights and prompt tokens, by `skill verify` on "
         f"{v.checked_at[:10]}"
     )
-    if v.identical:
+    if v.status in ("identical", "near_tie"):
         why = (
             ", wider than the dtype's because the checkpoint quantizes activations per token: a float sum taken "
             "in another order can move an element across a rounding tie, a whole quantization step"
             if v.logprob_atol > LOGPROB_ATOL[v.dtype]
             else ""
         )
+        ties = "".join(
+            f" Prompt {t.prompt_index} parted at generated token {t.position}, where transformers rates the "
+            f"migrated pick {t.migrated_token} ({t.migrated_text!r}) within the tolerance of its own "
+            f"{t.transformers_token} ({t.transformers_text!r}); it is compared up to there."
+            for t in v.near_ties
+        )
+        head = "identical to transformers" if v.identical else "identical to transformers up to near ties"
         return (
-            f"Greedy tokens identical to transformers: {v.tokens_compared} tokens compared; log-probabilities "
-            f"within {v.max_logprob_diff:.2g} (tolerance {v.logprob_atol:g}{why}). {what}."
+            f"Greedy tokens {head}: {v.tokens_compared} tokens compared; log-probabilities within "
+            f"{v.max_logprob_diff:.2g} (tolerance {v.logprob_atol:g}{why}).{ties} {what}."
         )
     d = v.first_difference
     if d is None:
