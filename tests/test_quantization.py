@@ -22,10 +22,11 @@ from runtime.config.comm_manager import CommManager
 from runtime.errors import ConfigError, UserError
 from runtime.kernels import host_int8_linear
 from runtime.layers import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
-from runtime.layers.quantization import int8_weight_only
+from runtime.layers.quantization import quantized_weights
 from runtime.layers.quantization.formats import FP8, INT8, dequantize, quantize_rows, quantize_tokens
-from runtime.layers.quantization.int8_weight_only import KERNEL_ROWS, Int8WeightOnlyMethod
+from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
 from runtime.layers.quantization.online import ONLINE_METHODS, process_weights_after_loading, quantize_online
+from runtime.layers.quantization.quantized_weights import KERNEL_ROWS
 from runtime.layers.quantization.w8a8 import (
     SCALED_MM_ROWS,
     Fp8Method,
@@ -91,7 +92,7 @@ def test_kernel_and_fallback_give_the_same_layer_output(monkeypatch, rows):
     process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (10, 1)
     fast = layer(x)
-    monkeypatch.setattr(int8_weight_only, "host_int8_linear", lambda: None)
+    monkeypatch.setattr(quantized_weights, "host_int8_linear", lambda: None)
     torch.testing.assert_close(fast, layer(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
         fast,
@@ -159,7 +160,7 @@ def test_int8_sums_are_exact_on_every_path(monkeypatch):
     assert torch.equal(int_mm_sums(q, weight), exact)
     assert torch.equal(integer_sums(q, weight), exact)  # F.linear above KERNEL_ROWS
     assert torch.equal(integer_sums(q[:3], weight), exact[:3])  # the host kernel
-    monkeypatch.setattr("runtime.layers.quantization.w8a8.host_int8_linear", lambda: None)
+    monkeypatch.setattr(quantized_weights, "host_int8_linear", lambda: None)
     assert torch.equal(integer_sums(q[:3], weight), exact[:3])
 
 

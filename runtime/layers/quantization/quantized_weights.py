@@ -3,6 +3,9 @@ output channel or per group of input columns. Online (``prequantized=False``) a 
 quantized after loading; ``prequantized`` layers read the weights and scales a checkpoint or convert-weights
 saved. Under TP the scales equal the single-rank ones: a row-parallel layer's channel maxima are reduced over
 its group first.
+
+On the host, up to ``KERNEL_ROWS`` rows (decode) go through the C++ kernel, which reads the quantized weight as
+is; more rows (prefill) and other devices dequantize the weight and use ``F.linear``.
 """
 
 from __future__ import annotations
@@ -13,13 +16,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.errors import ConfigError
+from runtime.kernels import host_int8_linear
 from runtime.layers.linear import RowParallelLinear, TPModule
 from runtime.layers.quantization.base import UnquantizedLinearMethod
 from runtime.layers.quantization.formats import QuantType, channel_maxima, dequantize, quantize_rows
 
+KERNEL_ROWS = 16
+
+
+def decode_kernel(x: torch.Tensor):
+    """The host kernel module when x's rows are few enough for it (decode), else None."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or rows > KERNEL_ROWS or torch.compiler.is_compiling():
+        return None
+    return host_int8_linear()
+
 
 class QuantizedWeightMethod(UnquantizedLinearMethod):
-    """Subclasses set ``qtype`` (how the weight is stored) and their ``apply``; this one dequantizes."""
+    """Subclasses set ``name`` and ``qtype`` (how the weight is stored); activations stay in the model's dtype."""
 
     qtype: QuantType
 
@@ -61,8 +75,12 @@ class QuantizedWeightMethod(UnquantizedLinearMethod):
         layer.weight_scale = nn.Parameter(scale[:, None], requires_grad=False)
 
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if kernel := decode_kernel(x):
+            return getattr(kernel, f"{self.qtype.name}_linear")(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, dequantize(layer.weight, layer.weight_scale, x.dtype), bias)
 
     def describe(self, device: torch.device) -> str:
         """The kernels ``apply`` uses on `device`, for the log."""
+        if device.type == "cpu" and host_int8_linear():
+            return f"the host {self.qtype.name} kernel up to {KERNEL_ROWS} rows, dequantize + matmul above"
         return "dequantize + matmul"

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from runtime.kernels import host_int8_linear
 from runtime.layers.linear import RowParallelLinear, TPModule
-from runtime.layers.quantization.formats import FP8, INT8, QuantType, dequantize, quantize_tokens
-from runtime.layers.quantization.int8_weight_only import KERNEL_ROWS, Int8WeightOnlyMethod
-from runtime.layers.quantization.quantized_weights import QuantizedWeightMethod
+from runtime.layers.quantization.formats import FP8, INT8, QuantType, quantize_tokens
+from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
+from runtime.layers.quantization.quantized_weights import KERNEL_ROWS, QuantizedWeightMethod, decode_kernel
 
 SCALED_MM_ROWS = 128
 
@@ -60,7 +60,7 @@ def integer_sums(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, device = weight.shape[0], q.device
     if device.type == "cuda" and len(rows) > 16 and n % 8 == 0 and weight.shape[1] % 8 == 0:
         sums = int_mm_sums(rows, weight)  # cuBLAS' int8 matmul takes >16 rows, dimensions in multiples of 8
-    elif device.type == "cpu" and len(rows) <= KERNEL_ROWS and (kernel := host_int8_linear()):
+    elif kernel := decode_kernel(rows):
         sums = kernel.int8_linear(rows.float(), weight, _ones(n, device), None)
     else:
         sums = F.linear(rows.float(), weight.float())
@@ -122,26 +122,16 @@ class Fp8Method(QuantizedWeightMethod):
         self.activations = activations
 
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows, on_host = _rows(x), x.device.type == "cpu"
         if self.activations:
             q, scale = _per_token(layer, x, FP8)
-            if on_host and rows >= SCALED_MM_ROWS and layer.weight_scale.shape[1] == 1:
+            if x.device.type == "cpu" and _rows(x) >= SCALED_MM_ROWS and layer.weight_scale.shape[1] == 1:
                 out = scaled_mm_linear(q, scale, layer.weight, layer.weight_scale, x.dtype)
                 return out if bias is None else out + bias
             x = q.to(x.dtype) * scale
-        if (
-            on_host
-            and rows <= KERNEL_ROWS
-            and not torch.compiler.is_compiling()
-            and (kernel := host_int8_linear())
-        ):
-            return kernel.fp8_linear(x, layer.weight, layer.weight_scale, bias)
-        return F.linear(x, dequantize(layer.weight, layer.weight_scale, x.dtype), bias)
+        return super().apply(layer, x, bias)
 
     def describe(self, device: torch.device) -> str:
-        acts = "fp8 activations per token; " if self.activations else ""
-        if device.type != "cpu":
-            return f"{acts}dequantize + matmul"
-        kernel = f"the host fp8 kernel up to {KERNEL_ROWS} rows, " if host_int8_linear() else ""
-        scaled_mm = f", torch._scaled_mm from {SCALED_MM_ROWS}" if self.activations else ""
-        return f"{acts}{kernel}dequantize + matmul{' above' if kernel else ''}{scaled_mm}"
+        if not self.activations:
+            return super().describe(device)
+        scaled_mm = f", torch._scaled_mm from {SCALED_MM_ROWS} rows" if device.type == "cpu" else ""
+        return f"fp8 activations per token; {super().describe(device)}{scaled_mm}"
