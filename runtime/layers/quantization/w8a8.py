@@ -2,7 +2,7 @@
 scale per output channel, and activations quantized per token as each layer runs (a row-parallel layer's ranks
 agree on each token's scale first).
 
-int8 sums are integers: taken in float32 they are exact while below 2^24 (always for up to 1032 input columns,
+int8 sums are integers: taken in float32 they are exact while below 2^24 (always for up to 1024 input columns,
 and in practice far beyond), so every kernel, batch shape and TP layout gives the same sums; the scales are
 applied once, after a row-parallel layer's sum over ranks, so a TP run computes the single-rank outputs.
 
