@@ -114,7 +114,7 @@ def test_quantized_checkpoint_is_refused_naming_its_format(tiny_llama_dir, tmp_p
         skill("migrate", str(ckpt), "-o", str(tmp_path / "out")),
         tmp_path / "out",
         "'gptq'",
-        "compressed-tensors weight-only",
+        "compressed-tensors symmetric schemes",
         "int8_weight_only",
     )
 
