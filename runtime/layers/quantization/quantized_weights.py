@@ -24,10 +24,14 @@ from runtime.layers.quantization.formats import QuantType, channel_maxima, dequa
 KERNEL_ROWS = 16
 
 
+def token_rows(x: torch.Tensor) -> int:
+    """Rows of x [..., features]: tokens for a linear layer."""
+    return x.numel() // x.shape[-1]
+
+
 def decode_kernel(x: torch.Tensor):
     """The host kernel module when x's rows are few enough for it (decode), else None."""
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or rows > KERNEL_ROWS or torch.compiler.is_compiling():
+    if x.device.type != "cpu" or token_rows(x) > KERNEL_ROWS or torch.compiler.is_compiling():
         return None
     return host_int8_linear()
 

@@ -28,13 +28,14 @@ from runtime.kernels import host_int8_linear
 from runtime.layers.linear import RowParallelLinear, TPModule
 from runtime.layers.quantization.formats import FP8, INT8, QuantType, quantize_tokens
 from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
-from runtime.layers.quantization.quantized_weights import KERNEL_ROWS, QuantizedWeightMethod, decode_kernel
+from runtime.layers.quantization.quantized_weights import (
+    KERNEL_ROWS,
+    QuantizedWeightMethod,
+    decode_kernel,
+    token_rows,
+)
 
 SCALED_MM_ROWS = 128
-
-
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1]
 
 
 def _per_token(layer: TPModule, x: torch.Tensor, qtype: QuantType) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +125,11 @@ class Fp8Method(QuantizedWeightMethod):
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.activations:
             q, scale = _per_token(layer, x, FP8)
-            if x.device.type == "cpu" and _rows(x) >= SCALED_MM_ROWS and layer.weight_scale.shape[1] == 1:
+            if (
+                x.device.type == "cpu"
+                and token_rows(x) >= SCALED_MM_ROWS
+                and layer.weight_scale.shape[1] == 1
+            ):
                 out = scaled_mm_linear(q, scale, layer.weight, layer.weight_scale, x.dtype)
                 return out if bias is None else out + bias
             x = q.to(x.dtype) * scale
