@@ -67,6 +67,8 @@ _ARCH: dict[str, dict] = {
     "qwen2": {"tie_word_embeddings": False},
     "qwen3": {"tie_word_embeddings": False},
     "gemma3_text": {"tie_word_embeddings": True, "sliding_window": 8, "query_pre_attn_scalar": 16},
+    # an MoE layer from the second on, and expert groups the 4 tiny experts fill (group-limited top-k)
+    "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
 }
 
 

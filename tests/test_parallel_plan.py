@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from runtime.config import ParallelConfig
-from runtime.errors import ConfigError, UserError
+from runtime.errors import ConfigError
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
@@ -285,9 +285,18 @@ def test_moe_ep_with_plain_attention_dp_is_refused():
     assert "moe_ep_size 2" in message and "step on their own" in message and "moe_tp_size 2" in message
 
 
-def test_mla_is_refused_by_name():
-    with pytest.raises(UserError, match="multi-head latent attention"):
-        make_plan(pc(4, 1, 1, 1, 4), deepseek_v3(), torch.bfloat16)
+def test_latent_attention_splits_its_per_head_projections_only():
+    """DeepSeek-V3 at attention TP 2: q_b_proj, kv_b_proj and o_proj hold half their weights per rank, the low-rank
+    projections (q_a_proj, kv_a_proj_with_mqa) and their norms stay whole."""
+    sharded = SHARDABLE | {"q_b_proj", "kv_b_proj"}
+    tp2 = make_plan(pc(2, 2, 2, 2, 2), deepseek_v3(), torch.bfloat16, sharded)
+    tp1 = make_plan(pc(2, 1, 2, 2, 2), deepseek_v3(), torch.bfloat16, sharded)
+    h, heads, layers = 64, 4, 2
+    per_head = 32 * heads * (16 + 8) + 16 * heads * (16 + 16) + heads * 16 * h  # q_b_proj, kv_b_proj, o_proj
+    assert tp1.per_rank_param_bytes - tp2.per_rank_param_bytes == layers * per_head // 2 * BF16
+    assert tp2.rewrites[0].startswith(
+        "kv_b_proj/q_b_proj -> ColumnParallelLinear by heads (attn_tp=2: 2 of 4"
+    )
 
 
 def rejected(p: ParallelConfig, cfg: PretrainedConfig) -> str:

@@ -63,12 +63,12 @@ MOE_SCENARIOS = {
     "tp2_moe_tp2_ep2": ((4, 2, 4, 4, 4), {"moe_tp_size": 2}),
 }
 # gpt_oss EP 2 runs in OTHER_ARCHS (its tp2 scenario splits the experts); `make test` runs qwen3_moe's TP+DP
-# pattern with all_to_all over EP 2 and expert TP 2, `-m slow` every other pair
+# pattern with all_to_all over EP 2 and expert TP 2, and deepseek_v3's (multi-head latent attention split by heads
+# over attention TP 2, its sigmoid group-limited router, shared experts) over EP 4; `-m slow` every other pair
+MOE_FAST = {("qwen3_moe", "tp2_moe_tp2_ep2"), ("deepseek_v3", "tp2_ep4")}
 MOE_RUNS = [
-    pytest.param(
-        arch, name, marks=() if (arch, name) == ("qwen3_moe", "tp2_moe_tp2_ep2") else pytest.mark.slow
-    )
-    for arch in ("qwen3_moe", "mixtral", "gpt_oss")
+    pytest.param(arch, name, marks=() if (arch, name) in MOE_FAST else pytest.mark.slow)
+    for arch in ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
     for name in MOE_SCENARIOS
 ]
 

@@ -1,5 +1,5 @@
-"""Per-head parameters and modules under attention TP: sinks cut to this rank's heads, a module over all heads' q
-or k run on every head."""
+"""Per-head parameters and modules under attention TP: a rank's head count, sinks cut to this rank's heads, a module
+over all heads' q or k run on every head."""
 
 from __future__ import annotations
 
@@ -14,6 +14,15 @@ from runtime.layers.linear import LoadedWeight, ShardId, check_shape, read_narro
 
 if TYPE_CHECKING:
     from runtime.config.comm_manager import CommManager
+
+
+def local_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
+    """The heads of ``total`` one rank of ``tp_group`` computes: the contiguous share its column-parallel
+    projections produce."""
+    size = tp_info(comm_manager, tp_group)[0]
+    if total % size:
+        raise ConfigError(f"{total} attention heads are not divisible by the size of {tp_group} ({size})")
+    return total // size
 
 
 def shard_heads(

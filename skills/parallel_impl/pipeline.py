@@ -8,6 +8,7 @@ code by building every rank's shards on the meta device, whose parameter bytes m
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import shutil
@@ -34,9 +35,16 @@ from skills.parallel_impl.rules import PARALLEL_RULES
 from skills.parallel_impl.scenario import scenario_yaml
 
 PRISTINE = Path("agentic") / "migrated_models"
-_PARALLEL_ATTR = re.compile(
-    r"self\.(\w+) = (?:QKVParallelLinear|MergedColumnParallelLinear|ColumnParallelLinear|"
-    r"RowParallelLinear|VocabParallelEmbedding|ParallelLMHead|shard_heads)\("
+_PARALLEL = frozenset(
+    {
+        "QKVParallelLinear",
+        "MergedColumnParallelLinear",
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        "VocabParallelEmbedding",
+        "ParallelLMHead",
+        "shard_heads",
+    }
 )
 _EXPERTS = "= ExpertParallel("  # an experts module split over moe_ep_group (rules/experts.py)
 _EXPERTS_TP = 'tp_group="moe_tp_group"'  # ... and over moe_tp_group
@@ -162,10 +170,27 @@ class _Target:
     rules: dict[str, list[str]]
 
 
+def _parallel_attrs(text: str) -> set[str]:
+    """x of each `self.x = ...` whose value builds a parallel layer (also as one branch of a conditional)."""
+    return {
+        target.attr
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+        and any(
+            isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in _PARALLEL
+            for c in ast.walk(node.value)
+        )
+    }
+
+
 def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
     """Attributes the rewritten code builds as parallel layers, fused ones under their checkpoint names, and
     "experts" when routed experts are split over moe_ep_group, "experts_tp" when also over moe_tp_group."""
-    attrs = {a for text in new_code.values() for a in _PARALLEL_ATTR.findall(text)}
+    attrs = {a for text in new_code.values() for a in _parallel_attrs(text)}
     code = "".join(new_code.values())
     experts = {"experts"} if _EXPERTS in code else set()
     experts |= {"experts_tp"} if _EXPERTS_TP in code else set()

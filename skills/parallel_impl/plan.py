@@ -5,8 +5,8 @@ parallel layers. `make_plan` turns the seed's "配置参数 → 实施步骤速�
 `skill parallelize` performs for this model. Every linear / embedding layer gets its parallel class whatever its TP
 size (the seed's rule), so the vocab is padded to a multiple of 64 * tp even at TP 1, as VocabParallelEmbedding
 does. Routed experts are split over moe_ep_group (expert parallelism, each rank its block of experts) and, where
-the experts module's shapes allow, their intermediate size over moe_tp_group. Not implemented, and said so:
-multi-head latent attention (refused).
+the experts module's shapes allow, their intermediate size over moe_tp_group. Multi-head latent attention keeps
+its low-rank projections whole and splits by heads those whose outputs count heads (q_b_proj, kv_b_proj).
 """
 
 from __future__ import annotations
@@ -278,7 +278,8 @@ def _held(
         return numel // pc.attn_tp_size
     if module.removeprefix("shared_") not in sharded:
         return numel
-    size = tp.get(module, 1)
+    # the only other layers the rules build are attention projections sized by heads (MLA's q_b_proj, kv_b_proj)
+    size = tp.get(module, pc.attn_tp_size)
     if module in ("embed_tokens", "lm_head"):
         return _padded(shape[0], size) // size * math.prod(shape[1:])
     if module in ("k_proj", "v_proj"):  # max(kv // tp, 1) heads: split, or one replicated head
@@ -309,10 +310,17 @@ def _rewrites(
         if kv % a == 0
         else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)"
     )
-    steps.append(
-        f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
-        f"per rank){on('attn_tp_group', a)}"
-    )
+    if s.mla:
+        per_head = sorted(sharded - SHARDABLE - {"experts", "experts_tp"})
+        steps.append(
+            f"{'/'.join(per_head)} -> ColumnParallelLinear by heads (attn_tp={a}: {h // a} of {h} heads per "
+            f"rank){on('attn_tp_group', a)}; the low-rank projections of q and of the shared latent stay replicated"
+        )
+    else:
+        steps.append(
+            f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
+            f"per rank){on('attn_tp_group', a)}"
+        )
     steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
     if a > 1:
         steps.append(
@@ -433,20 +441,15 @@ def make_plan(
     `sharded`: the modules the rewritten code builds as parallel layers (shared-expert MLPs follow the MLP names);
     the others are planned whole on every rank."""
     s = _shapes(hf_config)
-    if s.mla:
-        raise UserError(
-            f"{s.model_type} uses multi-head latent attention (kv_lora_rank); skill parallelize does not "
-            "shard MLA projections yet, so it cannot plan this model."
-        )
     validate(pc, hf_config)
     shapes = _param_shapes(hf_config)
     modules = {_module(name) for name in shapes}
     if "o_proj" not in modules or not (
-        {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK}
+        s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK}
     ):
         raise UserError(
-            f"{s.model_type} has neither q_proj / k_proj / v_proj nor a fused qkv projection, with o_proj; "
-            "skill parallelize shards Llama-style attention only."
+            f"{s.model_type} has neither q_proj / k_proj / v_proj, a fused qkv projection nor multi-head "
+            "latent attention, with o_proj; skill parallelize shards these attention layouts only."
         )
     steps, sizes = _rewrites(pc, s, modules, sharded)
     w = pc.world_size

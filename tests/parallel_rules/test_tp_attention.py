@@ -344,3 +344,95 @@ def test_all_head_module_applied_elsewhere_is_a_finding(run_rule, make_ctx):
         "self.k_norm(self.k_proj(hidden_states))", "self.k_norm(self.k_proj(hidden_states) + 1)"
     )
     assert "`self.k_norm = Olmo2RMSNorm(" in _finding(run_rule, make_ctx, code)
+
+
+# Multi-head latent attention (DeepSeek-V3), shortened: low-rank q and kv projections, then per-head ones.
+MLA_BEFORE = dedent('''\
+    class DeepseekV3Attention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            num_heads = config.num_attention_heads
+            self.q_lora_rank = config.q_lora_rank
+            self.q_proj = None if self.q_lora_rank is not None else nn.Linear(config.hidden_size, num_heads * 32, bias=False)
+            self.q_a_proj = nn.Linear(config.hidden_size, self.q_lora_rank, bias=False) if self.q_lora_rank is not None else None
+            self.q_b_proj = nn.Linear(self.q_lora_rank, num_heads * 32, bias=False) if self.q_lora_rank is not None else None
+            self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_lora_rank + 16, bias=False)
+            self.kv_b_proj = nn.Linear(config.kv_lora_rank, num_heads * 32, bias=False)
+            self.o_proj = nn.Linear(num_heads * 16, config.hidden_size, bias=False)
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=32, v_head_dim=16, scale=1.0)
+
+        def expand_kv(self, latent):
+            """Keys and values [batch, num_heads, seq, dim] from the latent."""
+            return self.kv_b_proj(latent).view(*latent.shape[:-1], -1, 32).split([16, 16], dim=-1)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            q = self.q_b_proj(self.q_a_proj(hidden_states)).view(*hidden_states.shape[:-1], -1, 32)
+            k, v = self.expand_kv(self.kv_a_proj_with_mqa(hidden_states)[..., :32])
+            attn_output = self.attn(q, k, v, forward_metadata)
+            return self.o_proj(attn_output.flatten(-2))
+    ''')
+
+MLA_AFTER = dedent('''\
+    from runtime.layers.head_shard import local_heads
+    from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import TPRegion
+
+    class DeepseekV3Attention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            num_heads = config.num_attention_heads
+            self.q_lora_rank = config.q_lora_rank
+            self.q_proj = None if self.q_lora_rank is not None else ColumnParallelLinear(config.hidden_size, num_heads * 32, bias=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "q_proj"))
+            self.q_a_proj = nn.Linear(config.hidden_size, self.q_lora_rank, bias=False) if self.q_lora_rank is not None else None
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, num_heads * 32, bias=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "q_b_proj")) if self.q_lora_rank is not None else None
+            self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_lora_rank + 16, bias=False)
+            self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, num_heads * 32, bias=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "kv_b_proj"))
+            self.o_proj = RowParallelLinear(num_heads * 16, config.hidden_size, bias=False, reduce_results=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "o_proj"))
+            self.attn = Attention(num_heads=local_heads(config.num_attention_heads, comm_manager, "attn_tp_group"), head_dim=32, v_head_dim=16, scale=1.0)
+            self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
+
+        def expand_kv(self, latent):
+            """Keys and values [batch, num_heads, seq, dim] from the latent."""
+            return self.kv_b_proj(latent).view(*latent.shape[:-1], -1, 32).split([16, 16], dim=-1)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            hidden_states = self.tp_region.enter(hidden_states)
+            q = self.q_b_proj(self.q_a_proj(hidden_states)).view(*hidden_states.shape[:-1], -1, 32)
+            k, v = self.expand_kv(self.kv_a_proj_with_mqa(hidden_states)[..., :32])
+            attn_output = self.attn(q, k, v, forward_metadata)
+            return self.tp_region.exit(self.o_proj(attn_output.flatten(-2)))
+    ''')
+
+
+def test_latent_attention_sharded_by_heads(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, MLA_BEFORE, ctx) == MLA_AFTER
+    assert ctx.rewrites == [
+        "DeepseekV3Attention: q_proj/q_b_proj/kv_b_proj -> ColumnParallelLinear by heads (attn_tp_group)",
+        "DeepseekV3Attention: o_proj -> RowParallelLinear (attn_tp_group)",
+        "DeepseekV3Attention: q_a_proj/kv_a_proj_with_mqa stay replicated (their outputs do not count heads)",
+    ]
+    assert ctx.findings == ctx.fused == []
+    again = make_ctx()
+    assert run_rule(rule, MLA_AFTER, again) == MLA_AFTER
+    assert again.rewrites == again.findings == []
+
+
+def test_unshardable_latent_attention_is_a_finding(run_rule, make_ctx):
+    cases = {
+        "whole model's `num_heads`": MLA_BEFORE.replace(
+            "(*latent.shape[:-1], -1, 32)", "(-1, self.num_heads, 32)"
+        ),
+        "no projection whose output size counts the heads": MLA_BEFORE.replace("num_heads * 32", "256"),
+        "does not return o_proj's output as is": MLA_BEFORE.replace(
+            "return self.o_proj(attn_output.flatten(-2))", "return self.o_proj(attn_output.flatten(-2)) + 1"
+        ),
+        "lacks the migrated `comm_manager`": MLA_BEFORE.replace(', comm_manager=None, prefix=""', ""),
+    }
+    for reason, code in cases.items():
+        assert code != MLA_BEFORE, reason
+        ctx = make_ctx()
+        assert run_rule(rule, code, ctx) == code
+        (finding,) = ctx.findings
+        assert finding.scope == "DeepseekV3Attention" and reason in finding.what, (reason, finding.what)

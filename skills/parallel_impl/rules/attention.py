@@ -137,10 +137,108 @@ def _computed_later(
     return any(_self_attrs(e) & later_attrs or free_names(e) & later_locals for e in parsed)
 
 
+def _optional_linears(init: cst.FunctionDef) -> dict[str, Layer]:
+    """attr -> Layer for each top-level `self.<attr> = nn.Linear(...)` of init, in order, also when the value is
+    `nn.Linear(...) if <cond> else None` (or the reverse): the layer the model builds when it has one."""
+    optional = m.IfExp(body=m.Call() | m.Name("None"), orelse=m.Call() | m.Name("None"))
+    line = m.SimpleStatementLine(
+        [m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))], m.Call() | optional)]
+    )
+    found = {}
+    for s in init.body.body:
+        if not m.matches(s, line):
+            continue
+        value = s.body[0].value
+        branches = [value] if isinstance(value, cst.Call) else [value.body, value.orelse]
+        calls = [c for c in branches if isinstance(c, cst.Call) and called_name(c) in LINEAR]
+        if len(calls) == 1:
+            attr = s.body[0].targets[0].target.attr.value
+            found[attr] = Layer(attr, s, calls[0])
+    return found
+
+
+def _reads_global_size(cls: cst.ClassDef) -> str | None:
+    """A whole-model head count or width that a method other than __init__ reads (names only, not docstrings)."""
+    for fn in cls.body.body:
+        if not isinstance(fn, cst.FunctionDef) or fn.name.value == "__init__":
+            continue
+        for node in m.findall(fn, m.Name()):
+            if GLOBAL_SIZES.fullmatch(node.value):
+                return node.value
+    return None
+
+
+def _rewrite_per_head(
+    cls: cst.ClassDef, ctx: ParallelRewriteContext, init: cst.FunctionDef, fwd: cst.FunctionDef
+) -> cst.ClassDef | str:
+    """Attention whose projections are not q/k/v (multi-head latent attention): each projection whose output size
+    counts the heads becomes a ColumnParallelLinear (its rows are whole heads, split contiguously), the output
+    projection a RowParallelLinear, the low-rank ones stay replicated, and `Attention` gets this rank's heads."""
+    linears = _optional_linears(init)
+    attention = list(self_layers(init, {"Attention"}).values())
+    out = next((a for a in OUT if a in linears), None)
+    if out is None:
+        return "no `self.o_proj = nn.Linear(...)` in __init__"
+    if len(attention) != 1:
+        return "__init__ does not build exactly one runtime `Attention(...)` layer"
+    if not plumbed(init):
+        return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
+    per_head = [a for a, layer in linears.items() if a != out and HEAD_COUNTS.search(code(layer.call))]
+    if not per_head:
+        return "no q/k/v projections and no projection whose output size counts the heads"
+    args = {a: linear_args(linears[a].call) for a in (*per_head, out)}
+    if None in args.values():
+        return "a projection passes nn.Linear arguments other than in/out features and bias"
+    attn = attention[0]
+    if arg(attn.call, 0, "num_heads") is None:
+        return "the Attention call does not pass num_heads"
+    skip = [linears[a].line for a in (*per_head, out)] + [attn.line]
+    if whole := _whole_head_module(init, skip):
+        return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
+    if found := _reads_global_size(cls):
+        return f"a method uses the whole model's `{found}`, which a rank no longer has"
+    if not returns_output_of(fwd, out):
+        return f"forward does not return {out}'s output as is"
+    new_fwd = wrap_region(fwd)
+    if new_fwd is None:
+        return "forward takes no hidden-states argument"
+
+    def parallel(attr: str, ctor: str, extra: list[str]) -> cst.SimpleStatementLine:
+        a = args[attr]
+        plumbing = f'comm_manager=comm_manager, tp_group="{GROUP}", prefix=join_prefix(prefix, "{attr}")'
+        call = cst.parse_expression(
+            f"{ctor}({a.in_features}, {a.out_features}, bias={a.bias}, {', '.join([*extra, plumbing])})"
+        )
+        return linears[attr].line.deep_replace(linears[attr].call, call)
+
+    call = attn.call
+    for pos, name in ((0, "num_heads"), (3, "num_kv_heads")):
+        if (given := arg(call, pos, name)) is not None:
+            call = _set_kwarg(call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")')
+    changes = {
+        **{id(linears[a].line): [parallel(a, "ColumnParallelLinear", [])] for a in per_head},
+        id(linears[out].line): [parallel(out, "RowParallelLinear", ["reduce_results=False"])],
+        id(attn.line): [attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])],
+    }
+    new_init = edit_body(init, changes, [region(GROUP, whole_sequence=True)])
+    name, replicated = cls.name.value, [a for a in linears if a not in (*per_head, out)]
+    ctx.rewrites += [
+        f"{name}: {'/'.join(per_head)} -> ColumnParallelLinear by heads ({GROUP})",
+        f"{name}: {out} -> RowParallelLinear ({GROUP})",
+        *(
+            [f"{name}: {'/'.join(replicated)} stay replicated (their outputs do not count heads)"]
+            * bool(replicated)
+        ),
+    ]
+    return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
+
+
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | str:
     """The sharded class, or why it can't be sharded."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     linears = self_layers(init, LINEAR)
+    if fwd is not None and not any(a in linears for a in (*QKV, *FUSED_ON_DISK)):
+        return _rewrite_per_head(cls, ctx, init, fwd)
     attention = list(self_layers(init, {"Attention"}).values())
     out = next((a for a in OUT if a in linears), None)
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
@@ -281,10 +379,11 @@ class ShardAttention(Rule):
                     new[name] = result
         if not new:
             return module
-        self.add_needed_imports(
-            [(LINEAR_IMPORT, "QKVParallelLinear"), (LINEAR_IMPORT, "RowParallelLinear"), *REGION_IMPORTS]
-        )
-        for helper in ("shard_heads", "gather_heads"):
-            if any(f"{helper}(" in code(cls) for cls in new.values()):
-                self.add_needed_imports([("runtime.layers.head_shard", helper)])
+        self.add_needed_imports(REGION_IMPORTS)
+        text = "".join(code(cls) for cls in new.values())
+        used = [
+            (LINEAR_IMPORT, c) for c in ("QKVParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
+        ]
+        used += [("runtime.layers.head_shard", h) for h in ("local_heads", "shard_heads", "gather_heads")]
+        self.add_needed_imports([(src, name) for src, name in used if re.search(rf"\b{name}\(", text)])
         return replace_classes(module, new)
