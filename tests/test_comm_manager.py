@@ -3,7 +3,8 @@ import torch
 import torch.distributed as dist
 from dist_harness import distributed_tests
 
-from runtime.config.comm_manager import CommManager, group_layout
+from runtime.config import ParallelConfig
+from runtime.config.comm_manager import CommManager, group_layout, register_tp_groups
 from runtime.distributed import backend_for, init_distributed
 from runtime.errors import UserError
 from runtime.layers.comm import all_gather, all_reduce, reduce_scatter
@@ -41,6 +42,16 @@ def test_unknown_group_lists_registered_names():
     assert cm.has_group("moe_ep_group") and not cm.has_group("nope")
     with pytest.raises(KeyError, match=r"'nope'.*moe_ep_group"):
         cm.get_rank("nope")
+
+
+def test_oproj_group_registered_only_apart_from_attention():
+    """o_proj_tp_size equal to attn_tp_size shards o_proj with attention: no oproj_tp_group of its own."""
+    names = ("attn_tp_group", "oproj_tp_group")
+    for attn, oproj, registered in ((2, 2, {"attn_tp_group"}), (1, 2, {"oproj_tp_group"})):
+        cm = CommManager(4, 0, create_groups=False)
+        pc = ParallelConfig(world_size=4, attn_tp_size=attn, o_proj_tp_size=oproj)
+        register_tp_groups(cm, pc, names)
+        assert {n for n in names if cm.has_group(n)} == registered
 
 
 def test_reregistering_needs_identical_arguments():

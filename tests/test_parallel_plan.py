@@ -299,6 +299,21 @@ def test_latent_attention_splits_its_per_head_projections_only():
     )
 
 
+def test_o_proj_in_its_own_group_needs_latent_attention_and_attention_dp():
+    assert "applies to MLA models only" in rejected(pc(2, 1, o_proj_tp_size=2), llama())
+    message = rejected(pc(4, 2, 2, 2, 2, o_proj_tp_size=4), deepseek_v3())
+    assert (
+        "needs attention DP (attn_tp_size 1" in message
+        and "valid o_proj_tp_size values for world_size 4: 1, 2" in message
+    )
+    validate(pc(4, 1, 4, 4, 4, o_proj_tp_size=4), deepseek_v3())
+    plan = make_plan(pc(2, 1, 2, 2, 2, o_proj_tp_size=2), deepseek_v3(), torch.bfloat16, SHARDABLE)
+    assert any(g.name == "oproj_tp_group" and g.group_size == 2 for g in plan.groups)
+    assert any(
+        r.startswith("o_proj -> OProjParallelLinear (o_proj_tp=2: 2 of 4 heads") for r in plan.rewrites
+    )
+
+
 def rejected(p: ParallelConfig, cfg: PretrainedConfig) -> str:
     with pytest.raises(ConfigError) as info:
         validate(p, cfg)

@@ -246,3 +246,26 @@ def test_moe_from_convert_weights_output(moe_models, tmp_path):
     config = parallel_yaml(tmp_path / "p.yaml", *sizes, **extra)
     assert parallelize(model_dir, config).returncode == 0
     check_converted_shards(model_dir, config, tmp_path / "shards", reference)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(2, 1, 2, 2, 2), pytest.param((4, 1, 2, 4, 4), marks=pytest.mark.slow)],
+    ids=["w2_dp2_oproj_tp2", "w4_dp4_oproj_tp2"],
+)
+def test_latent_attention_with_o_proj_in_its_own_group(moe_models, sizes, tmp_path):
+    """DeepSeek-V3 with attention DP and o_proj_tp_size 2 (oproj_tp_group): transformers' tokens, each rank
+    holding half of every o_proj, fewer bytes than with o_proj whole."""
+    reference, model_dir = moe_models("deepseek_v3")
+    config = parallel_yaml(tmp_path / "p.yaml", *sizes, o_proj_tp_size=2)
+    proc = parallelize(model_dir, config, "--json", "--force")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout)
+    assert {"name": "oproj_tp_group", "group_num": sizes[0] // 2, "group_size": 2, "stride": 1} in done[
+        "groups"
+    ]
+    out = run(model_dir, Path(done["yaml"]))
+    assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
+    assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * sizes[0]
+    whole = parallelize(model_dir, parallel_yaml(tmp_path / "whole.yaml", *sizes), "--plan", "--json")
+    assert done["per_rank_param_bytes"] < json.loads(whole.stdout)["per_rank_param_bytes"]

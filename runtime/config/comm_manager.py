@@ -13,12 +13,13 @@ if TYPE_CHECKING:
     from runtime.config import ParallelConfig
 
 # The TP group of each module kind and the parallel_config size it is laid out by (seed 002's table).
+OPROJ_GROUP = "oproj_tp_group"
 TP_GROUP_SIZES = {
     "attn_tp_group": "attn_tp_size",
     "dense_tp_group": "dense_tp_size",
     "embed_tp_group": "embed_tp_size",
     "lmhead_tp_group": "lmhead_tp_size",
-    "oproj_tp_group": "o_proj_tp_size",
+    OPROJ_GROUP: "o_proj_tp_size",
     "moe_tp_group": "moe_tp_size",
     "shared_tp_group": "shared_tp_size",
 }
@@ -159,8 +160,9 @@ EP_GROUP = "moe_ep_group"
 
 
 def register_tp_groups(comm_manager: CommManager | None, pc: ParallelConfig, names: Iterable[str]) -> None:
-    """Registers each named TP group whose size in `pc` is > 1, as consecutive blocks of ranks, and
-    `moe_ep_group` (see register_ep_groups); a layer whose group is absent runs unsharded."""
+    """Registers each named TP group whose size in `pc` is > 1, as consecutive blocks of ranks (`oproj_tp_group`
+    only when its size differs from attn_tp_size), and `moe_ep_group` (see register_ep_groups); a layer whose
+    group is absent runs unsharded."""
     if comm_manager is None:
         return
     for name in names:
@@ -168,6 +170,8 @@ def register_tp_groups(comm_manager: CommManager | None, pc: ParallelConfig, nam
             register_ep_groups(comm_manager, pc)
             continue
         size = getattr(pc, TP_GROUP_SIZES[name])
+        if name == OPROJ_GROUP and size == pc.attn_tp_size:
+            continue  # o_proj then shards with attention, in attn_tp_group
         if size > 1:
             comm_manager.register_group(name, pc.world_size // size, size)
 

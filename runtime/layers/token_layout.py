@@ -71,6 +71,7 @@ def needs_sharded_layout(pc: ParallelConfig) -> bool:
         pc.embed_tp_size,
         pc.lmhead_tp_size,
         pc.moe_tp_size,
+        pc.o_proj_tp_size,
     )  # the sizes models shard by
     return pc.attn_dp_size > 1 and max(sizes) > 1
 

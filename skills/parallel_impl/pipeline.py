@@ -41,6 +41,7 @@ _PARALLEL = frozenset(
         "MergedColumnParallelLinear",
         "ColumnParallelLinear",
         "RowParallelLinear",
+        "OProjParallelLinear",
         "VocabParallelEmbedding",
         "ParallelLMHead",
         "shard_heads",

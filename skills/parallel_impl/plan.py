@@ -146,12 +146,25 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
         f"num_key_value_heads {s.kv_heads} neither is divisible by it nor divides it (kv heads are split over "
         f"the attn_tp ranks, or replicated when attn_tp_size is a multiple of {s.kv_heads})",
     )
-    need(
-        "o_proj_tp_size",
-        lambda t: t in (1, a),
-        f"{s.model_type} has no multi-head latent attention (kv_lora_rank), so o_proj runs in attn_tp_group "
-        f"with attn_tp_size {a}; a separate o_proj TP size applies to MLA models only",
-    )
+    if not s.mla:
+        need(
+            "o_proj_tp_size",
+            lambda t: t in (1, a),
+            f"{s.model_type} has no multi-head latent attention (kv_lora_rank), so o_proj runs in attn_tp_group "
+            f"with attn_tp_size {a}; a separate o_proj TP size applies to MLA models only",
+        )
+    else:
+        need(
+            "o_proj_tp_size",
+            lambda t: t in (1, a) or a == 1,
+            f"an o_proj TP size other than attn_tp_size ({a}) needs attention DP (attn_tp_size 1: o_proj gathers "
+            "whole heads of its group's tokens)",
+        )
+        need(
+            "o_proj_tp_size",
+            lambda t: s.heads % t == 0,
+            f"num_attention_heads {s.heads} is not divisible by it",
+        )
     need(
         "dense_tp_size",
         lambda t: s.intermediate % t == 0,
@@ -239,6 +252,11 @@ def _module(name: str) -> str:
     return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
 
 
+def _own_oproj(pc: ParallelConfig) -> bool:
+    """o_proj in oproj_tp_group of its own (MLA with attention DP), not with attention in attn_tp_group."""
+    return pc.o_proj_tp_size not in (1, pc.attn_tp_size)
+
+
 def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
     a, d = pc.attn_tp_size, pc.dense_tp_size
     return {
@@ -246,7 +264,7 @@ def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
         "q_proj": a,
         "k_proj": a,
         "v_proj": a,
-        "o_proj": a,
+        "o_proj": pc.o_proj_tp_size if _own_oproj(pc) else a,
         **dict.fromkeys(_MLP, d),
         "shared_gate_proj": d,
         "shared_up_proj": d,
@@ -321,7 +339,14 @@ def _rewrites(
             f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
             f"per rank){on('attn_tp_group', a)}"
         )
-    steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
+    if _own_oproj(pc):
+        o = pc.o_proj_tp_size
+        steps.append(
+            f"o_proj -> OProjParallelLinear (o_proj_tp={o}: {h // o} of {h} heads' columns per rank; the tokens of "
+            f"{o} attention-DP ranks gathered in, the partial sums reduce-scattered back){on('oproj_tp_group', o)}"
+        )
+    else:
+        steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
     if a > 1:
         steps.append(
             f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
@@ -415,7 +440,7 @@ def _rewrites(
         lockstep = (
             " that step together: the other TP groups span them, so each rank holds its tokens padded to "
             "the longest rank's"
-            if max(e, lm, d if dense else 1) > 1
+            if max(e, lm, d if dense else 1, tp["o_proj"]) > 1
             else ""
         )
         steps.append(

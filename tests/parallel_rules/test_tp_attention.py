@@ -374,7 +374,8 @@ MLA_BEFORE = dedent('''\
 
 MLA_AFTER = dedent('''\
     from runtime.layers.head_shard import local_heads
-    from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from runtime.layers.linear import ColumnParallelLinear
+    from runtime.layers.oproj import OProjParallelLinear
     from runtime.layers.prefix import join_prefix
     from runtime.layers.token_layout import TPRegion
 
@@ -388,7 +389,7 @@ MLA_AFTER = dedent('''\
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, num_heads * 32, bias=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "q_b_proj")) if self.q_lora_rank is not None else None
             self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.kv_lora_rank + 16, bias=False)
             self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, num_heads * 32, bias=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "kv_b_proj"))
-            self.o_proj = RowParallelLinear(num_heads * 16, config.hidden_size, bias=False, reduce_results=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "o_proj"))
+            self.o_proj = OProjParallelLinear(num_heads * 16, config.hidden_size, bias=False, comm_manager=comm_manager, tp_group="oproj_tp_group", prefix=join_prefix(prefix, "o_proj"))
             self.attn = Attention(num_heads=local_heads(config.num_attention_heads, comm_manager, "attn_tp_group"), head_dim=32, v_head_dim=16, scale=1.0)
             self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
 
@@ -410,7 +411,7 @@ def test_latent_attention_sharded_by_heads(run_rule, make_ctx):
     assert run_rule(rule, MLA_BEFORE, ctx) == MLA_AFTER
     assert ctx.rewrites == [
         "DeepseekV3Attention: q_proj/q_b_proj/kv_b_proj -> ColumnParallelLinear by heads (attn_tp_group)",
-        "DeepseekV3Attention: o_proj -> RowParallelLinear (attn_tp_group)",
+        "DeepseekV3Attention: o_proj -> OProjParallelLinear (oproj_tp_group, or attn_tp_group at o_proj_tp_size attn_tp_size)",
         "DeepseekV3Attention: q_a_proj/kv_a_proj_with_mqa stay replicated (their outputs do not count heads)",
     ]
     assert ctx.findings == ctx.fused == []

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from skills.parallel_impl.rewrite import ParallelRewriteContext
 
 GROUP = "attn_tp_group"
+OPROJ_GROUP = "oproj_tp_group"
 QKV = ("q_proj", "k_proj", "v_proj")
 OUT = ("o_proj", "out_proj", "dense")
 FUSED_ON_DISK = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv")
@@ -173,7 +174,8 @@ def _rewrite_per_head(
 ) -> cst.ClassDef | str:
     """Attention whose projections are not q/k/v (multi-head latent attention): each projection whose output size
     counts the heads becomes a ColumnParallelLinear (its rows are whole heads, split contiguously), the output
-    projection a RowParallelLinear, the low-rank ones stay replicated, and `Attention` gets this rank's heads."""
+    projection an OProjParallelLinear (row-parallel in attn_tp_group, or in oproj_tp_group over attention-DP ranks),
+    the low-rank ones stay replicated, and `Attention` gets this rank's heads."""
     linears = _optional_linears(init)
     attention = list(self_layers(init, {"Attention"}).values())
     out = next((a for a in OUT if a in linears), None)
@@ -203,12 +205,10 @@ def _rewrite_per_head(
     if new_fwd is None:
         return "forward takes no hidden-states argument"
 
-    def parallel(attr: str, ctor: str, extra: list[str]) -> cst.SimpleStatementLine:
+    def parallel(attr: str, ctor: str, group: str) -> cst.SimpleStatementLine:
         a = args[attr]
-        plumbing = f'comm_manager=comm_manager, tp_group="{GROUP}", prefix=join_prefix(prefix, "{attr}")'
-        call = cst.parse_expression(
-            f"{ctor}({a.in_features}, {a.out_features}, bias={a.bias}, {', '.join([*extra, plumbing])})"
-        )
+        plumbing = f'comm_manager=comm_manager, tp_group="{group}", prefix=join_prefix(prefix, "{attr}")'
+        call = cst.parse_expression(f"{ctor}({a.in_features}, {a.out_features}, bias={a.bias}, {plumbing})")
         return linears[attr].line.deep_replace(linears[attr].call, call)
 
     call = attn.call
@@ -216,15 +216,15 @@ def _rewrite_per_head(
         if (given := arg(call, pos, name)) is not None:
             call = _set_kwarg(call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")')
     changes = {
-        **{id(linears[a].line): [parallel(a, "ColumnParallelLinear", [])] for a in per_head},
-        id(linears[out].line): [parallel(out, "RowParallelLinear", ["reduce_results=False"])],
+        **{id(linears[a].line): [parallel(a, "ColumnParallelLinear", GROUP)] for a in per_head},
+        id(linears[out].line): [parallel(out, "OProjParallelLinear", OPROJ_GROUP)],
         id(attn.line): [attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])],
     }
     new_init = edit_body(init, changes, [region(GROUP, whole_sequence=True)])
     name, replicated = cls.name.value, [a for a in linears if a not in (*per_head, out)]
     ctx.rewrites += [
         f"{name}: {'/'.join(per_head)} -> ColumnParallelLinear by heads ({GROUP})",
-        f"{name}: {out} -> RowParallelLinear ({GROUP})",
+        f"{name}: {out} -> OProjParallelLinear ({OPROJ_GROUP}, or {GROUP} at o_proj_tp_size attn_tp_size)",
         *(
             [f"{name}: {'/'.join(replicated)} stay replicated (their outputs do not count heads)"]
             * bool(replicated)
@@ -385,5 +385,6 @@ class ShardAttention(Rule):
             (LINEAR_IMPORT, c) for c in ("QKVParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
         ]
         used += [("runtime.layers.head_shard", h) for h in ("local_heads", "shard_heads", "gather_heads")]
+        used += [("runtime.layers.oproj", "OProjParallelLinear")]
         self.add_needed_imports([(src, name) for src, name in used if re.search(rf"\b{name}\(", text)])
         return replace_classes(module, new)
