@@ -25,7 +25,7 @@ def free_memory_bytes(device: torch.device) -> int:
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On the host it comes from calloc'd pages that the OS commits only when written, so a KV
     pool sized from memory makes resident just the blocks requests have used."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not math.prod(shape):  # an empty one (a latent cache's values) has no pages
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)

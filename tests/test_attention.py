@@ -295,3 +295,48 @@ def test_a_stale_kernel_build_lock_is_removed(tmp_path):
     os.utime(stale, (old, old))
     _drop_stale_lock(fresh), _drop_stale_lock(stale), _drop_stale_lock(tmp_path / "absent")
     assert fresh.exists() and not stale.exists()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy):
+    """forward_latent (MLA): the cache holds each token's latents (two parts, one row) and nothing else; prefill
+    and decode expand them into keys and values per token, matching attention over the expanded history."""
+    parts, dv = (12, 4), 8
+    latent = sum(parts)
+    gen = torch.Generator().manual_seed(3)
+    w_k, w_v = torch.randn(latent, KV * D, generator=gen), torch.randn(parts[0], KV * dv, generator=gen)
+
+    def expand(nope, rope):  # [B, 1, S, d] each -> keys [B, KV, S, D] (rope part too), values [B, KV, S, dv]
+        k = (torch.cat([nope, rope], -1) @ w_k).unflatten(-1, (KV, D))[:, 0].transpose(1, 2)
+        return k, (nope @ w_v).unflatten(-1, (KV, dv))[:, 0].transpose(1, 2)
+
+    layer = Attention(H, D, SCALE, KV, v_head_dim=dv, legacy=legacy, latent_dim=latent)
+    assert layer.cache_shapes == ((1, latent), (1, 0))
+    if legacy:
+        kv = LegacyCacheRows(4, MAX_LEN)
+        layer.k_cache, layer.v_cache = torch.zeros(4, MAX_LEN, latent), torch.zeros(4, MAX_LEN, 0)
+    else:
+        info = ModelCacheInfo([CacheEntry("attn", 1, latent, torch.float32, None, 0)])
+        assert info.bytes_per_block(BS) == BS * latent * 4
+        kv = KVCacheManager(info, 64, BS)
+        layer.k_cache, layer.v_cache = torch.zeros(64, BS, 1, latent), torch.zeros(64, BS, 1, 0)
+    group = layer.cache_group
+    hist: dict = {}
+    for step, new in enumerate([dict(enumerate(LENS)), *[dict.fromkeys(range(len(LENS)), 1)] * 3]):
+        rids, lens = list(new), list(new.values())
+        computed = [len(hist[r][1]) if r in hist else 0 for r in rids]
+        for r, c, n in zip(rids, computed, lens):
+            assert kv.allocate_slots(r, c, n)
+        md = metadata(step == 0, lens, computed, kv.block_tables(rids)[group], kv.block_size, group)
+        T = sum(lens)
+        q, lat = torch.randn(T, H, D, generator=gen), torch.randn(T, latent, generator=gen)
+        nope, rope = (x[None, None] for x in lat.split(parts, -1))
+        out = layer.forward_latent(q.transpose(0, 1)[None], (nope, rope), expand, md)[0]
+        for r, c, n, a in zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist()):
+            h = hist.setdefault(r, [q[:0], lat[:0]])
+            h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, lat))]
+            k, v = (x[0].transpose(0, 1) for x in expand(*(y[None, None] for y in h[1].split(parts, -1))))
+            torch.testing.assert_close(
+                out[a : a + n].double(), naive(h[0], k, v, range(c, c + n)), atol=1e-5, rtol=0
+            )
+    assert layer.v_cache.numel() == 0

@@ -337,17 +337,25 @@ class _PlainAttention(nn.Module):
         return self.attn(q, k, v, md)
 
 
+class _LatentAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(4, 24, 0.3, 4, v_head_dim=16, latent_dim=40)
+
+
 def test_readme_lists_the_attention_layers_read_off_the_model():
-    model = nn.ModuleList([_SinkAttention(16), _PlainAttention(), _SinkAttention(16)])
+    model = nn.ModuleList([_SinkAttention(16), _PlainAttention(), _SinkAttention(16), _LatentAttention()])
     layouts = attention_layouts(model)
     assert [(a["layers"], a["first"], a["sinks"], a["cache_values_per_token"]) for a in layouts] == [
         (2, "0.attn", "yes", 2 * (8 + 4)),
         (1, "1.attn", "no", 4 * (8 + 8)),
+        (1, "3.attn", "no", 40),
     ]
     readme = render_artifacts(make_ctx(attention=layouts))["README.md"]
     assert (
-        "| 2 | `0.attn` | 4 / 2 | 8 / 4 | 16 | - | yes | 24 |\n| 1 | `1.attn` | 4 / 4 | 8 / 8 | - | 50.00 | no | 64 |\n"
-        in readme
+        "| 2 | `0.attn` | 4 / 2 | 8 / 4 | 16 | - | yes | keys and values | 24 |\n"
+        "| 1 | `1.attn` | 4 / 4 | 8 / 8 | - | 50.00 | no | keys and values | 64 |\n"
+        "| 1 | `3.attn` | 4 / 4 | 24 / 16 | - | - | no | latent (160 expanded) | 40 |\n" in readme
     )
     assert "## Attention" not in render_artifacts(make_ctx())["README.md"]
 

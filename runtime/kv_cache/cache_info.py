@@ -12,11 +12,12 @@ class CacheEntry:
     head_dim: int
     dtype: torch.dtype
     sliding_window: int | None = None
-    v_head_dim: int | None = None  # values' head size where it differs from the keys' (MLA)
+    # values' head size where it differs from the keys' (MLA); 0: no values, the keys row is a latent they come from
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads <= 0 or self.head_dim <= 0 or self.value_dim <= 0:
-            raise ValueError(f"{self.name}: num_kv_heads and head sizes must be positive")
+        if self.num_kv_heads <= 0 or self.head_dim <= 0 or self.value_dim < 0:
+            raise ValueError(f"{self.name}: num_kv_heads and the key head size must be positive")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"{self.name}: sliding_window must be positive, got {self.sliding_window}")
 

@@ -7,6 +7,9 @@ The cache is written by ``slot_mapping`` in both phases. The legacy ``cache_unit
 same mechanism with one block of ``max_seq_len`` slots per batch row.
 """
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,6 +82,20 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks):
     return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].to(q.dtype) @ v
 
 
+def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks) -> torch.Tensor:
+    """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv]."""
+    index, L = _prefill_layout(md)
+    B, heads = md.batch_size, q.shape[1]
+
+    def pad(x):
+        out = x.new_zeros(B * L, *x.shape[1:])
+        out[index] = x
+        return out.view(B, L, *x.shape[1:]).transpose(1, 2)
+
+    o = _sdpa(pad(q), pad(k), pad(v), _prefill_mask(md, sliding_window), scale, soft_cap, sinks)
+    return o.transpose(1, 2).reshape(B * L, heads, v.shape[-1])[index]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,16 +116,7 @@ def attend(
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, kv_heads, v_head_dim).index_copy_(0, slots, v)
     if md.is_prefill:
-        index, L = _prefill_layout(md)
-        B, heads = md.batch_size, q.shape[1]
-
-        def pad(x):
-            out = x.new_zeros(B * L, *x.shape[1:])
-            out[index] = x
-            return out.view(B, L, *x.shape[1:]).transpose(1, 2)
-
-        o = _sdpa(pad(q), pad(k), pad(v), _prefill_mask(md, sliding_window), scale, soft_cap, sinks)
-        return o.transpose(1, 2).reshape(B * L, heads, v_head_dim)[index]
+        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks)
     table = md.block_table[group]
     if q.device.type == "cpu" and not torch.compiler.is_compiling() and (kernel := host_decode_attention()):
         return kernel.paged_decode_attention(
@@ -148,20 +156,64 @@ class Attention(nn.Module):
         legacy: bool = False,
         prefix: str = "",
         v_head_dim: int | None = None,
+        latent_dim: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.v_head_dim = v_head_dim or head_dim  # values may be narrower than keys (MLA)
         self.sliding_window, self.soft_cap, self.prefix = sliding_window, soft_cap, prefix
-        self.cache_unit = (self.num_kv_heads * head_dim,) if legacy else None
-        self.v_cache_unit = (self.num_kv_heads * self.v_head_dim,) if legacy else None
+        self.latent_dim = latent_dim  # cached per token instead of keys and values (forward_latent)
+        k_unit, v_unit = self.cache_shapes
+        self.cache_unit = (math.prod(k_unit),) if legacy else None
+        self.v_cache_unit = (math.prod(v_unit),) if legacy else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     @property
     def cache_group(self) -> str:
         return LEGACY if self.cache_unit else cache_group_key(self.sliding_window)
+
+    @property
+    def cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """([heads, size] of the key cache, [heads, size] of the value cache) per token: one latent row and no
+        values for a latent cache."""
+        if self.latent_dim:
+            return (1, self.latent_dim), (1, 0)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.v_head_dim)
+
+    def forward_latent(
+        self,
+        q: torch.Tensor,
+        latents: tuple[torch.Tensor, ...],
+        expand: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        md: ForwardMetaData,
+    ) -> torch.Tensor:
+        """Multi-head latent attention over a cache of the latents themselves (HF layout, as migrated models call
+        it): q [1, H, T, D], latents [1, 1, T, d_i] whose widths sum to ``latent_dim``, and ``expand(*latents)``
+        -> keys [.., Hkv, S, D] and values [.., Hkv, S, Dv] per token (DeepSeek's ``expand_kv``) -> [1, T, H, Dv].
+
+        Each step writes the fresh tokens' latents; prefill expands those, decode expands each request's whole
+        cached context (decompression: no per-head keys or values are ever stored)."""
+        assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
+        sizes = [x.shape[-1] for x in latents]
+        if md.is_prefill and not torch.compiler.is_compiling() and sum(sizes) != self.latent_dim:
+            raise UserError(
+                f"Attention layer {self.prefix or '(unnamed)'} receives latents of widths {sizes} per token but "
+                f"caches {self.latent_dim}. Set `Attention(latent_dim=...)` in the modeling file to their sum."
+            )
+        group, rows = self.cache_group, self.k_cache.view(-1, self.latent_dim)
+        rows.index_copy_(0, md.slot_mapping[group], torch.cat([x[0, 0] for x in latents], dim=-1))
+        if md.is_prefill:
+            k, v = (x[0].transpose(0, 1) for x in expand(*latents))
+            q = q[0].transpose(0, 1)
+            return _prefill(q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None)[None]
+        table = md.block_table[group]
+        context = rows.view(-1, self.k_cache.shape[1], self.latent_dim)[table].flatten(1, 2)  # [B, S, latent]
+        k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
+        mask = _decode_mask(md, self.sliding_window, k.shape[2])
+        o = _sdpa(q[0].transpose(0, 1)[:, :, None], k, v, mask, self.scale, self.soft_cap, None)
+        return o[:, :, 0][None]
 
     def forward(
         self,
@@ -244,8 +296,9 @@ def cache_info_of(model: nn.Module, dtype: torch.dtype):
 
     return ModelCacheInfo(
         [
-            CacheEntry(name, m.num_kv_heads, m.head_dim, dtype, m.sliding_window, m.v_head_dim)
+            CacheEntry(name, k[0], k[1], dtype, m.sliding_window, v[1])
             for name, m in model.named_modules()
             if isinstance(m, Attention)
+            for k, v in [m.cache_shapes]
         ]
     )

@@ -1,5 +1,6 @@
 """What the converted model's runtime attention layers are, read off the built model for its README: head
-counts and sizes, sliding window, soft cap, sinks, and what the KV cache holds per token."""
+counts and sizes, sliding window, soft cap, sinks, and what the KV cache holds per token (keys and values, or
+the latents multi-head latent attention expands them from)."""
 
 import inspect
 
@@ -20,13 +21,16 @@ def attention_layouts(model: nn.Module) -> list[dict]:
     for name, layer in modules.items():
         if not isinstance(layer, Attention):
             continue
+        (k_heads, k_size), (v_heads, v_size) = layer.cache_shapes
+        expanded = layer.num_kv_heads * (layer.head_dim + layer.v_head_dim)
         row = {
             "heads": f"{layer.num_heads} / {layer.num_kv_heads}",
             "head_size": f"{layer.head_dim} / {layer.v_head_dim}",
             "sliding_window": layer.sliding_window or "-",
             "soft_cap": layer.soft_cap or "-",
             "sinks": "yes" if _sinks(modules[name.rpartition(".")[0]]) else "no",
-            "cache_values_per_token": layer.num_kv_heads * (layer.head_dim + layer.v_head_dim),
+            "cache": f"latent ({expanded} expanded)" if layer.latent_dim else "keys and values",
+            "cache_values_per_token": k_heads * k_size + v_heads * v_size,
         }
         entry = rows.setdefault(tuple(row.values()), {"layers": 0, "first": name, **row})
         entry["layers"] += 1

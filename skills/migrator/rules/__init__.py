@@ -9,6 +9,7 @@ from skills.migrator.rules.dead_code import DeadCode
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
 from skills.migrator.rules.honest_signatures import HonestSignatures
+from skills.migrator.rules.latent_kv_cache import LatentKVCache
 from skills.migrator.rules.model_outputs import ModelOutputs
 from skills.migrator.rules.module_bases import ModuleBases
 from skills.migrator.rules.prune_unreachable import PruneUnreachable
@@ -25,6 +26,7 @@ MODELING_RULES = [
     RemoveMaskMachinery,
     FoldHFOnlyParams,
     RuntimeAttention,
+    LatentKVCache,
     ModelOutputs,
     CausalLMEntry,
     ModuleBases,

@@ -1,0 +1,116 @@
+"""Multi-head latent attention caches its latents, not per-head keys and values: where forward builds both from
+per-token latents (`k, v = self.expand_kv(kv_latent, k_rot)`) only to hand them to the runtime `Attention`
+(`self.attn(q, k, v, forward_metadata)`), the call becomes `self.attn.forward_latent(q, (kv_latent, k_rot),
+self.expand_kv, forward_metadata)` and the layer gets `latent_dim=config.kv_lora_rank + config.qk_rope_head_dim`:
+its cache holds those widths per token (one row), and it expands keys and values from the cached latents.
+
+The width comes from the config names every MLA config uses; a class whose `__init__` reads neither is left
+expanded, as is any forward that uses the keys or values otherwise."""
+
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.cst_utils import assigned_names, classes, code, free_names, kwarg, method, param_names
+from skills.migrator.rule import Rule
+
+LATENT_WIDTH = "config.kv_lora_rank + config.qk_rope_head_dim"
+_SELF_CALL = m.Call(func=m.Attribute(m.Name("self"), m.Name()))
+_PAIR = m.SimpleStatementLine(
+    [m.Assign([m.AssignTarget(m.Tuple([m.Element(m.Name()), m.Element(m.Name())]))], _SELF_CALL)]
+)
+
+
+def _attention_layer(init: cst.FunctionDef) -> tuple[str, cst.SimpleStatementLine] | None:
+    """(attr, line) of the one top-level `self.<attr> = Attention(...)` of init."""
+    target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))
+    lines = [
+        s
+        for s in init.body.body
+        if m.matches(s, m.SimpleStatementLine([m.Assign([target], m.Call(func=m.Name("Attention")))]))
+    ]
+    return (lines[0].body[0].targets[0].target.attr.value, lines[0]) if len(lines) == 1 else None
+
+
+def _latent_call(
+    fwd: cst.FunctionDef, attn: str
+) -> tuple[cst.SimpleStatementLine, cst.Call, cst.Call] | None:
+    """(the `k, v = self.<m>(latents...)` line, that call, the `self.<attn>(q, k, v, md)` call) when k and v are
+    read only there and the latents are not rebound in between."""
+    body = list(fwd.body.body)
+    for i, line in enumerate(body):
+        if not m.matches(line, _PAIR):
+            continue
+        expand = line.body[0].value
+        k, v = (e.value.value for e in line.body[0].targets[0].target.elements)
+        if not expand.args or any(a.keyword or a.star for a in expand.args):
+            continue
+        uses = m.Call(
+            func=m.Attribute(m.Name("self"), m.Name(attn)),
+            args=[
+                m.Arg(keyword=None),
+                m.Arg(m.Name(k), keyword=None),
+                m.Arg(m.Name(v), keyword=None),
+                m.Arg(keyword=None),
+            ],
+        )
+        for j in range(i + 1, len(body)):
+            calls = m.findall(body[j], uses)
+            if not calls:
+                continue
+            read = len(m.findall(fwd, m.Name(k))) + len(m.findall(fwd, m.Name(v)))
+            latents = set().union(*(free_names(a.value) for a in expand.args))
+            rebound = any(assigned_names(s) & latents for s in body[i + 1 : j])
+            return (line, expand, calls[0]) if len(calls) == 1 and read == 4 and not rebound else None
+    return None
+
+
+def _appended(call: cst.Call, name: str, value: str) -> cst.Call:
+    """call with `name=value` last, laid out like its other arguments (one per line stays one per line)."""
+    new = cst.parse_expression(f"f({name}={value})").args[0]
+    if not call.args:
+        return call.with_changes(args=[new])
+    *rest, last = call.args
+    between = rest[-1].comma if rest else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    return call.with_changes(
+        args=[*rest, last.with_changes(comma=between), new.with_changes(comma=last.comma)]
+    )
+
+
+def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
+    init, fwd = method(cls, "__init__"), method(cls, "forward")
+    if init is None or fwd is None or "config" not in param_names(init):
+        return None
+    if not all(f"config.{n}" in code(init) for n in ("kv_lora_rank", "qk_rope_head_dim")):
+        return None
+    layer = _attention_layer(init)
+    if layer is None or kwarg(layer[1].body[0].value, "latent_dim") is not None:
+        return None
+    attr, attn_line = layer
+    found = _latent_call(fwd, attr)
+    if found is None:
+        return None
+    pair, expand, call = found
+    q, _, _, md = (code(a.value) for a in call.args)
+    latents = ", ".join(code(a.value) for a in expand.args) + ("," if len(expand.args) == 1 else "")
+    new_call = cst.parse_expression(
+        f"self.{attr}.forward_latent({q}, ({latents}), {code(expand.func)}, {md})"
+    )
+    kept = fwd.with_changes(body=fwd.body.with_changes(body=[s for s in fwd.body.body if s is not pair]))
+    new_fwd = kept.deep_replace(call, new_call)
+    layer_call = attn_line.body[0].value
+    new_layer = attn_line.deep_replace(layer_call, _appended(layer_call, "latent_dim", LATENT_WIDTH))
+    new = {id(init): init.deep_replace(attn_line, new_layer), id(fwd): new_fwd}
+    return cls.with_changes(body=cls.body.with_changes(body=[new.get(id(s), s) for s in cls.body.body]))
+
+
+class LatentKVCache(Rule):
+    ID = "MG019"
+    DESCRIPTION = "MLA attention caches its latents: keys and values are expanded from them (forward_latent)."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        new = {name: out for name, cls in classes(module).items() if (out := _rewrite(cls)) is not None}
+        if not new:
+            return module
+        return module.with_changes(
+            body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
+        )
