@@ -255,7 +255,8 @@ def test_moe_from_convert_weights_output(moe_models, tmp_path):
 )
 def test_latent_attention_with_o_proj_in_its_own_group(moe_models, sizes, tmp_path):
     """DeepSeek-V3 with attention DP and o_proj_tp_size 2 (oproj_tp_group): transformers' tokens, each rank
-    holding half of every o_proj, fewer bytes than with o_proj whole."""
+    holding half of every o_proj, fewer bytes than with o_proj whole; its KV cache holds the latents (kv_lora_rank
+    32 + qk_rope_head_dim 16 per token and layer), not 4 heads of keys (32) and values (16)."""
     reference, model_dir = moe_models("deepseek_v3")
     config = parallel_yaml(tmp_path / "p.yaml", *sizes, o_proj_tp_size=2)
     proc = parallelize(model_dir, config, "--json", "--force")
@@ -269,3 +270,6 @@ def test_latent_attention_with_o_proj_in_its_own_group(moe_models, sizes, tmp_pa
     assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * sizes[0]
     whole = parallelize(model_dir, parallel_yaml(tmp_path / "whole.yaml", *sizes), "--plan", "--json")
     assert done["per_rank_param_bytes"] < json.loads(whole.stdout)["per_rank_param_bytes"]
+    layers, fp32 = 2, 4
+    assert done["kv_bytes_per_token"] == json.loads(whole.stdout)["kv_bytes_per_token"] == layers * 48 * fp32
+    assert done["kv_bytes_per_token"] < layers * 4 * (32 + 16) * fp32

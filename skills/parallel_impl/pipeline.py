@@ -25,6 +25,7 @@ from runtime.config.comm_manager import CommManager
 from runtime.engine.model_worker import ModelWorker, default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
+from runtime.layers.attention import kv_bytes_per_token
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.codestyle import tidy
 from skills.migrator.rewrite import check_rule_ids
@@ -61,6 +62,7 @@ class ParallelizeResult:
     rewrites: list[str]  # the plan's steps, then what the code rules changed
     per_rank_param_bytes: int
     total_param_bytes: int
+    kv_bytes_per_token: int  # KV cache bytes one token takes on a rank, all layers
     written: list[str]
     rules: dict[str, list[str]]  # rewritten file -> ids of the rules that changed it
 
@@ -121,8 +123,9 @@ def rewrite_sources(
     return out, done, fused, rules
 
 
-def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[int]:
-    """Parameter bytes each rank holds, from the model built on the meta device with that rank's shards."""
+def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[tuple[int, int]]:
+    """(parameter bytes, KV cache bytes per token) of each rank, from the model built on the meta device with that
+    rank's shards."""
     model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
     sizes = []
     for rank in range(world_size):
@@ -130,19 +133,29 @@ def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[
             model = model_cls(
                 hf_config, config, CommManager(world_size, rank, create_groups=False), prefix=""
             )
-        sizes.append(param_bytes(model))
+        sizes.append((param_bytes(model), kv_bytes_per_token(model, config.model_config.torch_dtype)))
     return sizes
 
 
-def _check_shards(staged: Path, config: InferenceConfig, plan: Plan) -> None:
+def _measured_plan(t: _Target, config: InferenceConfig) -> Plan:
+    """The plan with the KV cache bytes per token of a rank, once every rank of the rewritten model (built on the
+    meta device from a staged copy, with `config`, the scenario's) holds exactly the plan's parameter bytes."""
     config.model_config.trust_remote_code = True  # our own rewritten code, built on the meta device only
-    measured = _measure(staged, config, plan.world_size)
-    if any(m != plan.per_rank_param_bytes for m in measured):
+    with tempfile.TemporaryDirectory(prefix=".parallelize.", dir=t.model_dir.parent) as tmp:
+        staged = Path(tmp) / t.model_dir.name
+        (staged / "models").mkdir(parents=True)
+        for name, text in t.new_code.items():
+            (staged / "models" / name).write_text(text, encoding="utf-8")
+        measured = _measure(staged, config, t.plan.world_size)
+        resolve_model.cache_clear()
+    held = [p for p, _ in measured]
+    if any(p != t.plan.per_rank_param_bytes for p in held):
         raise UserError(
-            f"the rewritten model holds {measured} parameter bytes on ranks 0..{plan.world_size - 1}, "
-            f"but the plan expects {plan.per_rank_param_bytes} on each: a module was not sharded as "
+            f"the rewritten model holds {held} parameter bytes on ranks 0..{t.plan.world_size - 1}, "
+            f"but the plan expects {t.plan.per_rank_param_bytes} on each: a module was not sharded as "
             "planned. Nothing was written; please report this model."
         )
+    return dataclasses.replace(t.plan, kv_bytes_per_token=max(kv for _, kv in measured))
 
 
 def _refuse_overwrite(path: Path, new: str, allowed: tuple[str, ...], force: bool) -> None:
@@ -222,8 +235,16 @@ def scenario_yaml_name(t: _Target, scenario: str = "") -> str:
     )
 
 
+def _scenario(t: _Target) -> tuple[str, str, InferenceConfig]:
+    """(file name, text, config) of the YAML `skill parallelize` writes for the target's parallel config."""
+    name = scenario_yaml_name(t)
+    text = scenario_yaml(t.yaml_path.read_text(encoding="utf-8"), t.pc, f"config/{name}")
+    return name, text, InferenceConfig.from_dict(yaml.safe_load(text), source=name)
+
+
 def plan_for_model_dir(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> Plan:
-    return _load(model_dir, config_path, disabled).plan
+    t = _load(model_dir, config_path, disabled)
+    return _measured_plan(t, _scenario(t)[2])
 
 
 def parallelize(
@@ -235,7 +256,7 @@ def parallelize(
     disabled: Collection[str] = (),
 ) -> ParallelizeResult:
     t = _load(model_dir, config_path, disabled)
-    model_dir, pc, yaml_path, plan = t.model_dir, t.pc, t.yaml_path, t.plan
+    model_dir, pc, plan = t.model_dir, t.pc, t.plan
     found = directory_mode(model_dir)
     if mode is not None and mode != found:
         raise UserError(
@@ -248,17 +269,8 @@ def parallelize(
     )
 
     sources, new_code, code_rewrites = t.sources, t.new_code, t.code_rewrites
-    scenario_name = scenario_yaml_name(t)
-    scenario_text = scenario_yaml(yaml_path.read_text(encoding="utf-8"), pc, f"config/{scenario_name}")
-    scenario_config = InferenceConfig.from_dict(yaml.safe_load(scenario_text), source=scenario_name)
-
-    with tempfile.TemporaryDirectory(prefix=".parallelize.", dir=model_dir.parent) as tmp:
-        staged = Path(tmp) / model_dir.name
-        (staged / "models").mkdir(parents=True)
-        for name, text in new_code.items():
-            (staged / "models" / name).write_text(text, encoding="utf-8")
-        _check_shards(staged, scenario_config, plan)
-        resolve_model.cache_clear()
+    scenario_name, scenario_text, scenario_config = _scenario(t)
+    plan = _measured_plan(t, scenario_config)  # refuses a rewrite that does not hold the plan's bytes
 
     for name, text in new_code.items():
         _refuse_overwrite(model_dir / "models" / name, text, (sources[name],), force)
@@ -298,6 +310,7 @@ def parallelize(
         [*plan.rewrites, *code_rewrites],
         plan.per_rank_param_bytes,
         plan.total_param_bytes,
+        plan.kv_bytes_per_token,
         written,
         t.rules,
     )

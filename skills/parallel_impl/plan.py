@@ -64,6 +64,9 @@ class Plan:
     rewrites: list[str]
     per_rank_param_bytes: int  # identical on every rank: all splits are even
     total_param_bytes: int  # the unsharded model, tied weights once
+    kv_bytes_per_token: int = (
+        0  # KV cache a token takes on a rank, all layers: measured on the rewritten model
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -498,4 +501,6 @@ def format_plan(plan: Plan) -> Table:
     for i, step in enumerate(plan.rewrites, 1):
         table.add_row(f"rewrite {i}", step)
     table.add_row("params per rank", f"{_mib(plan.per_rank_param_bytes)} of {_mib(plan.total_param_bytes)}")
+    if plan.kv_bytes_per_token:
+        table.add_row("KV cache per token", f"{plan.kv_bytes_per_token:,} bytes per rank, all layers")
     return table
