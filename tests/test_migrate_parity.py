@@ -116,3 +116,15 @@ def test_compile_mode_matches_transformers(name, tmp_path_factory, tmp_path):
     model_dir = migrate(reference, tmp_path)
     _set_exe_mode(model_dir, "compile")
     assert_framework_run_matches(reference, model_dir)
+
+
+@pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
+def test_latent_attention_caches_latents_and_matches_transformers(kv, tmp_path_factory, tmp_path):
+    """DeepSeek-V3 (multi-head latent attention, MoE from its second layer): the migrated model caches latents
+    (MG019) and gives transformers' greedy tokens and prefill logits."""
+    reference = build_reference("deepseek_v3", tmp_path_factory)
+    model_dir = migrate(reference, tmp_path, "--kv", kv)
+    assert "forward_latent(" in (model_dir / "models" / "modeling_deepseek_v3.py").read_text()
+    assert_framework_run_matches(reference, model_dir)
+    logits = prefill_logits(model_dir, reference["ids"])
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
