@@ -206,7 +206,18 @@ def build_tiny_checkpoint(
     for key, value in ids.items():
         setattr(model.generation_config, key, value)
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    _save_as_transformers_loads_it(model, out_dir, dtype)
     return out_dir
+
+
+def _save_as_transformers_loads_it(saved: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> None:
+    """Re-saves the checkpoint as transformers loads it when loading changes a weight, so that "the same weights"
+    holds for both sides: Youtu's `_init_weights` zeroes the embedding's padding row after loading, which a
+    trained checkpoint has zero anyway (padding_idx gets no gradient) but a random one does not."""
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype)
+    before = saved.state_dict()
+    if any(not torch.equal(before[k], v) for k, v in loaded.state_dict().items() if k in before):
+        loaded.save_pretrained(out_dir, safe_serialization=True)
 
 
 @torch.no_grad()

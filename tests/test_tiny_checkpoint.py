@@ -86,3 +86,17 @@ def test_smollm2_export_generates(tmp_path: Path) -> None:
     text = tok.decode(gen[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     print(f"smollm2: {text!r} in {time.perf_counter() - start:.1f}s")
     assert text.strip()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "youtu"])
+def test_checkpoint_on_disk_is_what_transformers_loads(tmp_path: Path, model_type: str) -> None:
+    """Youtu's `_init_weights` zeroes the embedding's padding row after loading: the fixture is saved that way, so
+    both sides of a parity check read the same weights (llama loads as saved in the first place)."""
+    from safetensors.torch import load_file
+
+    out = build_tiny_checkpoint(tiny_config(model_type), tmp_path)
+    on_disk = load_file(out / "model.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert on_disk and all(torch.equal(v, loaded[k]) for k, v in on_disk.items())
+    pad = AutoModelForCausalLM.from_pretrained(out).config.pad_token_id
+    assert (on_disk["model.embed_tokens.weight"][pad] == 0).all() == (model_type == "youtu")
