@@ -284,3 +284,23 @@ def test_checkpoint_keys_transformers_ignores_are_ignored_by_load_weights(run_ru
     )
     load = entry_methods(run_rule(rule, BEFORE, **GEMMA3), "Gemma3ForCausalLM")["load_weights"]
     assert ast.unparse(load.body[-1]) == "return load_named_weights(self, weights)"
+
+
+@pytest.mark.parametrize(
+    ("call", "kept"),
+    [
+        # ModernBERT-decoder: a prediction head (dense, activation, norm) before the vocab projection
+        (
+            "self.lm_head(self.head_transform(hidden_states))",
+            "self.lm_head(self.head_transform(hidden_states))",
+        ),
+        # the positions HF slices are the runtime's to pick: the slice goes, the hidden states stay
+        ("self.lm_head(hidden_states[:, slice_indices, :])", "self.lm_head(hidden_states)"),
+    ],
+    ids=["prediction_head", "sliced_positions"],
+)
+def test_what_the_head_is_applied_to_stays_unless_it_reads_dropped_names(run_rule, call, kept):
+    code = BEFORE.replace("logits = self.lm_head(hidden_states)", f"logits = {call}")
+    out = run_rule(rule, code, **GEMMA3)
+    assert f"        logits = {kept}\n" in out
+    assert run_rule(rule, out, **GEMMA3) == out

@@ -95,6 +95,18 @@ def _vocab_projection(init: cst.FunctionDef) -> str:
     return "lm_head" if "lm_head" in names or not names else names[0]
 
 
+def _head_input(line: cst.BaseStatement, head: str) -> str:
+    """What the output projection is applied to: its argument where that is computed from the hidden states alone
+    (ModernBERT-decoder's `self.decoder(self.lm_head(hidden_states))` keeps its prediction head), else the
+    hidden states (the runtime has already picked the positions HF slices with `logits_to_keep`)."""
+    call = m.findall(line, m.Call(func=m.Attribute(m.Name("self"), m.Name(head))))
+    if len(call) == 1 and len(call[0].args) == 1 and not call[0].args[0].keyword:
+        arg = call[0].args[0].value
+        if free_names(arg) <= {"self", "hidden_states"} and "hidden_states" in free_names(arg):
+            return code(arg)
+    return "hidden_states"
+
+
 def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseStatement] | None:
     """The output projection (fed the last positions) with the per-token processing of the hidden states
     before it (MiniCPM's `hidden_states / logits_scaling`) and of the logits after it."""
@@ -104,7 +116,7 @@ def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseSt
     )
     if idx is None:
         return None
-    head = stmt(f"logits = self.{head}(hidden_states)\n")
+    head = stmt(f"logits = self.{head}({_head_input(body[idx], head)})\n")
     dropped = {n for s in body[:idx] for n in assigned_names(s)} | set(param_names(fwd)) | {"loss", "outputs"}
     dropped -= {"self", "hidden_states", "logits", "input_ids", "position_ids", "kwargs"}
     model_call = m.Call(func=m.Attribute(m.Name("self"), m.Name(inner)))
