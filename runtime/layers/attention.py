@@ -302,9 +302,3 @@ def cache_info_of(model: nn.Module, dtype: torch.dtype):
             for k, v in [m.cache_shapes]
         ]
     )
-
-
-def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
-    """KV cache bytes one token takes in every ``Attention`` layer of ``model`` (keys and values, or latents)."""
-    layers = [m.cache_shapes for m in model.modules() if isinstance(m, Attention)]
-    return sum(math.prod(k) + math.prod(v) for k, v in layers) * dtype.itemsize

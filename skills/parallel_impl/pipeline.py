@@ -25,7 +25,7 @@ from runtime.config.comm_manager import CommManager
 from runtime.engine.model_worker import ModelWorker, default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
-from runtime.layers.attention import kv_bytes_per_token
+from runtime.layers.attention import cache_info_of
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.codestyle import tidy
 from skills.migrator.rewrite import check_rule_ids
@@ -133,7 +133,8 @@ def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[
             model = model_cls(
                 hf_config, config, CommManager(world_size, rank, create_groups=False), prefix=""
             )
-        sizes.append((param_bytes(model), kv_bytes_per_token(model, config.model_config.torch_dtype)))
+        kv = cache_info_of(model, config.model_config.torch_dtype).bytes_per_block(1)  # one token, all layers
+        sizes.append((param_bytes(model), kv))
     return sizes
 
 

@@ -64,9 +64,8 @@ class Plan:
     rewrites: list[str]
     per_rank_param_bytes: int  # identical on every rank: all splits are even
     total_param_bytes: int  # the unsharded model, tied weights once
-    kv_bytes_per_token: int = (
-        0  # KV cache a token takes on a rank, all layers: measured on the rewritten model
-    )
+    # KV cache a token takes on a rank, all layers: measured on the rewritten model (0 until then)
+    kv_bytes_per_token: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -102,7 +102,7 @@ def _head_input(line: cst.BaseStatement, head: str) -> str:
     call = m.findall(line, m.Call(func=m.Attribute(m.Name("self"), m.Name(head))))
     if len(call) == 1 and len(call[0].args) == 1 and not call[0].args[0].keyword:
         arg = call[0].args[0].value
-        if free_names(arg) <= {"self", "hidden_states"} and "hidden_states" in free_names(arg):
+        if "hidden_states" in (names := free_names(arg)) and names <= {"self", "hidden_states"}:
             return code(arg)
     return "hidden_states"
 

@@ -10,7 +10,17 @@ expanded, as is any forward that uses the keys or values otherwise."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, classes, code, free_names, kwarg, method, param_names
+from skills.migrator.cst_utils import (
+    SELF_ASSIGN_CALL,
+    assigned_names,
+    called_name,
+    classes,
+    code,
+    free_names,
+    kwarg,
+    method,
+    param_names,
+)
 from skills.migrator.rule import Rule
 
 LATENT_WIDTH = "config.kv_lora_rank + config.qk_rope_head_dim"
@@ -22,11 +32,10 @@ _PAIR = m.SimpleStatementLine(
 
 def _attention_layer(init: cst.FunctionDef) -> tuple[str, cst.SimpleStatementLine] | None:
     """(attr, line) of the one top-level `self.<attr> = Attention(...)` of init."""
-    target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))
     lines = [
         s
         for s in init.body.body
-        if m.matches(s, m.SimpleStatementLine([m.Assign([target], m.Call(func=m.Name("Attention")))]))
+        if m.matches(s, SELF_ASSIGN_CALL) and called_name(s.body[0].value) == "Attention"
     ]
     return (lines[0].body[0].targets[0].target.attr.value, lines[0]) if len(lines) == 1 else None
 
