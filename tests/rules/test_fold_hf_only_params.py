@@ -318,3 +318,40 @@ def test_blocks_called_in_an_enumerate_loop_lose_the_positional_arguments_too(ru
     out = run_rule(rule, code)
     assert "def forward(self, hidden_states, encoder_hidden_states=None, **kwargs):" in out
     assert "hidden_states = block(hidden_states, None, position_ids=position_ids)" in out
+
+
+def test_state_kept_in_a_cache_layer_is_refused_not_folded_away(run_rule, make_ctx):
+    # DeepSeek-V4's compressors keep their pending windows in their cache layer between steps.
+    code = dedent("""\
+        class Compressor(nn.Module):
+            def forward(self, hidden_states, cache, layer_idx):
+                cache_layer = cache.layers[layer_idx] if cache is not None else None
+                kv = self.kv_proj(hidden_states)
+                if cache_layer is not None:
+                    kv = cache_layer.store_windows(kv)
+                return kv
+        """)
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert [(f.scope, f.what) for f in ctx.findings] == [
+        (
+            "Compressor",
+            (
+                "state kept in a cache layer (`store_windows` on `cache.layers[...]`); "
+                "the runtime caches per-token keys and values only"
+            ),
+        )
+    ]
+
+
+def test_reading_a_cache_layer_s_keys_is_not_a_finding(run_rule, make_ctx):
+    code = dedent("""\
+        class Attention(nn.Module):
+            def forward(self, hidden_states, past_key_values=None):
+                if past_key_values is not None:
+                    key_states = past_key_values.layers[self.layer_idx].keys
+                return self.k_proj(hidden_states)
+        """)
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert ctx.findings == []

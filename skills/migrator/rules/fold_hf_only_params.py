@@ -1,7 +1,9 @@
 """Parameters that only serve HF's generate / training API (`cache`, `use_cache`, `attention_mask`,
 `inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) are removed from every
 signature. Their values are known under the runtime contract, so branches on them are folded away,
-call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses its annotation."""
+call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses its annotation. A module that
+keeps its own state in a cache layer (calls a method of `cache.layers[i]`) is refused: folding its cache away
+would silently forget that state between steps, and the runtime caches only keys and values."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -233,6 +235,25 @@ def _bound_to_hf_only(module: cst.Module) -> set[int]:
     return doomed
 
 
+def _cache_layer_methods(fn: cst.FunctionDef) -> list[str]:
+    """`store(...)` of each `cache.layers[i].store(...)` in fn, directly or through a local bound to
+    `cache.layers[i]`, for every cache parameter of fn."""
+    caches = {
+        p.name.value for p in named_params(fn) if p.name.value in HF_ONLY and HF_ONLY[p.name.value] is None
+    }
+    layer = m.Subscript(value=m.Attribute(value=m.OneOf(*map(m.Name, caches)), attr=m.Name("layers")))
+    if not caches or not m.findall(fn, layer):
+        return []
+    holders = {
+        name
+        for a in m.findall(fn, m.Assign() | m.AnnAssign())
+        if a.value is not None and m.findall(a.value, layer)
+        for name in assigned_names(a)
+    }
+    receiver = layer | m.OneOf(*map(m.Name, holders)) if holders else layer
+    return sorted({c.func.attr.value for c in m.findall(fn, m.Call(func=m.Attribute(value=receiver)))})
+
+
 class _DropArgs(cst.CSTTransformer):
     def __init__(self, doomed: set[int]):
         self.doomed = doomed
@@ -246,6 +267,15 @@ class FoldHFOnlyParams(Rule):
     DESCRIPTION = "Parameters only HF's generate / training API uses are removed and branches on them folded."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        for name, cls in classes(module).items():
+            for fn in m.findall(cls.body, m.FunctionDef()):
+                if found := _cache_layer_methods(fn):
+                    self.rewrite.unsupported(
+                        name,
+                        0,
+                        f"state kept in a cache layer (`{'`, `'.join(found)}` on `cache.layers[...]`); the runtime "
+                        "caches per-token keys and values only",
+                    )
         if doomed := _bound_to_hf_only(module):
             module = module.visit(_DropArgs(doomed))
         return module.visit(_Fold())
