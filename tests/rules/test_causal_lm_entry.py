@@ -148,6 +148,18 @@ def test_tying_follows_tied_weights_keys(run_rule):
         "if config.tie_word_embeddings:\n    self.lm_head.weight = self.model.embed_tokens.weight"
     )
 
+    # Every tie is honoured (BertGeneration ties its head's bias too); regex entries are not parameter paths.
+    two = BEFORE.replace(
+        '{"lm_head.weight": "model.embed_tokens.weight"}',
+        '{"lm_head.weight": "model.embed_tokens.weight", "lm_head.bias": "bias", r"layers\\.\\d+": "layers.0"}',
+    )
+    init = entry_methods(run_rule(rule, two, **GEMMA3), "Gemma3ForCausalLM")["__init__"]
+    assert ast.unparse(init.body[-1]) == (
+        "if config.tie_word_embeddings:\n"
+        "    self.lm_head.weight = self.model.embed_tokens.weight\n"
+        "    self.lm_head.bias = self.bias"
+    )
+
 
 def test_output_projection_not_named_lm_head(run_rule):
     # Remote code such as InternLM2 calls the vocab projection `self.output`.

@@ -260,3 +260,32 @@ def test_stacked_expert_parameters_count_as_weights():
         "MoeBlock",
         "MoeExperts",
     }
+
+
+def test_a_class_built_through_an_alias_is_a_finding(run_rule, make_ctx):
+    # RoBERTa-style layers pick their attention class first (`cls = A if c else B`), DeepSeek-V4 from a dict.
+    code = dedent("""\
+        class SelfAttention(nn.Module):
+            def __init__(self, config):
+                self.q = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+        class CrossAttention(SelfAttention):
+            pass
+
+
+        KINDS = {"self": SelfAttention}
+
+
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config):
+                attention_class = CrossAttention if config.cross else SelfAttention
+                self.attn = attention_class(config)
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
+        """)
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert [(f.scope, f.what.split(" is ")[0]) for f in ctx.findings] == [
+        ("LlamaForCausalLM", "`SelfAttention`"),
+        ("<module>", "`SelfAttention`"),
+    ]

@@ -1,6 +1,6 @@
 """fold_hf_only_params: HF-only parameters leave every signature; branches on their known values fold."""
 
-from textwrap import dedent
+from textwrap import dedent, indent
 
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams as rule
 
@@ -355,3 +355,48 @@ def test_reading_a_cache_layer_s_keys_is_not_a_finding(run_rule, make_ctx):
     ctx = make_ctx()
     run_rule(rule, code, ctx)
     assert ctx.findings == []
+
+
+def test_a_removed_parameter_rebound_in_a_tuple_target_stays_a_name(run_rule):
+    # BertGeneration: `attention_mask, encoder_attention_mask = self._create_attention_masks(...)`.
+    code = dedent("""\
+        def forward(self, x, attention_mask=None):
+            attention_mask, other = self.masks(x)
+            return x + attention_mask + other
+        """)
+    out = run_rule(rule, code)
+    assert "attention_mask, other = self.masks(x)" in out
+    assert "return x + attention_mask + other" in out
+    assert run_rule(rule, out) == out
+
+
+def test_a_literal_every_branch_agrees_on_is_known_after_the_if(run_rule):
+    # BertGeneration: `use_cache` is False on both sides of `if self.config.is_decoder`, so the cache is
+    # never built and its length is 0.
+    code = dedent("""\
+        def forward(self, x, cache=None, use_cache=None):
+            if self.config.is_decoder:
+                use_cache = use_cache if use_cache is not None else self.config.use_cache
+            else:
+                use_cache = False
+            if use_cache and cache is None:
+                cache = DynamicCache()
+            if self.config.tie:
+                flag = 1
+            else:
+                flag = 2
+            return self.embed(x, cache.get_seq_length() if cache is not None else 0) + flag
+        """)
+    out = run_rule(rule, code)
+    assert out.split("\n", 1)[1] == indent(
+        dedent("""\
+            use_cache = False
+            if self.config.tie:
+                flag = 1
+            else:
+                flag = 2
+            return self.embed(x, 0) + flag
+            """),
+        "    ",
+    )
+    assert run_rule(rule, out) == out

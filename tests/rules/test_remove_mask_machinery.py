@@ -272,3 +272,38 @@ def test_a_statement_binding_a_mask_beside_other_values_stays(run_rule):
             )
             return self.layer(hidden_states, position_embeddings)
         """)
+
+
+MASK_METHOD = dedent("""\
+    class Model(nn.Module):
+        def forward(self, input_ids, position_ids, attention_mask=None, encoder_attention_mask=None):
+            hidden = self.embeddings(input_ids, position_ids)
+            attention_mask, encoder_attention_mask = self._create_attention_masks(attention_mask, hidden)
+            return self.encoder(hidden, attention_mask=attention_mask, cross_mask=encoder_attention_mask)
+
+        def _create_attention_masks(self, attention_mask, hidden):
+            return create_causal_mask(attention_mask, hidden), None
+
+        def embed(self, input_ids):
+            return self.embeddings(input_ids)
+    """)
+
+
+def test_a_mask_factory_method_goes_with_its_calls(run_rule):
+    # BertGeneration (v5) builds its masks in `self._create_attention_masks(...)`.
+    out = run_rule(rule, MASK_METHOD)
+    assert out == dedent("""\
+        class Model(nn.Module):
+            def forward(self, input_ids, position_ids, attention_mask=None, encoder_attention_mask=None):
+                hidden = self.embeddings(input_ids, position_ids)
+                return self.encoder(hidden)
+
+            def embed(self, input_ids):
+                return self.embeddings(input_ids)
+        """)
+    assert run_rule(rule, out) == out
+
+
+def test_a_mask_factory_method_still_referenced_stays(run_rule):
+    code = MASK_METHOD.replace("self.embeddings(input_ids)\n", "Model._create_attention_masks\n")
+    assert "def _create_attention_masks" in run_rule(rule, code)

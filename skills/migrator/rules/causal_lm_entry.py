@@ -2,6 +2,8 @@
 on packed `[T]` inputs returning last-position logits `[B, 1, V]`, explicit weight tying,
 `load_weights`, `get_cache_info` on the paged path, and `EntryClass` for the registry."""
 
+import re
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -48,17 +50,26 @@ def _inner_model_attr(cls: cst.ClassDef, module: cst.Module) -> str | None:
     return None
 
 
+PARAM_NAME = re.compile(r"^[\w.]+$")  # a parameter's path, not one of the regexes _tied_weights_keys allows
+
+
 def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
     for s in cls.body.body:
         assign = s.body[0] if isinstance(s, cst.SimpleStatementLine) else None
         if m.matches(assign, m.Assign(targets=[m.AssignTarget(m.Name("_tied_weights_keys"))])):
             value = assign.value
             if isinstance(value, cst.Dict) and value.elements:
-                first = value.elements[0]
-                dst, src = first.key.evaluated_value, first.value.evaluated_value
+                pairs = [
+                    (e.key.evaluated_value, e.value.evaluated_value)
+                    for e in value.elements
+                    if m.matches(e, m.DictElement(m.SimpleString(), m.SimpleString()))
+                ]
             else:
-                dst, src = "lm_head.weight", f"{inner}.embed_tokens.weight"
-            return stmts(f"if config.tie_word_embeddings:\n    self.{dst} = self.{src}\n")
+                pairs = [("lm_head.weight", f"{inner}.embed_tokens.weight")]
+            ties = "".join(
+                f"    self.{dst} = self.{src}\n" for dst, src in pairs if PARAM_NAME.match(dst + src)
+            )
+            return stmts(f"if config.tie_word_embeddings:\n{ties}") if ties else []
     return []
 
 

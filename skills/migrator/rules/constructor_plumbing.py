@@ -115,6 +115,21 @@ class _Plumb(cst.CSTTransformer):
         return updated.with_changes(body=updated.body.with_changes(body=body))
 
 
+def _aliased(module: cst.Module, plumbed: set[str]) -> list[tuple[str, cst.Name]]:
+    """(scope, name) where a plumbed class is held as a value to be called later: `cls = A if c else B`,
+    `{"x": A}[kind](...)`."""
+    held = m.OneOf(*map(m.Name, plumbed))
+    alias = m.Assign(value=held) | m.IfExp(body=held) | m.IfExp(orelse=held) | m.DictElement(value=held)
+    scopes = [(name, cls) for name, cls in classes(module).items()]
+    scopes += [("<module>", s) for s in module.body if not isinstance(s, cst.ClassDef)]
+    found = []
+    for scope, node in scopes:
+        for a in m.findall(node, alias):
+            value = a.value if isinstance(a, (cst.Assign, cst.DictElement)) else None
+            found += [(scope, n) for n in ([value] if value else [a.body, a.orelse]) if m.matches(n, held)]
+    return found
+
+
 class ConstructorPlumbing(Rule):
     ID = "MG009"
     DESCRIPTION = "Constructors take (config, ..., infer_config, comm_manager, prefix) and pass them down."
@@ -124,6 +139,13 @@ class ConstructorPlumbing(Rule):
         if ctx.entry_class not in classes(module):
             return module
         plumbed = plumbed_classes(module, ctx.entry_class)
+        for scope, node in _aliased(module, plumbed - {ctx.entry_class}):
+            ctx.unsupported(
+                scope,
+                0,
+                f"`{node.value}` is built through an alias (a name, dict or conditional holding the class); the "
+                f"rules pass the runtime contract to direct `{node.value}(...)` calls only",
+            )
         new = module.visit(_Plumb(plumbed))
         if new.deep_equals(module):
             return module

@@ -87,6 +87,20 @@ class _Env:
         return None
 
 
+def _bound(original: cst.BaseExpression, updated: cst.BaseExpression) -> cst.BaseExpression:
+    """An assignment target with the names it binds restored (`attention_mask, x = ...` keeps both)."""
+    if isinstance(original, cst.Name):
+        return original
+    if isinstance(original, (cst.Tuple, cst.List)):
+        return updated.with_changes(
+            elements=[
+                new.with_changes(value=_bound(old.value, new.value))
+                for old, new in zip(original.elements, updated.elements, strict=True)
+            ]
+        )
+    return updated
+
+
 class _Substitute(cst.CSTTransformer):
     """Drops keyword arguments that forward known values; replaces other reads by literals."""
 
@@ -112,14 +126,10 @@ class _Substitute(cst.CSTTransformer):
         return updated.with_changes(keyword=original.keyword)
 
     def leave_AssignTarget(self, original, updated):
-        return (
-            updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
-        )
+        return updated.with_changes(target=_bound(original.target, updated.target))
 
     def leave_AnnAssign(self, original, updated):
-        return (
-            updated.with_changes(target=original.target) if isinstance(original.target, cst.Name) else updated
-        )
+        return updated.with_changes(target=_bound(original.target, updated.target))
 
     def leave_NamedExpr(self, original, updated):
         return updated.with_changes(target=original.target)
@@ -143,13 +153,30 @@ def _fold_block(body, env: _Env) -> list:
         folded = _fold_stmt(s, env)
         for f in folded:
             env.forget(assigned_names(f))
-            if m.matches(f, LITERAL_ASSIGN):  # `use_cache = False` once folded: known from here on
-                name, value = f.body[0].targets[0].target.value, f.body[0].value
-                env.facts[name] = (
-                    value.evaluated_value if isinstance(value, cst.Integer) else NAMED[value.value]
-                )
+            env.facts.update(_if_facts(f) if isinstance(f, cst.If) else _literal_facts([f]))
         out.extend(folded)
     return out
+
+
+def _literal_facts(stmts) -> dict[str, object]:
+    """Locals the statements leave holding a literal (`use_cache = False` once folded)."""
+    facts: dict[str, object] = {}
+    for f in stmts:
+        for name in assigned_names(f):
+            facts.pop(name, None)
+        if m.matches(f, LITERAL_ASSIGN):
+            name, value = f.body[0].targets[0].target.value, f.body[0].value
+            facts[name] = value.evaluated_value if isinstance(value, cst.Integer) else NAMED[value.value]
+    return facts
+
+
+def _if_facts(s: cst.If) -> dict[str, object]:
+    """Locals every branch of an if / elif / else leaves holding the same literal."""
+    if s.orelse is None:
+        return {}
+    body = _literal_facts(s.body.body)
+    other = _if_facts(s.orelse) if isinstance(s.orelse, cst.If) else _literal_facts(s.orelse.body.body)
+    return {k: v for k, v in body.items() if k in other and repr(other[k]) == repr(v)}
 
 
 def _block(node, stmts):
@@ -179,13 +206,10 @@ def _fold_stmt(s, env: _Env) -> list:
                 if len(folded) == 1 and isinstance(folded[0], cst.If)
                 else (cst.Else(cst.IndentedBlock(folded)) if folded else None)
             )
-        return [
-            s.with_changes(
-                test=s.test.visit(_Substitute(env)),
-                body=_block(s.body, _fold_block(s.body.body, env.copy())),
-                orelse=orelse,
-            )
-        ]
+        body = _block(s.body, _fold_block(s.body.body, env.copy()))
+        if isinstance(orelse, cst.Else) and orelse.body.deep_equals(body) and not m.findall(s.test, m.Call()):
+            return list(body.body)  # both branches folded to the same code (`use_cache = False`)
+        return [s.with_changes(test=s.test.visit(_Substitute(env)), body=body, orelse=orelse)]
     if isinstance(s, (cst.For, cst.While, cst.With)):
         head = {
             k: getattr(s, k).visit(_Substitute(env))

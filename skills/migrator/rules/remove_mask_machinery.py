@@ -14,8 +14,10 @@ MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IG
 
 
 def _builds_mask(node: cst.CSTNode) -> bool:
-    """Calls or names a mask factory (`create_causal_mask`, `mask_function = create_... if ... else ...`)."""
-    return any(MASK_FACTORY.search(n) for n in free_names(node))
+    """Calls or names a mask factory (`create_causal_mask`, `mask_function = create_... if ... else ...`,
+    `self._create_attention_masks(...)`)."""
+    methods = (a.attr.value for a in m.findall(node, m.Attribute(value=m.Name("self"))))
+    return any(MASK_FACTORY.search(n) for n in (*free_names(node), *methods))
 
 
 def _rebound(stmt: cst.CSTNode) -> set[int]:
@@ -117,4 +119,28 @@ class RemoveMaskMachinery(Rule):
     DESCRIPTION = "HF's 4-D attention mask building goes; the runtime's attention masks from ForwardMetaData."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        return module.visit(_PerFunction())
+        module = module.visit(_PerFunction())
+        defined = {id(f.name) for f in m.findall(module, m.FunctionDef())}
+        used = {a.attr.value for a in m.findall(module, m.Attribute())} | {
+            n.value for n in m.findall(module, m.Name()) if id(n) not in defined
+        }
+        return module.visit(_DropMaskMethods(used))
+
+
+class _DropMaskMethods(cst.CSTTransformer):
+    """Methods named as mask factories (`_create_attention_masks`) that nothing calls any more."""
+
+    def __init__(self, used: set[str]):
+        self.used = used
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        body = [
+            s
+            for s in updated.body.body
+            if not (
+                isinstance(s, cst.FunctionDef)
+                and MASK_FACTORY.search(s.name.value)
+                and s.name.value not in self.used
+            )
+        ]
+        return updated.with_changes(body=updated.body.with_changes(body=body)) if body else updated
