@@ -222,9 +222,13 @@ def _save_as_transformers_loads_it(saved: PreTrainedModel, out_dir: Path, dtype:
 
 @torch.no_grad()
 def greedy_margin(
-    model: torch.nn.Module, input_ids_list: Sequence[Sequence[int]], max_new_tokens: int
+    model: torch.nn.Module,
+    input_ids_list: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    relative: bool = False,
 ) -> float:
-    """Smallest top1-top2 logit gap over `max_new_tokens` greedy steps of every prompt.
+    """Smallest top1-top2 logit gap over `max_new_tokens` greedy steps of every prompt; `relative`: each gap
+    divided by the standard deviation of that step's logits.
 
     EOS does not stop the loop, so every step a consumer might run is covered.
     """
@@ -234,7 +238,8 @@ def greedy_margin(
         for _ in range(max_new_tokens):
             logits = model(input_ids=ids).logits[0, -1].float()
             top = torch.topk(logits, 2)
-            margin = min(margin, (top.values[0] - top.values[1]).item())
+            gap = top.values[0] - top.values[1]
+            margin = min(margin, (gap / logits.std() if relative else gap).item())
             ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
     return margin
 
@@ -247,8 +252,12 @@ def pick_seed(
     min_margin: float = 0.01,
     seeds: Iterable[int] = range(20),
 ) -> int:
-    """First seed whose checkpoint has greedy margin >= `min_margin`; `out_dir` is left holding it."""
-    best = float("-inf")
+    """First seed whose checkpoint has greedy margin >= `min_margin`; `out_dir` is left holding it.
+
+    A model that scales its logits down (Cohere's `logit_scale`) scales rounding differences with them, so
+    when no seed reaches the margin in logits, the first seed reaching it relative to the logits' spread is
+    taken."""
+    best, relative = float("-inf"), None
     for seed in seeds:
         build_tiny_checkpoint(config, out_dir, seed=seed)
         model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
@@ -256,4 +265,12 @@ def pick_seed(
         if margin >= min_margin:
             return seed
         best = max(best, margin)
-    raise RuntimeError(f"no seed reached greedy margin {min_margin} (best {best:.4g})")
+        if (
+            relative is None
+            and greedy_margin(model, prompts_ids, max_new_tokens, relative=True) >= min_margin
+        ):
+            relative = seed
+    if relative is None:
+        raise RuntimeError(f"no seed reached greedy margin {min_margin} (best {best:.4g})")
+    build_tiny_checkpoint(config, out_dir, seed=relative)
+    return relative

@@ -63,6 +63,11 @@ def test_pick_seed_gives_clear_greedy_margin(tmp_path: Path) -> None:
     assert greedy_margin(model, ids, 8) >= 0.01
     with pytest.raises(RuntimeError):
         pick_seed(config, tmp_path / "never", ids, max_new_tokens=8, min_margin=1e9, seeds=[seed])
+    # Logits scaled down (Cohere's logit_scale) scale the gap and its rounding alike: the relative margin holds.
+    margin, relative = greedy_margin(model, ids, 8), greedy_margin(model, ids, 8, relative=True)
+    model.model.norm.weight.data *= 1e-4  # the final norm scales the logits linearly
+    assert greedy_margin(model, ids, 8) == pytest.approx(margin * 1e-4, rel=1e-3)
+    assert greedy_margin(model, ids, 8, relative=True) == pytest.approx(relative, rel=1e-3)
 
 
 def test_tiny_llama_fixture(tiny_llama_dir: Path) -> None:
