@@ -116,3 +116,49 @@ def test_mtp_layers_and_ignored_names_are_skipped_with_a_warning_and_others_refu
     assert "skipped 1 checkpoint tensors, ignored by the model" in text
     with pytest.raises(UserError, match="'rotary.inv_freq' matches no parameter"):
         load_named_weights(model, checkpoint)
+
+
+class _FusedOnDisk(torch.nn.Module):
+    """Parameter names of transformers' sarvam_moe (q/k/v of unequal sizes) and hrm_text (gate/up)."""
+
+    def __init__(self, model_type: str):
+        super().__init__()
+        self.config = type("Config", (), {"model_type": model_type})()
+        attn = torch.nn.Module()
+        attn.q_proj, attn.k_proj, attn.v_proj = (torch.nn.Linear(4, n, bias=False) for n in (4, 2, 2))
+        mlp = torch.nn.Module()
+        mlp.gate_proj, mlp.up_proj = torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(4, 3, bias=False)
+        self.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.layers[0].self_attn, self.layers[0].mlp = attn, mlp
+
+
+class _HalfShard:
+    tp_size = 2
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        raise AssertionError("a fused tensor is split before it reaches a sharded loader")
+
+
+def test_tensors_fused_on_disk_are_split_as_transformers_converts_them():
+    from runtime.layers.weights import load_named_weights
+
+    qkv = torch.arange(32.0).view(8, 4)  # rows [q | k | v], sized like the parameters
+    model = _FusedOnDisk("sarvam_moe")
+    assert load_named_weights(model, [("layers.0.attention.query_key_value.weight", qkv)]) == {
+        f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"
+    }
+    attn = model.layers[0].self_attn
+    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv)
+    assert attn.k_proj.weight.shape == (2, 4)
+
+    gate_up = torch.arange(24.0).view(6, 4)  # equal chunks
+    model = _FusedOnDisk("hrm_text")
+    load_named_weights(model, [("layers.0.mlp.gate_up_proj.weight", gate_up)])
+    assert torch.equal(model.layers[0].mlp.up_proj.weight, gate_up[3:])
+
+    sharded = _FusedOnDisk(
+        "sarvam_moe"
+    )  # a target sharded by tensor parallelism cannot be sized from its shard
+    sharded.layers[0].self_attn.k_proj.weight.weight_loader = _HalfShard().weight_loader
+    with pytest.raises(UserError, match="holds .*q_proj.weight, .*k_proj.weight, .*v_proj.weight fused"):
+        load_named_weights(sharded, [("layers.0.attention.query_key_value.weight", qkv)])

@@ -1,5 +1,6 @@
 """Checkpoints whose tensors are laid out differently from the model's parameters: per-expert MoE weights
-stacked into one 3-D parameter (gate and up concatenated), renamed blocks. The rules come from
+stacked into one 3-D parameter (gate and up concatenated), renamed blocks, projections fused on disk
+(`query_key_value` -> q, k, v). The rules come from
 transformers' own conversion mapping for the model type, so every architecture it knows is covered."""
 
 import re
@@ -25,6 +26,9 @@ class CheckpointLayout:
 
         self.renames: list[tuple[re.Pattern, str]] = []
         self.stacks: list[tuple[re.Pattern, str, int, int]] = []  # source pattern, target suffix, part, parts
+        self.fused: list[
+            tuple[re.Pattern, list[str], bool]
+        ] = []  # source, targets, sized like them (else even)
         rules = get_checkpoint_conversion_mapping(class_name) or get_checkpoint_conversion_mapping(model_type)
         for rule in rules or []:
             ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", [])]
@@ -37,10 +41,26 @@ class CheckpointLayout:
                 for part, source in enumerate(rule.source_patterns):
                     regex = re.escape(source).replace(r"\*", r"(\d+)") + "$"
                     self.stacks.append((re.compile(regex), target, part, len(rule.source_patterns)))
+            elif ops in ([("Split", 0)], [("Chunk", 0)]) and len(rule.source_patterns) == 1:
+                (source,) = rule.source_patterns
+                self.fused.append((re.compile(source), list(rule.target_patterns), ops[0][0] == "Split"))
 
-    def resolve(self, name: str) -> tuple[str, StackedPart | None]:
+    def _renamed(self, name: str) -> str:
         for pattern, target in self.renames:
             name = pattern.sub(target, name)
+        return name
+
+    def unfused(self, name: str) -> tuple[list[str], bool] | None:
+        """The names of the parameters a fused checkpoint tensor holds, in its row order, and whether their
+        sizes differ (sized like the parameters) or not (equal chunks); None if it is not fused."""
+        name = self._renamed(name)
+        for pattern, targets, sized in self.fused:
+            if found := pattern.search(name):
+                return [name[: found.start()] + t + name[found.end() :] for t in targets], sized
+        return None
+
+    def resolve(self, name: str) -> tuple[str, StackedPart | None]:
+        name = self._renamed(name)
         for pattern, target, part, parts in self.stacks:
             if found := pattern.search(name):
                 full = name[: found.start()] + target

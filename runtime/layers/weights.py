@@ -65,15 +65,14 @@ def load_named_weights(
     layout = None
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
-    for name, weight in weights:
+    for name, weight in _unfused(weights, model, params, mapping):
         target, shard_id, part = name, None, None
         for fused, piece, sid in mapping:
             if piece in name:
                 target, shard_id = name.replace(piece, fused), sid
                 break
         if target not in params:
-            model_type = getattr(getattr(model, "config", None), "model_type", "")
-            layout = layout or CheckpointLayout(model_type, type(model).__name__)
+            layout = layout or _layout(model)
             target, part = layout.resolve(name)
         param = params.get(target)
         if param is None and skips.take(name):
@@ -103,6 +102,46 @@ def load_named_weights(
         loaded.add(canonical[id(param)])
     skips.report(type(model).__name__)
     return loaded
+
+
+def _layout(model: nn.Module) -> CheckpointLayout:
+    return CheckpointLayout(getattr(getattr(model, "config", None), "model_type", ""), type(model).__name__)
+
+
+def _unfused(
+    weights: Iterable[tuple[str, object]],
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    mapping: list[tuple[str, str, object]],
+) -> Iterable[tuple[str, object]]:
+    """The checkpoint's tensors, those that hold several parameters fused on disk split into them."""
+    layout = None
+    for name, weight in weights:
+        if name in params or any(piece in name for _, piece, _ in mapping):
+            yield name, weight
+            continue
+        layout = layout or _layout(model)
+        if (found := layout.unfused(name)) is None:
+            yield name, weight
+            continue
+        targets, sized = found
+        tensor = materialize(weight)
+        if not sized:
+            yield from zip(targets, tensor.chunk(len(targets)), strict=True)
+            continue
+        whole = [t for t in targets if t in params and getattr(_owner(params[t]), "tp_size", 1) == 1]
+        if len(whole) < len(targets):
+            raise UserError(
+                f"checkpoint weight {name!r} holds {', '.join(targets)} fused; it is split by their sizes, "
+                "which needs each of them as a whole parameter (not merged or sharded by tensor "
+                "parallelism). Run it at TP 1, or split the tensor in the checkpoint."
+            )
+        yield from zip(targets, tensor.split([params[t].shape[0] for t in targets]), strict=True)
+
+
+def _owner(param: torch.Tensor) -> object:
+    """The layer whose bound weight_loader loads param (None for a plain parameter)."""
+    return getattr(getattr(param, "weight_loader", None), "__self__", None)
 
 
 class _Skips:
