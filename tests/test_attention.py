@@ -26,10 +26,15 @@ LENS = [1, 5, 11]
 SINKS = torch.linspace(-1.0, 2.0, H)  # per query head; the upper ones outweigh most scores
 
 
-def naive(q, k, v, rows, window=None, cap=None, sinks=None):
+def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False):
     """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`.
-    A sink is one more logit in the softmax, with no value row."""
-    q, k, v = q.double(), k.double().repeat_interleave(H // KV, 1), v.double().repeat_interleave(H // KV, 1)
+    A sink is one more logit in the softmax, with no value row. `tiled`: query head h reads kv head h % KV."""
+    spread = (
+        (lambda x: x.double().repeat(1, H // KV, 1))
+        if tiled
+        else (lambda x: x.double().repeat_interleave(H // KV, 1))
+    )
+    q, k, v = q.double(), spread(k), spread(v)
     out = torch.empty(len(rows), H, v.shape[-1], dtype=torch.float64)
     for n, i in enumerate(rows):
         js = [j for j in range(i + 1) if window is None or j > i - window]
@@ -63,11 +68,22 @@ class Run:
     """One attention layer with its cache bookkeeping, fed random q/k/v; every step is checked against
     `naive` over the request's whole history, and the cache against the history at the mapped slots."""
 
-    def __init__(self, window=None, cap=None, legacy=False, num_blocks=64, seed=0, sinks=None, dv=D):
+    def __init__(
+        self, window=None, cap=None, legacy=False, num_blocks=64, seed=0, sinks=None, dv=D, tiled=False
+    ):
         self.layer = Attention(
-            H, D, SCALE, KV, sliding_window=window, soft_cap=cap, legacy=legacy, v_head_dim=dv
+            H,
+            D,
+            SCALE,
+            KV,
+            sliding_window=window,
+            soft_cap=cap,
+            legacy=legacy,
+            v_head_dim=dv,
+            kv_heads_tiled=tiled,
         )
         self.window, self.cap, self.legacy, self.sinks, self.dv = window, cap, legacy, sinks, dv
+        self.tiled = tiled
         self.gen = torch.Generator().manual_seed(seed)
         if legacy:
             self.kv, shape, v_shape = LegacyCacheRows(4, MAX_LEN), (4, MAX_LEN, KV * D), (4, MAX_LEN, KV * dv)
@@ -108,7 +124,7 @@ class Run:
         for r, c, n, a in zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist()):
             h = self.hist.setdefault(r, [q[:0], k[:0], v[:0]])
             h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v))]
-            ref = naive(*h, range(c, c + n), self.window, self.cap, self.sinks)
+            ref = naive(*h, range(c, c + n), self.window, self.cap, self.sinks, self.tiled)
             torch.testing.assert_close(out[a : a + n].double(), ref, atol=1e-5, rtol=0)
         self.check_cache(rids, tables)
         return out
@@ -285,6 +301,12 @@ def test_portable_decode_path_matches_naive(monkeypatch, sinks, dv):
     """Where the C++ kernel cannot be built (and inside compiled graphs) decode gathers the context for SDPA."""
     monkeypatch.setattr("runtime.layers.attention.host_decode_attention", lambda: None)
     prefill_then_decode(Run(3, sinks=sinks, dv=dv), LENS, steps=4)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["paged", "legacy"])
+def test_kv_heads_tiled_over_the_query_heads(legacy):
+    """JetMoE tiles its keys (`k.repeat(1, n, 1, 1)`): query head h reads kv head h % KV, sinks per query head."""
+    prefill_then_decode(Run(3, legacy=legacy, sinks=SINKS, tiled=True), LENS, steps=4)
 
 
 def test_a_stale_kernel_build_lock_is_removed(tmp_path):

@@ -137,6 +137,17 @@ def attend(
     return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks)[:, :, 0]
 
 
+def _tiled_to_grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[T, H, D] with head t * kv_heads + j reading kv head j -> head j * (H // kv_heads) + t."""
+    T, H, D = x.shape
+    return x.view(T, H // kv_heads, kv_heads, D).transpose(1, 2).reshape(T, H, D)
+
+
+def _grouped_to_tiled(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    T, H, D = x.shape
+    return x.view(T, kv_heads, H // kv_heads, D).transpose(1, 2).reshape(T, H, D)
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention that owns its slice of the KV cache.
 
@@ -157,13 +168,17 @@ class Attention(nn.Module):
         prefix: str = "",
         v_head_dim: int | None = None,
         latent_dim: int | None = None,
+        kv_heads_tiled: bool = False,
     ):
+        """``kv_heads_tiled``: query head h reads key / value head ``h % num_kv_heads`` (keys tiled with
+        ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``."""
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.v_head_dim = v_head_dim or head_dim  # values may be narrower than keys (MLA)
         self.sliding_window, self.soft_cap, self.prefix = sliding_window, soft_cap, prefix
         self.latent_dim = latent_dim  # cached per token instead of keys and values (forward_latent)
+        self.kv_heads_tiled = kv_heads_tiled and self.num_kv_heads != num_heads
         k_unit, v_unit = self.cache_shapes
         self.cache_unit = (math.prod(k_unit),) if legacy else None
         self.v_cache_unit = (math.prod(v_unit),) if legacy else None
@@ -249,7 +264,12 @@ class Attention(nn.Module):
         if md.is_prefill and not torch.compiler.is_compiling():
             self._check_fits_cache(k, v, md)
         shape = (-1, self.k_cache.shape[1], self.num_kv_heads)
-        return attend(
+        if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head
+            q = _tiled_to_grouped(q, self.num_kv_heads)
+            sinks = (
+                None if sinks is None else _tiled_to_grouped(sinks[None, :, None], self.num_kv_heads)[0, :, 0]
+            )
+        o = attend(
             q,
             k.contiguous(),
             v.contiguous(),
@@ -262,6 +282,7 @@ class Attention(nn.Module):
             self.soft_cap,
             sinks,
         )
+        return _grouped_to_tiled(o, self.num_kv_heads) if self.kv_heads_tiled else o
 
     def _check_fits_cache(self, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> None:
         """Refuse by name what this layer's cache cannot hold; checked on eager prefill steps."""

@@ -144,3 +144,25 @@ def method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
 def param_names(fn: cst.FunctionDef) -> list[str]:
     p = fn.params
     return [x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)]
+
+
+def attention_layer(init: cst.FunctionDef) -> tuple[str, cst.SimpleStatementLine] | None:
+    """(attr, line) of the one top-level `self.<attr> = Attention(...)` of init."""
+    lines = [
+        s
+        for s in init.body.body
+        if m.matches(s, SELF_ASSIGN_CALL) and called_name(s.body[0].value) == "Attention"
+    ]
+    return (lines[0].body[0].targets[0].target.attr.value, lines[0]) if len(lines) == 1 else None
+
+
+def appended(call: cst.Call, name: str, value: str) -> cst.Call:
+    """call with `name=value` last, laid out like its other arguments (one per line stays one per line)."""
+    new = cst.parse_expression(f"f({name}={value})").args[0]
+    if not call.args:
+        return call.with_changes(args=[new])
+    *rest, last = call.args
+    between = rest[-1].comma if rest else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    return call.with_changes(
+        args=[*rest, last.with_changes(comma=between), new.with_changes(comma=last.comma)]
+    )

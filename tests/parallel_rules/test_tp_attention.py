@@ -187,6 +187,10 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
             "        self.attn = Attention(",
             "        self.q_norm = RMSNorm(config.num_attention_heads * self.head_dim)\n        self.attn = Attention(",
         ),
+        "tiled over the query heads": BEFORE.replace(  # JetMoE
+            "scale=self.head_dim**-0.5,\n",
+            "scale=self.head_dim**-0.5,\n                kv_heads_tiled=True,\n",
+        ),
         "computed after q_proj": BEFORE.replace("head_dim=self.head_dim", "head_dim=self.head_dim2").replace(
             "        self.attn = Attention(", "        self.head_dim2 = 64\n        self.attn = Attention("
         ),

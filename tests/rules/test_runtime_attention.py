@@ -327,6 +327,17 @@ def test_callers_of_a_list_of_attention_modules_drop_the_weights(run_rule):
     assert run_rule(rule, out) == out
 
 
+def test_callers_keep_what_the_attention_returns_besides_its_weights(run_rule):
+    # JetMoE's attention returns (output, weights, router logits).
+    code = HEADER + attention() + CALLERS
+    code = code.replace("return attn_output, attn_weights", "return attn_output, attn_weights, router_logits")
+    code = code.replace("hidden_states, _ = self.self_attn(", "hidden_states, _, logits = self.self_attn(")
+    out = run_rule(rule, code)
+    assert "return attn_output, router_logits" in out
+    assert "        hidden_states, logits = self.self_attn(\n" in out
+    assert run_rule(rule, out) == out
+
+
 def test_kv_heads_computed_in_a_local_are_cached(run_rule):
     # MiMo-V2-Flash: sliding layers have twice the kv heads, computed in a local of __init__.
     code = HEADER + attention(init_extra=("num_key_value_heads = config.num_key_value_heads * 2",)) + CALLERS

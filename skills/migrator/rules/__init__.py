@@ -17,6 +17,7 @@ from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
 from skills.migrator.rules.runtime_attention import RuntimeAttention
 from skills.migrator.rules.stale_docs import StaleDocs
 from skills.migrator.rules.strip_hf_decorators import StripHFDecorators
+from skills.migrator.rules.tiled_kv_heads import TiledKVHeads
 from skills.migrator.rules.unused_imports import UnusedImports
 from skills.migrator.rules.unused_parameters import UnusedParameters
 
@@ -27,6 +28,7 @@ MODELING_RULES = [
     FoldHFOnlyParams,
     RuntimeAttention,
     LatentKVCache,
+    TiledKVHeads,
     ModelOutputs,
     CausalLMEntry,
     ModuleBases,

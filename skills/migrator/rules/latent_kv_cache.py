@@ -11,9 +11,9 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
-    SELF_ASSIGN_CALL,
+    appended,
     assigned_names,
-    called_name,
+    attention_layer,
     classes,
     code,
     free_names,
@@ -28,16 +28,6 @@ _SELF_CALL = m.Call(func=m.Attribute(m.Name("self"), m.Name()))
 _PAIR = m.SimpleStatementLine(
     [m.Assign([m.AssignTarget(m.Tuple([m.Element(m.Name()), m.Element(m.Name())]))], _SELF_CALL)]
 )
-
-
-def _attention_layer(init: cst.FunctionDef) -> tuple[str, cst.SimpleStatementLine] | None:
-    """(attr, line) of the one top-level `self.<attr> = Attention(...)` of init."""
-    lines = [
-        s
-        for s in init.body.body
-        if m.matches(s, SELF_ASSIGN_CALL) and called_name(s.body[0].value) == "Attention"
-    ]
-    return (lines[0].body[0].targets[0].target.attr.value, lines[0]) if len(lines) == 1 else None
 
 
 def _latent_call(
@@ -73,25 +63,13 @@ def _latent_call(
     return None
 
 
-def _appended(call: cst.Call, name: str, value: str) -> cst.Call:
-    """call with `name=value` last, laid out like its other arguments (one per line stays one per line)."""
-    new = cst.parse_expression(f"f({name}={value})").args[0]
-    if not call.args:
-        return call.with_changes(args=[new])
-    *rest, last = call.args
-    between = rest[-1].comma if rest else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
-    return call.with_changes(
-        args=[*rest, last.with_changes(comma=between), new.with_changes(comma=last.comma)]
-    )
-
-
 def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     if init is None or fwd is None or "config" not in param_names(init):
         return None
     if not all(f"config.{n}" in code(init) for n in ("kv_lora_rank", "qk_rope_head_dim")):
         return None
-    layer = _attention_layer(init)
+    layer = attention_layer(init)
     if layer is None or kwarg(layer[1].body[0].value, "latent_dim") is not None:
         return None
     attr, attn_line = layer
@@ -107,7 +85,7 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     kept = fwd.with_changes(body=fwd.body.with_changes(body=[s for s in fwd.body.body if s is not pair]))
     new_fwd = kept.deep_replace(call, new_call)
     layer_call = attn_line.body[0].value
-    new_layer = attn_line.deep_replace(layer_call, _appended(layer_call, "latent_dim", LATENT_WIDTH))
+    new_layer = attn_line.deep_replace(layer_call, appended(layer_call, "latent_dim", LATENT_WIDTH))
     new = {id(init): init.deep_replace(attn_line, new_layer), id(fwd): new_fwd}
     return cls.with_changes(body=cls.body.with_changes(body=[new.get(id(s), s) for s in cls.body.body]))
 

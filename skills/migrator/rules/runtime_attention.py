@@ -204,7 +204,7 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
 
 
 class _DropWeightsAtCallers(cst.CSTTransformer):
-    """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)`; the call passes `**kwargs` on (added to the
+    """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)` (`h, _, r = ...` -> `h, r = ...`); the call passes `**kwargs` on (added to the
     caller's signature if missing) so that forward_metadata reaches attention."""
 
     def __init__(self, attrs: set[str]):
@@ -227,7 +227,12 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
     def leave_Assign(self, original, updated):
         target = updated.targets[0].target
         if isinstance(target, cst.Tuple) and self._is_attention_call(updated.value):
-            return updated.with_changes(targets=[cst.AssignTarget(target.elements[0].value)])
+            kept = [
+                e for i, e in enumerate(target.elements) if i != 1
+            ]  # the weights (JetMoE returns 3 values)
+            kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            new = kept[0].value if len(kept) == 1 else target.with_changes(elements=kept)
+            return updated.with_changes(targets=[cst.AssignTarget(new)])
         return updated
 
     def leave_FunctionDef(self, original, updated):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, called_name, classes, free_names, method
+from skills.migrator.cst_utils import assigned_names, called_name, classes, free_names, kwarg, method
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
@@ -236,6 +236,8 @@ def _rewrite_per_head(
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | str:
     """The sharded class, or why it can't be sharded."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
+    if any(kwarg(a.call, "kv_heads_tiled") for a in self_layers(init, {"Attention"}).values()):
+        return "keys are tiled over the query heads (kv_heads_tiled): a rank's share of the heads needs every kv head"
     linears = self_layers(init, LINEAR)
     if fwd is not None and not any(a in linears for a in (*QKV, *FUSED_ON_DISK)):
         return _rewrite_per_head(cls, ctx, init, fwd)

@@ -1,0 +1,65 @@
+"""tiled_kv_heads: keys and values tiled over the query heads with `.repeat` are cached once, and the runtime
+Attention maps query heads onto them the same way (`kv_heads_tiled=True`)."""
+
+from textwrap import dedent
+
+import pytest
+from codemod_harness import assert_codemod, assert_noop
+
+from skills.migrator.rules.tiled_kv_heads import TiledKVHeads as rule
+
+# JetMoE's attention after MG005 (runtime Attention), shortened.
+BEFORE = dedent("""\
+    class JetMoeAttention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.top_k = config.num_experts_per_tok
+            self.attn = Attention(num_heads=8, head_dim=16, num_kv_heads=4, scale=0.25)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            query_states, key_states, value_states = self.project(hidden_states)
+
+            # repeated, not interleaved
+            key_states = key_states.repeat(1, self.top_k, 1, 1)
+            value_states = value_states.repeat(1, self.top_k, 1, 1)
+
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            return self.experts.reduce(attn_output)
+    """)
+
+AFTER = dedent("""\
+    class JetMoeAttention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.top_k = config.num_experts_per_tok
+            self.attn = Attention(num_heads=8, head_dim=16, num_kv_heads=4, scale=0.25, kv_heads_tiled=True)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            query_states, key_states, value_states = self.project(hidden_states)
+
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            return self.experts.reduce(attn_output)
+    """)
+
+
+def test_tiled_keys_and_values_are_cached_once(make_ctx):
+    assert_codemod(rule, BEFORE, AFTER, make_ctx)
+
+
+@pytest.mark.parametrize(
+    "before,after",
+    [
+        (
+            "value_states = value_states.repeat(1, self.top_k, 1, 1)",
+            "value_states = value_states * 2",
+        ),  # keys only
+        ("value_states.repeat(1, self.top_k, 1, 1)", "value_states.repeat(1, 2, 1, 1)"),  # counts differ
+        ("key_states.repeat(1, self.top_k, 1, 1)", "key_states.repeat(1, 1, self.top_k, 1)"),  # not the heads
+    ],
+)
+def test_other_repeats_are_left_alone(make_ctx, before, after):
+    assert_noop(rule, BEFORE.replace(before, after), make_ctx)
+
+
+def test_attention_without_repeats_untouched(make_ctx):
+    assert_noop(rule, AFTER.replace(", kv_heads_tiled=True", ""), make_ctx)
