@@ -1,11 +1,20 @@
-"""oneDNN-prepacked host linears compute what nn.Linear computes, and are only swapped in where they apply."""
+"""Host linears (oneDNN-prepacked, or the host kernel where oneDNN cannot prepack) compute what nn.Linear computes,
+and are only swapped in where they apply."""
 
 import pytest
 import torch
 from torch import nn
 
+from runtime.kernels import host_linear_kernel
 from runtime.layers import host_linear
-from runtime.layers.host_linear import FLOAT32_ROWS, HostPackedLinear, onednn_packs, pack_host_linears
+from runtime.layers.host_linear import (
+    FLOAT32_ROWS,
+    KERNEL_ROWS,
+    HostKernelLinear,
+    HostPackedLinear,
+    onednn_packs,
+    swap_host_linears,
+)
 
 needs_bf16_packing = pytest.mark.skipif(
     not onednn_packs(torch.bfloat16),
@@ -34,7 +43,7 @@ def test_pack_swaps_bf16_host_linears_including_a_tied_head():
     model[3].weight = model[0].weight  # tied head
     ids = torch.tensor([1, 7, 3])
     expected = model(ids)
-    assert pack_host_linears(model) == 2
+    assert swap_host_linears(model)[0] == 2
     assert isinstance(model[1], HostPackedLinear) and isinstance(model[3], HostPackedLinear)
     torch.testing.assert_close(model(ids), expected, atol=0, rtol=1.6e-2)
     assert model[0].weight.device.type == "cpu"  # the embedding keeps its table
@@ -42,10 +51,61 @@ def test_pack_swaps_bf16_host_linears_including_a_tied_head():
 
 def test_float32_models_are_left_alone():
     model = nn.Sequential(nn.Linear(8, 8))
-    assert pack_host_linears(model) == 0 and type(model[0]) is nn.Linear
+    assert swap_host_linears(model) == (0, "") and type(model[0]) is nn.Linear
 
 
-def test_hosts_that_cannot_prepack_keep_nn_linear(monkeypatch):
+needs_kernel = pytest.mark.skipif(host_linear_kernel() is None, reason="no C++ compiler for the host kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, KERNEL_ROWS, KERNEL_ROWS + 1, 64])
+def test_kernel_linear_matches_float32_product_rounded_once(dtype, bias, rows):
+    """Up to KERNEL_ROWS rows the kernel, above them float32: both sum in float32 and round the output once."""
+    torch.manual_seed(0)
+    linear = nn.Linear(100, 37, bias=bias, dtype=dtype)  # odd sizes: the kernel's remainder rows and columns
+    x = torch.randn(rows, 100, dtype=dtype)
+    bias_f = None if linear.bias is None else linear.bias.float()
+    expected = torch.nn.functional.linear(x.float(), linear.weight.float(), bias_f).to(dtype)
+    swapped = HostKernelLinear(linear)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(swapped(x), expected, atol=1e-5, rtol=eps)
+    assert swapped(x[None]).shape == (1, rows, 37) and swapped.weight is linear.weight
+
+
+@needs_kernel
+def test_hosts_that_cannot_prepack_use_the_host_kernel_and_keep_a_tied_head_tied(monkeypatch):
     monkeypatch.setattr(host_linear, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(host_linear, "_kernel_dtype", lambda dtype: True)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 50, bias=False))
+    model.to(torch.bfloat16)
+    model[3].weight = model[0].weight
+    ids = torch.tensor([1, 7, 3])
+    expected = model(ids)
+    count, what = swap_host_linears(model)
+    assert count == 2 and "host kernel" in what and isinstance(model[3], HostKernelLinear)
+    assert model[3].weight is model[0].weight
+    torch.testing.assert_close(model(ids), expected, atol=0, rtol=1.6e-2)
+
+
+def test_hosts_without_prepacking_or_kernel_keep_nn_linear(monkeypatch):
+    monkeypatch.setattr(host_linear, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(host_linear, "_kernel_dtype", lambda dtype: False)  # no compiler for the kernel
     model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
-    assert pack_host_linears(model) == 0 and type(model[0]) is nn.Linear
+    assert swap_host_linears(model) == (0, "") and type(model[0]) is nn.Linear
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [3, KERNEL_ROWS + 5])
+def test_parallel_linears_take_the_host_path_too(monkeypatch, rows):
+    """The runtime's parallel layers apply 16-bit weights the way HostKernelLinear does (their quant_method)."""
+    from runtime.layers.linear import ColumnParallelLinear
+
+    monkeypatch.setattr(host_linear, "_kernel_dtype", lambda dtype: True)  # as on an AVX2 host
+    layer = ColumnParallelLinear(100, 37, bias=True, params_dtype=torch.bfloat16)
+    for p in layer.parameters():
+        p.data.normal_()
+    x = torch.randn(rows, 100, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=torch.finfo(torch.bfloat16).eps)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
 from runtime.errors import ConfigError, UserError
-from runtime.kernels import host_int8_linear
+from runtime.kernels import host_linear_kernel
 from runtime.layers import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
 from runtime.layers.quantization import quantized_weights
 from runtime.layers.quantization.formats import FP8, INT8, dequantize, quantize_rows, quantize_tokens
@@ -62,7 +62,7 @@ def _random_weight(n: int, k: int, qtype) -> torch.Tensor:
     return torch.where(q.float().isnan(), 0.0, q.float()).to(torch.float8_e4m3fn)
 
 
-@pytest.mark.skipif(host_int8_linear() is None, reason="no C++ compiler for the host kernel")
+@pytest.mark.skipif(host_linear_kernel() is None, reason="no C++ compiler for the host kernel")
 @pytest.mark.parametrize("qtype", [INT8, FP8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_host_kernel_matches_the_dequantized_product(qtype, dtype, rows, n, k, g
     torch.manual_seed(0)
     q = _random_weight(n, k, qtype)
     scale, x, bias = torch.rand(n, groups) / 100, torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
-    out = getattr(host_int8_linear(), f"{qtype.name}_linear")(x, q, scale, bias)
+    out = getattr(host_linear_kernel(), f"{qtype.name}_linear")(x, q, scale, bias)
     weight = (q.double().unflatten(1, (groups, -1)) * scale.double()[:, :, None]).flatten(1)
     ref = x.double() @ weight.T + bias.double()
     assert out.dtype == dtype and out.shape == (rows, n)
@@ -92,7 +92,7 @@ def test_kernel_and_fallback_give_the_same_layer_output(monkeypatch, rows):
     process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (10, 1)
     fast = layer(x)
-    monkeypatch.setattr(quantized_weights, "host_int8_linear", lambda: None)
+    monkeypatch.setattr(quantized_weights, "host_linear_kernel", lambda: None)
     torch.testing.assert_close(fast, layer(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
         fast,
@@ -160,7 +160,7 @@ def test_int8_sums_are_exact_on_every_path(monkeypatch):
     assert torch.equal(int_mm_sums(q, weight), exact)
     assert torch.equal(integer_sums(q, weight), exact)  # F.linear above KERNEL_ROWS
     assert torch.equal(integer_sums(q[:3], weight), exact[:3])  # the host kernel
-    monkeypatch.setattr(quantized_weights, "host_int8_linear", lambda: None)
+    monkeypatch.setattr(quantized_weights, "host_linear_kernel", lambda: None)
     assert torch.equal(integer_sums(q[:3], weight), exact[:3])
 
 

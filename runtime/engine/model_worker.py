@@ -20,7 +20,7 @@ from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from runtime.kv_cache import KVCacheManager, blocks_for_batch, blocks_for_memory
 from runtime.layers.attention import Attention
-from runtime.layers.host_linear import pack_host_linears
+from runtime.layers.host_linear import swap_host_linears
 from runtime.layers.quantization.online import process_weights_after_loading, quantize_online
 
 logger = logging.getLogger(__name__)
@@ -114,8 +114,8 @@ class ModelWorker:
             )
         self.model = model
         self.param_bytes = param_bytes(model)
-        if mc.exe_mode == "eager" and (packed := pack_host_linears(model)):
-            logger.info("[Main] %d linear layers run on oneDNN with prepacked weights", packed)
+        if mc.exe_mode == "eager" and (swapped := swap_host_linears(model))[0]:
+            logger.info("[Main] %d linear layers run on %s", *swapped)
         self.decode_model = compile_decode(model, mc.exe_mode, self.dist.device)
         logger.info(
             "[Main] model %s loaded in %.1f s (%s, %s), %d parameter bytes on rank %d",

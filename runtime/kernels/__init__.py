@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = Path(__file__).parent
 # a build takes about a minute on two cores; an older lock outlived the process that took it
 STALE_LOCK_S = 600
+KERNEL_ROWS = 16  # rows (decode tokens) up to which host_linear_kernel's products beat the library's
 
 
 def _build_tag() -> str:
@@ -58,8 +59,9 @@ def host_decode_attention():
 
 
 @functools.cache
-def host_int8_linear():
-    return _load("int8_linear", "dequantize + matmul")
+def host_linear_kernel():
+    """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows."""
+    return _load("host_linear", "dequantize + matmul, or F.linear")
 
 
 def _drop_stale_lock(lock: Path) -> None:

@@ -1,15 +1,25 @@
-"""bf16 / fp16 linear layers on the host through oneDNN with their weights reordered once, after loading.
+"""bf16 / fp16 linear layers on the host, faster than ``F.linear``'s.
 
-``F.linear`` on a CPU bf16 weight re-lays the weight out on every call; oneDNN's prepacked form skips that
+Where oneDNN prepacks 16-bit weights (AVX-512 or AVX-NE-CONVERT), they are reordered once, after loading:
+``F.linear`` on a CPU bf16 weight re-lays the weight out on every call, and oneDNN's prepacked form skips that
 (measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). From
 ``FLOAT32_ROWS`` rows on (long prefills) the product runs in float32 instead: on AVX-512 hosts MKL's float32
 GEMM does about 290 GFLOP/s against oneDNN bf16's 170, which pays for unpacking the weight each call (a
-4096-row prefill GEMM: 90 -> 69 ms). float32 models stay on ``F.linear`` (MKL is at the memory bandwidth).
+4096-row prefill GEMM: 90 -> 69 ms).
+
+Elsewhere (AVX2 hosts), ``F.linear`` in bf16 costs about the same per row at any row count (a [1536, 576] weight:
+98 us for one row, 46 ms for 512). Up to ``KERNEL_ROWS`` rows the host C++ kernel reads the weight once in its
+own format (40 us for one row, 0.5 ms for 16); above, the product runs in float32 (5.4 ms for 512 rows, weight
+converted each call). float32 models stay on ``F.linear`` (MKL is at the memory bandwidth).
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runtime.kernels import KERNEL_ROWS, host_linear_kernel
 
 FLOAT32_ROWS = 1024
 
@@ -54,14 +64,64 @@ class HostPackedLinear(nn.Module):
         )
 
 
-def pack_host_linears(model: nn.Module) -> int:
-    """Swap every plain ``nn.Linear`` of a host model in bf16/fp16 for a ``HostPackedLinear``; returns how many.
+@functools.cache
+def _kernel_dtype(dtype: torch.dtype) -> bool:
+    return (
+        dtype in (torch.bfloat16, torch.float16)
+        and not onednn_packs(dtype)
+        and host_linear_kernel() is not None
+    )
+
+
+def kernel_applies(weight: torch.Tensor) -> bool:
+    """Whether ``host_linear`` beats ``F.linear`` for this weight: 16-bit, on a host oneDNN cannot prepack it for."""
+    return weight.device.type == "cpu" and _kernel_dtype(weight.dtype) and not torch.compiler.is_compiling()
+
+
+def host_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for a 16-bit weight where ``kernel_applies``: the host kernel up to KERNEL_ROWS rows, float32
+    above (both sum in float32 and round the output once)."""
+    rows = x.reshape(-1, weight.shape[1])
+    if rows.shape[0] <= KERNEL_ROWS:
+        out = host_linear_kernel().float_linear(rows, weight, bias)
+    else:
+        out = F.linear(rows.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class HostKernelLinear(nn.Module):
+    """An ``nn.Linear`` with a bf16 / fp16 weight (shared, so a tied head stays tied) on a host where oneDNN
+    cannot prepack it: decode rows through the host kernel, longer inputs in float32."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return host_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+def swap_host_linears(model: nn.Module) -> tuple[int, str]:
+    """Swap every plain ``nn.Linear`` of a host model in bf16/fp16 for a ``HostPackedLinear`` or, where oneDNN
+    cannot prepack, a ``HostKernelLinear``; returns how many and which.
 
     A weight another module shares (the embedding of a tied LM head) is packed too: the packed copy costs its
     size once more in memory and saves about 2 ms of the 3.4 ms SmolLM2's head takes per decode step."""
     first = next(model.parameters(), None)
-    if first is None or first.device.type != "cpu" or not onednn_packs(first.dtype):
-        return 0
+    if first is None or first.device.type != "cpu" or first.dtype not in (torch.bfloat16, torch.float16):
+        return 0, ""
+    if onednn_packs(first.dtype):
+        kind, what = HostPackedLinear, "oneDNN with prepacked weights"
+    elif kernel_applies(first):
+        kind, what = HostKernelLinear, f"the host kernel up to {KERNEL_ROWS} rows, float32 above"
+    else:
+        return 0, ""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -69,5 +129,5 @@ def pack_host_linears(model: nn.Module) -> int:
         if type(child) is nn.Linear and child.weight.dtype == first.dtype
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, HostPackedLinear(child))
-    return len(swaps)
+        setattr(parent, name, kind(child))
+    return len(swaps), what

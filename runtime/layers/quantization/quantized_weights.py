@@ -16,12 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.errors import ConfigError
-from runtime.kernels import host_int8_linear
+from runtime.kernels import KERNEL_ROWS, host_linear_kernel
 from runtime.layers.linear import RowParallelLinear, TPModule
 from runtime.layers.quantization.base import UnquantizedLinearMethod
 from runtime.layers.quantization.formats import QuantType, channel_maxima, dequantize, quantize_rows
-
-KERNEL_ROWS = 16
 
 
 def token_rows(x: torch.Tensor) -> int:
@@ -33,7 +31,7 @@ def decode_kernel(x: torch.Tensor):
     """The host kernel module when x's rows are few enough for it (decode), else None."""
     if x.device.type != "cpu" or token_rows(x) > KERNEL_ROWS or torch.compiler.is_compiling():
         return None
-    return host_int8_linear()
+    return host_linear_kernel()
 
 
 class QuantizedWeightMethod(UnquantizedLinearMethod):
@@ -85,6 +83,6 @@ class QuantizedWeightMethod(UnquantizedLinearMethod):
 
     def describe(self, device: torch.device) -> str:
         """The kernels ``apply`` uses on `device`, for the log."""
-        if device.type == "cpu" and host_int8_linear():
+        if device.type == "cpu" and host_linear_kernel():
             return f"the host {self.qtype.name} kernel up to {KERNEL_ROWS} rows, dequantize + matmul above"
         return "dequantize + matmul"

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import host_int8_linear
+from runtime.kernels import host_linear_kernel
 from runtime.layers.linear import RowParallelLinear, TPModule
 from runtime.layers.quantization.formats import FP8, INT8, QuantType, quantize_tokens
 from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
@@ -90,7 +90,7 @@ class Int8DynamicMethod(Int8WeightOnlyMethod):
     def describe(self, device: torch.device) -> str:
         if device.type == "cuda":
             return "int8 activations per token; torch._int_mm above 16 rows, F.linear on the integers below"
-        kernel = f"the host int8 kernel up to {KERNEL_ROWS} rows, " if host_int8_linear() else ""
+        kernel = f"the host int8 kernel up to {KERNEL_ROWS} rows, " if host_linear_kernel() else ""
         return f"int8 activations per token; {kernel}F.linear on the integers (float32){' above' if kernel else ''}"
 
 

@@ -1,7 +1,7 @@
-// Linear with int8 or fp8 (e4m3) weights for a few rows of activations (decode), host only.
+// Linear with int8, fp8 (e4m3), bf16 or fp16 weights for a few rows of activations (decode), host only.
 //
 // out[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * w[n, k] + bias[n], with w [N, K] and float
-// scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel). x is converted to float
+// scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel; none for bf16 / fp16). x is converted to float
 // once, each weight exactly to float, and the products are summed in float, so the only difference from the
 // dequantized float product is the order of the sums. Four weight rows are done per pass (four independent FMA
 // chains sharing each load of x), and the next pass's rows are prefetched: decode reads the weights from memory
@@ -14,12 +14,15 @@
 #include <vector>
 
 constexpr int64_t ROWS = 4;
+constexpr int64_t AHEAD = 4;  // passes between a prefetch and the pass that reads it
 
 struct Fp8 {  // float8_e4m3fn bits: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
   uint8_t bits;
 };
 
 static inline float weight_value(int8_t w) { return static_cast<float>(w); }
+static inline float weight_value(at::BFloat16 w) { return to_float(w); }
+static inline float weight_value(at::Half w) { return to_float(w); }
 static inline float weight_value(Fp8 w) {
   const uint32_t bits = (static_cast<uint32_t>(w.bits & 0x7F) << 20) | (static_cast<uint32_t>(w.bits & 0x80) << 24);
   float f;
@@ -27,7 +30,7 @@ static inline float weight_value(Fp8 w) {
   return f * 0x1p120f;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 static inline float hsum(__m256 v) {
@@ -47,6 +50,16 @@ static inline __m256 load8(const Fp8* p) {
   const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20);
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
   return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
+}
+
+// bf16 is the upper half of a float
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+}
+
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // dot products of x[0, len) with ROWS weight rows `stride` apart
@@ -88,9 +101,9 @@ static void quantized_gemv(const T* xt, const W* w, const float* scale, const T*
   at::parallel_for(0, passes, 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * ROWS, rows = std::min(ROWS, N - n0);
-      if (p + 1 < end) {
-        const char* next = reinterpret_cast<const char*>(w + (n0 + ROWS) * K);
-        for (int64_t off = 0; off < ROWS * K; off += 64) __builtin_prefetch(next + off);
+      if (p + AHEAD < end) {
+        const char* next = reinterpret_cast<const char*>(w + (n0 + AHEAD * ROWS) * K);
+        for (int64_t off = 0; off < ROWS * K * int64_t(sizeof(W)); off += 64) __builtin_prefetch(next + off);
       }
       for (int64_t m = 0; m < M; ++m) {
         float acc[ROWS] = {0.f, 0.f, 0.f, 0.f}, part[ROWS];
@@ -105,7 +118,7 @@ static void quantized_gemv(const T* xt, const W* w, const float* scale, const T*
               for (int64_t k = 0; k < group; ++k) part[r] += xg[k] * weight_value(wg[r * K + k]);
             }
           }
-          for (int64_t r = 0; r < rows; ++r) acc[r] += part[r] * scale[(n0 + r) * G + g];
+          for (int64_t r = 0; r < rows; ++r) acc[r] += scale ? part[r] * scale[(n0 + r) * G + g] : part[r];
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t n = n0 + r;
@@ -155,7 +168,33 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor sc
   return quantized_linear<Fp8>(x, weight, scale, bias);
 }
 
+// x [.., K] and weight [N, K] of one 16-bit float type: F.linear for a few rows, reading the weight once
+torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight: the same dtype");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's input size");
+  auto rows = x.reshape({-1, K}).contiguous();
+  auto out = torch::empty({rows.size(0), N}, x.options());
+  torch::Tensor b;
+  if (bias) b = bias->to(x.scalar_type()).contiguous();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "float_linear",
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       quantized_gemv<scalar_t, scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                                          nullptr, bias ? b.data_ptr<scalar_t>() : nullptr,
+                                                          out.data_ptr<scalar_t>(), rows.size(0), N, K, 1);
+                     }) AT_DISPATCH_CASE(at::kHalf, [&] {
+                       quantized_gemv<scalar_t, scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                                          nullptr, bias ? b.data_ptr<scalar_t>() : nullptr,
+                                                          out.data_ptr<scalar_t>(), rows.size(0), N, K, 1);
+                     }));
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear);
   m.def("fp8_linear", &fp8_linear);
+  m.def("float_linear", &float_linear);
 }
