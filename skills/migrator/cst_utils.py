@@ -1,5 +1,7 @@
 """Small libcst helpers shared by the rewrite rules."""
 
+from collections.abc import Callable
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -165,4 +167,30 @@ def appended(call: cst.Call, name: str, value: str) -> cst.Call:
     between = rest[-1].comma if rest else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
     return call.with_changes(
         args=[*rest, last.with_changes(comma=between), new.with_changes(comma=last.comma)]
+    )
+
+
+def with_attention_kwarg(
+    cls: cst.ClassDef,
+    attn_line: cst.SimpleStatementLine,
+    name: str,
+    value: str,
+    fwd: cst.FunctionDef,
+    new_fwd: cst.FunctionDef,
+) -> cst.ClassDef:
+    """cls with `name=value` added to its `self.<attr> = Attention(...)` line (in __init__) and fwd replaced."""
+    init = method(cls, "__init__")
+    layer_call = attn_line.body[0].value
+    new_layer = attn_line.deep_replace(layer_call, appended(layer_call, name, value))
+    new = {id(init): init.deep_replace(attn_line, new_layer), id(fwd): new_fwd}
+    return cls.with_changes(body=cls.body.with_changes(body=[new.get(id(s), s) for s in cls.body.body]))
+
+
+def rewrite_classes(module: cst.Module, rewrite: Callable[[cst.ClassDef], cst.ClassDef | None]) -> cst.Module:
+    """module with each top-level class that rewrite changes (returns not None) replaced."""
+    new = {name: out for name, cls in classes(module).items() if (out := rewrite(cls)) is not None}
+    if not new:
+        return module
+    return module.with_changes(
+        body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
     )

@@ -11,15 +11,15 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
-    appended,
     assigned_names,
     attention_layer,
-    classes,
     code,
     free_names,
     kwarg,
     method,
     param_names,
+    rewrite_classes,
+    with_attention_kwarg,
 )
 from skills.migrator.rule import Rule
 
@@ -83,11 +83,9 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
         f"self.{attr}.forward_latent({q}, ({latents}), {code(expand.func)}, {md})"
     )
     kept = fwd.with_changes(body=fwd.body.with_changes(body=[s for s in fwd.body.body if s is not pair]))
-    new_fwd = kept.deep_replace(call, new_call)
-    layer_call = attn_line.body[0].value
-    new_layer = attn_line.deep_replace(layer_call, appended(layer_call, "latent_dim", LATENT_WIDTH))
-    new = {id(init): init.deep_replace(attn_line, new_layer), id(fwd): new_fwd}
-    return cls.with_changes(body=cls.body.with_changes(body=[new.get(id(s), s) for s in cls.body.body]))
+    return with_attention_kwarg(
+        cls, attn_line, "latent_dim", LATENT_WIDTH, fwd, kept.deep_replace(call, new_call)
+    )
 
 
 class LatentKVCache(Rule):
@@ -95,9 +93,4 @@ class LatentKVCache(Rule):
     DESCRIPTION = "MLA attention caches its latents: keys and values are expanded from them (forward_latent)."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        new = {name: out for name, cls in classes(module).items() if (out := _rewrite(cls)) is not None}
-        if not new:
-            return module
-        return module.with_changes(
-            body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
-        )
+        return rewrite_classes(module, _rewrite)

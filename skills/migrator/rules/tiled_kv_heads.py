@@ -8,7 +8,14 @@ head dimension (1 of HF's [batch, heads, tokens, head_dim]) repeated, is rewritt
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import appended, attention_layer, classes, code, kwarg, method
+from skills.migrator.cst_utils import (
+    attention_layer,
+    code,
+    kwarg,
+    method,
+    rewrite_classes,
+    with_attention_kwarg,
+)
 from skills.migrator.rule import Rule
 
 ONE = m.Arg(m.Integer("1"), keyword=None)
@@ -49,10 +56,7 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     new_fwd = fwd.with_changes(
         body=fwd.body.with_changes(body=[s for s in fwd.body.body if id(s) not in doomed])
     )
-    layer_call = attn_line.body[0].value
-    new_layer = attn_line.deep_replace(layer_call, appended(layer_call, "kv_heads_tiled", "True"))
-    new = {id(init): init.deep_replace(attn_line, new_layer), id(fwd): new_fwd}
-    return cls.with_changes(body=cls.body.with_changes(body=[new.get(id(s), s) for s in cls.body.body]))
+    return with_attention_kwarg(cls, attn_line, "kv_heads_tiled", "True", fwd, new_fwd)
 
 
 class TiledKVHeads(Rule):
@@ -60,9 +64,4 @@ class TiledKVHeads(Rule):
     DESCRIPTION = "Keys and values tiled over the query heads with .repeat are cached once (kv_heads_tiled)."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        new = {name: out for name, cls in classes(module).items() if (out := _rewrite(cls)) is not None}
-        if not new:
-            return module
-        return module.with_changes(
-            body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
-        )
+        return rewrite_classes(module, _rewrite)
