@@ -220,6 +220,9 @@ def _save_as_transformers_loads_it(saved: PreTrainedModel, out_dir: Path, dtype:
         loaded.save_pretrained(out_dir, safe_serialization=True)
 
 
+MIN_GAP = 1e-4  # a relative margin is taken only above this gap in logits: far above float32 rounding
+
+
 @torch.no_grad()
 def greedy_margin(
     model: torch.nn.Module,
@@ -238,8 +241,9 @@ def greedy_margin(
         for _ in range(max_new_tokens):
             logits = model(input_ids=ids).logits[0, -1].float()
             top = torch.topk(logits, 2)
-            gap = top.values[0] - top.values[1]
-            margin = min(margin, (gap / logits.std() if relative else gap).item())
+            gap = (top.values[0] - top.values[1]).item()
+            spread = logits.std().item()
+            margin = min(margin, (gap / spread if spread > 0 else 0.0) if relative else gap)
             ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
     return margin
 
@@ -255,8 +259,8 @@ def pick_seed(
     """First seed whose checkpoint has greedy margin >= `min_margin`; `out_dir` is left holding it.
 
     A model that scales its logits down (Cohere's `logit_scale`) scales rounding differences with them, so
-    when no seed reaches the margin in logits, the first seed reaching it relative to the logits' spread is
-    taken."""
+    when no seed reaches the margin in logits, the first seed reaching it relative to the logits' spread (and at
+    least MIN_GAP in logits) is taken."""
     best, relative = float("-inf"), None
     for seed in seeds:
         build_tiny_checkpoint(config, out_dir, seed=seed)
@@ -267,6 +271,7 @@ def pick_seed(
         best = max(best, margin)
         if (
             relative is None
+            and margin >= MIN_GAP
             and greedy_margin(model, prompts_ids, max_new_tokens, relative=True) >= min_margin
         ):
             relative = seed

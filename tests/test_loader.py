@@ -156,6 +156,11 @@ def test_tensors_fused_on_disk_are_split_as_transformers_converts_them():
     load_named_weights(model, [("layers.0.mlp.gate_up_proj.weight", gate_up)])
     assert torch.equal(model.layers[0].mlp.up_proj.weight, gate_up[3:])
 
+    with pytest.raises(UserError, match=r"has 9 rows; .* need \[4, 2, 2\]"):
+        load_named_weights(
+            _FusedOnDisk("sarvam_moe"), [("layers.0.attention.query_key_value.weight", torch.zeros(9, 4))]
+        )
+
     sharded = _FusedOnDisk(
         "sarvam_moe"
     )  # a target sharded by tensor parallelism cannot be sized from its shard

@@ -177,7 +177,10 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
   auto rows = x.reshape({-1, K}).contiguous();
   auto out = torch::empty({rows.size(0), N}, x.options());
   torch::Tensor b;
-  if (bias) b = bias->to(x.scalar_type()).contiguous();
+  if (bias) {
+    b = bias->to(x.scalar_type()).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias: one value per output channel");
+  }
   AT_DISPATCH_SWITCH(x.scalar_type(), "float_linear",
                      AT_DISPATCH_CASE(at::kBFloat16, [&] {
                        quantized_gemv<scalar_t, scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),

@@ -75,7 +75,12 @@ def _kernel_dtype(dtype: torch.dtype) -> bool:
 
 def kernel_applies(weight: torch.Tensor) -> bool:
     """Whether ``host_linear`` beats ``F.linear`` for this weight: 16-bit, on a host oneDNN cannot prepack it for."""
-    return weight.device.type == "cpu" and _kernel_dtype(weight.dtype) and not torch.compiler.is_compiling()
+    return (
+        weight.device.type == "cpu"
+        and _kernel_dtype(weight.dtype)
+        and weight.is_contiguous()
+        and not torch.compiler.is_compiling()
+    )
 
 
 def host_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

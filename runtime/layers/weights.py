@@ -127,16 +127,22 @@ def _unfused(
         targets, sized = found
         tensor = materialize(weight)
         if not sized:
-            yield from zip(targets, tensor.chunk(len(targets)), strict=True)
-            continue
-        whole = [t for t in targets if t in params and getattr(_owner(params[t]), "tp_size", 1) == 1]
-        if len(whole) < len(targets):
+            sizes = [tensor.shape[0] // len(targets)] * len(targets)
+        elif all(t in params and getattr(_owner(params[t]), "tp_size", 1) == 1 for t in targets):
+            sizes = [params[t].shape[0] for t in targets]
+        else:
             raise UserError(
                 f"checkpoint weight {name!r} holds {', '.join(targets)} fused; it is split by their sizes, "
-                "which needs each of them as a whole parameter (not merged or sharded by tensor "
-                "parallelism). Run it at TP 1, or split the tensor in the checkpoint."
+                "which needs each of them as a whole parameter of the model (not merged into one layer or "
+                "sharded by tensor parallelism). Run the migrated model unparallelized, or split the tensor in "
+                "the checkpoint."
             )
-        yield from zip(targets, tensor.split([params[t].shape[0] for t in targets]), strict=True)
+        if sum(sizes) != tensor.shape[0]:
+            raise UserError(
+                f"checkpoint weight {name!r} has {tensor.shape[0]} rows; {', '.join(targets)} need {sizes}: the "
+                "checkpoint does not belong to this model code."
+            )
+        yield from zip(targets, tensor.split(sizes), strict=True)
 
 
 def _owner(param: torch.Tensor) -> object:

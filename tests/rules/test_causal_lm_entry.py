@@ -148,10 +148,11 @@ def test_tying_follows_tied_weights_keys(run_rule):
         "if config.tie_word_embeddings:\n    self.lm_head.weight = self.model.embed_tokens.weight"
     )
 
-    # Every tie is honoured (BertGeneration ties its head's bias too); regex entries are not parameter paths.
+    # Every tie is honoured (BertGeneration ties its head's bias too); regex entries and indexed paths
+    # (`heads.1.weight`, not an attribute path) are left to the checkpoint.
     two = BEFORE.replace(
         '{"lm_head.weight": "model.embed_tokens.weight"}',
-        '{"lm_head.weight": "model.embed_tokens.weight", "lm_head.bias": "bias", r"layers\\.\\d+": "layers.0"}',
+        '{"lm_head.weight": "model.embed_tokens.weight", "lm_head.bias": "bias", r"layers\\.\\d+": "layers.0", "heads.1.weight": "heads.0.weight"}',
     )
     init = entry_methods(run_rule(rule, two, **GEMMA3), "Gemma3ForCausalLM")["__init__"]
     assert ast.unparse(init.body[-1]) == (

@@ -349,7 +349,10 @@ def test_reading_a_cache_layer_s_keys_is_not_a_finding(run_rule, make_ctx):
         class Attention(nn.Module):
             def forward(self, hidden_states, past_key_values=None):
                 if past_key_values is not None:
-                    key_states = past_key_values.layers[self.layer_idx].keys
+                    key_states = past_key_values.layers[self.layer_idx].keys.transpose(1, 2)
+                    seen = past_key_values.layers[0].get_seq_length()
+                    keys = past_key_values.layers[self.layer_idx].keys
+                    keys = keys.view(1, -1)
                 return self.k_proj(hidden_states)
         """)
     ctx = make_ctx()
@@ -400,3 +403,15 @@ def test_a_literal_every_branch_agrees_on_is_known_after_the_if(run_rule):
         "    ",
     )
     assert run_rule(rule, out) == out
+
+
+def test_identical_branches_binding_a_name_in_their_test_stay(run_rule):
+    code = dedent("""\
+        def forward(self, x, use_cache=None):
+            if (flag := self.flag):
+                use_cache = False
+            else:
+                use_cache = False
+            return x + flag
+        """)
+    assert "if (flag := self.flag):" in run_rule(rule, code)

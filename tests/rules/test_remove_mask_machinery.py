@@ -307,3 +307,17 @@ def test_a_mask_factory_method_goes_with_its_calls(run_rule):
 def test_a_mask_factory_method_still_referenced_stays(run_rule):
     code = MASK_METHOD.replace("self.embeddings(input_ids)\n", "Model._create_attention_masks\n")
     assert "def _create_attention_masks" in run_rule(rule, code)
+
+
+def test_a_mask_method_that_computes_model_maths_stays(run_rule):
+    # Doge's `prepare_dynamic_mask` is an attention bias from the hidden states, not HF's padding mask.
+    code = dedent("""\
+        class DogeAttention(nn.Module):
+            def forward(self, hidden_states, attention_mask=None):
+                attn_mask = self.prepare_dynamic_mask(hidden_states, self.dt_proj(hidden_states))
+                return self.attend(hidden_states, attn_mask)
+
+            def prepare_dynamic_mask(self, hidden_states, dt_states):
+                return dt_states.topk(4).values
+        """)
+    assert run_rule(rule, code) == code

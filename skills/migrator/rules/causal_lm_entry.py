@@ -50,7 +50,8 @@ def _inner_model_attr(cls: cst.ClassDef, module: cst.Module) -> str | None:
     return None
 
 
-PARAM_NAME = re.compile(r"^[\w.]+$")  # a parameter's path, not one of the regexes _tied_weights_keys allows
+# a parameter's path of attribute names (no regex, no `layers.0` index), written as `self.<path>`
+PARAM_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
@@ -67,7 +68,9 @@ def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
             else:
                 pairs = [("lm_head.weight", f"{inner}.embed_tokens.weight")]
             ties = "".join(
-                f"    self.{dst} = self.{src}\n" for dst, src in pairs if PARAM_NAME.match(dst + src)
+                f"    self.{dst} = self.{src}\n"
+                for dst, src in pairs
+                if PARAM_NAME.match(dst) and PARAM_NAME.match(src)
             )
             return stmts(f"if config.tie_word_embeddings:\n{ties}") if ties else []
     return []

@@ -207,7 +207,8 @@ def _fold_stmt(s, env: _Env) -> list:
                 else (cst.Else(cst.IndentedBlock(folded)) if folded else None)
             )
         body = _block(s.body, _fold_block(s.body.body, env.copy()))
-        if isinstance(orelse, cst.Else) and orelse.body.deep_equals(body) and not m.findall(s.test, m.Call()):
+        pure_test = not m.findall(s.test, m.Call() | m.NamedExpr())
+        if isinstance(orelse, cst.Else) and orelse.body.deep_equals(body) and pure_test:
             return list(body.body)  # both branches folded to the same code (`use_cache = False`)
         return [s.with_changes(test=s.test.visit(_Substitute(env)), body=body, orelse=orelse)]
     if isinstance(s, (cst.For, cst.While, cst.With)):
@@ -260,22 +261,24 @@ def _bound_to_hf_only(module: cst.Module) -> set[int]:
 
 
 def _cache_layer_methods(fn: cst.FunctionDef) -> list[str]:
-    """`store(...)` of each `cache.layers[i].store(...)` in fn, directly or through a local bound to
-    `cache.layers[i]`, for every cache parameter of fn."""
+    """`store` of each `cache.layers[i].store(...)` in fn, directly or through a local bound to `cache.layers[i]`,
+    for every cache parameter of fn; reads (`get_*`) are not state."""
     caches = {
         p.name.value for p in named_params(fn) if p.name.value in HF_ONLY and HF_ONLY[p.name.value] is None
     }
     layer = m.Subscript(value=m.Attribute(value=m.OneOf(*map(m.Name, caches)), attr=m.Name("layers")))
     if not caches or not m.findall(fn, layer):
         return []
+    held = (
+        layer | m.IfExp(body=layer) | m.IfExp(orelse=layer)
+    )  # `cache.layers[i] if cache is not None else None`
     holders = {
-        name
-        for a in m.findall(fn, m.Assign() | m.AnnAssign())
-        if a.value is not None and m.findall(a.value, layer)
-        for name in assigned_names(a)
+        a.target.value if isinstance(a, cst.AnnAssign) else a.targets[0].target.value
+        for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], held) | m.AnnAssign(m.Name(), value=held))
     }
     receiver = layer | m.OneOf(*map(m.Name, holders)) if holders else layer
-    return sorted({c.func.attr.value for c in m.findall(fn, m.Call(func=m.Attribute(value=receiver)))})
+    calls = m.findall(fn, m.Call(func=m.Attribute(value=receiver)))
+    return sorted({c.func.attr.value for c in calls if not c.func.attr.value.startswith("get_")})
 
 
 class _DropArgs(cst.CSTTransformer):

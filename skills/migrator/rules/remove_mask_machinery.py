@@ -11,13 +11,18 @@ from skills.migrator.cst_utils import assigned_names, free_names, names_in, with
 from skills.migrator.rule import Rule
 
 MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IGNORECASE)
+# a model's own method that builds HF's attention masks (`self._create_attention_masks(...)`); other `*_mask`
+# methods may compute model maths (Doge's `prepare_dynamic_mask` is an attention bias)
+MASK_METHOD = re.compile(r"(^|_)(create|make|prepare|update)_\w*(attention|causal)_masks?$")
 
 
 def _builds_mask(node: cst.CSTNode) -> bool:
     """Calls or names a mask factory (`create_causal_mask`, `mask_function = create_... if ... else ...`,
     `self._create_attention_masks(...)`)."""
     methods = (a.attr.value for a in m.findall(node, m.Attribute(value=m.Name("self"))))
-    return any(MASK_FACTORY.search(n) for n in (*free_names(node), *methods))
+    return any(MASK_FACTORY.search(n) for n in free_names(node)) or any(
+        MASK_METHOD.search(n) for n in methods
+    )
 
 
 def _rebound(stmt: cst.CSTNode) -> set[int]:

@@ -40,7 +40,7 @@ def _tile(line: cst.BaseStatement, name: str) -> str | None:
 def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     layer = attention_layer(init) if init is not None and fwd is not None else None
-    if layer is None or kwarg(layer[1].body[0].value, "kv_heads_tiled") is not None:
+    if layer is None or any(kwarg(layer[1].body[0].value, k) for k in ("kv_heads_tiled", "latent_dim")):
         return None
     attr, attn_line = layer
     calls = m.findall(fwd, m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)), args=[m.Arg()] * 4))
