@@ -129,31 +129,46 @@ static void quantized_gemv(const T* xt, const W* w, const float* scale, const T*
   });
 }
 
+// x [.., K] as contiguous rows, the output rows to fill and the bias in x's dtype, for a weight [N, K]
+struct Product {
+  torch::Tensor rows, out, bias;
+  int64_t N, K;
+
+  Product(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& b)
+      : N(weight.size(0)), K(weight.size(1)) {
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K]");
+    TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's input size");
+    rows = x.reshape({-1, K}).contiguous();
+    out = torch::empty({rows.size(0), N}, x.options());
+    if (b) {
+      bias = b->to(x.scalar_type()).contiguous();
+      TORCH_CHECK(bias.numel() == N, "bias: one value per output channel");
+    }
+  }
+
+  template <typename T>
+  const T* bias_ptr() const { return bias.defined() ? bias.data_ptr<T>() : nullptr; }
+
+  torch::Tensor shaped(const torch::Tensor& x) const {
+    auto shape = x.sizes().vec();
+    shape.back() = N;
+    return out.view(shape);
+  }
+};
+
 template <typename W>
 static torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
                                       c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K]");
-  const int64_t K = weight.size(1), N = weight.size(0);
+  const Product p(x, weight, bias);
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-              scale.size(0) == N && K % scale.size(1) == 0,
+              scale.size(0) == p.N && p.K % scale.size(1) == 0,
               "scale: contiguous float32 [N, G], G dividing the input size");
-  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's input size");
-  auto rows = x.reshape({-1, K}).contiguous();
-  auto out = torch::empty({rows.size(0), N}, x.options());
-  torch::Tensor b;
-  if (bias) {
-    b = bias->to(x.scalar_type()).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias: one value per output channel");
-  }
   const W* w = reinterpret_cast<const W*>(weight.data_ptr());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear", [&] {
-    quantized_gemv<scalar_t, W>(rows.data_ptr<scalar_t>(), w, scale.data_ptr<float>(),
-                                bias ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows.size(0),
-                                N, K, scale.size(1));
+    quantized_gemv<scalar_t, W>(p.rows.data_ptr<scalar_t>(), w, scale.data_ptr<float>(), p.bias_ptr<scalar_t>(),
+                                p.out.data_ptr<scalar_t>(), p.rows.size(0), p.N, p.K, scale.size(1));
   });
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return out.view(shape);
+  return p.shaped(x);
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
@@ -170,30 +185,14 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor sc
 
 // x [.., K] and weight [N, K] of one 16-bit float type: F.linear for a few rows, reading the weight once
 torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight: the same dtype");
-  const int64_t K = weight.size(1), N = weight.size(0);
-  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be the weight's input size");
-  auto rows = x.reshape({-1, K}).contiguous();
-  auto out = torch::empty({rows.size(0), N}, x.options());
-  torch::Tensor b;
-  if (bias) {
-    b = bias->to(x.scalar_type()).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias: one value per output channel");
-  }
-  AT_DISPATCH_SWITCH(x.scalar_type(), "float_linear",
-                     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       quantized_gemv<scalar_t, scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                                          nullptr, bias ? b.data_ptr<scalar_t>() : nullptr,
-                                                          out.data_ptr<scalar_t>(), rows.size(0), N, K, 1);
-                     }) AT_DISPATCH_CASE(at::kHalf, [&] {
-                       quantized_gemv<scalar_t, scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                                          nullptr, bias ? b.data_ptr<scalar_t>() : nullptr,
-                                                          out.data_ptr<scalar_t>(), rows.size(0), N, K, 1);
-                     }));
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return out.view(shape);
+  const Product p(x, weight, bias);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "float_linear", [&] {
+    quantized_gemv<scalar_t, scalar_t>(p.rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), nullptr,
+                                       p.bias_ptr<scalar_t>(), p.out.data_ptr<scalar_t>(), p.rows.size(0), p.N,
+                                       p.K, 1);
+  });
+  return p.shaped(x);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
