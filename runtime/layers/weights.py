@@ -1,8 +1,9 @@
 """Model-side weight loading: map checkpoint names onto parameters and their ``weight_loader``s."""
 
+import functools
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -62,18 +63,21 @@ def load_named_weights(
     params = {**dict(model.named_parameters(remove_duplicate=False)), **buffers}
     mapping = list(stacked_params_mapping)
     skips = _Skips(model, ignored)
-    layout = None
+    layout = functools.cache(
+        lambda: CheckpointLayout(
+            getattr(getattr(model, "config", None), "model_type", ""), type(model).__name__
+        )
+    )
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
-    for name, weight in _unfused(weights, model, params, mapping):
+    for name, weight in _unfused(weights, layout, params, mapping):
         target, shard_id, part = name, None, None
         for fused, piece, sid in mapping:
             if piece in name:
                 target, shard_id = name.replace(piece, fused), sid
                 break
         if target not in params:
-            layout = layout or _layout(model)
-            target, part = layout.resolve(name)
+            target, part = layout().resolve(name)
         param = params.get(target)
         if param is None and skips.take(name):
             continue
@@ -104,24 +108,18 @@ def load_named_weights(
     return loaded
 
 
-def _layout(model: nn.Module) -> CheckpointLayout:
-    return CheckpointLayout(getattr(getattr(model, "config", None), "model_type", ""), type(model).__name__)
-
-
 def _unfused(
     weights: Iterable[tuple[str, object]],
-    model: nn.Module,
+    layout: Callable[[], CheckpointLayout],
     params: dict[str, torch.Tensor],
     mapping: list[tuple[str, str, object]],
 ) -> Iterable[tuple[str, object]]:
     """The checkpoint's tensors, those that hold several parameters fused on disk split into them."""
-    layout = None
     for name, weight in weights:
         if name in params or any(piece in name for _, piece, _ in mapping):
             yield name, weight
             continue
-        layout = layout or _layout(model)
-        if (found := layout.unfused(name)) is None:
+        if (found := layout().unfused(name)) is None:
             yield name, weight
             continue
         targets, sized = found
