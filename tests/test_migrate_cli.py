@@ -50,6 +50,7 @@ def test_force_rewrite_is_byte_identical(tiny_llama_dir, tmp_path):
     assert tree(first) == before
     proc = skill("migrate", str(tiny_llama_dir), "-o", str(tmp_path / "a"), "--no-run")  # no --force: refused
     assert proc.returncode != 0 and "--force" in proc.stderr
+    assert "rules applied" not in proc.stderr  # refused before any conversion work
 
 
 def test_existing_model_dir_scenarios_c_and_b(tiny_llama_dir, tmp_path):
@@ -142,6 +143,7 @@ def test_non_writable_out(tiny_llama_dir, tmp_path):
     blocker.write_text("not a directory")
     proc = skill("migrate", str(tiny_llama_dir), "-o", str(blocker / "out"), "--no-run")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "-o OUT" in proc.stderr
+    assert "rules applied" not in proc.stderr
 
 
 @pytest.mark.parametrize("prompt", ["部署模式: 混合部署", "deployment mode: hybrid"])

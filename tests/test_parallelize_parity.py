@@ -158,7 +158,7 @@ def _quantized_yaml(source: Path, target: Path, quant_method: str) -> Path:
     ("quant_mode", "quant_method"),
     [
         ("w8a16", "int8_weight_only"),
-        ("fp8", "fp8"),
+        pytest.param("fp8", "fp8", marks=pytest.mark.slow),
         pytest.param("w8a8", "w8a8_dynamic", marks=pytest.mark.slow),
     ],
 )

@@ -138,12 +138,22 @@ def convert_code(
     return done
 
 
-def stage(target: Path, files: dict[str, str], force: bool) -> Path:
-    """Write all files into a fresh hidden sibling of target; `swap` puts it in place once it is good."""
+def check_target(target: Path, force: bool) -> None:
+    """Refuse a target that may not be (re)written before any conversion work is spent on it."""
     if target.exists() and not force:
         raise UserError(
             f"{target} already exists; pass --force to regenerate it (your edits there would be lost)."
         )
+    nearest = next(p for p in (target.parent, *target.parent.parents) if p.exists())
+    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+        raise UserError(
+            f"cannot write to {target.parent} ({nearest} is not a writable directory); choose another -o OUT."
+        )
+
+
+def stage(target: Path, files: dict[str, str], force: bool) -> Path:
+    """Write all files into a fresh hidden sibling of target; `swap` puts it in place once it is good."""
+    check_target(target, force)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -240,6 +250,7 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
             if result.verification.status == "mismatch":
                 result.status = "mismatch"
         return result
+    check_target(model_dir, opts.force)
     render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
     hf_config = checkpoint_config(resolved.path, src.remote_code, opts.trust_remote_code)
     converted = convert_code(src, name, opts.kv, opts.disabled_rules, hf_config)
