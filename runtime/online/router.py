@@ -22,6 +22,7 @@ from runtime.online.server import ignore_reraised_signals
 
 logger = logging.getLogger(__name__)
 ROUTED = ("/v1/completions", "/v1/chat/completions")
+KEEPALIVE_EXPIRY_S = 2.0  # below uvicorn's default timeout_keep_alive (5 s)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,10 @@ async def _drop(call: asyncio.Future) -> None:
 
 def build_router(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="model-infer-skills PD router", docs_url=None, redoc_url=None)
-    timeout, unlimited = httpx.Timeout(settings.timeout_s, connect=5.0), httpx.Limits(max_connections=None)
+    timeout = httpx.Timeout(settings.timeout_s, connect=5.0)
+    # idle connections expire here before the backends' uvicorn closes them (after 5 s): with equal limits a
+    # request sent on a connection the server is closing fails with ReadError (seen under load in the suite)
+    unlimited = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     # one pool per side: decode streams waiting for their KV must not hold the connections prefills need
     prefills, decodes = (httpx.AsyncClient(timeout=timeout, limits=unlimited) for _ in range(2))
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
