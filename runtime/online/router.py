@@ -56,9 +56,9 @@ def build_router(settings: RouterSettings) -> FastAPI:
     timeout = httpx.Timeout(settings.timeout_s, connect=5.0)
     # idle connections expire here before the backends' uvicorn closes them (after 5 s): with equal limits a
     # request sent on a connection the server is closing fails with ReadError (seen under load in the suite)
-    unlimited = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     # one pool per side: decode streams waiting for their KV must not hold the connections prefills need
-    prefills, decodes = (httpx.AsyncClient(timeout=timeout, limits=unlimited) for _ in range(2))
+    prefills, decodes = (httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(2))
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
 
     async def route(request: Request, path: str) -> Response:

@@ -151,9 +151,9 @@ def check_target(target: Path, force: bool) -> None:
         )
 
 
-def stage(target: Path, files: dict[str, str], force: bool) -> Path:
-    """Write all files into a fresh hidden sibling of target; `swap` puts it in place once it is good."""
-    check_target(target, force)
+def stage(target: Path, files: dict[str, str]) -> Path:
+    """Write all files into a fresh hidden sibling of target (which check_target allowed); `swap` puts it in place
+    once it is good."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -259,7 +259,7 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
         + "; ".join(f"{Path(rel).name}: {' '.join(ids)}" for rel, ids in converted.rules.items())
     )
     files = {**converted.files, **render_artifacts(render_ctx)}
-    staging = stage(model_dir, files, opts.force)
+    staging = stage(model_dir, files)
     try:
         attention, experts = validate_model_dir(staging, staging / "config" / f"{name}.yaml")
         log(f"converted {src.entry_class}: code imports, builds and takes every checkpoint weight")
