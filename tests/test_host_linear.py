@@ -109,3 +109,25 @@ def test_parallel_linears_take_the_host_path_too(monkeypatch, rows):
     x = torch.randn(rows, 100, dtype=torch.bfloat16)
     expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=torch.finfo(torch.bfloat16).eps)
+
+
+@needs_bf16_packing
+@pytest.mark.parametrize("rows", [1, FLOAT32_ROWS])
+def test_parallel_linears_are_prepacked_where_onednn_packs(rows):
+    """An unquantized parallel linear gets oneDNN's layout too (it was re-laid out on every F.linear call);
+    a quantized one keeps its own method's weights."""
+    from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
+    from runtime.layers.quantization.int8_weight_only import Int8WeightOnlyMethod
+
+    torch.manual_seed(0)
+    qkv = QKVParallelLinear(64, 16, 4, 2, bias=True, params_dtype=torch.bfloat16)
+    out = RowParallelLinear(64, 64, params_dtype=torch.bfloat16, quant_method=Int8WeightOnlyMethod())
+    model = nn.Sequential(qkv, nn.Linear(128, 64, dtype=torch.bfloat16), out)
+    for p in qkv.parameters():
+        p.data.normal_()
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    expected = qkv(x)
+    assert swap_host_linears(model)[0] == 2  # the nn.Linear and the QKV layer
+    assert qkv.weight.device.type == "meta" and qkv.weight.shape == (128, 64)
+    assert not hasattr(out, "packed_weight")
+    torch.testing.assert_close(qkv(x), expected, atol=0, rtol=1.6e-2)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from runtime.layers.host_linear import host_linear, kernel_applies
+from runtime.layers.host_linear import host_linear, kernel_applies, packed_linear
 
 if TYPE_CHECKING:
     from runtime.layers.linear import TPModule
@@ -30,6 +30,10 @@ class UnquantizedLinearMethod:
         layer._add_param("weight", output_size_per_partition, input_size_per_partition)
 
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (
+            packed := getattr(layer, "packed_weight", None)
+        ) is not None:  # oneDNN's layout (swap_host_linears)
+            return packed_linear(x, packed, bias, layer.weight.shape[0])
         if kernel_applies(layer.weight):  # a 16-bit weight on an AVX2 host
             return host_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
