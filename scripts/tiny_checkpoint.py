@@ -67,8 +67,10 @@ _ARCH: dict[str, dict] = {
     "qwen2": {"tie_word_embeddings": False},
     "qwen3": {"tie_word_embeddings": False},
     "gemma3_text": {"tie_word_embeddings": True, "sliding_window": 8, "query_pre_attn_scalar": 16},
-    # an MoE layer from the second on, and expert groups the 4 tiny experts fill (group-limited top-k)
-    "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
+    "deepseek_v3": {
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 1,
+    },  # an MoE layer from the second on
 }
 
 
@@ -110,8 +112,11 @@ def make_tokenizer(out_dir: Path, vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 _MOE = {"num_experts": 4, "num_local_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
-# Sizes some configs name apart from head_dim, shrunk where the config sets them (MLA ranks and head parts,
-# partial rotary): left at their defaults they contradict the tiny head_dim.
+# Group-limited top-k over the 4 tiny experts: 2 groups of 2, the top-2 taken from the best group (a default of
+# 8 groups would leave no expert in a group).
+_EXPERT_GROUPS = {"n_group": 2, "topk_group": 1}
+# Sizes some configs name apart from head_dim and vocab_size, shrunk where the config sets them (MLA ranks and
+# head parts, partial rotary, per-layer input embeddings): left at their defaults they contradict the tiny sizes.
 _SUB_SIZES = {
     "kv_lora_rank": 32,
     "q_lora_rank": 32,
@@ -120,6 +125,9 @@ _SUB_SIZES = {
     "qk_head_dim": 32,
     "v_head_dim": 16,
     "rotary_dim": 8,
+    "global_head_dim": 16,  # Gemma 4: full-attention layers' head size
+    "vocab_size_per_layer_input": 512,  # Gemma 3n / 4: per-layer input embeddings
+    "hidden_size_per_layer_input": 16,
 }
 
 
@@ -140,6 +148,12 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     params = {k: v for k, v in params.items() if k not in derived}  # e.g. Falcon computes head_dim
     params.update({k: v for k, v in _MOE.items() if hasattr(defaults, k) and k not in overrides})
     params.update({k: v for k, v in _SUB_SIZES.items() if _is_set(defaults, k) and k not in overrides})
+    if (getattr(defaults, "n_group", None) or 1) > 1:
+        params.update({k: v for k, v in _EXPERT_GROUPS.items() if k not in overrides})
+    if hasattr(defaults, "n_shared_experts") and defaults.n_shared_experts is None:
+        params.setdefault(
+            "n_shared_experts", 1
+        )  # a count the defaults leave unset, which the model multiplies by
     if _is_set(defaults, "kv_lora_rank") and "num_key_value_heads" not in overrides:
         params["num_key_value_heads"] = params["num_attention_heads"]  # MLA: a key head per query head
     if model_type == "gemma3_text" and "layer_types" not in overrides:

@@ -1,6 +1,6 @@
 """Small libcst helpers shared by the rewrite rules."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import libcst as cst
 import libcst.matchers as m
@@ -115,11 +115,17 @@ def called_name(call: cst.Call) -> str:
     return dotted(call.func)
 
 
+def without_dangling_comma(kept: list, before: Sequence) -> list:
+    """kept (some of the arguments or parameters `before`, in order) with no comma left dangling after the last
+    one where `before` had none: `f(x, )` -> `f(x)`."""
+    if kept and len(kept) < len(before) and before[-1].comma is cst.MaybeSentinel.DEFAULT:
+        kept = [*kept[:-1], kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+    return kept
+
+
 def with_args(call: cst.Call, args: list[cst.Arg]) -> cst.Call:
-    """call with args (some of its own, some dropped) and no comma left dangling: `f(x, )` -> `f(x)`."""
-    if args and len(args) < len(call.args) and call.args[-1].comma is cst.MaybeSentinel.DEFAULT:
-        args = [*args[:-1], args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
-    return call.with_changes(args=args)
+    """call with args (some of its own, some dropped) and no comma left dangling."""
+    return call.with_changes(args=without_dangling_comma(args, call.args))
 
 
 def kwarg(call: cst.Call, name: str) -> cst.Arg | None:

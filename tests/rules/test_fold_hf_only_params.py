@@ -415,3 +415,39 @@ def test_identical_branches_binding_a_name_in_their_test_stay(run_rule):
             return x + flag
         """)
     assert "if (flag := self.flag):" in run_rule(rule, code)
+
+
+# Gemma4TextModel (v5): a helper method called with the embeddings its caller has just computed.
+PER_LAYER_INPUTS = dedent("""\
+    class Gemma4TextModel(nn.Module):
+        def forward(self, input_ids=None, inputs_embeds=None, use_cache=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+            per_layer_inputs = self.get_per_layer_inputs(input_ids, inputs_embeds)
+            return self.project(inputs_embeds, per_layer_inputs, use_cache)
+
+        def get_per_layer_inputs(self, input_ids, inputs_embeds=None):
+            if input_ids is None:
+                input_ids = self.reverse(inputs_embeds)
+            return self.embed_tokens_per_layer(input_ids)
+
+        def project(self, inputs_embeds, per_layer_inputs, use_cache=None):
+            if use_cache:
+                return per_layer_inputs
+            return inputs_embeds + per_layer_inputs
+    """)
+
+
+def test_a_helper_called_with_a_computed_value_keeps_that_parameter(run_rule):
+    out = run_rule(rule, PER_LAYER_INPUTS)
+    assert "def get_per_layer_inputs(self, input_ids, inputs_embeds=None):" in out
+    assert "per_layer_inputs = self.get_per_layer_inputs(input_ids, inputs_embeds)" in out
+    assert "input_ids = self.reverse(inputs_embeds)" in out  # not folded to None
+    assert run_rule(rule, out) == out
+
+
+def test_a_helper_called_with_a_folded_parameter_loses_it_with_its_arguments(run_rule):
+    out = run_rule(rule, PER_LAYER_INPUTS)
+    assert "def forward(self, input_ids=None, **kwargs):" in out
+    assert "return self.project(inputs_embeds, per_layer_inputs)" in out
+    assert "def project(self, inputs_embeds, per_layer_inputs):" in out  # inputs_embeds is not HF-only here
+    assert "return inputs_embeds + per_layer_inputs" in out and "if use_cache" not in out

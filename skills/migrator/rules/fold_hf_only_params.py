@@ -1,6 +1,7 @@
 """Parameters that only serve HF's generate / training API (`cache`, `use_cache`, `attention_mask`,
 `inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) are removed from every
-signature. Their values are known under the runtime contract, so branches on them are folded away,
+signature but that of a helper method its own class calls with a value computed at run time. Their values are
+known under the runtime contract, so branches on them are folded away,
 call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses its annotation. A module that
 keeps its own state in a cache layer (calls a method of `cache.layers[i]`) is refused: folding its cache away
 would silently forget that state between steps, and the runtime caches only keys and values."""
@@ -9,7 +10,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, call_sites, named_params
-from skills.migrator.cst_utils import assigned_names, classes, method, with_args
+from skills.migrator.cst_utils import assigned_names, classes, method, with_args, without_dangling_comma
 from skills.migrator.rule import Rule
 
 HF_ONLY: dict[str, object] = {
@@ -224,6 +225,16 @@ def _fold_stmt(s, env: _Env) -> list:
 
 
 class _Fold(cst.CSTTransformer):
+    def __init__(self, kept: dict[tuple[str, str], set[str]]):
+        self.kept, self.classes = kept, []
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.classes.append(node.name.value)
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        self.classes.pop()
+        return updated
+
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if m.findall(updated.body, GRADIENT_CHECKPOINTING):  # inference never checkpoints
             updated = updated.with_changes(
@@ -231,15 +242,19 @@ class _Fold(cst.CSTTransformer):
             )
         params = updated.params
         names = [p.name.value for p in (*params.params, *params.kwonly_params)]
-        consts = {n: HF_ONLY[n] for n in names if n in HF_ONLY}
+        kept = self.kept.get((self.classes[-1], updated.name.value), set()) if self.classes else set()
+        consts = {n: HF_ONLY[n] for n in names if n in HF_ONLY and n not in kept}
         star_kwargs = params.star_kwarg
         if star_kwargs is not None and star_kwargs.annotation is not None:
             star_kwargs = star_kwargs.with_changes(annotation=None)
-        new_params = params.with_changes(
-            params=[p for p in params.params if p.name.value not in consts],
-            kwonly_params=[p for p in params.kwonly_params if p.name.value not in consts],
-            star_kwarg=star_kwargs,
-        )
+        positional = [p for p in params.params if p.name.value not in consts]
+        kwonly = [p for p in params.kwonly_params if p.name.value not in consts]
+        if params.star_kwarg is None:  # what ends the signature leaves no comma dangling
+            if params.kwonly_params:
+                kwonly = without_dangling_comma(kwonly, params.kwonly_params)
+            elif not isinstance(params.star_arg, cst.Param):
+                positional = without_dangling_comma(positional, params.params)
+        new_params = params.with_changes(params=positional, kwonly_params=kwonly, star_kwarg=star_kwargs)
         if not consts:
             return updated.with_changes(params=new_params)
         env = _Env(consts, set(names) & ALWAYS_GIVEN)
@@ -258,6 +273,36 @@ def _bound_to_hf_only(module: cst.Module) -> set[int]:
                 if param.name.value in HF_ONLY:
                     doomed |= {id(a) for c in calls if (a := binding(c, fn, param)) is not None}
     return doomed
+
+
+def _is_literal(e: cst.BaseExpression) -> bool:
+    return isinstance(e, cst.Integer) or m.matches(e, m.Name("None") | m.Name("True") | m.Name("False"))
+
+
+def _helper_bindings(module: cst.Module) -> tuple[dict[tuple[str, str], set[str]], set[int]]:
+    """HF-only parameters of a class's other methods (forward and __init__ are _bound_to_hf_only's) that one of
+    its `self.method(...)` calls passes a value computed at run time: those stay, as folding them would change
+    what the method computes (Gemma 4's `get_per_layer_inputs(input_ids, inputs_embeds)` gets the embeddings
+    its caller just looked up). ids of the arguments bound to the others, which go with their parameters."""
+    bindings = []  # (class, method, parameter, argument, whether the argument is a known constant)
+    for name, cls in classes(module).items():
+        fns = [f for f in cls.body.body if isinstance(f, cst.FunctionDef)]
+        helpers = {f.name.value: f for f in fns if f.name.value not in ("forward", "__init__")}
+        for caller in fns:
+            folded = {p.name.value for p in named_params(caller) if p.name.value in HF_ONLY}
+            folded -= assigned_names(caller.body)
+            for call in m.findall(caller.body, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()))):
+                fn = helpers.get(call.func.attr.value)
+                for param in named_params(fn) if fn is not None else ():
+                    if param.name.value in HF_ONLY and (arg := binding(call, fn, param)) is not None:
+                        known = _is_literal(arg.value) or m.matches(arg.value, m.OneOf(*map(m.Name, folded)))
+                        bindings.append((name, fn.name.value, param.name.value, arg, known))
+    kept: dict[tuple[str, str], set[str]] = {}
+    for cls_name, fn_name, param, _, known in bindings:
+        if not known:
+            kept.setdefault((cls_name, fn_name), set()).add(param)
+    doomed = {id(arg) for c, f, param, arg, _ in bindings if param not in kept.get((c, f), set())}
+    return kept, doomed
 
 
 def _cache_layer_methods(fn: cst.FunctionDef) -> list[str]:
@@ -288,6 +333,9 @@ class _DropArgs(cst.CSTTransformer):
     def leave_Arg(self, original: cst.Arg, updated: cst.Arg):
         return cst.RemoveFromParent() if id(original) in self.doomed else updated
 
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        return updated.with_changes(args=without_dangling_comma(list(updated.args), original.args))
+
 
 class FoldHFOnlyParams(Rule):
     ID = "MG004"
@@ -303,6 +351,7 @@ class FoldHFOnlyParams(Rule):
                         f"state kept in a cache layer (`{'`, `'.join(found)}` on `cache.layers[...]`); the runtime "
                         "caches per-token keys and values only",
                     )
-        if doomed := _bound_to_hf_only(module):
+        kept, helper_args = _helper_bindings(module)
+        if doomed := _bound_to_hf_only(module) | helper_args:
             module = module.visit(_DropArgs(doomed))
-        return module.visit(_Fold())
+        return module.visit(_Fold(kept))
