@@ -67,10 +67,9 @@ _ARCH: dict[str, dict] = {
     "qwen2": {"tie_word_embeddings": False},
     "qwen3": {"tie_word_embeddings": False},
     "gemma3_text": {"tie_word_embeddings": True, "sliding_window": 8, "query_pre_attn_scalar": 16},
-    "deepseek_v3": {
-        "tie_word_embeddings": False,
-        "first_k_dense_replace": 1,
-    },  # an MoE layer from the second on
+    # an MoE layer from the second on
+    "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # its layer pattern, for 2 layers
 }
 
 
@@ -140,7 +139,8 @@ def _is_set(config: PretrainedConfig, name: str) -> bool:
 
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text; MoE types get 4 small experts."""
-    params = {**_TINY, **_ARCH.get(model_type, {}), **overrides}
+    # a causal LM is a decoder: BERT-style models key their causal mask on is_decoder (default False)
+    params = {**_TINY, "is_decoder": True, **_ARCH.get(model_type, {}), **overrides}
     defaults = AutoConfig.for_model(model_type)
     derived = {
         k for k in params if isinstance(p := getattr(type(defaults), k, None), property) and not p.fset
@@ -161,7 +161,14 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
         params["layer_types"] = [
             "full_attention" if i % 2 else "sliding_attention" for i in range(params["num_hidden_layers"])
         ]
-    return AutoConfig.for_model(model_type, **params)
+    config = AutoConfig.for_model(model_type, **params)
+    if vars(config).get("rope_parameters") == {} and "rope_parameters" not in overrides:
+        # defaults that name no RoPE parameters for a model that reads them (Cohere Compass): plain RoPE
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        kinds = set(getattr(config, "layer_types", None) or ())
+        params["rope_parameters"] = {k: rope for k in kinds} if kinds else rope
+        config = AutoConfig.for_model(model_type, **params)
+    return config
 
 
 def _reinit_(model: PreTrainedModel, init_std: float) -> None:

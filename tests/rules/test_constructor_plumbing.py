@@ -289,3 +289,32 @@ def test_a_class_built_through_an_alias_is_a_finding(run_rule, make_ctx):
         ("LlamaForCausalLM", "`SelfAttention`"),
         ("<module>", "`SelfAttention`"),
     ]
+
+
+def test_a_choice_between_plumbed_classes_is_plumbed_like_a_direct_call(run_rule, make_ctx):
+    # BERT-style attention picks its class by a constructor flag; both hold weights, so both take the contract.
+    code = dedent("""\
+        class SelfAttention(nn.Module):
+            def __init__(self, config, is_causal=False):
+                self.q = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+        class CrossAttention(nn.Module):
+            def __init__(self, config, is_causal=False):
+                self.q = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config, is_cross_attention=False):
+                attention_class = CrossAttention if is_cross_attention else SelfAttention
+                self.self = attention_class(config, is_causal=True)
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
+        """)
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert not ctx.findings
+    assert (
+        "self.self = attention_class(config, is_causal=True, infer_config=infer_config, "
+        'comm_manager=comm_manager, prefix=join_prefix(prefix, "self"))' in out
+    )
+    assert run_rule(rule, out) == out

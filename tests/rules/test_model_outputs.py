@@ -92,3 +92,29 @@ def test_a_wrapper_reads_the_inner_models_tensor(run_rule):
         in out
     )
     assert run_rule(rule, out) == out
+
+
+def test_a_wrapper_indexing_an_in_file_models_output_reads_the_tensor(run_rule):
+    # BertGenerationEncoder (v5) takes `encoder_outputs[0]` off its BertEncoder's output dataclass; the first
+    # element of another module's plain tensor result stays an index.
+    code = dedent("""\
+        class BertEncoder(nn.Module):
+            def forward(self, hidden_states, **kwargs):
+                return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states)
+
+
+        class BertGenerationEncoder(nn.Module):
+            def __init__(self, config):
+                self.encoder = BertEncoder(config)
+                self.pooler = Pooler(config)
+
+            def forward(self, input_ids, **kwargs):
+                encoder_outputs = self.encoder(self.embeddings(input_ids), **kwargs)
+                pooled = self.pooler(encoder_outputs[0])
+                return encoder_outputs[0] + pooled[0]
+        """)
+    out = run_rule(rule, code)
+    assert "return hidden_states\n" in out
+    assert "pooled = self.pooler(encoder_outputs)\n" in out
+    assert "return encoder_outputs + pooled[0]\n" in out
+    assert run_rule(rule, out) == out

@@ -321,3 +321,30 @@ def test_a_mask_method_that_computes_model_maths_stays(run_rule):
                 return dt_states.topk(4).values
         """)
     assert run_rule(rule, code) == code
+
+
+# BertGenerationEncoder.forward (v5): causal only when its config says it is a decoder.
+KEYED_ON_IS_DECODER = dedent("""\
+    class BertGenerationEncoder(nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            embedding_output = self.embeddings(input_ids)
+            if self.config.is_decoder:
+                attention_mask = create_causal_mask(self.config, embedding_output, attention_mask)
+            else:
+                attention_mask = create_bidirectional_mask(self.config, embedding_output, attention_mask)
+            return self.encoder(embedding_output, attention_mask=attention_mask)
+    """)
+
+
+@pytest.mark.parametrize("is_decoder", [True, False])
+def test_a_config_that_is_not_a_decoder_is_refused_where_the_mask_depends_on_it(
+    run_rule, make_ctx, is_decoder
+):
+    from transformers import BertGenerationConfig
+
+    ctx = make_ctx(checkpoint_config=BertGenerationConfig(is_decoder=is_decoder))
+    out = run_rule(rule, KEYED_ON_IS_DECODER, ctx)
+    assert "mask" not in out.replace("attention_mask=None", "")
+    assert [f.what.split(",")[0] for f in ctx.findings] == (
+        [] if is_decoder else ["the checkpoint's config has `is_decoder: false`"]
+    )

@@ -342,3 +342,30 @@ def test_kv_heads_computed_in_a_local_are_cached(run_rule):
     # MiMo-V2-Flash: sliding layers have twice the kv heads, computed in a local of __init__.
     code = HEADER + attention(init_extra=("num_key_value_heads = config.num_key_value_heads * 2",)) + CALLERS
     assert "num_kv_heads=num_key_value_heads, scale=self.scaling)" in ctor_line(run_rule(rule, code))
+
+
+def test_a_wrapper_passing_the_weights_on_stops_and_its_callers_drop_them(run_rule):
+    # BertGenerationAttention (v5) picks its attention class by a flag and returns the weights it got.
+    wrapper = dedent("""\
+
+
+        class BertAttention(nn.Module):
+            def __init__(self, config, layer_idx, is_cross_attention=False):
+                super().__init__()
+                attention_class = LlamaAttention if is_cross_attention else LlamaAttention
+                self.self = attention_class(config, layer_idx=layer_idx)
+
+            def forward(self, hidden_states, **kwargs):
+                attention_output, attn_weights = self.self(hidden_states, **kwargs)
+                return self.output(attention_output), attn_weights
+        """)
+    callers = CALLERS.replace(
+        "LlamaAttention(config=config, layer_idx=layer_idx)", "BertAttention(config, layer_idx)"
+    )
+    out = run_rule(rule, HEADER + attention() + wrapper + callers)
+    assert (
+        "attention_output = self.self(hidden_states, **kwargs)\n        return self.output(attention_output)\n"
+        in out
+    )
+    assert "        hidden_states = self.self_attn(\n" in out
+    assert run_rule(rule, out) == out

@@ -60,6 +60,8 @@ class _PassDown(cst.CSTTransformer):
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target
         self.path = [target.attr.value] if m.matches(target, m.Attribute(value=m.Name("self"))) else []
+        if m.matches(node, _choice(self.plumbed)):  # `cls = A if c else B`: calls of cls are plumbed too
+            self.plumbed = self.plumbed | {target.value}
 
     def visit_For(self, node: cst.For) -> None:
         self.loop_vars.append(node.target.value if isinstance(node.target, cst.Name) else "")
@@ -115,16 +117,26 @@ class _Plumb(cst.CSTTransformer):
         return updated.with_changes(body=updated.body.with_changes(body=body))
 
 
+def _choice(plumbed: set[str]) -> m.Assign:
+    """`cls = A if c else B` with a local name and plumbed classes on both sides: _PassDown plumbs `cls(...)`."""
+    held = m.OneOf(*map(m.Name, plumbed))
+    return m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))
+
+
 def _aliased(module: cst.Module, plumbed: set[str]) -> list[tuple[str, cst.Name]]:
-    """(scope, name) where a plumbed class is held as a value to be called later: `cls = A if c else B`,
-    `{"x": A}[kind](...)`."""
+    """(scope, name) where a plumbed class is held as a value to be called later other than as a `_choice` in
+    a constructor: `cls = A if c else NotPlumbed`, `{"x": A}[kind](...)`."""
     held = m.OneOf(*map(m.Name, plumbed))
     alias = m.Assign(value=held) | m.IfExp(body=held) | m.IfExp(orelse=held) | m.DictElement(value=held)
     scopes = [(name, cls) for name, cls in classes(module).items()]
     scopes += [("<module>", s) for s in module.body if not isinstance(s, cst.ClassDef)]
+    inits = [init for cls in classes(module).values() if (init := method(cls, "__init__")) is not None]
+    chosen = {id(a.value) for init in inits for a in m.findall(init, _choice(plumbed))}
     found = []
     for scope, node in scopes:
         for a in m.findall(node, alias):
+            if id(a) in chosen:
+                continue
             value = a.value if isinstance(a, (cst.Assign, cst.DictElement)) else None
             found += [(scope, n) for n in ([value] if value else [a.body, a.orelse]) if m.matches(n, held)]
     return found

@@ -119,11 +119,30 @@ class _PerFunction(cst.CSTTransformer):
                 return updated
 
 
+def _bidirectional_by_config(module: cst.Module, config: object) -> bool:
+    """The checkpoint's config says `is_decoder: false` to code that keys its mask on it (BERT-style models build
+    a bidirectional mask then)."""
+    keyed = m.Attribute(
+        value=m.Name("config") | m.Attribute(attr=m.Name("config")), attr=m.Name("is_decoder")
+    )
+    bidirectional = any("bidirectional" in n for n in free_names(module))
+    return getattr(config, "is_decoder", None) is False and bidirectional and bool(m.findall(module, keyed))
+
+
 class RemoveMaskMachinery(Rule):
     ID = "MG003"
     DESCRIPTION = "HF's 4-D attention mask building goes; the runtime's attention masks from ForwardMetaData."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        ctx = self.rewrite
+        if _bidirectional_by_config(module, ctx.checkpoint_config):
+            ctx.unsupported(
+                ctx.entry_class,
+                0,
+                "the checkpoint's config has `is_decoder: false`, so this model attends bidirectionally (a "
+                "BERT-style encoder) and the runtime attends causally; set `is_decoder: true` in its config.json "
+                "if it is a decoder",
+            )
         module = module.visit(_PerFunction())
         defined = {id(f.name) for f in m.findall(module, m.FunctionDef())}
         used = {a.attr.value for a in m.findall(module, m.Attribute())} | {

@@ -94,13 +94,18 @@ class _Forward(cst.CSTTransformer):
         return updated
 
     def leave_Return(self, original, updated):
-        if self.weights and isinstance(updated.value, cst.Tuple):
-            kept = [
-                e for e in updated.value.elements if cst.Module([]).code_for_node(e.value) != self.weights
-            ]
-            value = kept[0].value if len(kept) == 1 else updated.value.with_changes(elements=kept)
-            return updated.with_changes(value=value)
-        return updated
+        return _without(updated, {self.weights}) if self.weights else updated
+
+
+def _without(ret: cst.Return, dropped: set[str]) -> cst.Return:
+    """`return out, weights` -> `return out` for the weights expressions (as code) in dropped."""
+    if not isinstance(ret.value, cst.Tuple):
+        return ret
+    kept = [e for e in ret.value.elements if cst.Module([]).code_for_node(e.value) not in dropped]
+    if len(kept) == len(ret.value.elements):
+        return ret
+    kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    return ret.with_changes(value=kept[0].value if len(kept) == 1 else ret.value.with_changes(elements=kept))
 
 
 def attention_attr(n: int) -> str:
@@ -162,13 +167,20 @@ def _with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
 class _Classes(cst.CSTTransformer):
     def __init__(self, ctx: RewriteContext, attn: set[str]):
         self.ctx, self.attn = ctx, attn
+        self.narrowed: set[str] = set()  # wrappers whose forward passed the weights on and no longer does
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         name = updated.name.value
         if name in self.attn:
             return self._rewrite_attention(updated)
-        attrs = _attention_attrs(updated, self.attn)
-        return updated.visit(_DropWeightsAtCallers(attrs)) if attrs else updated
+        attrs = _attention_attrs(updated, self.attn | self.narrowed)
+        if not attrs:
+            return updated
+        callers = _DropWeightsAtCallers(attrs)
+        updated = updated.visit(callers)
+        if callers.narrowed_forward:  # BERT's BertAttention returns its self-attention's weights
+            self.narrowed.add(name)
+        return updated
 
     def _rewrite_attention(self, cls: cst.ClassDef) -> cst.ClassDef:
         name = cls.name.value
@@ -193,7 +205,11 @@ class _Classes(cst.CSTTransformer):
 
 
 def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
-    """`self.X` attributes of cls that hold an attention module, or a list of them (`nn.ModuleList([...])`)."""
+    """`self.X` attributes of cls that hold an attention module, or a list of them (`nn.ModuleList([...])`),
+    built directly or through a choice between attention classes (`cls = A if c else B`)."""
+    held = m.OneOf(*map(m.Name, attn))
+    choice = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))
+    attn = attn | {a.targets[0].target.value for a in m.findall(cls, choice)}
     found = set()
     for a in m.findall(
         cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
@@ -210,6 +226,9 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
     def __init__(self, attrs: set[str]):
         self.attrs = attrs
         self.needs_kwargs = False
+        self.weights: set[str] = set()  # names the weights were bound to in the current function
+        self.returns_narrowed = False  # a return of the current function no longer passes them on
+        self.narrowed_forward = False
 
     def _is_attention_call(self, node) -> bool:
         """`self.X(...)`, or `self.X[i](...)` for a list of attention modules."""
@@ -227,6 +246,8 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
     def leave_Assign(self, original, updated):
         target = updated.targets[0].target
         if isinstance(target, cst.Tuple) and self._is_attention_call(updated.value):
+            if m.matches(target.elements[1].value, m.Name()) and target.elements[1].value.value != "_":
+                self.weights.add(target.elements[1].value.value)
             kept = [
                 e for i, e in enumerate(target.elements) if i != 1
             ]  # the weights (JetMoE returns 3 values)
@@ -235,12 +256,18 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
             return updated.with_changes(targets=[cst.AssignTarget(new)])
         return updated
 
+    def leave_Return(self, original, updated):
+        narrowed = _without(updated, self.weights)
+        self.returns_narrowed |= narrowed is not updated
+        return narrowed
+
     def leave_FunctionDef(self, original, updated):
         if self.needs_kwargs and updated.params.star_kwarg is None:
             updated = updated.with_changes(
                 params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
             )
-        self.needs_kwargs = False
+        self.narrowed_forward |= self.returns_narrowed and updated.name.value == "forward"
+        self.needs_kwargs, self.weights, self.returns_narrowed = False, set(), False
         return updated
 
 
