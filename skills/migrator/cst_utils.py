@@ -200,3 +200,9 @@ def rewrite_classes(module: cst.Module, rewrite: Callable[[cst.ClassDef], cst.Cl
     return module.with_changes(
         body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
     )
+
+
+def class_choice(names: set[str]) -> m.Assign:
+    """`cls = A if c else B`: a local name holding one of two of the classes `names`, to be called later."""
+    held = m.OneOf(*map(m.Name, names))
+    return m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))

@@ -5,7 +5,7 @@ naming the child's path."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import called_name, classes, method, param_names
+from skills.migrator.cst_utils import called_name, class_choice, classes, method, param_names
 from skills.migrator.expert_params import expert_params
 from skills.migrator.rule import Rule
 
@@ -60,7 +60,7 @@ class _PassDown(cst.CSTTransformer):
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target
         self.path = [target.attr.value] if m.matches(target, m.Attribute(value=m.Name("self"))) else []
-        if m.matches(node, _choice(self.plumbed)):  # `cls = A if c else B`: calls of cls are plumbed too
+        if m.matches(node, class_choice(self.plumbed)):  # `cls = A if c else B`: calls of cls are plumbed too
             self.plumbed = self.plumbed | {target.value}
 
     def visit_For(self, node: cst.For) -> None:
@@ -117,21 +117,15 @@ class _Plumb(cst.CSTTransformer):
         return updated.with_changes(body=updated.body.with_changes(body=body))
 
 
-def _choice(plumbed: set[str]) -> m.Assign:
-    """`cls = A if c else B` with a local name and plumbed classes on both sides: _PassDown plumbs `cls(...)`."""
-    held = m.OneOf(*map(m.Name, plumbed))
-    return m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))
-
-
 def _aliased(module: cst.Module, plumbed: set[str]) -> list[tuple[str, cst.Name]]:
-    """(scope, name) where a plumbed class is held as a value to be called later other than as a `_choice` in
-    a constructor: `cls = A if c else NotPlumbed`, `{"x": A}[kind](...)`."""
+    """(scope, name) where a plumbed class is held as a value to be called later other than as a `class_choice` in
+    a constructor (which _PassDown plumbs): `cls = A if c else NotPlumbed`, `{"x": A}[kind](...)`."""
     held = m.OneOf(*map(m.Name, plumbed))
     alias = m.Assign(value=held) | m.IfExp(body=held) | m.IfExp(orelse=held) | m.DictElement(value=held)
     scopes = [(name, cls) for name, cls in classes(module).items()]
     scopes += [("<module>", s) for s in module.body if not isinstance(s, cst.ClassDef)]
     inits = [init for cls in classes(module).values() if (init := method(cls, "__init__")) is not None]
-    chosen = {id(a.value) for init in inits for a in m.findall(init, _choice(plumbed))}
+    chosen = {id(a.value) for init in inits for a in m.findall(init, class_choice(plumbed))}
     found = []
     for scope, node in scopes:
         for a in m.findall(node, alias):

@@ -11,6 +11,7 @@ from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
+    class_choice,
     classes,
     free_names,
     kwarg,
@@ -207,9 +208,7 @@ class _Classes(cst.CSTTransformer):
 def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
     """`self.X` attributes of cls that hold an attention module, or a list of them (`nn.ModuleList([...])`),
     built directly or through a choice between attention classes (`cls = A if c else B`)."""
-    held = m.OneOf(*map(m.Name, attn))
-    choice = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))
-    attn = attn | {a.targets[0].target.value for a in m.findall(cls, choice)}
+    attn = attn | {a.targets[0].target.value for a in m.findall(cls, class_choice(attn))}
     found = set()
     for a in m.findall(
         cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
