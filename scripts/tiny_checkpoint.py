@@ -70,6 +70,7 @@ _ARCH: dict[str, dict] = {
     # an MoE layer from the second on
     "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # its layer pattern, for 2 layers
+    "zaya": {"num_experts_per_tok": 1},  # the only top-k its config accepts
 }
 
 
@@ -139,23 +140,23 @@ def _is_set(config: PretrainedConfig, name: str) -> bool:
 
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text; MoE types get 4 small experts."""
-    # a causal LM is a decoder: BERT-style models key their causal mask on is_decoder (default False)
-    params = {**_TINY, "is_decoder": True, **_ARCH.get(model_type, {}), **overrides}
+    fixed = {**_ARCH.get(model_type, {}), **overrides}  # what the arch's entry or the caller sets wins
     defaults = AutoConfig.for_model(model_type)
+    # a causal LM is a decoder: BERT-style models key their causal mask on is_decoder (default False)
+    params = {**_TINY, "is_decoder": True}
+    params.update({k: v for k, v in _MOE.items() if hasattr(defaults, k)})
+    params.update({k: v for k, v in _SUB_SIZES.items() if _is_set(defaults, k)})
+    if (getattr(defaults, "n_group", None) or 1) > 1:
+        params.update(_EXPERT_GROUPS)
+    if hasattr(defaults, "n_shared_experts") and defaults.n_shared_experts is None:
+        params["n_shared_experts"] = 1  # a count the defaults leave unset, which the model multiplies by
+    params.update(fixed)
+    if _is_set(defaults, "kv_lora_rank") and "num_key_value_heads" not in fixed:
+        params["num_key_value_heads"] = params["num_attention_heads"]  # MLA: a key head per query head
     derived = {
         k for k in params if isinstance(p := getattr(type(defaults), k, None), property) and not p.fset
     }
     params = {k: v for k, v in params.items() if k not in derived}  # e.g. Falcon computes head_dim
-    params.update({k: v for k, v in _MOE.items() if hasattr(defaults, k) and k not in overrides})
-    params.update({k: v for k, v in _SUB_SIZES.items() if _is_set(defaults, k) and k not in overrides})
-    if (getattr(defaults, "n_group", None) or 1) > 1:
-        params.update({k: v for k, v in _EXPERT_GROUPS.items() if k not in overrides})
-    if hasattr(defaults, "n_shared_experts") and defaults.n_shared_experts is None:
-        params.setdefault(
-            "n_shared_experts", 1
-        )  # a count the defaults leave unset, which the model multiplies by
-    if _is_set(defaults, "kv_lora_rank") and "num_key_value_heads" not in overrides:
-        params["num_key_value_heads"] = params["num_attention_heads"]  # MLA: a key head per query head
     if model_type == "gemma3_text" and "layer_types" not in overrides:
         # Alternate so that both attention kinds appear from 2 layers on.
         params["layer_types"] = [

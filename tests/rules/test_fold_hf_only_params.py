@@ -337,7 +337,7 @@ def test_state_kept_in_a_cache_layer_is_refused_not_folded_away(run_rule, make_c
         (
             "Compressor",
             (
-                "state kept in a cache layer (`store_windows` on `cache.layers[...]`); "
+                "state kept in the cache besides keys and values (`store_windows`); "
                 "the runtime caches per-token keys and values only"
             ),
         )
@@ -451,3 +451,22 @@ def test_a_helper_called_with_a_folded_parameter_loses_it_with_its_arguments(run
     assert "return self.project(inputs_embeds, per_layer_inputs)" in out
     assert "def project(self, inputs_embeds, per_layer_inputs):" in out  # inputs_embeds is not HF-only here
     assert "return inputs_embeds + per_layer_inputs" in out and "if use_cache" not in out
+
+
+def test_state_kept_through_the_cache_s_own_methods_is_refused_too(run_rule, make_ctx):
+    # ZAYA's CCA projection keeps a convolution window and the previous token's values in the cache.
+    code = dedent("""\
+        class ZayaCCAProjection(nn.Module):
+            def forward(self, hidden_states, cache):
+                if cache is not None:
+                    cached = cache.get_conv_state(self.layer_idx, state_idx=0)
+                    cache.update_conv_state(hidden_states[:, -2:], self.layer_idx)
+                    cache.update_recurrent_state(hidden_states[:, -1], self.layer_idx)
+                    keys, values = cache.update(hidden_states, hidden_states, self.layer_idx)
+                return self.proj(hidden_states)
+        """)
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert [f.what.split(";")[0] for f in ctx.findings] == [
+        "state kept in the cache besides keys and values (`update_conv_state`, `update_recurrent_state`)"
+    ]

@@ -1,10 +1,10 @@
 """Parameters that only serve HF's generate / training API (`cache`, `use_cache`, `attention_mask`,
-`inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) are removed from every
-signature but that of a helper method its own class calls with a value computed at run time. Their values are
-known under the runtime contract, so branches on them are folded away,
-call arguments forwarding them are dropped, and `**kwargs: Unpack[...]` loses its annotation. A module that
-keeps its own state in a cache layer (calls a method of `cache.layers[i]`) is refused: folding its cache away
-would silently forget that state between steps, and the runtime caches only keys and values."""
+`inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) are removed from every signature but
+that of a helper method its own class calls with a value computed at run time. Their values are known under
+the runtime contract, so branches on them are folded away, call arguments forwarding them are dropped, and
+`**kwargs: Unpack[...]` loses its annotation. A module that keeps its own state in the cache (calls a method of
+`cache.layers[i]`, or of the cache other than `update`) is refused: folding its cache away would silently
+forget that state between steps, and the runtime caches only keys and values."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -30,6 +30,12 @@ HF_ONLY: dict[str, object] = {
     "head_mask": None,
 }
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
+CACHES = {
+    "cache",
+    "past_key_values",
+    "past_key_value",
+    "layer_past",
+}  # the HF-only parameters holding a Cache
 GRADIENT_CHECKPOINTING = m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing"))
 
 
@@ -305,15 +311,16 @@ def _helper_bindings(module: cst.Module) -> tuple[dict[tuple[str, str], set[str]
     return kept, doomed
 
 
-def _cache_layer_methods(fn: cst.FunctionDef) -> list[str]:
-    """`store` of each `cache.layers[i].store(...)` in fn, directly or through a local bound to `cache.layers[i]`,
-    for every cache parameter of fn; reads (`get_*`) are not state."""
-    caches = {
-        p.name.value for p in named_params(fn) if p.name.value in HF_ONLY and HF_ONLY[p.name.value] is None
-    }
-    layer = m.Subscript(value=m.Attribute(value=m.OneOf(*map(m.Name, caches)), attr=m.Name("layers")))
-    if not caches or not m.findall(fn, layer):
+def _cache_state_methods(fn: cst.FunctionDef) -> list[str]:
+    """Methods by which fn keeps state other than keys and values in a cache parameter: `store` of each
+    `cache.layers[i].store(...)` (directly or through a local bound to `cache.layers[i]`), and any method of
+    the cache itself but the keys-and-values `update` (ZAYA's `cache.update_conv_state(...)`). Reads (`get_*`)
+    are not state."""
+    caches = {p.name.value for p in named_params(fn)} & CACHES
+    if not caches:
         return []
+    cache = m.OneOf(*map(m.Name, caches))
+    layer = m.Subscript(value=m.Attribute(value=cache, attr=m.Name("layers")))
     held = (
         layer | m.IfExp(body=layer) | m.IfExp(orelse=layer)
     )  # `cache.layers[i] if cache is not None else None`
@@ -321,9 +328,10 @@ def _cache_layer_methods(fn: cst.FunctionDef) -> list[str]:
         a.target.value if isinstance(a, cst.AnnAssign) else a.targets[0].target.value
         for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], held) | m.AnnAssign(m.Name(), value=held))
     }
-    receiver = layer | m.OneOf(*map(m.Name, holders)) if holders else layer
-    calls = m.findall(fn, m.Call(func=m.Attribute(value=receiver)))
-    return sorted({c.func.attr.value for c in calls if not c.func.attr.value.startswith("get_")})
+    layered = m.findall(fn, m.Call(func=m.Attribute(value=layer | m.OneOf(*map(m.Name, holders)))))
+    direct = m.findall(fn, m.Call(func=m.Attribute(value=cache)))
+    names = {c.func.attr.value for c in layered} | {c.func.attr.value for c in direct} - {"update"}
+    return sorted(n for n in names if not n.startswith("get_"))
 
 
 class _DropArgs(cst.CSTTransformer):
@@ -344,11 +352,11 @@ class FoldHFOnlyParams(Rule):
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         for name, cls in classes(module).items():
             for fn in m.findall(cls.body, m.FunctionDef()):
-                if found := _cache_layer_methods(fn):
+                if found := _cache_state_methods(fn):
                     self.rewrite.unsupported(
                         name,
                         0,
-                        f"state kept in a cache layer (`{'`, `'.join(found)}` on `cache.layers[...]`); the runtime "
+                        f"state kept in the cache besides keys and values (`{'`, `'.join(found)}`); the runtime "
                         "caches per-token keys and values only",
                     )
         kept, helper_args = _helper_bindings(module)
