@@ -151,9 +151,8 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     if hasattr(defaults, "n_shared_experts") and defaults.n_shared_experts is None:
         params["n_shared_experts"] = 1  # a count the defaults leave unset, which the model multiplies by
     if (getattr(defaults, "num_kv_shared_layers", 0) or 0) > 0:
-        params["num_kv_shared_layers"] = (
-            1  # the last layer reuses keys and values, as the defaults' last layers do
-        )
+        # the last layer reuses an earlier one's keys and values, as the defaults' last layers do
+        params["num_kv_shared_layers"] = 1
     params.update(fixed)
     if _is_set(defaults, "kv_lora_rank") and "num_key_value_heads" not in fixed:
         params["num_key_value_heads"] = params["num_attention_heads"]  # MLA: a key head per query head

@@ -149,7 +149,7 @@ def swap_host_linears(model: nn.Module) -> tuple[int, str]:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, kind(child))
-    packed = [m for m in model.modules() if packs and _unquantized_parallel(m, first.dtype)]
+    packed = [m for m in model.modules() if _unquantized_parallel(m, first.dtype)] if packs else []
     for layer in packed:
         pack_parallel_linear(layer)
     return len(swaps) + len(packed), what

@@ -30,9 +30,8 @@ class UnquantizedLinearMethod:
         layer._add_param("weight", output_size_per_partition, input_size_per_partition)
 
     def apply(self, layer: TPModule, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (
-            packed := getattr(layer, "packed_weight", None)
-        ) is not None:  # oneDNN's layout (swap_host_linears)
+        packed = getattr(layer, "packed_weight", None)  # oneDNN's layout, set by swap_host_linears
+        if packed is not None:
             return packed_linear(x, packed, bias, layer.weight.shape[0])
         if kernel_applies(layer.weight):  # a 16-bit weight on an AVX2 host
             return host_linear(x, layer.weight, bias)

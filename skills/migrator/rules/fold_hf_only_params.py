@@ -30,12 +30,8 @@ HF_ONLY: dict[str, object] = {
     "head_mask": None,
 }
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
-CACHES = {
-    "cache",
-    "past_key_values",
-    "past_key_value",
-    "layer_past",
-}  # the HF-only parameters holding a Cache
+# the HF-only parameters that hold a Cache
+CACHES = {"cache", "past_key_values", "past_key_value", "layer_past"}
 GRADIENT_CHECKPOINTING = m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing"))
 
 

@@ -19,6 +19,10 @@ class _Outputs(cst.CSTTransformer):
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.modules = self.dataclass_modules.get(node.name.value, set())
 
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        self.modules = set()  # a module-level function after the class has no such modules
+        return updated
+
     def leave_Return(self, original: cst.Return, updated: cst.Return) -> cst.Return:
         if isinstance(updated.value, cst.Call) and (arg := kwarg(updated.value, "last_hidden_state")):
             return updated.with_changes(value=arg.value)
