@@ -23,9 +23,12 @@ needs_bf16_packing = pytest.mark.skipif(
 
 
 @needs_bf16_packing
+@pytest.mark.parametrize("float32_pays", [False, True], ids=["onednn", "float32-from-1024-rows"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 64, FLOAT32_ROWS])
-def test_packed_linear_matches_nn_linear_in_bf16(bias, rows):
+def test_packed_linear_matches_nn_linear_in_bf16(monkeypatch, float32_pays, bias, rows):
+    """Whichever path this host's timing picks for long inputs computes what nn.Linear does."""
+    monkeypatch.setattr(host_linear, "float32_pays", lambda dtype: float32_pays)
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias, dtype=torch.bfloat16)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
@@ -47,6 +50,17 @@ def test_pack_swaps_bf16_host_linears_including_a_tied_head():
     assert isinstance(model[1], HostPackedLinear) and isinstance(model[3], HostPackedLinear)
     torch.testing.assert_close(model(ids), expected, atol=0, rtol=1.6e-2)
     assert model[0].weight.device.type == "cpu"  # the embedding keeps its table
+
+
+@needs_bf16_packing
+def test_the_long_input_path_is_timed_once_and_leaves_the_rng_alone():
+    host_linear.float32_pays.cache_clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert isinstance(host_linear.float32_pays(torch.bfloat16), bool)
+    assert torch.equal(torch.rand(3), expected)
+    assert host_linear.float32_pays.cache_info().currsize == 1
 
 
 def test_float32_models_are_left_alone():

@@ -3,9 +3,10 @@
 Where oneDNN prepacks 16-bit weights (AVX-512 or AVX-NE-CONVERT), they are reordered once, after loading:
 ``F.linear`` on a CPU bf16 weight re-lays the weight out on every call, and oneDNN's prepacked form skips that
 (measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). From
-``FLOAT32_ROWS`` rows on (long prefills) the product runs in float32 instead: on AVX-512 hosts MKL's float32
-GEMM does about 290 GFLOP/s against oneDNN bf16's 170, which pays for unpacking the weight each call (a
-4096-row prefill GEMM: 90 -> 69 ms).
+``FLOAT32_ROWS`` rows on (long prefills) the product may run in float32 instead, where that is measurably faster
+on this host (``float32_pays``, timed once per process), since which path wins differs between hosts. On an Intel Xeon with
+AVX512_BF16 MKL's float32 GEMM did about 290 GFLOP/s against oneDNN bf16's 170 (a 4096-row prefill GEMM:
+90 -> 69 ms in float32); on an AMD EPYC with AVX512_BF16 float32 does 120-150 GFLOP/s and oneDNN bf16 330-380.
 
 Elsewhere (AVX2 hosts), ``F.linear`` in bf16 costs about the same per row at any row count (a [1536, 576] weight:
 98 us for one row, 46 ms for 512). Up to ``KERNEL_ROWS`` rows the host C++ kernel reads the weight once in its
@@ -14,6 +15,7 @@ converted each call). float32 models stay on ``F.linear`` (MKL is at the memory 
 """
 
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from torch import nn
 from runtime.kernels import KERNEL_ROWS, host_linear_kernel
 
 FLOAT32_ROWS = 1024
+FLOAT32_MARGIN = 1.25  # float32 must be this much faster: a close call keeps one path for every row count
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -39,16 +42,45 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
+def _float32_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    bias = None if bias is None else bias.float()
+    return F.linear(x.float(), packed.to_dense().float(), bias).to(x.dtype)
+
+
+def _onednn_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def float32_pays(dtype: torch.dtype) -> bool:
+    """Whether a FLOAT32_ROWS-row product with a packed ``dtype`` weight runs FLOAT32_MARGIN times faster in
+    float32 (weight unpacked and converted per call, as ``packed_linear`` does) than in oneDNN, timed once per
+    process on a [1024, 1024] weight with this process's threads (about 0.1 s)."""
+    values = torch.Generator().manual_seed(0)  # leaves the global RNG as it was
+    x = torch.randn(FLOAT32_ROWS, 1024, generator=values).to(dtype)
+    packed = pack_weight(torch.randn(1024, 1024, generator=values).to(dtype))
+
+    def best(product) -> float:
+        product(x, packed, None)  # warm-up: oneDNN picks its kernel on first use
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            product(x, packed, None)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(_float32_product) * FLOAT32_MARGIN < best(_onednn_product)
+
+
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """``F.linear`` with a ``pack_weight`` weight: oneDNN below FLOAT32_ROWS rows, float32 from there."""
+    """``F.linear`` with a ``pack_weight`` weight: oneDNN, or float32 from FLOAT32_ROWS rows where that pays."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] >= FLOAT32_ROWS:
-        bias = None if bias is None else bias.float()
-        out = F.linear(rows.float(), packed.to_dense().float(), bias).to(x.dtype)
+    if rows.shape[0] >= FLOAT32_ROWS and float32_pays(x.dtype):
+        out = _float32_product(rows, packed, bias)
     else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        out = _onednn_product(rows, packed, bias)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -137,6 +169,8 @@ def swap_host_linears(model: nn.Module) -> tuple[int, str]:
     packs = onednn_packs(first.dtype)
     if packs:
         kind, what = HostPackedLinear, "oneDNN with prepacked weights"
+        if float32_pays(first.dtype):
+            what += f", float32 from {FLOAT32_ROWS} rows (faster on this host)"
     elif kernel_applies(first):  # the parallel linears' quant_method takes the kernel by itself
         kind, what = HostKernelLinear, f"the host kernel up to {KERNEL_ROWS} rows, float32 above"
     else:
