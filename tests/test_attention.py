@@ -21,6 +21,7 @@ from runtime.layers.attention import Attention
 
 H, KV, D, BS, SCALE, MAX_LEN = 8, 2, 16, 4, 0.3, 32
 LENS = [1, 5, 11]
+RUNS = [5, 5, 5, 2, 7, 7]  # prefill batches consecutive requests of one length
 
 
 SINKS = torch.linspace(-1.0, 2.0, H)  # per query head; the upper ones outweigh most scores
@@ -161,6 +162,8 @@ def prefill_then_decode(run, lens, steps, order=None):
         (LENS, 3, None, None),
         (LENS, 6, None, None),
         ([9], 3, None, None),
+        (RUNS, None, None, None),
+        (RUNS, 3, 1.5, SINKS),
         (LENS, None, 1.5, None),
         (LENS, 3, 1.5, None),
         (LENS, None, None, SINKS),
@@ -172,6 +175,8 @@ def prefill_then_decode(run, lens, steps, order=None):
         "window3",
         "window6",
         "window3-single",
+        "same-length-runs",
+        "same-length-runs-window3-softcap-sinks",
         "softcap",
         "softcap-window3",
         "sinks",

@@ -7,6 +7,7 @@ The cache is written by ``slot_mapping`` in both phases. The legacy ``cache_unit
 same mechanism with one block of ``max_seq_len`` slots per batch row.
 """
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -25,31 +26,32 @@ def cache_group_key(sliding_window: int | None) -> str:
     return f"sliding_window_{sliding_window}" if sliding_window else "full"
 
 
-def _prefill_layout(md: ForwardMetaData) -> tuple[torch.Tensor, int]:
-    """Flat index of every packed token inside a [B, Lmax] padded grid."""
+def _prefill_runs(md: ForwardMetaData) -> list[tuple[int, int, int]]:
+    """(first packed token, requests, fresh tokens each) of every run of consecutive requests of one length
+    (read to the host once per step)."""
 
     def build():
-        lens, cu = md.actual_seq_lengths_q, md.actual_seq_lengths_cu_q
-        req = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-        offset = torch.arange(md.num_tokens, device=lens.device) - cu[:-1][req]
-        return req * md.max_seq_len_q + offset
+        runs, start = [], 0
+        for length, same in itertools.groupby(md.actual_seq_lengths_q.tolist()):
+            count = len(list(same))
+            runs.append((start, count, length))
+            start += count * length
+        return runs
 
-    return md.memo("prefill_index", build), md.max_seq_len_q
+    return md.memo("prefill_runs", build)
 
 
-def _prefill_mask(md: ForwardMetaData, window: int | None) -> torch.Tensor:
-    """[B, 1, L, L] boolean mask: causal, within each request's length, inside the window."""
+def _causal_mask(md: ForwardMetaData, length: int, window: int | None) -> torch.Tensor:
+    """[L, L] boolean mask: causal, inside the window."""
 
     def build():
-        L = md.max_seq_len_q
-        i = torch.arange(L, device=md.positions.device)
+        i = torch.arange(length, device=md.positions.device)
         allowed = i[None, :] <= i[:, None]
         if window:
             allowed &= i[None, :] > i[:, None] - window
-        valid_key = i[None, :] < md.actual_seq_lengths_q[:, None]  # [B, L]
-        return (allowed[None] & valid_key[:, None, :])[:, None]
+        return allowed
 
-    return md.memo(("prefill_mask", window), build)
+    return md.memo(("causal_mask", length, window), build)
 
 
 def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torch.Tensor:
@@ -83,17 +85,22 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks):
 
 
 def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks) -> torch.Tensor:
-    """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv]."""
-    index, L = _prefill_layout(md)
-    B, heads = md.batch_size, q.shape[1]
+    """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv].
 
-    def pad(x):
-        out = x.new_zeros(B * L, *x.shape[1:])
-        out[index] = x
-        return out.view(B, L, *x.shape[1:]).transpose(1, 2)
-
-    o = _sdpa(pad(q), pad(k), pad(v), _prefill_mask(md, sliding_window), scale, soft_cap, sinks)
-    return o.transpose(1, 2).reshape(B * L, heads, v.shape[-1])[index]
+    Consecutive requests of one length run as one batch, nothing padded: padding every request to the longest
+    one and masking it costs the longest one's work per request and keeps SDPA from skipping the future (the
+    bench's mixed64 prefill, one layer: 450 -> 172 ms)."""
+    outs = []
+    for start, count, length in _prefill_runs(md):
+        qi, ki, vi = (
+            x[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v)
+        )
+        if soft_cap is None and sinks is None and not sliding_window:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = _sdpa(qi, ki, vi, _causal_mask(md, length, sliding_window), scale, soft_cap, sinks)
+        outs.append(o.transpose(1, 2).flatten(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def attend(
