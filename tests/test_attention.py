@@ -258,21 +258,25 @@ def test_a_layer_run_twice_in_one_forward_is_refused():
 @pytest.mark.parametrize(
     ("window", "cap", "sinks"), [(None, None, None), (5, None, None), (None, 2.0, None), (5, None, SINKS)]
 )
-def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, cap, sinks):
+@pytest.mark.parametrize("dim", [D, 64], ids=["dim-at-run-time", "dim-compiled-in"])
+@pytest.mark.parametrize("copies", [1, 4], ids=["per-kv-head", "per-request"])
+def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, cap, sinks, dim, copies):
     """The tests above run decode through the C++ kernel where it builds; here it must, reading scattered
-    blocks of three requests (one a single token) in place."""
+    blocks of three requests (one a single token) in place; with more requests than threads it takes whole
+    requests as work items, and a head size of 64 runs its compiled-in variant."""
     kernel = host_decode_attention()
     assert kernel is not None
     gen = torch.Generator().manual_seed(3)
-    k_cache, v_cache = torch.randn(9, BS, KV, D, generator=gen), torch.randn(9, BS, KV, D, generator=gen)
-    q = torch.randn(3, H, D, generator=gen)
-    table, lens = torch.tensor([[7, 2, 0], [3, 0, 0], [4, 8, 6]]), torch.tensor([6, 1, 12])
+    k_cache, v_cache = torch.randn(9, BS, KV, dim, generator=gen), torch.randn(9, BS, KV, dim, generator=gen)
+    q = torch.randn(3 * copies, H, dim, generator=gen)
+    table = torch.tensor([[7, 2, 0], [3, 0, 0], [4, 8, 6]]).repeat(copies, 1)
+    lens = torch.tensor([6, 1, 12]).repeat(copies)
     got = kernel.paged_decode_attention(
         q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, lens, SCALE, window or 0, cap or 0.0, sinks
     )
     for b, n in enumerate(lens.tolist()):
-        ctx_k, ctx_v = (c[table[b]].reshape(-1, KV, D)[:n] for c in (k_cache, v_cache))
-        q_hist = torch.zeros(n, H, D)
+        ctx_k, ctx_v = (c[table[b]].reshape(-1, KV, dim)[:n] for c in (k_cache, v_cache))
+        q_hist = torch.zeros(n, H, dim)
         q_hist[-1] = q[b]
         expected = naive(q_hist, ctx_k, ctx_v, [n - 1], window, cap, sinks)[0]
         tol = 1e-5 if dtype == torch.float32 else 3e-2
