@@ -3,10 +3,11 @@
 Where oneDNN prepacks 16-bit weights (AVX-512 or AVX-NE-CONVERT), they are reordered once, after loading:
 ``F.linear`` on a CPU bf16 weight re-lays the weight out on every call, and oneDNN's prepacked form skips that
 (measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). From
-``FLOAT32_ROWS`` rows on (long prefills) the product may run in float32 instead, where that is measurably faster
-on this host (``float32_pays``, timed once per process), since which path wins differs between hosts. On an Intel Xeon with
-AVX512_BF16 MKL's float32 GEMM did about 290 GFLOP/s against oneDNN bf16's 170 (a 4096-row prefill GEMM:
-90 -> 69 ms in float32); on an AMD EPYC with AVX512_BF16 float32 does 120-150 GFLOP/s and oneDNN bf16 330-380.
+``FLOAT32_ROWS`` rows on (long prefills) the product may run in float32 instead, where that is measurably
+faster on this host (``float32_pays``, timed once per process), since which path wins differs between hosts:
+on an Intel Xeon with AVX512_BF16 MKL's float32 GEMM did about 290 GFLOP/s against oneDNN bf16's 170 (a
+4096-row prefill GEMM: 90 -> 69 ms in float32); on an AMD EPYC with AVX512_BF16 float32 does 120-150 GFLOP/s
+and oneDNN bf16 330-380.
 
 Elsewhere (AVX2 hosts), ``F.linear`` in bf16 costs about the same per row at any row count (a [1536, 576] weight:
 98 us for one row, 46 ms for 512). Up to ``KERNEL_ROWS`` rows the host C++ kernel reads the weight once in its
