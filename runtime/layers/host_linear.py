@@ -43,9 +43,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
+def _float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` computed in float32 and rounded once to x's dtype."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
 def _float32_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    bias = None if bias is None else bias.float()
-    return F.linear(x.float(), packed.to_dense().float(), bias).to(x.dtype)
+    return _float32_linear(x, packed.to_dense(), bias)
 
 
 def _onednn_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -135,7 +139,7 @@ def host_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if rows.shape[0] <= KERNEL_ROWS:
         out = host_linear_kernel().float_linear(rows, weight, bias)
     else:
-        out = F.linear(rows.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        out = _float32_linear(rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
