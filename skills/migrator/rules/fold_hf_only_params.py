@@ -326,7 +326,7 @@ def _cache_state_methods(fn: cst.FunctionDef) -> list[str]:
     }
     layered = m.findall(fn, m.Call(func=m.Attribute(value=layer | m.OneOf(*map(m.Name, holders)))))
     direct = m.findall(fn, m.Call(func=m.Attribute(value=cache)))
-    names = {c.func.attr.value for c in layered} | {c.func.attr.value for c in direct} - {"update"}
+    names = {c.func.attr.value for c in layered} | ({c.func.attr.value for c in direct} - {"update"})
     return sorted(n for n in names if not n.startswith("get_"))
 
 
