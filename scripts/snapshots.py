@@ -19,7 +19,7 @@ import transformers
 
 from skills.migrator.pipeline import Conversion, convert_code
 from skills.migrator.vendor import VendoredSource, locate_source, snake_name
-from skills.parallel_impl.pipeline import rewrite_sources
+from skills.parallel_impl.rewrite import rewrite_sources
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "snapshots"
 MIGRATE = ["llama", "qwen3", "gemma3_text"]
@@ -51,8 +51,8 @@ def expected() -> dict[str, str]:
     for model_type in PARALLELIZE:
         name = f"modeling_{snake_name(model_type)}.py"
         code = converted(model_type, "paged").files[f"models/{name}"]
-        parallel, *_ = rewrite_sources({name: code}, source(model_type).entry_class)
-        files[f"parallelize/{model_type}/{name}"] = parallel[name]
+        parallel = rewrite_sources({name: code}, source(model_type).entry_class)
+        files[f"parallelize/{model_type}/{name}"] = parallel.files[name]
     return files
 
 

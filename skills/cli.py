@@ -403,6 +403,14 @@ def migrate(
         bool, typer.Option("--strict", help="Write nothing when the verification finds a mismatch.")
     ] = False,
     disable: Disable = None,
+    no_fuse: Annotated[
+        bool,
+        typer.Option(
+            "--no-fuse",
+            help="Keep one nn.Linear per checkpoint tensor instead of the runtime's parallel layers with q/k/v "
+            "and gate/up fused.",
+        ),
+    ] = False,
     list_rules: Annotated[bool, _rule_list(_migrate_rules)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
@@ -430,6 +438,7 @@ def migrate(
         not no_verify,
         strict,
         tuple(disable or ()),
+        not no_fuse,
     )
     result = run_migration(opts, log=lambda msg: err.print(f"[cyan]migrate[/] {msg}", highlight=False))
     if as_json:

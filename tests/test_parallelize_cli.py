@@ -1,5 +1,6 @@
-"""`skill parallelize` as a command: invalid configs stop before anything changes, --plan writes nothing, a second
-config starts from the migrated code, hand edits are kept without --force, standalone mode runs under torchrun."""
+"""`skill parallelize` as a command: invalid configs stop before anything changes, --plan writes nothing, the
+parallel code `skill migrate` wrote is kept, a second config starts from the per-tensor code, hand edits are kept
+without --force, standalone mode runs under torchrun."""
 
 import hashlib
 import json
@@ -117,8 +118,23 @@ def test_plan_json_writes_nothing(model_dir, tmp_path):
     assert snapshot(model_dir) == before
 
 
-def test_second_config_starts_from_migrated_code_and_edits_need_force(model_dir, tmp_path):
+def test_migrate_writes_the_parallel_code_which_parallelize_keeps(model_dir, tmp_path):
+    pristine = model_dir / "agentic" / "migrated_models" / "modeling_llama.py"
+    migrated, fused = pristine.read_text(), (model_dir / "models" / "modeling_llama.py").read_text()
+    assert "QKVParallelLinear" in fused and "MergedColumnParallelLinear" in fused
+    assert "nn.Linear(" in migrated and "ParallelLinear" not in migrated
+    proc = skill(
+        "parallelize", str(model_dir), "--config", str(config_file(tmp_path, {"parallel_config": TP2}))
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert pristine.read_text() == migrated
+    assert (model_dir / "models" / "modeling_llama.py").read_text() == fused
+
+
+def test_second_config_starts_from_migrated_code_and_edits_need_force(reference, tmp_path):
+    model_dir = migrate(reference, tmp_path / "models", "--no-fuse")
     migrated = (model_dir / "models" / "modeling_llama.py").read_text()
+    assert "ParallelLinear" not in migrated and not (model_dir / "agentic" / "migrated_models").exists()
     first = json.loads(
         skill(
             "parallelize",

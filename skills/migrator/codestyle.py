@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 LINE_LENGTH = 110  # pyproject.toml's [tool.ruff] line-length: the project and its generated code share it
+# ruff sorts imports and guesses first-party modules from the working directory; pinned, the output is the same
+# wherever the skill runs
+FIRST_PARTY = "lint.isort.known-first-party = ['runtime']"
 
 
 def _ruff(args: list[str], code: str, filename: str) -> str:
@@ -17,6 +20,8 @@ def _ruff(args: list[str], code: str, filename: str) -> str:
             "--isolated",
             "--line-length",
             str(LINE_LENGTH),
+            "--config",
+            FIRST_PARTY,
             "--stdin-filename",
             filename,
             "-",

@@ -15,6 +15,7 @@ from runtime.layers.quantization.compressed_tensors import checkpoint_scheme
 from skills.atomic_write import write_text_atomic
 from skills.migrator.codestyle import tidy
 from skills.migrator.context import RewriteContext
+from skills.migrator.fuse import fuse_projections
 from skills.migrator.mode import decide_mode
 from skills.migrator.render import RenderContext, render_artifacts
 from skills.migrator.rewrite import check_rule_ids, rewrite, rewrite_configuration
@@ -59,6 +60,9 @@ class MigrateOptions:
     verify: bool = True  # compare the written directory with transformers (needs run)
     strict: bool = False  # a verification mismatch writes nothing
     disabled_rules: tuple[str, ...] = ()  # rule ids (--disable) not to apply
+    fuse: bool = (
+        True  # the parallel layers at TP 1, q/k/v and gate/up fused (False: one nn.Linear per tensor)
+    )
 
 
 @dataclass
@@ -254,6 +258,13 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     render_ctx = plan_render(opts, src, resolved.path, name, mode, config)
     hf_config = checkpoint_config(resolved.path, src.remote_code, opts.trust_remote_code)
     converted = convert_code(src, name, opts.kv, opts.disabled_rules, hf_config)
+    notes = []
+    if opts.fuse:
+        fusion = fuse_projections(converted.files, converted.rules, src.entry_class)
+        converted = Conversion(fusion.files, fusion.rules)
+        render_ctx = replace(render_ctx, fused=fusion.fused)
+        notes.append(fusion.note)
+        log(fusion.note)
     log(
         "rules applied: "
         + "; ".join(f"{Path(rel).name}: {' '.join(ids)}" for rel, ids in converted.rules.items())
@@ -280,7 +291,11 @@ def migrate(opts: MigrateOptions, log=lambda msg: None) -> MigrateResult:
     swap(staging, model_dir)
     log(f"wrote {model_dir}")
     written = sorted(str(p.relative_to(model_dir)) for p in model_dir.rglob("*") if p.is_file())
-    return replace(MigrateResult(model_dir, name, mode, "A", "ok", written, rules=converted.rules), **outcome)
+    notes += outcome.pop("notes", [])
+    return replace(
+        MigrateResult(model_dir, name, mode, "A", "ok", written, notes=notes, rules=converted.rules),
+        **outcome,
+    )
 
 
 def dump(result: MigrateResult) -> str:

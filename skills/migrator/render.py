@@ -54,6 +54,7 @@ class RenderContext:
         default_factory=list
     )  # runtime Attention kinds of the built model
     experts: list[dict[str, Any]] = field(default_factory=list)  # its MoE experts modules and routers
+    fused: list[str] = field(default_factory=list)  # "qkv_proj (q_proj, k_proj, v_proj)": fused projections
 
 
 def yaml_value(value: Any) -> str:

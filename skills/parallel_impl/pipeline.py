@@ -27,11 +27,10 @@ from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from runtime.layers.attention import cache_info_of
 from skills.atomic_write import UMASK, write_text_atomic
-from skills.migrator.codestyle import tidy
 from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
 from skills.parallel_impl.plan import Plan, make_plan, validate
-from skills.parallel_impl.rewrite import ParallelRewriteContext, parallelize_source
+from skills.parallel_impl.rewrite import rewrite_sources
 from skills.parallel_impl.rules import PARALLEL_RULES
 from skills.parallel_impl.scenario import scenario_yaml
 
@@ -95,32 +94,6 @@ def _migrated_sources(model_dir: Path) -> dict[str, str]:
             f"{folder} holds no modeling_*.py; pass a model directory written by `skill migrate`."
         )
     return files
-
-
-def rewrite_sources(
-    sources: dict[str, str], entry_class: str, disabled: Collection[str] = ()
-) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]], dict[str, list[str]]]:
-    """(rewritten files, what changed, fused attribute -> its checkpoint parts, file -> ids of the rules that
-    changed it)."""
-    check_rule_ids(disabled, PARALLEL_RULES)
-    out, done, fused, rules = dict(sources), [], {}, {}
-    for name, text in sources.items():
-        if not name.startswith("modeling_"):
-            continue
-        ctx = ParallelRewriteContext(entry_class=entry_class, filename=name)
-        out[name] = tidy(parallelize_source(text, ctx, disabled), name)
-        rules[f"models/{name}"] = ctx.applied
-        if ctx.findings:
-            listed = "; ".join(str(f) for f in ctx.findings)
-            raise UserError(
-                f"skill parallelize cannot shard this model safely: {listed}. Nothing was written; "
-                "port these modules to the parallel layers by hand (see references/model_contract.md)."
-            )
-        done += ctx.rewrites
-        for attr, part, _ in ctx.fused:
-            fused.setdefault(attr.lstrip("."), ())
-            fused[attr.lstrip(".")] += (part.lstrip("."),)
-    return out, done, fused, rules
 
 
 def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[tuple[int, int]]:
@@ -222,10 +195,26 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
     model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
     validate(pc, hf_config)
     sources = _migrated_sources(model_dir)
-    new_code, code_rewrites, fused, rules = rewrite_sources(sources, model_cls.__name__, disabled)
-    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(new_code, fused))
+    check_rule_ids(disabled, PARALLEL_RULES)
+    code = rewrite_sources(sources, model_cls.__name__, disabled)
+    if code.findings:
+        raise UserError(
+            f"skill parallelize cannot shard this model safely: {'; '.join(map(str, code.findings))}. Nothing "
+            "was written; port these modules to the parallel layers by hand (see references/model_contract.md)."
+        )
+    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(code.files, code.fused))
     return _Target(
-        model_dir, pc, yaml_path, config, model_cls, hf_config, plan, sources, new_code, code_rewrites, rules
+        model_dir,
+        pc,
+        yaml_path,
+        config,
+        model_cls,
+        hf_config,
+        plan,
+        sources,
+        code.files,
+        code.rewrites,
+        code.rules,
     )
 
 

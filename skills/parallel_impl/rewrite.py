@@ -8,7 +8,8 @@ The output does not depend on a parallel_config: every layer reads its TP size f
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from skills.migrator.context import RewriteContext
+from skills.migrator.codestyle import tidy
+from skills.migrator.context import Finding, RewriteContext
 from skills.migrator.rewrite import rewrite
 from skills.parallel_impl.rules import PARALLEL_RULES
 
@@ -30,3 +31,33 @@ class ParallelRewriteContext(RewriteContext):
 def parallelize_source(source: str, ctx: ParallelRewriteContext, disabled: Collection[str] = ()) -> str:
     """The rewritten source; anything the rules could not shard safely is in ctx.findings."""
     return rewrite(source, ctx, PARALLEL_RULES, disabled)
+
+
+@dataclass
+class ParallelCode:
+    files: dict[str, str]  # every file given, the modeling_*.py ones rewritten
+    rewrites: list[str]  # what changed, one line each
+    fused: dict[
+        str, tuple[str, ...]
+    ]  # fused attribute -> its checkpoint parts, e.g. qkv_proj -> (q_proj, ...)
+    rules: dict[str, list[str]]  # models/<file> -> ids of the rules that changed it
+    findings: list[Finding]  # what the rules could not shard safely; the files are not usable when any
+
+
+def rewrite_sources(
+    sources: dict[str, str], entry_class: str, disabled: Collection[str] = ()
+) -> ParallelCode:
+    """The parallel rewrite of a model's files (name -> text); only modeling_*.py files change."""
+    code = ParallelCode(dict(sources), [], {}, {}, [])
+    for name, text in sources.items():
+        if not name.startswith("modeling_"):
+            continue
+        ctx = ParallelRewriteContext(entry_class=entry_class, filename=name)
+        code.files[name] = tidy(parallelize_source(text, ctx, disabled), name)
+        code.rules[f"models/{name}"] = ctx.applied
+        code.findings += ctx.findings
+        code.rewrites += ctx.rewrites
+        for attr, part, _ in ctx.fused:
+            key = attr.lstrip(".")
+            code.fused[key] = (*code.fused.get(key, ()), part.lstrip("."))
+    return code
