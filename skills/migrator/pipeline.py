@@ -60,9 +60,7 @@ class MigrateOptions:
     verify: bool = True  # compare the written directory with transformers (needs run)
     strict: bool = False  # a verification mismatch writes nothing
     disabled_rules: tuple[str, ...] = ()  # rule ids (--disable) not to apply
-    fuse: bool = (
-        True  # the parallel layers at TP 1, q/k/v and gate/up fused (False: one nn.Linear per tensor)
-    )
+    fuse: bool = True  # models/ as the parallel layers at TP 1 (--no-fuse: one nn.Linear per tensor)
 
 
 @dataclass
