@@ -63,9 +63,8 @@ def conv(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     model_dir = migrate(reference, root / "models")
     single = shutil.copytree(model_dir, root / "single" / model_dir.name)
-    for code in (single / "agentic" / "migrated_models").glob(
-        "*.py"
-    ):  # as `skill migrate --no-fuse` writes it
+    # single-rank code, as `skill migrate --no-fuse` writes it
+    for code in (single / "agentic" / "migrated_models").glob("*.py"):
         shutil.copy(code, single / "models" / code.name)
     config = parallel_yaml(root / "tp2.yaml", **TP2)
     ok(skill("parallelize", model_dir, "--config", config))

@@ -37,9 +37,7 @@ def parallelize_source(source: str, ctx: ParallelRewriteContext, disabled: Colle
 class ParallelCode:
     files: dict[str, str]  # every file given, the modeling_*.py ones rewritten
     rewrites: list[str]  # what changed, one line each
-    fused: dict[
-        str, tuple[str, ...]
-    ]  # fused attribute -> its checkpoint parts, e.g. qkv_proj -> (q_proj, ...)
+    fused: dict[str, tuple[str, ...]]  # fused attribute -> its checkpoint parts: qkv_proj -> (q_proj, ...)
     rules: dict[str, list[str]]  # models/<file> -> ids of the rules that changed it
     findings: list[Finding]  # what the rules could not shard safely; the files are not usable when any
 
