@@ -271,7 +271,7 @@ def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, ca
     q = torch.randn(3 * copies, H, dim, generator=gen)
     table = torch.tensor([[7, 2, 0], [3, 0, 0], [4, 8, 6]]).repeat(copies, 1)
     lens = torch.tensor([6, 1, 12]).repeat(copies)
-    got = kernel.paged_decode_attention(
+    got = kernel(
         q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, lens, SCALE, window or 0, cap or 0.0, sinks
     )
     for b, n in enumerate(lens.tolist()):
@@ -307,7 +307,7 @@ def test_values_of_another_head_size_than_cached_are_refused_by_name():
     ("sinks", "dv"), [(None, D), (SINKS, D), (None, D // 2)], ids=["plain", "sinks", "dv"]
 )
 def test_portable_decode_path_matches_naive(monkeypatch, sinks, dv):
-    """Where the C++ kernel cannot be built (and inside compiled graphs) decode gathers the context for SDPA."""
+    """Where the C++ kernel cannot be built decode gathers the context for SDPA."""
     monkeypatch.setattr("runtime.layers.attention.host_decode_attention", lambda: None)
     prefill_then_decode(Run(3, sinks=sinks, dv=dv), LENS, steps=4)
 

@@ -125,6 +125,33 @@ def test_compile_mode_matches_transformers(name, tmp_path_factory, tmp_path):
     assert_framework_run_matches(reference, model_dir)
 
 
+def test_compiled_bfloat16_decode_equals_eager_and_is_traced_once(tmp_path_factory, tmp_path):
+    """In bfloat16 the compiled decode step keeps the oneDNN-packed fused linears and the paged-attention kernel
+    (operators the graph calls as they are) and gives eager's tokens; one graph serves batches that shrink as
+    requests finish and block tables that widen, without a graph break or a trace after warm-up's two."""
+    from torch._dynamo.utils import counters
+
+    from runtime.config import InferenceConfig
+    from runtime.engine.request import SamplingParams
+    from runtime.offline import OfflineInference
+
+    model_dir = migrate(build_reference("llama", tmp_path_factory), tmp_path)
+    config = InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml")
+    config.model_config.dtype, config.scheduler_config.block_size = "bfloat16", 4
+    prompts = [[5 + i] * n for i, n in enumerate((3, 9, 14, 6, 1))]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 4, 9, 16, 7)]
+    tokens = {}
+    for mode in ("eager", "compile"):
+        config.model_config.exe_mode = mode
+        counters.clear()
+        tokens[mode] = [
+            o.token_ids for o in OfflineInference(config, model_dir).generate_ids(prompts, params)
+        ]
+    assert tokens["compile"] == tokens["eager"]
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2  # one row, and more (warm_up)
+
+
 @pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_latent_attention_caches_latents_and_matches_transformers(kv, tmp_path_factory, tmp_path):
     """DeepSeek-V3 (multi-head latent attention, MoE from its second layer): the migrated model caches latents

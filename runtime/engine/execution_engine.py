@@ -154,11 +154,12 @@ class ExecutionEngine:
             return self.worker.inference(input_ids, position_ids, md)
 
     @torch.inference_mode()
-    def forward_batch(self, batch: Batch) -> dict:
+    def forward_batch(self, batch: Batch, min_rows: int = 1) -> dict:
         tables = self.kv.block_tables([r.request_id for r in batch.requests])
-        min_rows = 1 if batch.is_prefill or self.config.model_config.exe_mode == "eager" else 2
+        # a compiled decode graph serves any block-table width from 2 (torch.compile specialises sizes of 1)
+        min_blocks = 1 if batch.is_prefill or self.config.model_config.exe_mode == "eager" else 2
         input_ids, position_ids, md = build_step_inputs(
-            batch, tables, self.kv.block_size, self.device, min_rows
+            batch, tables, self.kv.block_size, self.device, min_rows, min_blocks
         )
         logits, infer_ms = self._run(input_ids, position_ids, md)
         logits = logits[: len(batch)]  # rows padded for a compiled graph carry no request
@@ -196,11 +197,17 @@ class ExecutionEngine:
         self._run(zero, zero, md)
 
     def warm_up(self) -> None:
-        """One dummy prefill + decode so kernels and allocators are ready before timing starts."""
-        request = Request([0, 1, 2], SamplingParams(max_new_tokens=2))
-        if not self.kv.allocate_slots(request.request_id, 0, request.num_tokens + 1):
+        """One dummy prefill + decode so kernels and allocators are ready before timing starts. A compiled decode
+        graph is traced here twice, on one row and on two: torch.compile specialises sizes of 1, so neither
+        serves the other, and padding one request to two rows would cost float32 a second pass over every weight
+        (its one-row products are matrix-vector ones)."""
+        compiled = self.config.model_config.exe_mode != "eager"
+        decode_rows = (1, 2) if compiled else (1,)
+        request = Request([0, 1, 2], SamplingParams(max_new_tokens=1 + len(decode_rows)))
+        if not self.kv.allocate_slots(request.request_id, 0, request.num_tokens + len(decode_rows)):
             return
-        for is_prefill in (True, False):
+        steps = [(True, 1), *((False, rows) for rows in decode_rows)]
+        for is_prefill, rows in steps:
             batch = Batch([request], is_prefill=is_prefill)
-            batch.update_requests_from_batch(self.forward_batch(batch)["next_tokens"])
+            batch.update_requests_from_batch(self.forward_batch(batch, rows)["next_tokens"])
         self.kv.free(request.request_id)

@@ -114,7 +114,7 @@ class ModelWorker:
             )
         self.model = model
         self.param_bytes = param_bytes(model)
-        if mc.exe_mode == "eager" and (swapped := swap_host_linears(model))[0]:
+        if (swapped := swap_host_linears(model, compiled=mc.exe_mode != "eager"))[0]:
             logger.info("[Main] %d linear layers run on %s", *swapped)
         self.decode_model = compile_decode(model, mc.exe_mode, self.dist.device)
         logger.info(

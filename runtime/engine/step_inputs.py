@@ -22,11 +22,12 @@ def build_step_inputs(
     block_size: int,
     device: torch.device,
     min_rows: int = 1,
+    min_blocks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, ForwardMetaData]:
     """block_tables: cache group -> one block list per request of the batch (as the KV manager holds them).
 
-    ``min_rows`` pads the batch with one-token rows that write to the null slot 0 and block tables to at least
-    that many blocks, so a compiled decode graph never sees a size of 1 (which torch.compile specialises on)."""
+    ``min_rows`` pads the batch with one-token rows that write to the null slot 0, ``min_blocks`` the block tables
+    with the null block: sizes a compiled decode graph is traced on and serves (``forward_batch``, ``warm_up``)."""
     tokens = batch.new_token_ids()
     kv_len = [0 if batch.is_prefill else r.computed_len for r in batch.requests]
     tables_in = block_tables
@@ -37,7 +38,7 @@ def build_step_inputs(
     lens_q = [len(t) for t in tokens]
     lens_kv = [k + q for k, q in zip(kv_len, lens_q)]
     positions = [p for k, q in zip(kv_len, lens_q) for p in range(k, k + q)]
-    width = max(min_rows, -(-max(lens_kv) // block_size))  # blocks covering the longest context this step
+    width = max(min_blocks, -(-max(lens_kv) // block_size))  # blocks covering the longest context this step
     host: list[list[int]] = [
         [t for seq in tokens for t in seq],
         positions,

@@ -1,7 +1,8 @@
 """Host kernels built from C++ on first use (torch.utils.cpp_extension, cached across runs).
 
-Each loader returns the compiled module, or None where it cannot be built (no compiler, set
-``SKILL_HOST_KERNELS=0`` to skip them); callers then take their portable PyTorch path.
+Each loader returns the compiled module or operator, or None where it cannot be built (no compiler, set
+``SKILL_HOST_KERNELS=0`` to skip them); callers then take their portable PyTorch path. What a compiled decode
+step calls is a ``torch.ops.skill`` operator with a fake (shape-only) implementation, so graphs keep it.
 """
 
 import functools
@@ -10,13 +11,18 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent
 # a build takes about a minute on two cores; an older lock outlived the process that took it
 STALE_LOCK_S = 600
+# operators built so far, by name: a compiled graph looks them up here (tracing a loader would trace the build)
+BUILT: dict[str, Callable] = {}
 KERNEL_ROWS = 16  # rows (decode tokens) up to which host_linear_kernel's products beat the library's
 
 
@@ -32,8 +38,9 @@ def _build_tag() -> str:
     return hashlib.sha1((flags + headers).encode()).hexdigest()[:10]
 
 
-def _load(source: str, what: str):
-    """The compiled ``<source>.cpp``, or None (logged, naming the portable path ``what`` falls back to)."""
+def _load(source: str, what: str, python_module: bool = True):
+    """The compiled ``<source>.cpp`` (its Python module, or with ``python_module=False`` the ``torch.ops.skill``
+    namespace its operators joined), or None (logged, naming the portable path ``what`` falls back to)."""
     if os.environ.get("SKILL_HOST_KERNELS", "1") == "0":
         return None
     try:
@@ -41,13 +48,15 @@ def _load(source: str, what: str):
 
         name = f"skill_{source}_{_build_tag()}"
         _drop_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-        return load(
+        module = load(
             name=name,
             sources=[str(_SOURCES / f"{source}.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            is_python_module=python_module,
             verbose=False,
         )
+        return module if python_module else torch.ops.skill
     except Exception as e:  # noqa: BLE001 - any build failure means: use the portable path
         logger.warning("host kernel %s unavailable (%s); using %s", source, e, what)
         return None
@@ -55,13 +64,27 @@ def _load(source: str, what: str):
 
 @functools.cache
 def host_decode_attention():
-    return _load("paged_decode_attention", "the gather + SDPA path")
+    """``torch.ops.skill.paged_decode_attention``: q [B, H, D], caches [blocks, block_size, Hkv, D | Dv], block
+    table [B, n], lengths [B], scale, window (0: none), soft cap (0.0: none), sinks [H] or None -> [B, H, Dv]."""
+    if (ops := _load("paged_decode_attention", "the gather + SDPA path", python_module=False)) is None:
+        return None
+    torch.library.register_fake("skill::paged_decode_attention")(
+        lambda q, k_cache, v_cache, *_: q.new_empty(*q.shape[:2], v_cache.shape[3])
+    )
+    BUILT["paged_decode_attention"] = ops.paged_decode_attention
+    return ops.paged_decode_attention
 
 
 @functools.cache
 def host_linear_kernel():
-    """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows."""
-    return _load("host_linear", "dequantize + matmul, or F.linear")
+    """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows;
+    ``torch.ops.skill.onednn_linear`` (x, oneDNN-packed weight, bias) joins the operators with it."""
+    module = _load("host_linear", "dequantize + matmul, or F.linear")
+    if module is not None:
+        torch.library.register_fake("skill::onednn_linear")(
+            lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0])
+        )
+    return module
 
 
 def _drop_stale_lock(lock: Path) -> None:

@@ -195,6 +195,25 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
   return p.shaped(x);
 }
 
+// x [.., K] times a weight in oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight): the library's
+// product behind an operator of our own, which torch.compile'd graphs call as it is (inductor cannot lower
+// mkldnn::_linear_pointwise on an already packed weight).
+torch::Tensor onednn_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  auto shape = x.sizes().vec();
+  torch::jit::Stack stack{x.reshape({-1, x.size(-1)}), packed, bias, "none", c10::List<c10::optional<at::Scalar>>(),
+                          c10::optional<c10::string_view>()};
+  op.callBoxed(&stack);
+  shape.back() = packed.size(0);
+  return stack.front().toTensor().view(shape);
+}
+
+TORCH_LIBRARY_FRAGMENT(skill, m) { m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(skill, CPU, m) { m.impl("onednn_linear", &onednn_linear); }
+
+TORCH_LIBRARY_IMPL(skill, MkldnnCPU, m) { m.impl("onednn_linear", &onednn_linear); }  // dispatched on the weight
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear);
   m.def("fp8_linear", &fp8_linear);

@@ -142,4 +142,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_attention", &paged_decode_attention); }
+// An operator rather than a Python binding, so that torch.compile'd decode steps call it too.
+TORCH_LIBRARY_FRAGMENT(skill, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lens, "
+        "float scale, int window, float soft_cap, Tensor? sinks) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(skill, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

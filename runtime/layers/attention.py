@@ -17,7 +17,7 @@ from torch import nn
 
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.errors import UserError
-from runtime.kernels import host_decode_attention
+from runtime.kernels import BUILT, host_decode_attention
 
 LEGACY = "legacy"
 
@@ -103,6 +103,12 @@ def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks) -> torch.Tenso
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _decode_kernel() -> Callable | None:
+    if torch.compiler.is_compiling():  # compile_decode built it before tracing
+        return BUILT.get("paged_decode_attention")
+    return host_decode_attention()
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,8 +131,8 @@ def attend(
     if md.is_prefill:
         return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks)
     table = md.block_table[group]
-    if q.device.type == "cpu" and not torch.compiler.is_compiling() and (kernel := host_decode_attention()):
-        return kernel.paged_decode_attention(
+    if q.device.type == "cpu" and (kernel := _decode_kernel()):
+        return kernel(
             q.contiguous(),
             k_cache,
             v_cache,

@@ -53,6 +53,8 @@ def _float32_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 
 
 def _onednn_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # inductor cannot lower mkldnn's operator on a weight packed beforehand
+        return torch.ops.skill.onednn_linear(x, packed, bias)  # host_linear_kernel's (swap_host_linears)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -161,22 +163,24 @@ class HostKernelLinear(nn.Module):
         )
 
 
-def swap_host_linears(model: nn.Module) -> tuple[int, str]:
+def swap_host_linears(model: nn.Module, compiled: bool = False) -> tuple[int, str]:
     """Swap every plain ``nn.Linear`` of a host model in bf16/fp16 for a ``HostPackedLinear`` or, where oneDNN
     cannot prepack, a ``HostKernelLinear``; where it can, the runtime's unquantized parallel linears get their
-    weight packed as well (``pack_parallel_linear``). Returns how many layers and which path.
+    weight packed as well (``pack_parallel_linear``). Returns how many layers and which path. For a model that
+    runs ``compiled`` only the packing applies, and only where host_linear_kernel's operator calls it.
 
     A weight another module shares (the embedding of a tied LM head) is packed too: the packed copy costs its
     size once more in memory and saves about 2 ms of the 3.4 ms SmolLM2's head takes per decode step."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in (torch.bfloat16, torch.float16):
         return 0, ""
-    packs = onednn_packs(first.dtype)
+    packs = onednn_packs(first.dtype) and not (compiled and host_linear_kernel() is None)
     if packs:
         kind, what = HostPackedLinear, "oneDNN with prepacked weights"
         if float32_pays(first.dtype):
             what += f", float32 from {FLOAT32_ROWS} rows (faster on this host)"
-    elif kernel_applies(first):  # the parallel linears' quant_method takes the kernel by itself
+    elif kernel_applies(first) and not compiled:
+        # the parallel linears' quant_method takes the kernel by itself
         kind, what = HostKernelLinear, f"the host kernel up to {KERNEL_ROWS} rows, float32 above"
     else:
         return 0, ""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,20 +46,23 @@ class TokenLayout:
 
 
 REPLICATED = TokenLayout()
-_LAYOUT: ContextVar[TokenLayout | None] = ContextVar("token_layout", default=None)
+# this step's layout: a plain global, which torch.compile traces (reading a ContextVar breaks the graph); one
+# thread steps an engine
+_layout = REPLICATED
 
 
 def current_layout() -> TokenLayout:
-    return _LAYOUT.get() or REPLICATED
+    return _layout
 
 
 @contextlib.contextmanager
 def use_layout(layout: TokenLayout) -> Iterator[None]:
-    token = _LAYOUT.set(layout)
+    global _layout
+    saved, _layout = _layout, layout
     try:
         yield
     finally:
-        _LAYOUT.reset(token)
+        _layout = saved
 
 
 def needs_sharded_layout(pc: ParallelConfig) -> bool:
