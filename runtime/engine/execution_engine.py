@@ -197,7 +197,7 @@ class ExecutionEngine:
         self._run(zero, zero, md)
 
     def warm_up(self) -> None:
-        """One dummy prefill + decode so kernels and allocators are ready before timing starts. A compiled decode
+        """A dummy prefill and decode so kernels and allocators are ready before timing starts. A compiled decode
         graph is traced here twice, on one row and on two: torch.compile specialises sizes of 1, so neither
         serves the other, and padding one request to two rows would cost float32 a second pass over every weight
         (its one-row products are matrix-vector ones)."""
