@@ -371,3 +371,17 @@ def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy)
                 out[a : a + n].double(), naive(h[0], k, v, range(c, c + n)), atol=1e-5, rtol=0
             )
     assert layer.v_cache.numel() == 0
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["B-H-T-D", "BH-T-D"])
+def test_heads_first_layout_matches_the_packed_one(batched):
+    """Attention written out by hand keeps q / k / v heads first ([B, H, T, D], or [B*H, T, D] for bmm) on both
+    sides of `forward_heads_first`; the result equals the packed call's on the same tokens."""
+    packed, heads_first = Run(), Run()
+    md_packed, md_heads_first = _prefill(packed, 5), _prefill(heads_first, 5)
+    q, k, v = (packed.randn(5, n, D) for n in (H, KV, KV))
+    expected = packed.layer(q.flatten(1), k.flatten(1), v.flatten(1), md_packed).view(5, H, D)
+    first = [x.transpose(0, 1)[None] if batched else x.transpose(0, 1) for x in (q, k, v)]
+    out = heads_first.layer.forward_heads_first(*first, md_heads_first)
+    assert out.shape == first[0].shape
+    torch.testing.assert_close(out.reshape(H, 5, D).transpose(0, 1), expected)

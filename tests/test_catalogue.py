@@ -59,3 +59,14 @@ def test_readme_architecture_list_is_generated_from_the_coverage_table():
     assert catalogue.readme_block(catalogue.load(data), version) in (ROOT / "README.md").read_text(), (
         "README.md's coverage block is stale: re-run scripts/catalogue.py (--only TYPE... for some types)"
     )
+
+
+def test_attention_written_out_by_hand_passes(tmp_path):
+    """XGLM (bmm over [B*H, T, D] inline in forward), GPT-Neo (a helper method, a banded causal buffer as a
+    sliding window, its attention class looked up in a table) and GPT-NeoX-Japanese (baddbmm, decoder layers
+    called without **kwargs) convert with transformers' greedy tokens."""
+    proc = sweep(tmp_path, "xglm", "gpt_neo", "gpt_neox_japanese")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {e["model_type"]: e for e in json.loads((tmp_path / "coverage.json").read_text())["types"]}
+    for passing in ("xglm", "gpt_neo", "gpt_neox_japanese"):
+        assert rows[passing]["status"] == "PASS", rows[passing]

@@ -265,6 +265,15 @@ class Attention(nn.Module):
         v = v.view(T, -1, self.v_head_dim)
         return self._attend(q, k, v, md, sinks).reshape(T, -1)
 
+    def forward_heads_first(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData
+    ) -> torch.Tensor:
+        """The layout attention written out by hand keeps on both sides (migrated models call it): q [1, H, T, D]
+        or [H, T, D], k / v alike with Hkv heads -> [1, H, T, Dv] or [H, T, Dv]."""
+        heads_first = q.shape[:-1]
+        q, k, v = (x.reshape(-1, *x.shape[-2:]).transpose(0, 1) for x in (q, k, v))
+        return self._attend(q, k, v, md, None).transpose(0, 1).reshape(*heads_first, -1)
+
     def _attend(
         self,
         q: torch.Tensor,

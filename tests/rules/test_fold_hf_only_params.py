@@ -2,6 +2,8 @@
 
 from textwrap import dedent, indent
 
+import pytest
+
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams as rule
 
 # LlamaModel.forward, transformers v5.
@@ -470,3 +472,21 @@ def test_state_kept_through_the_cache_s_own_methods_is_refused_too(run_rule, mak
     assert [f.what.split(";")[0] for f in ctx.findings] == [
         "state kept in the cache besides keys and values (`update_conv_state`, `update_recurrent_state`)"
     ]
+
+
+@pytest.mark.parametrize("positions", ["", ", position_ids=position_ids"])
+def test_a_past_length_feeding_a_module_without_positions_is_refused(run_rule, make_ctx, positions):
+    # TrOCR's decoder hands its positional embedding the cache's length, which folds to 0 under the runtime.
+    code = dedent(f"""\
+        class Decoder(nn.Module):
+            def forward(self, input_ids, position_ids, cache=None):
+                cache_length = cache.get_seq_length() if cache is not None else 0
+                return self.embed_tokens(input_ids) + self.embed_positions(input_ids, cache_length{positions})
+        """)
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    refused = [f.what for f in ctx.findings]
+    if positions:
+        assert refused == []
+    else:
+        assert refused[0].startswith("the past length `cache_length` read from the cache feeds a module")

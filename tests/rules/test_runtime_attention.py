@@ -369,3 +369,48 @@ def test_a_wrapper_passing_the_weights_on_stops_and_its_callers_drop_them(run_ru
     )
     assert "        hidden_states = self.self_attn(\n" in out
     assert run_rule(rule, out) == out
+
+
+def test_layers_called_in_a_loop_get_kwargs_and_their_narrowed_outputs_unwrapped(run_rule):
+    # GPT-NeoX-Japanese: the model calls each layer without **kwargs and takes `outputs[0]` of a layer that
+    # returned `(hidden, attn_weights)`; once the weights are gone the layer returns the hidden states alone.
+    layer = dedent("""\
+
+
+        class LlamaDecoderLayer(nn.Module):
+            def __init__(self, config, layer_idx: int):
+                super().__init__()
+                self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)
+
+            def forward(self, hidden_states, **kwargs):
+                attn_output, attn_weights = self.self_attn(hidden_states, **kwargs)
+                return hidden_states + attn_output, attn_weights
+
+
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+
+            def forward(self, hidden_states):
+                for i, layer in enumerate(self.layers):
+                    outputs = layer(hidden_states)
+                    hidden_states = outputs[0]
+                return hidden_states[0]
+        """)
+    out = run_rule(rule, HEADER + attention() + layer)
+    assert "return hidden_states + attn_output\n" in out
+    model = out[out.index("class LlamaForCausalLM") :]
+    assert "def forward(self, hidden_states, **kwargs):" in model
+    assert "outputs = layer(hidden_states, **kwargs)\n            hidden_states = outputs\n" in model
+    assert "return hidden_states[0]" in model  # not a layer's output: left alone
+    assert run_rule(rule, out) == out
+
+
+def test_hand_written_attention_calls_the_heads_first_layout(run_rule):
+    hand_written = attention().replace("= attention_interface(", "= heads_first_attention(")
+    out = run_rule(rule, HEADER + hand_written + CALLERS)
+    assert (
+        "attn_output = self.attn.forward_heads_first(query_states, key_states, value_states, forward_metadata)"
+        in out
+    )

@@ -1,6 +1,7 @@
 """The migrator's rewrite rules, one codemod per file, in the order they are applied."""
 
 from skills.migrator.rules.absolute_imports import AbsoluteImports
+from skills.migrator.rules.attention_class_table import AttentionClassTable
 from skills.migrator.rules.causal_lm_entry import CausalLMEntry
 from skills.migrator.rules.checkpoint_branches import CheckpointBranches
 from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
@@ -8,6 +9,7 @@ from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
+from skills.migrator.rules.hand_written_attention import HandWrittenAttention
 from skills.migrator.rules.honest_signatures import HonestSignatures
 from skills.migrator.rules.latent_kv_cache import LatentKVCache
 from skills.migrator.rules.model_outputs import ModelOutputs
@@ -26,6 +28,8 @@ MODELING_RULES = [
     StripHFDecorators,
     RemoveMaskMachinery,
     FoldHFOnlyParams,
+    AttentionClassTable,
+    HandWrittenAttention,
     RuntimeAttention,
     LatentKVCache,
     TiledKVHeads,

@@ -10,7 +10,14 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, call_sites, named_params
-from skills.migrator.cst_utils import assigned_names, classes, method, with_args, without_dangling_comma
+from skills.migrator.cst_utils import (
+    assigned_names,
+    classes,
+    free_names,
+    method,
+    with_args,
+    without_dangling_comma,
+)
 from skills.migrator.rule import Rule
 
 HF_ONLY: dict[str, object] = {
@@ -356,6 +363,40 @@ class FoldHFOnlyParams(Rule):
                         "caches per-token keys and values only",
                     )
         kept, helper_args = _helper_bindings(module)
+        past = _past_lengths(module)
         if doomed := _bound_to_hf_only(module) | helper_args:
             module = module.visit(_DropArgs(doomed))
-        return module.visit(_Fold(kept))
+        module = module.visit(_Fold(kept))
+        self._refuse_past_lengths_fed_to_modules(module, past)
+        return module
+
+    def _refuse_past_lengths_fed_to_modules(self, module: cst.Module, past: dict[tuple, set[str]]) -> None:
+        """A past length read from the cache folds to 0; passed to a module without the positions themselves
+        (TrOCR's positional embedding computes them from it), every step's positions would restart at 0."""
+        for name, cls in classes(module).items():
+            for fn in m.findall(cls.body, m.FunctionDef()):
+                for length in past.get((name, fn.name.value), set()):
+                    calls = m.findall(fn, m.Call(func=m.Attribute(value=m.Name("self"))))
+                    if any(length in free_names(c) and "position_ids" not in free_names(c) for c in calls):
+                        self.rewrite.unsupported(
+                            name,
+                            0,
+                            f"the past length `{length}` read from the cache feeds a module (positions computed "
+                            "from it); the runtime passes each token's position in `position_ids` instead",
+                        )
+                        return
+
+
+def _past_lengths(module: cst.Module) -> dict[tuple, set[str]]:
+    """(class, function) -> names bound to a past length read from a cache parameter (`cache.get_seq_length()`)."""
+    found: dict[tuple, set[str]] = {}
+    for name, cls in classes(module).items():
+        for fn in m.findall(cls.body, m.FunctionDef()):
+            caches = {p.name.value for p in named_params(fn)} & CACHES
+            read = m.Call(
+                func=m.Attribute(value=m.OneOf(*map(m.Name, caches)), attr=m.Name("get_seq_length"))
+            )
+            for a in m.findall(fn, m.Assign()) if caches else []:
+                if m.findall(a.value, read):
+                    found.setdefault((name, fn.name.value), set()).update(assigned_names(a))
+    return found

@@ -13,20 +13,23 @@ from skills.migrator.cst_utils import (
     called_name,
     class_choice,
     classes,
+    code,
     free_names,
     kwarg,
     method,
+    param_names,
     stmt,
 )
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
 
-INTERFACE = {"attention_interface", "eager_attention_forward"}
+HEADS_FIRST = "heads_first_attention"  # MG021's form of attention written out by hand
+INTERFACE = {"attention_interface", "eager_attention_forward", HEADS_FIRST}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
 RUNTIME_KWARGS = {"scaling": "scale", "sliding_window": "sliding_window", "softcap": "soft_cap"}
 FORWARD_KWARGS = {"s_aux": "sinks"}  # passed on every call: GPT-OSS's per-head sink logits
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
-INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float"}
+INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
 
 
 def _interface_call(s: cst.BaseStatement) -> cst.Call | None:
@@ -68,10 +71,10 @@ class _Forward(cst.CSTTransformer):
         if isinstance(target, cst.Tuple) and len(target.elements) > 1 and self.weights is None:
             self.weights = cst.Module([]).code_for_node(target.elements[1].value)
         q, k, v = (a.value for a in call.args[1:4])
-        new = cst.Assign(
-            [cst.AssignTarget(out)],
-            cst.parse_expression(f"self.{attention_attr(len(self.calls))}(q, k, v, forward_metadata)"),
-        )
+        layer = f"self.{attention_attr(len(self.calls))}"
+        if called_name(call) == HEADS_FIRST:
+            layer += ".forward_heads_first"
+        new = cst.Assign([cst.AssignTarget(out)], cst.parse_expression(f"{layer}(q, k, v, forward_metadata)"))
         forwarded = [
             a.with_changes(keyword=cst.Name(FORWARD_KWARGS[a.keyword.value]), comma=cst.MaybeSentinel.DEFAULT)
             for a in call.args
@@ -122,7 +125,8 @@ def _attention_ctor(
         (f"self.{a}" for a in ("qk_head_dim", "head_dim", "head_size") if f"self.{a} =" in init_code),
         "config.hidden_size // config.num_attention_heads",
     )
-    args = ["num_heads=config.num_attention_heads", f"head_dim={head_dim}"]
+    heads = "config.num_attention_heads" if "config" in param_names(init) else "self.num_heads"
+    args = [f"num_heads={heads}", f"head_dim={head_dim}"]
     if "self.v_head_dim =" in init_code:  # MLA: values narrower than queries / keys
         args.append("v_head_dim=self.v_head_dim")
     kv_attr = next((a for a in KV_HEAD_ATTRS if f"self.{a} =" in init_code), None)
@@ -143,7 +147,7 @@ def _attention_ctor(
             )
             continue
         value = cst.Module([]).code_for_node(a.value)
-        if free_names(a.value) - INIT_NAMES:
+        if free_names(a.value) - INIT_NAMES - set(param_names(init)):
             ctx.unsupported(scope, 0, f"attention argument `{key}={value}` depends on forward-time values")
         args.append(f"{RUNTIME_KWARGS[key]}={value}")
     if kwarg(call, "scaling") is None:
@@ -153,6 +157,11 @@ def _attention_ctor(
     if ctx.kv_layout == "legacy":
         args.append("legacy=True")
     return stmt(f"self.{attr} = Attention({', '.join(args)})\n")
+
+
+def _own_head_count(init: cst.FunctionDef) -> bool:
+    """An attention built from sizes rather than a config (XGLM's `XGLMAttention(embed_dim, num_heads)`)."""
+    return all(f"self.{a} =" in code(init) for a in ("num_heads", "head_dim"))
 
 
 def _with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
@@ -169,6 +178,8 @@ class _Classes(cst.CSTTransformer):
     def __init__(self, ctx: RewriteContext, attn: set[str]):
         self.ctx, self.attn = ctx, attn
         self.narrowed: set[str] = set()  # wrappers whose forward passed the weights on and no longer does
+        self.reaching: set[str] = set()  # classes whose forward reaches an attention layer
+        self.single: set[str] = set()  # classes narrowed from `(output, weights)` to the output alone
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         name = updated.name.value
@@ -176,18 +187,31 @@ class _Classes(cst.CSTTransformer):
             return self._rewrite_attention(updated)
         attrs = _attention_attrs(updated, self.attn | self.narrowed)
         if not attrs:
+            # a class holding one that holds attention (a model's decoder layers): pass kwargs on to them
+            if attrs := _attention_attrs(updated, self.reaching):
+                self.reaching.add(name)
+                return updated.visit(_PassKwargs(attrs))
             return updated
-        callers = _DropWeightsAtCallers(attrs)
+        self.reaching.add(name)
+        callers = _DropWeightsAtCallers(attrs, _attention_attrs(updated, self.single))
         updated = updated.visit(callers)
         if callers.narrowed_forward:  # BERT's BertAttention returns its self-attention's weights
             self.narrowed.add(name)
+            self._note_single(updated)
         return updated
+
+    def _note_single(self, cls: cst.ClassDef) -> None:
+        """cls (whose forward returned the attention weights beside its output) now returns the output alone."""
+        if not m.findall(method(cls, "forward"), m.Return(value=m.Tuple())):
+            self.single.add(cls.name.value)
 
     def _rewrite_attention(self, cls: cst.ClassDef) -> cst.ClassDef:
         name = cls.name.value
         fwd, init = method(cls, "forward"), method(cls, "__init__")
-        if init is None or "config" not in [p.name.value for p in init.params.params]:
-            self.ctx.unsupported(name, 0, "attention class without an `__init__(config, ...)`")
+        if init is None or not ("config" in param_names(init) or _own_head_count(init)):
+            self.ctx.unsupported(
+                name, 0, "attention class without an `__init__(config, ...)` or its own `self.num_heads`"
+            )
             return cls
         rewriter = _Forward(self.ctx, name)
         new_fwd = _with_forward_metadata(fwd.visit(rewriter))
@@ -202,7 +226,10 @@ class _Classes(cst.CSTTransformer):
         ]
         new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, *ctors]))
         body = [new_fwd if s is fwd else new_init if s is init else s for s in cls.body.body]
-        return cls.with_changes(body=cls.body.with_changes(body=body))
+        cls = cls.with_changes(body=cls.body.with_changes(body=body))
+        if rewriter.weights:
+            self._note_single(cls)
+        return cls
 
 
 def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
@@ -218,29 +245,63 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
     return found
 
 
-class _DropWeightsAtCallers(cst.CSTTransformer):
-    """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)` (`h, _, r = ...` -> `h, r = ...`); the call passes `**kwargs` on (added to the
-    caller's signature if missing) so that forward_metadata reaches attention."""
+class _PassKwargs(cst.CSTTransformer):
+    """Calls of the modules in attrs (`self.X(...)`, `self.X[i](...)`, or `layer(...)` in a loop over `self.X`)
+    pass `**kwargs` on, added to the caller's signature if missing, so that forward_metadata reaches attention."""
 
     def __init__(self, attrs: set[str]):
         self.attrs = attrs
         self.needs_kwargs = False
-        self.weights: set[str] = set()  # names the weights were bound to in the current function
-        self.returns_narrowed = False  # a return of the current function no longer passes them on
-        self.narrowed_forward = False
+        self.loop_vars: dict[str, str] = {}  # name bound by `for` over `self.X` -> X
 
-    def _is_attention_call(self, node) -> bool:
-        """`self.X(...)`, or `self.X[i](...)` for a list of attention modules."""
+    def visit_For(self, node: cst.For) -> None:
+        source = (
+            node.iter.args[0].value if m.matches(node.iter, m.Call(func=m.Name("enumerate"))) else node.iter
+        )
+        source = source.value if isinstance(source, cst.Subscript) else source
+        if m.matches(source, m.Attribute(value=m.Name("self"))) and source.attr.value in self.attrs:
+            target = node.target.elements[-1].value if isinstance(node.target, cst.Tuple) else node.target
+            if isinstance(target, cst.Name):
+                self.loop_vars[target.value] = source.attr.value
+
+    def _is_attention_call(self, node, attrs: set[str] | None = None) -> bool:
+        """A call of the modules in attrs (default: all this transformer threads kwargs to)."""
         if not isinstance(node, cst.Call):
             return False
+        attrs = self.attrs if attrs is None else attrs
         func = node.func.value if isinstance(node.func, cst.Subscript) else node.func
-        return m.matches(func, m.Attribute(value=m.Name("self"))) and func.attr.value in self.attrs
+        if isinstance(func, cst.Name):
+            return self.loop_vars.get(func.value) in attrs
+        return m.matches(func, m.Attribute(value=m.Name("self"))) and func.attr.value in attrs
 
     def leave_Call(self, original, updated):
         if not self._is_attention_call(updated) or any(a.star == "**" for a in updated.args):
             return updated
         self.needs_kwargs = True
         return updated.with_changes(args=[*updated.args, cst.Arg(cst.Name("kwargs"), star="**")])
+
+    def leave_FunctionDef(self, original, updated):
+        if self.needs_kwargs and updated.params.star_kwarg is None:
+            updated = updated.with_changes(
+                params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
+            )
+        self.needs_kwargs, self.loop_vars = False, {}
+        return updated
+
+
+class _DropWeightsAtCallers(_PassKwargs):
+    """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)` (`h, _, r = ...` -> `h, r = ...`); the call
+    passes `**kwargs` on."""
+
+    def __init__(self, attrs: set[str], single: set[str]):
+        super().__init__(attrs)
+        self.single = (
+            single  # attrs whose modules returned `(output, weights)` and now return the output alone
+        )
+        self.whole: set[str] = set()  # names bound to such a call's result in the current function
+        self.weights: set[str] = set()  # names the weights were bound to in the current function
+        self.returns_narrowed = False  # a return of the current function no longer passes them on
+        self.narrowed_forward = False
 
     def leave_Assign(self, original, updated):
         target = updated.targets[0].target
@@ -253,21 +314,27 @@ class _DropWeightsAtCallers(cst.CSTTransformer):
             kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             new = kept[0].value if len(kept) == 1 else target.with_changes(elements=kept)
             return updated.with_changes(targets=[cst.AssignTarget(new)])
+        if isinstance(target, cst.Name) and self._is_attention_call(updated.value, self.single):
+            self.whole.add(target.value)
         return updated
+
+    def leave_Subscript(self, original, updated):
+        """`outputs[0]` of a call that returned `(output, weights)` and now returns the output alone."""
+        first = m.Subscript(m.Name(), [m.SubscriptElement(m.Index(m.Integer("0")))])
+        return updated.value if m.matches(updated, first) and updated.value.value in self.whole else updated
 
     def leave_Return(self, original, updated):
         narrowed = _without(updated, self.weights)
-        self.returns_narrowed |= narrowed is not updated
+        # `return self.attention(...)` (GPT-Neo's wrapper) passes on a result now without the weights
+        self.returns_narrowed |= narrowed is not updated or self._is_attention_call(
+            updated.value, self.single
+        )
         return narrowed
 
     def leave_FunctionDef(self, original, updated):
-        if self.needs_kwargs and updated.params.star_kwarg is None:
-            updated = updated.with_changes(
-                params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
-            )
         self.narrowed_forward |= self.returns_narrowed and updated.name.value == "forward"
-        self.needs_kwargs, self.weights, self.returns_narrowed = False, set(), False
-        return updated
+        self.weights, self.whole, self.returns_narrowed = set(), set(), False
+        return super().leave_FunctionDef(original, updated)
 
 
 class RuntimeAttention(Rule):

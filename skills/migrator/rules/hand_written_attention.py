@@ -1,0 +1,592 @@
+"""Attention written out by hand, as models older than transformers' attention interface compute it (scores =
+q @ kᵀ, softmax, @ v; or a direct `F.scaled_dot_product_attention` call), becomes the canonical call MG005
+converts: `out = heads_first_attention(self, q, k, v, scaling=...)`, heads-first on both sides as the code
+around it expects ([B, H, T, D], or [B*H, T, D] for bmm).
+
+The scores' path is read, not guessed: scale factors (a multiplier, a divisor, baddbmm's alpha), masks (the
+mask argument, a lower-triangular buffer, a banded one as a sliding window), softmax, dtype / layout / dropout
+steps and shape checks are understood; anything else done to the scores (an ALiBi or relative position bias
+added, a scale read at run time) is refused by name. A helper method holding the computation
+(`self._attn(q, k, v, mask)`) is folded into its call site and removed; where a forward dispatches on
+`config._attn_implementation`, the eager path is kept."""
+
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import assigned_names, called_name, classes, code, free_names, kwarg, method
+from skills.migrator.reachability import reachable, top_level_names
+from skills.migrator.rule import Rule
+
+MARKER = "heads_first_attention"
+PRODUCTS = {"torch.matmul", "torch.bmm", "matmul", "bmm"}
+SCALED_PRODUCTS = {"torch.baddbmm", "baddbmm"}
+SDPA = {"torch.nn.functional.scaled_dot_product_attention", "nn.functional.scaled_dot_product_attention"}
+SDPA |= {"F.scaled_dot_product_attention", "scaled_dot_product_attention"}
+SOFTMAX = {"softmax", "torch.softmax", "nn.functional.softmax", "F.softmax", "torch.nn.functional.softmax"}
+PASS_THROUGH = {
+    "view",
+    "reshape",
+    "to",
+    "float",
+    "half",
+    "bfloat16",
+    "type",
+    "type_as",
+    "contiguous",
+    "clone",
+}
+CLAMPS = {"torch.max", "torch.maximum", "torch.clamp", "torch.clamp_min"}
+SHAPE_READS = {"shape", "dtype", "device", "ndim", "size", "dim"}
+ZERO_FILLS = ("zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty")
+
+
+class Refused(Exception):
+    """A construct on the attention scores' path that the runtime attention cannot express."""
+
+
+def _data_names(node: cst.CSTNode) -> set[str]:
+    """Names whose values flow into node: `x.shape`, `x.size(-1)`, `x.dtype` read no data of x."""
+    found: set[str] = set()
+
+    class _Collect(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            if n.attr.value not in SHAPE_READS:
+                n.value.visit(self)
+            return False
+
+        def visit_Arg(self, n: cst.Arg) -> bool:
+            n.value.visit(self)
+            return False
+
+    node.visit(_Collect())
+    return found
+
+
+def _product(e: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+    """(a, b) of `a @ b` or `torch.matmul(a, b)` / `torch.bmm(a, b)`."""
+    if m.matches(e, m.BinaryOperation(operator=m.MatrixMultiply())):
+        return e.left, e.right
+    if isinstance(e, cst.Call) and called_name(e) in PRODUCTS and len(e.args) == 2:
+        return e.args[0].value, e.args[1].value
+    return None
+
+
+def _untransposed(kt: cst.BaseExpression) -> cst.BaseExpression:
+    """k of kᵀ as the scores' product reads it (`k.transpose(-1, -2)`, `k.mT`); a key kept transposed
+    (GPT-1's `split_heads(k, k=True)`) is transposed back."""
+    if m.matches(kt, m.Call(func=m.Attribute(attr=m.Name("transpose")))) or m.matches(
+        kt, m.Attribute(attr=m.Name("mT"))
+    ):
+        return kt.func.value if isinstance(kt, cst.Call) else kt.value
+    return cst.parse_expression(f"{code(kt)}.transpose(-1, -2)")
+
+
+class _Scores:
+    """The scores' path through one region of statements: which names hold scores, the scale factors met, the
+    buffers read as masks."""
+
+    def __init__(self, self_buffers: dict[str, str]):
+        self.names: set[str] = set()
+        self.masks: set[str] = set()  # names holding mask values (a buffer slice, a fill value)
+        self.factors: list[str] = []
+        self.buffers = self_buffers  # attribute -> its __init__ source, for the ones read as masks
+        self.read_buffers: set[str] = set()
+        self.softmax = False
+
+    def scores_in(self, e: cst.CSTNode) -> bool:
+        return bool(_data_names(e) & self.names)
+
+    def is_mask(self, e: cst.BaseExpression) -> bool:
+        names = free_names(e)
+        subscripted = {
+            s.value.attr.value
+            for s in m.findall(e, m.Subscript(value=m.Attribute(value=m.Name("self"))))
+            if s.value.attr.value in self.buffers
+        }
+        self.read_buffers |= subscripted
+        folded = m.matches(e, m.Name("None"))  # the mask argument, already folded away
+        return bool(folded or subscripted or names & self.masks or any("mask" in n for n in names))
+
+    def value(self, e: cst.BaseExpression) -> None:
+        """Walk a scores expression, recording what it does; refuse what the runtime cannot do."""
+        if isinstance(e, cst.Name):
+            return
+        if isinstance(e, cst.Call):
+            return self._call(e)
+        if isinstance(e, cst.BinaryOperation):
+            return self._binary(e)
+        raise Refused(f"`{code(e)}` on the attention scores")
+
+    def _call(self, e: cst.Call) -> None:
+        name = called_name(e)
+        if isinstance(e.func, cst.Attribute) and self.scores_in(e.func.value):
+            method_name = e.func.attr.value
+            if method_name == "softmax":
+                self.softmax = True
+            elif method_name not in PASS_THROUGH:
+                raise Refused(f"`.{method_name}(...)` on the attention scores")
+            return self.value(e.func.value)
+        first = e.args[0].value if e.args else None
+        if first is None or not self.scores_in(first):
+            if name == "torch.where" and len(e.args) == 3 and self.is_mask(e.args[0].value):
+                return self.value(e.args[1].value)  # a causal mask: keep the scores where it holds
+            raise Refused(f"`{code(e)}` on the attention scores")
+        rest = [a.value for a in e.args[1:] if not a.keyword or a.keyword.value != "dim"]
+        if any(self.scores_in(a) for a in rest):
+            raise Refused(f"`{code(e)}` combines the attention scores with themselves")
+        if name in SOFTMAX or name.endswith(".softmax"):
+            dim = kwarg(e, "dim") or (e.args[1] if len(e.args) > 1 and not e.args[1].keyword else None)
+            if dim is None or code(dim.value) != "-1":
+                raise Refused(f"softmax over another dimension than the keys: `{code(e)}`")
+            self.softmax = True
+        elif not ("dropout" in name or name in CLAMPS):
+            raise Refused(f"`{name}(...)` applied to the attention scores")
+        return self.value(first)
+
+    def _binary(self, e: cst.BinaryOperation) -> None:
+        left, right = self.scores_in(e.left), self.scores_in(e.right)
+        if left and right:
+            raise Refused(f"`{code(e)}` combines the attention scores with themselves")
+        scores, other = (e.left, e.right) if left else (e.right, e.left)
+        op = type(e.operator)
+        if op is cst.Add or (op is cst.Subtract and left):
+            if not self.is_mask(other):
+                raise Refused(
+                    f"`{code(other)}` added to the attention scores (a position bias such as ALiBi)"
+                )
+        elif op is cst.Multiply:
+            if not self.is_mask(other):  # GPT-1: `w * b + -1e4 * (1 - b)` with b the causal buffer
+                self.factors.append(code(other))
+        elif op is cst.Divide and left:
+            self.factors.append(f"1 / ({code(other)})")
+        else:
+            raise Refused(f"`{code(e)}` on the attention scores")
+        return self.value(scores)
+
+
+def _init_buffers(init: cst.FunctionDef | None) -> dict[str, str]:
+    """attr -> source of the statements building it, for `self.attr = nn.Buffer(...)` / register_buffer."""
+    if init is None:
+        return {}
+    text = code(init)
+    found = {}
+    for s in m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])):
+        if "Buffer" in code(s.value) or "tril" in code(s.value):
+            found[s.targets[0].target.attr.value] = text
+    for c in m.findall(init, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("register_buffer")))):
+        if c.args and isinstance(c.args[0].value, cst.SimpleString):
+            found[c.args[0].value.evaluated_value] = text
+    return found
+
+
+def _sliding_window(init: cst.FunctionDef) -> str | None:
+    """The window of a banded causal buffer: `tril(ones) xor tril(ones, -W)` keeps the last W positions; built
+    under `if C:` it is `W if C else None`."""
+    for branch in [init, *m.findall(init, m.If())]:
+        for s in branch.body.body:
+            if not isinstance(s, cst.SimpleStatementLine):
+                continue  # a nested branch is read as its own
+            for c in m.findall(s, m.Call()):
+                if called_name(c) in {"torch.tril", "tril"} and len(c.args) == 2:
+                    offset = c.args[1].value
+                    if not m.matches(offset, m.UnaryOperation(operator=m.Minus())):
+                        raise Refused(f"causal-mask buffer with diagonal offset `{code(offset)}`")
+                    window = code(offset.expression)
+                    return window if branch is init else f"{window} if {code(branch.test)} else None"
+    return None
+
+
+def _eager_branch(s: cst.If) -> list[cst.BaseStatement]:
+    """The statements `if <..._attn_implementation == "sdpa" and ...>: ... else: ...` runs for the eager
+    implementation, the reference the runtime matches."""
+    test = s.test
+    while m.matches(test, m.BooleanOperation(operator=m.And())) and "_attn_implementation" not in code(
+        test.right
+    ):
+        test = (
+            test.left
+        )  # `impl == "sdpa" and not output_attentions`: the comparison decides alone when false
+    compare = m.Comparison(
+        m.Attribute(attr=m.Name("_attn_implementation")),
+        [m.ComparisonTarget(m.Equal() | m.NotEqual(), m.SimpleString())],
+    )
+    if m.matches(test, m.BooleanOperation(operator=m.And(), left=compare)):
+        test = test.left
+    elif not m.matches(test, compare):
+        raise Refused(f"attention implementation chosen by `{code(s.test)}`")
+    target = test.comparisons[0]
+    eager = (target.comparator.evaluated_value == "eager") == isinstance(target.operator, cst.Equal)
+    if eager and isinstance(s.test, cst.BooleanOperation):
+        raise Refused(f"attention implementation chosen by `{code(s.test)}`")  # true only with the rest
+    if eager:
+        return list(s.body.body)
+    if isinstance(s.orelse, cst.If):
+        raise Refused(f"attention implementation chosen by `{code(s.test)}` ... `elif`")
+    return list(s.orelse.body.body) if s.orelse else []
+
+
+def _is_check(s: cst.BaseStatement) -> bool:
+    """`if <shape or dtype test>: raise ...`"""
+    return (
+        isinstance(s, cst.If)
+        and s.orelse is None
+        and all(m.matches(x, m.SimpleStatementLine([m.Raise()])) for x in s.body.body)
+    )
+
+
+class _Region:
+    """One run of statements computing attention: from the scores' product to the product with v."""
+
+    def __init__(self, buffers: dict[str, str], zeros: set[str] = frozenset()):
+        self.scores = _Scores(buffers)
+        self.zeros = zeros  # names the function binds to zero-filled tensors
+        self.q = self.k = self.v = None
+        self.out: cst.BaseAssignTargetExpression | None = None
+        self.end_value: cst.BaseExpression | None = None  # the ending statement's value, the product inside
+        self.product: cst.BaseExpression | None = None
+        self.dropped: set[str] = set()  # names bound by dropped statements
+
+    def start(self, s: cst.BaseStatement) -> bool:
+        """Whether s starts the computation (`scores = q @ kᵀ [* scale]`, baddbmm); records q, k."""
+        if not m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])])):
+            return False
+        value = s.body[0].value
+        for e in [value, *m.findall(value, m.Call() | m.BinaryOperation())]:
+            if isinstance(e, cst.Call) and called_name(e) in SCALED_PRODUCTS and len(e.args) >= 3:
+                self.q, self.k = e.args[1].value, _untransposed(e.args[2].value)
+                beta, added = kwarg(e, "beta"), e.args[0].value
+                if not (beta and code(beta.value) in {"0", "0.0"}) and not self._zeros(added):
+                    raise Refused(f"`{code(added)}` added to the attention scores (baddbmm's input)")
+                if alpha := kwarg(e, "alpha"):
+                    self.scores.factors.append(code(alpha.value))
+                found = e
+                break
+            if (pair := _product(e)) is not None:
+                self.q, self.k = pair[0], _untransposed(pair[1])
+                found = e
+                break
+        else:
+            return False
+        self.scores.names.add(s.body[0].targets[0].target.value)
+        if found is not value:
+            placeholder = cst.Name("__scores__")
+            self.scores.names.add("__scores__")
+            self.scores.value(value.deep_replace(found, placeholder))
+        return True
+
+    def _zeros(self, e: cst.BaseExpression) -> bool:
+        if isinstance(e, cst.Call):
+            return called_name(e).endswith(ZERO_FILLS)
+        return isinstance(e, cst.Name) and e.value in self.zeros
+
+    def statement(self, s: cst.BaseStatement) -> bool:
+        """Take one statement after the start; True when it ends the region (the product with v)."""
+        if _is_check(s):
+            return False
+        if isinstance(s, cst.If):
+            return self._branches(s)
+        if not isinstance(s, cst.SimpleStatementLine) or len(s.body) != 1:
+            raise Refused(f"`{code(s).strip()}` inside the attention computation")
+        small = s.body[0]
+        if (
+            isinstance(small, cst.AugAssign)
+            and m.matches(small.target, m.Name())
+            and small.target.value in self.scores.names
+        ):
+            op = {
+                cst.AddAssign: cst.Add(),
+                cst.MultiplyAssign: cst.Multiply(),
+                cst.DivideAssign: cst.Divide(),
+            }
+            if type(small.operator) not in op:
+                raise Refused(f"`{code(small)}` on the attention scores")
+            self.scores.value(cst.BinaryOperation(small.target, op[type(small.operator)], small.value))
+            return False
+        if not isinstance(small, cst.Assign) or len(small.targets) != 1:
+            raise Refused(f"`{code(s).strip()}` inside the attention computation")
+        target, value = small.targets[0].target, small.value
+        if not self.scores.scores_in(value):
+            bound = assigned_names(small)
+            self.dropped |= bound
+            if self.scores.is_mask(value) or "finfo" in code(value):
+                self.scores.masks |= bound
+            return False
+        for e in [value, *m.findall(value, m.Call() | m.BinaryOperation())]:
+            pair = _product(e)
+            if pair and self.scores.scores_in(pair[0]) and not self.scores.scores_in(pair[1]):
+                self.scores.value(pair[0])
+                self.v, self.out, self.end_value, self.product = pair[1], target, value, e
+                return True
+        if not isinstance(target, cst.Name):
+            raise Refused(f"`{code(s).strip()}` inside the attention computation")
+        self.scores.value(value)
+        self.scores.names.add(target.value)
+        return False
+
+    def _branches(self, s: cst.If) -> bool:
+        before = list(self.scores.factors)
+        paths = [s.body.body, s.orelse.body.body if isinstance(s.orelse, cst.Else) else []]
+        if isinstance(s.orelse, cst.If):
+            raise Refused(f"`elif` inside the attention computation: `{code(s.test)}`")
+        seen = []
+        for body in paths:
+            self.scores.factors = list(before)
+            for x in body:
+                if self.statement(x):
+                    raise Refused("the attention output computed inside a branch")
+            seen.append(self.scores.factors)
+        if seen[0] != seen[1]:
+            raise Refused(f"the attention scale chosen at run time (`if {code(s.test)}`)")
+        return False
+
+    def scaling(self) -> str:
+        return " * ".join(self.scores.factors) if self.scores.factors else "1.0"
+
+
+def _marker(region: _Region, window: str | None, q=None, k=None, v=None) -> cst.Call:
+    args = [code(x) for x in (q or region.q, k or region.k, v or region.v)]
+    window_arg = f", sliding_window={window}" if window else ""
+    return cst.parse_expression(f"{MARKER}(self, {', '.join(args)}, scaling={region.scaling()}{window_arg})")
+
+
+def _assign(
+    out, value: cst.BaseExpression, inner: cst.BaseExpression, call: cst.Call, weights: str | None
+) -> list:
+    """`out = call` (`out, weights = call` where the weights are returned beside it: MG005 drops them, callers
+    included), then `out = <value with inner replaced by out>` where value wraps inner."""
+    target = (
+        cst.Tuple([cst.Element(out), cst.Element(cst.Name(weights))], lpar=[], rpar=[]) if weights else out
+    )
+    lines = [cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(target)], call)])]
+    if value is not inner:
+        rewrapped = cst.Assign([cst.AssignTarget(out)], value.deep_replace(inner, out))
+        lines.append(cst.SimpleStatementLine([rewrapped]))
+    return lines
+
+
+class _Rewriter:
+    """Finds and rewrites the attention computation of one class."""
+
+    def __init__(self, ctx: RewriteContext, cls: cst.ClassDef):
+        self.ctx, self.cls = ctx, cls
+        self.init = method(cls, "__init__")
+        self.buffers = _init_buffers(self.init)
+        self.zeros = {
+            n
+            for a in m.findall(cls, m.Assign(value=m.Call()))
+            if called_name(a.value).endswith(ZERO_FILLS)
+            for n in assigned_names(a)
+        }
+
+    def window(self, region: _Region) -> str | None:
+        if not region.scores.read_buffers:
+            return None
+        return _sliding_window(self.init)
+
+    def block(self, body: list, needed_after: set[str]) -> tuple[list, _Region | None]:
+        """body with its attention computation replaced, and the region found (None: nothing here)."""
+        for i, s in enumerate(body):
+            if isinstance(s, cst.If) and "_attn_implementation" in code(s.test):
+                return self.block([*body[:i], *_eager_branch(s), *body[i + 1 :]], needed_after)
+            if (sdpa := self._sdpa(s)) is not None:
+                return [*body[:i], *sdpa, *body[i + 1 :]], _Region({})
+            region = _Region(self.buffers, self.zeros)
+            if not region.start(s):
+                if isinstance(s, cst.If) and (nested := self._in_branches(s, needed_after, body[i + 1 :])):
+                    return [*body[:i], nested[0], *body[i + 1 :]], nested[1]
+                continue
+            for j in range(i + 1, len(body)):
+                if region.statement(body[j]):
+                    break
+            else:
+                raise Refused("attention scores never multiplied with the values")
+            if not region.scores.softmax:
+                raise Refused("attention scores without a softmax")
+            later = needed_after | free_names(cst.Module(body[j + 1 :]))
+            weights = (region.scores.names | region.dropped) & later  # returned beside the output, at most
+            if len(weights) > 1 or weights and not _only_returned(weights, body[j + 1 :]):
+                used = ", ".join(sorted(weights))
+                raise Refused(f"values of the attention computation used after it: {used}")
+            marker = _marker(region, self.window(region))
+            new = _assign(region.out, region.end_value, region.product, marker, min(weights, default=None))
+            return [*body[:i], *new, *body[j + 1 :]], region
+        return body, None
+
+    def _in_branches(self, s: cst.If, needed_after: set[str], rest: list) -> tuple[cst.If, _Region] | None:
+        """s with the first computation inside its body, else or elif branches replaced."""
+        later = needed_after | free_names(cst.Module(rest))
+        new_body, found = self.block(list(s.body.body), later)
+        if found is not None:
+            return s.with_changes(body=s.body.with_changes(body=new_body)), found
+        if isinstance(s.orelse, cst.If):
+            nested = self._in_branches(s.orelse, needed_after, rest)
+            return (s.with_changes(orelse=nested[0]), nested[1]) if nested else None
+        if isinstance(s.orelse, cst.Else):
+            new_body, found = self.block(list(s.orelse.body.body), later)
+            if found is not None:
+                return s.with_changes(
+                    orelse=s.orelse.with_changes(body=s.orelse.body.with_changes(body=new_body))
+                ), found
+        return None
+
+    def _sdpa(self, s: cst.BaseStatement) -> list | None:
+        if not m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget()])])):
+            return None
+        value = s.body[0].value
+        call = next(
+            (
+                c
+                for c in [value, *m.findall(value, m.Call())]
+                if isinstance(c, cst.Call) and called_name(c) in SDPA
+            ),
+            None,
+        )
+        if call is None:
+            return None
+        q, k, v = (a.value for a in call.args[:3])
+        scale = kwarg(call, "scale")
+        scaling = f", scaling={code(scale.value)}" if scale else ""
+        marker = cst.parse_expression(f"{MARKER}(self, {code(q)}, {code(k)}, {code(v)}{scaling})")
+        return _assign(s.body[0].targets[0].target, value, call, marker, None)
+
+
+def _only_returned(names: set[str], body: list) -> bool:
+    """Whether names appear after the attention only as whole elements of returned tuples (`return out, w`)."""
+    returns = m.findall(cst.Module(body), m.Return(value=m.Tuple()))
+    in_returns = sum(
+        1
+        for r in returns
+        for e in r.value.elements
+        if isinstance(e.value, cst.Name) and e.value.value in names
+    )
+    uses = sum(1 for n in m.findall(cst.Module(body), m.Name()) if n.value in names)
+    return uses == in_returns
+
+
+def _candidates(module: cst.Module, entry: str) -> list[str]:
+    """Classes the entry reaches with a forward (or helper) computing a softmax between two products, or calling
+    scaled_dot_product_attention, and no attention-interface call."""
+    used = {n for i in reachable(module, {entry}) for n in top_level_names(module.body[i])}
+    found = []
+    for name, cls in classes(module).items():
+        if name not in used or method(cls, "forward") is None:
+            continue
+        calls = {called_name(c) for c in m.findall(cls, m.Call())}
+        if calls & {"attention_interface", "eager_attention_forward", MARKER}:
+            continue
+        if calls & SDPA or (
+            any(c in SOFTMAX or c.endswith(".softmax") for c in calls)
+            and (
+                calls & (PRODUCTS | SCALED_PRODUCTS)
+                or m.findall(cls, m.BinaryOperation(operator=m.MatrixMultiply()))
+            )
+        ):
+            found.append(name)
+    return found
+
+
+class HandWrittenAttention(Rule):
+    ID = "MG021"
+    DESCRIPTION = "Attention written out by hand (q @ kᵀ, softmax, @ v) becomes the canonical attention call."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        names = _candidates(module, self.rewrite.entry_class)
+        if not names:
+            return module
+        body = list(module.body)
+        for i, s in enumerate(body):
+            if isinstance(s, cst.ClassDef) and s.name.value in names:
+                try:
+                    body[i] = self._rewrite(s)
+                except Refused as e:
+                    self.rewrite.unsupported(s.name.value, 0, f"hand-written attention: {e}")
+        return module.with_changes(body=body)
+
+    def _rewrite(self, cls: cst.ClassDef) -> cst.ClassDef:
+        rewriter = _Rewriter(self.rewrite, cls)
+        fwd = method(cls, "forward")
+        body, found = list(fwd.body.body), False
+        while True:  # every computation: Falcon's rotary and ALiBi paths each have one
+            body, region = rewriter.block(body, set())
+            if region is None:
+                break
+            found = True
+        if found:
+            return _replaced(cls, fwd, fwd.with_changes(body=fwd.body.with_changes(body=body)))
+        return _fold_helper(cls, fwd, rewriter)
+
+
+def _replaced(cls: cst.ClassDef, old: cst.FunctionDef, new: cst.FunctionDef | None) -> cst.ClassDef:
+    body = [new if s is old else s for s in cls.body.body if s is not old or new is not None]
+    return cls.with_changes(body=cls.body.with_changes(body=body))
+
+
+def _fold_helper(cls: cst.ClassDef, fwd: cst.FunctionDef, rewriter: _Rewriter) -> cst.ClassDef:
+    """`a, w = self._attn(q, k, v, mask)` with the helper `_attn` holding the whole computation ->
+    `a, w = heads_first_attention(self, q, k, v, ...)`, the helper removed."""
+    helpers = {
+        c.func.attr.value
+        for c in m.findall(fwd, m.Call(func=m.Attribute(value=m.Name("self"))))
+        if method(cls, c.func.attr.value) is not None
+    }
+    for name in sorted(helpers):
+        helper = method(cls, name)
+        calls = m.findall(cls, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name))))
+        body = list(helper.body.body)
+        ret = body[-1] if body else None
+        if not m.matches(ret, m.SimpleStatementLine([m.Return()])):
+            continue
+        _, region = rewriter.block(body[:-1], free_names(ret))
+        if region is None:
+            continue
+        if len(calls) != 1:
+            raise Refused(f"attention helper `{name}` called {len(calls)} times")
+        returned = ret.body[0].value
+        outputs = returned.elements if isinstance(returned, cst.Tuple) else None
+        first = outputs[0].value if outputs else returned
+        if code(first) != code(region.out):
+            raise Refused(f"attention helper `{name}` returns `{code(returned)}`")
+        bound = _bind(helper, calls[0])
+        q, k, v = (_resolve(e, body, bound) for e in (region.q, region.k, region.v))
+        marker = _marker(region, rewriter.window(region), q, k, v)
+        new_fwd = fwd.deep_replace(calls[0], marker)
+        return _replaced(_replaced(cls, fwd, new_fwd), helper, None)
+    return cls
+
+
+def _bind(helper: cst.FunctionDef, call: cst.Call) -> dict[str, cst.BaseExpression]:
+    params = [p for p in helper.params.params if p.name.value != "self"]
+    bound = {p.name.value: p.default for p in params if p.default is not None}
+    positional = [a for a in call.args if not a.keyword and not a.star]
+    bound.update({p.name.value: a.value for p, a in zip(params, positional)})
+    bound.update({a.keyword.value: a.value for a in call.args if a.keyword})
+    return bound
+
+
+def _resolve(e: cst.BaseExpression, body: list, bound: dict[str, cst.BaseExpression]) -> cst.BaseExpression:
+    """A helper's operand as its caller writes it: through the helper's own reshapes and casts
+    (`query = query.view(...)`, `.to(torch.float32)`) back to the argument passed."""
+    root = e
+    while isinstance(root, (cst.Call, cst.Attribute)):
+        root = root.func.value if isinstance(root, cst.Call) else root.value
+    if not isinstance(root, cst.Name) or root.value not in bound:
+        raise Refused(f"attention operand `{code(e)}` is not one of the helper's arguments")
+    for s in body:
+        if root.value in assigned_names(s):
+            value = s.body[0].value if m.matches(s, m.SimpleStatementLine([m.Assign()])) else None
+            head = value
+            while (
+                isinstance(head, cst.Call)
+                and isinstance(head.func, cst.Attribute)
+                and head.func.attr.value in PASS_THROUGH
+            ):
+                head = head.func.value
+            if not m.matches(head, m.Name(root.value)):
+                raise Refused(
+                    f"attention operand `{root.value}` recomputed in the helper: `{code(s).strip()}`"
+                )
+    return e.deep_replace(root, bound[root.value]) if e is not root else bound[root.value]

@@ -1,0 +1,230 @@
+"""hand_written_attention: attention written out by hand (q @ kᵀ, softmax, @ v, or a direct SDPA call) becomes
+the canonical `heads_first_attention(self, q, k, v, ...)` call runtime_attention converts; the scores' path is
+read for the scale, masks and a banded (sliding-window) causal buffer, and anything else is refused by name."""
+
+from textwrap import dedent
+
+from codemod_harness import assert_codemod, assert_noop, run_codemod
+
+from skills.migrator.rules.hand_written_attention import HandWrittenAttention as rule
+
+HEADER = dedent("""\
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    """)
+
+ENTRY = dedent("""\
+
+
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.attn = Attn(config)
+    """)
+
+# XGLM / TrOCR: bmm over [B*H, T, D], the query scaled before, a shape check, the mask, dropout, weights returned.
+INLINE = """\
+class Attn(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5
+
+    def forward(self, hidden_states, attention_mask=None):
+        bsz, tgt_len, _ = hidden_states.size()
+        query_states = (self.q_proj(hidden_states) * self.scaling).view(bsz * self.num_heads, tgt_len, -1)
+        key_states = self.k_proj(hidden_states).view(bsz * self.num_heads, tgt_len, -1)
+        value_states = self.v_proj(hidden_states).view(bsz * self.num_heads, tgt_len, -1)
+%s
+        attn_output = attn_output.view(bsz, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
+        return self.out_proj(attn_output.reshape(bsz, tgt_len, -1)), attn_weights
+"""
+INLINE_SCORES = """\
+        attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
+        if attn_weights.size() != (bsz * self.num_heads, tgt_len, tgt_len):
+            raise ValueError("wrong size")
+        if attention_mask is not None:
+            attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, tgt_len) + attention_mask
+            attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, tgt_len)
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_probs = nn.functional.dropout(attn_weights, p=0.1, training=self.training)
+        attn_output = torch.bmm(attn_probs, value_states)"""
+INLINE_CALL = """\
+        attn_output, attn_weights = heads_first_attention(self, query_states, key_states, value_states, scaling=1.0)"""
+
+
+def test_inline_bmm_attention_becomes_the_canonical_call(make_ctx):
+    before = HEADER + INLINE % INLINE_SCORES + ENTRY
+    assert_codemod(rule, before, HEADER + INLINE % INLINE_CALL + ENTRY, make_ctx)
+
+
+# GPT-Neo: a helper method in fp32, a causal buffer made banded for "local" layers, no scale at all.
+HELPER = (
+    HEADER
+    + dedent("""\
+    class Attn(nn.Module):
+        def __init__(self, config, attention_type):
+            super().__init__()
+            bias = torch.tril(torch.ones((8, 8), dtype=bool)).view(1, 1, 8, 8)
+            if attention_type == "local":
+                bias = torch.bitwise_xor(bias, torch.tril(bias, -config.window_size))
+            self.bias = nn.Buffer(bias, persistent=False)
+            self.head_dim = config.hidden_size // config.num_heads
+
+        def _attn(self, query, key, value, attention_mask=None):
+            query = query.to(torch.float32)
+            attn_weights = torch.matmul(query, key.transpose(-1, -2))
+            query_length, key_length = query.size(-2), key.size(-2)
+            causal_mask = self.bias[:, :, key_length - query_length : key_length, :key_length]
+            mask_value = torch.finfo(attn_weights.dtype).min
+            attn_weights = torch.where(causal_mask, attn_weights, mask_value)
+            if attention_mask is not None:
+                attn_weights = attn_weights + attention_mask
+            attn_weights = nn.functional.softmax(attn_weights, dim=-1).to(value.dtype)
+            attn_output = torch.matmul(attn_weights, value)
+            return attn_output, attn_weights
+
+        def forward(self, hidden_states, attention_mask=None):
+            query, key, value = self._split(hidden_states)
+            attn_output, attn_weights = self._attn(query, key, value, attention_mask)
+            return self.out_proj(attn_output), attn_weights
+    """)
+    + ENTRY
+)
+
+
+def test_a_helper_is_folded_into_its_call_site_with_the_banded_buffer_as_a_sliding_window(make_ctx):
+    after = run_codemod(rule, HELPER, make_ctx())
+    assert "def _attn" not in after
+    window = 'sliding_window=config.window_size if attention_type == "local" else None'
+    assert f"heads_first_attention(self, query, key, value, scaling=1.0, {window})" in after.replace(
+        "\n", " "
+    )
+    assert run_codemod(rule, after, make_ctx()) == after
+
+
+def test_a_direct_sdpa_call_keeps_what_wraps_it(make_ctx):
+    before = (
+        HEADER
+        + dedent("""\
+        class Attn(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.head_dim = config.hidden_size // config.num_attention_heads
+
+            def forward(self, query, key, value, attention_mask):
+                out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=0.5).mT
+                return self.dense(out.flatten(2))
+        """)
+        + ENTRY
+    )
+    after = before.replace(
+        "out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=0.5).mT",
+        "out = heads_first_attention(self, query, key, value, scaling=0.5)\n        out = out.mT",
+    )
+    assert_codemod(rule, before, after, make_ctx)
+
+
+def test_a_bias_added_to_the_scores_is_refused_by_name(make_ctx):
+    before = (
+        HEADER
+        + dedent("""\
+        class Attn(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.head_dim = config.hidden_size // config.num_attention_heads
+
+            def forward(self, query, key, value, alibi, attention_mask):
+                scores = query @ key.transpose(-1, -2)
+                scores = (scores + alibi) / math.sqrt(self.head_dim)
+                probs = F.softmax(scores + attention_mask, dim=-1)
+                return probs @ value
+        """)
+        + ENTRY
+    )
+    ctx = make_ctx()
+    assert run_codemod(rule, before, ctx) == before
+    assert [f.what for f in ctx.findings] == [
+        "hand-written attention: `alibi` added to the attention scores (a position bias such as ALiBi)"
+    ]
+
+
+def test_a_scale_read_at_run_time_is_refused(make_ctx):
+    before = (
+        HEADER
+        + INLINE
+        % INLINE_SCORES.replace(
+            "attn_weights = nn.functional.softmax(attn_weights, dim=-1)",
+            "if self.training:\n            attn_weights = attn_weights / 2\n"
+            "        attn_weights = nn.functional.softmax(attn_weights, dim=-1)",
+        )
+        + ENTRY
+    )
+    ctx = make_ctx()
+    run_codemod(rule, before, ctx)
+    assert "scale chosen at run time" in ctx.findings[0].what
+
+
+def test_interface_attention_and_plain_products_are_untouched(make_ctx):
+    assert_noop(rule, HEADER + INLINE % INLINE_CALL + ENTRY, make_ctx)
+    no_softmax = (
+        HEADER
+        + dedent("""\
+        class Attn(nn.Module):
+            def forward(self, x, w):
+                return torch.matmul(x, w) @ w
+        """)
+        + ENTRY
+    )
+    assert_noop(rule, no_softmax, make_ctx)
+
+
+# Falcon: an implementation dispatch (the eager path is kept), and, for ALiBi checkpoints, a path of its own.
+FALCON = (
+    HEADER
+    + dedent("""\
+    class Attn(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.head_dim = config.hidden_size // config.num_attention_heads
+
+        def forward(self, query, key, value, alibi):
+            if alibi is None:
+                if self.config._attn_implementation == "sdpa" and not False:
+                    attn_output = F.scaled_dot_product_attention(query, key, value, attn_mask=None)
+                else:
+                    attention_scores = query @ key.transpose(-1, -2)
+                    attention_scores /= math.sqrt(self.head_dim)
+                    attention_scores = F.softmax(attention_scores + None, dim=-1, dtype=query.dtype)
+                    attn_output = attention_scores @ value
+                return self.dense(attn_output)
+            else:
+                scores = query @ key.transpose(-1, -2)
+                attn_output = F.softmax(scores + alibi, dim=-1) @ value
+                return self.dense(attn_output)
+    """)
+    + ENTRY
+)
+
+
+def test_the_eager_path_of_an_implementation_dispatch_is_kept(make_ctx):
+    rotary_only = FALCON[: FALCON.index("        else:\n            scores")] + ENTRY
+    ctx = make_ctx()
+    after = run_codemod(rule, rotary_only, ctx)
+    assert ctx.findings == [] and "_attn_implementation" not in after
+    scaling = "scaling=1 / (math.sqrt(self.head_dim))"
+    assert f"attn_output = heads_first_attention(self, query, key, value, {scaling})\n" in after
+
+
+def test_every_path_is_converted_or_the_class_refused(make_ctx):
+    ctx = make_ctx()
+    assert run_codemod(rule, FALCON, ctx) == FALCON
+    assert [f.what for f in ctx.findings] == [
+        "hand-written attention: `alibi` added to the attention scores (a position bias such as ALiBi)"
+    ]
