@@ -17,7 +17,7 @@ from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.errors import UserError
 from runtime.kernels import STALE_LOCK_S, _drop_stale_lock, host_decode_attention
 from runtime.kv_cache import NULL_BLOCK, CacheEntry, KVCacheManager, ModelCacheInfo, cdiv
-from runtime.layers.attention import Attention
+from runtime.layers.attention import Attention, alibi_slopes
 
 H, KV, D, BS, SCALE, MAX_LEN = 8, 2, 16, 4, 0.3, 32
 LENS = [1, 5, 11]
@@ -27,9 +27,10 @@ RUNS = [5, 5, 5, 2, 7, 7]  # prefill batches consecutive requests of one length
 SINKS = torch.linspace(-1.0, 2.0, H)  # per query head; the upper ones outweigh most scores
 
 
-def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False):
+def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False, alibi=None):
     """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`.
-    A sink is one more logit in the softmax, with no value row. `tiled`: query head h reads kv head h % KV."""
+    A sink is one more logit in the softmax, with no value row. `tiled`: query head h reads kv head h % KV.
+    `alibi` [H]: slope * (key position - query position) joins the scaled scores."""
     spread = (
         (lambda x: x.double().repeat(1, H // KV, 1))
         if tiled
@@ -43,6 +44,8 @@ def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False):
             s = k[js, h] @ q[i, h] * SCALE
             if cap:
                 s = torch.tanh(s / cap) * cap
+            if alibi is not None:
+                s = s + alibi[h].double() * (torch.tensor(js, dtype=torch.float64) - i)
             p = torch.softmax(s if sinks is None else torch.cat([s, sinks[h : h + 1].double()]), 0)
             out[n, h] = p[: len(js)] @ v[js, h]
     return out
@@ -70,7 +73,16 @@ class Run:
     `naive` over the request's whole history, and the cache against the history at the mapped slots."""
 
     def __init__(
-        self, window=None, cap=None, legacy=False, num_blocks=64, seed=0, sinks=None, dv=D, tiled=False
+        self,
+        window=None,
+        cap=None,
+        legacy=False,
+        num_blocks=64,
+        seed=0,
+        sinks=None,
+        dv=D,
+        tiled=False,
+        alibi=None,
     ):
         self.layer = Attention(
             H,
@@ -82,7 +94,9 @@ class Run:
             legacy=legacy,
             v_head_dim=dv,
             kv_heads_tiled=tiled,
+            alibi_slopes=alibi,
         )
+        self.alibi = None if alibi is None else torch.tensor(alibi)
         self.window, self.cap, self.legacy, self.sinks, self.dv = window, cap, legacy, sinks, dv
         self.tiled = tiled
         self.gen = torch.Generator().manual_seed(seed)
@@ -125,7 +139,7 @@ class Run:
         for r, c, n, a in zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist()):
             h = self.hist.setdefault(r, [q[:0], k[:0], v[:0]])
             h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v))]
-            ref = naive(*h, range(c, c + n), self.window, self.cap, self.sinks, self.tiled)
+            ref = naive(*h, range(c, c + n), self.window, self.cap, self.sinks, self.tiled, self.alibi)
             torch.testing.assert_close(out[a : a + n].double(), ref, atol=1e-5, rtol=0)
         self.check_cache(rids, tables)
         return out
@@ -385,3 +399,20 @@ def test_heads_first_layout_matches_the_packed_one(batched):
     out = heads_first.layer.forward_heads_first(*first, md_heads_first)
     assert out.shape == first[0].shape
     torch.testing.assert_close(out.reshape(H, 5, D).transpose(0, 1), expected)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window3"])
+@pytest.mark.parametrize("legacy", [False, True], ids=["paged", "legacy"])
+def test_alibi_biases_prefill_and_decode_by_distance(window, legacy):
+    """ALiBi (bloom, mpt): slope[h] * (key position - query position) joins the scores; decode takes the gathered
+    path (the C++ kernel has no bias)."""
+    prefill_then_decode(Run(window, legacy=legacy, alibi=alibi_slopes(H, scale=0.5)), LENS, steps=4)
+
+
+def test_alibi_slopes_follow_the_paper_for_any_head_count():
+    assert alibi_slopes(8) == [2.0**-i for i in range(1, 9)]
+    assert alibi_slopes(4, scale=2.0) == [2 * 2.0 ** (-2 * i) for i in range(1, 5)]
+    # 6 heads: the 4-head sequence, then the odd terms of the 8-head one
+    assert alibi_slopes(6) == [2.0 ** (-2 * i) for i in range(1, 5)] + [2.0**-1, 2.0**-3]
+    with pytest.raises(UserError, match="has 8 heads but 4 ALiBi slopes"):
+        Attention(H, D, SCALE, KV, alibi_slopes=alibi_slopes(4))

@@ -9,7 +9,7 @@ same mechanism with one block of ``max_seq_len`` slots per batch row.
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,15 @@ from runtime.errors import UserError
 from runtime.kernels import BUILT, host_decode_attention
 
 LEGACY = "legacy"
+
+
+def alibi_slopes(num_heads: int, scale: float = 1.0) -> list[float]:
+    """ALiBi's head slopes (Press et al.), times scale: 2^(-8i/n) for i = 1..n with n the largest power of two up
+    to num_heads, then, for the heads beyond n, every other term of that sequence for 2n (the odd ones)."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * i / n) for i in range(1, n + 1)]
+    slopes += [2 ** (-8 * i / (2 * n)) for i in range(1, 2 * (num_heads - n), 2)]
+    return [s * scale for s in slopes]
 
 
 def cache_group_key(sliding_window: int | None) -> str:
@@ -54,6 +63,16 @@ def _causal_mask(md: ForwardMetaData, length: int, window: int | None) -> torch.
     return md.memo(("causal_mask", length, window), build)
 
 
+def _distances(md: ForwardMetaData, length: int) -> torch.Tensor:
+    """[L, L] key position minus query position, for ALiBi over a prefill run."""
+
+    def build():
+        i = torch.arange(length, device=md.positions.device, dtype=torch.float32)
+        return i[None, :] - i[:, None]
+
+    return md.memo(("distances", length), build)
+
+
 def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torch.Tensor:
     """[B, 1, 1, S] boolean mask over the gathered context of each request."""
 
@@ -68,15 +87,19 @@ def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> tor
     return md.memo(("decode_mask", window, num_slots), build)
 
 
-def _sdpa(q, k, v, mask, scale, soft_cap, sinks):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None -> [B, H, Lq, D]."""
-    if soft_cap is None and sinks is None:
+def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None, alibi (slopes [H], key-minus-query positions
+    broadcast to mask's shape) or None -> [B, H, Lq, D]."""
+    if soft_cap is None and sinks is None and alibi is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = (q @ k.transpose(-1, -2)).float() * scale
     if soft_cap is not None:
         scores = torch.tanh(scores / soft_cap) * soft_cap
+    if alibi is not None:  # a linear bias by distance, one slope per head
+        slopes, distance = alibi
+        scores = scores + slopes.float().view(1, -1, 1, 1) * distance
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     if sinks is None:
         return torch.softmax(scores, dim=-1).to(q.dtype) @ v
@@ -84,7 +107,7 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks):
     return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].to(q.dtype) @ v
 
 
-def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks) -> torch.Tensor:
+def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None) -> torch.Tensor:
     """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv].
 
     Consecutive requests of one length run as one batch, nothing padded: padding every request to the longest
@@ -95,10 +118,11 @@ def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks) -> torch.Tenso
         qi, ki, vi = (
             x[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v)
         )
-        if soft_cap is None and sinks is None and not sliding_window:
+        if soft_cap is None and sinks is None and not sliding_window and alibi is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            o = _sdpa(qi, ki, vi, _causal_mask(md, length, sliding_window), scale, soft_cap, sinks)
+            bias = None if alibi is None else (alibi, _distances(md, length))
+            o = _sdpa(qi, ki, vi, _causal_mask(md, length, sliding_window), scale, soft_cap, sinks, bias)
         outs.append(o.transpose(1, 2).flatten(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -121,17 +145,18 @@ def attend(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H]
-    -> [T, H, Dv]."""
+    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H], ALiBi
+    slopes [H] -> [T, H, Dv]."""
     kv_heads, head_dim, v_head_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     slots = md.slot_mapping[group]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, kv_heads, v_head_dim).index_copy_(0, slots, v)
     if md.is_prefill:
-        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks)
+        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi)
     table = md.block_table[group]
-    if q.device.type == "cpu" and (kernel := _decode_kernel()):
+    if q.device.type == "cpu" and alibi is None and (kernel := _decode_kernel()):
         return kernel(
             q.contiguous(),
             k_cache,
@@ -147,7 +172,11 @@ def attend(
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, v_head_dim).transpose(1, 2)
     mask = _decode_mask(md, sliding_window, ctx_k.shape[2])
-    return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks)[:, :, 0]
+    bias = None
+    if alibi is not None:  # the query sits at the context's last position
+        slots = torch.arange(ctx_k.shape[2], device=q.device, dtype=torch.float32)
+        bias = (alibi, (slots - (md.actual_seq_lengths_kv[:, None] - 1))[:, None, None, :])
+    return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, bias)[:, :, 0]
 
 
 def _tiled_to_grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -182,9 +211,11 @@ class Attention(nn.Module):
         v_head_dim: int | None = None,
         latent_dim: int | None = None,
         kv_heads_tiled: bool = False,
+        alibi_slopes: Sequence[float] | None = None,
     ):
         """``kv_heads_tiled``: query head h reads key / value head ``h % num_kv_heads`` (keys tiled with
-        ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``."""
+        ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``. ``alibi_slopes``: ALiBi,
+        a bias of ``slope[h] * (key position - query position)`` added to head h's scaled scores."""
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
@@ -197,6 +228,14 @@ class Attention(nn.Module):
         self.v_cache_unit = (math.prod(v_unit),) if legacy else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        if alibi_slopes is not None and len(alibi_slopes) != num_heads:
+            raise UserError(
+                f"Attention layer {prefix or '(unnamed)'} has {num_heads} heads but {len(alibi_slopes)} ALiBi "
+                "slopes: each head needs its own (under attention TP a rank holds a share of the heads; ALiBi "
+                "is not split by `skill parallelize`)."
+            )
+        slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     @property
     def cache_group(self) -> str:
@@ -286,10 +325,12 @@ class Attention(nn.Module):
         if md.is_prefill and not torch.compiler.is_compiling():
             self._check_fits_cache(k, v, md)
         shape = (-1, self.k_cache.shape[1], self.num_kv_heads)
+        alibi = self.alibi_slopes
         if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head
             q = _tiled_to_grouped(q, self.num_kv_heads)
-            sinks = (
-                None if sinks is None else _tiled_to_grouped(sinks[None, :, None], self.num_kv_heads)[0, :, 0]
+            sinks, alibi = (
+                None if x is None else _tiled_to_grouped(x[None, :, None], self.num_kv_heads)[0, :, 0]
+                for x in (sinks, alibi)
             )
         o = attend(
             q,
@@ -303,6 +344,7 @@ class Attention(nn.Module):
             self.sliding_window,
             self.soft_cap,
             sinks,
+            alibi,
         )
         return _grouped_to_tiled(o, self.num_kv_heads) if self.kv_heads_tiled else o
 

@@ -191,6 +191,10 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
             "scale=self.head_dim**-0.5,\n",
             "scale=self.head_dim**-0.5,\n                kv_heads_tiled=True,\n",
         ),
+        "ALiBi slopes": BEFORE.replace(  # BLOOM
+            "scale=self.head_dim**-0.5,\n",
+            "scale=self.head_dim**-0.5,\n                alibi_slopes=alibi_slopes(config.num_attention_heads),\n",
+        ),
         "computed after q_proj": BEFORE.replace("head_dim=self.head_dim", "head_dim=self.head_dim2").replace(
             "        self.attn = Attention(", "        self.head_dim2 = 64\n        self.attn = Attention("
         ),

@@ -52,6 +52,7 @@ INLINE_SCORES = """\
         if attention_mask is not None:
             attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, tgt_len) + attention_mask
             attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, tgt_len)
+        attn_weights = attn_weights.masked_fill(attention_mask == 0, -1e4)
         attn_weights = nn.functional.softmax(attn_weights, dim=-1)
         attn_probs = nn.functional.dropout(attn_weights, p=0.1, training=self.training)
         attn_output = torch.bmm(attn_probs, value_states)"""
@@ -131,27 +132,39 @@ def test_a_direct_sdpa_call_keeps_what_wraps_it(make_ctx):
     assert_codemod(rule, before, after, make_ctx)
 
 
-def test_a_bias_added_to_the_scores_is_refused_by_name(make_ctx):
-    before = (
-        HEADER
-        + dedent("""\
-        class Attn(nn.Module):
-            def __init__(self, config):
-                super().__init__()
-                self.head_dim = config.hidden_size // config.num_attention_heads
+BIASED = (
+    HEADER
+    + dedent("""\
+    class Attn(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.head_dim = config.hidden_size // config.num_attention_heads
 
-            def forward(self, query, key, value, alibi, attention_mask):
-                scores = query @ key.transpose(-1, -2)
-                scores = (scores + alibi) / math.sqrt(self.head_dim)
-                probs = F.softmax(scores + attention_mask, dim=-1)
-                return probs @ value
-        """)
-        + ENTRY
-    )
+        def forward(self, query, key, value, position_bias, attention_mask):
+            scores = query @ key.transpose(-1, -2)
+            scores = (scores + position_bias) / math.sqrt(self.head_dim)
+            probs = F.softmax(scores + attention_mask, dim=-1)
+            attn_output = probs @ value
+            return attn_output
+    """)
+    + ENTRY
+)
+
+
+def test_an_alibi_bias_joins_the_attention_scaled_as_the_scores_after_it(make_ctx):
+    # MPT passes its ALiBi tensor as `position_bias=alibi`; Falcon scales scores and bias together.
+    before = BIASED + "\n\nbias = block(hidden_states, position_bias=alibi)\n"
+    scale = "1 / (math.sqrt(self.head_dim))"
+    computation = before[before.index("        scores = query") : before.index("        return attn_output")]
+    call = f"heads_first_attention(self, query, key, value, scaling={scale}, alibi={scale})"
+    assert_codemod(rule, before, before.replace(computation, f"        attn_output = {call}\n"), make_ctx)
+
+
+def test_another_bias_added_to_the_scores_is_refused_by_name(make_ctx):
     ctx = make_ctx()
-    assert run_codemod(rule, before, ctx) == before
+    assert run_codemod(rule, BIASED, ctx) == BIASED
     assert [f.what for f in ctx.findings] == [
-        "hand-written attention: `alibi` added to the attention scores (a position bias such as ALiBi)"
+        "hand-written attention: `position_bias` added to the attention scores (a position bias other than ALiBi)"
     ]
 
 
@@ -183,6 +196,18 @@ def test_interface_attention_and_plain_products_are_untouched(make_ctx):
         + ENTRY
     )
     assert_noop(rule, no_softmax, make_ctx)
+    router = (
+        HEADER
+        + dedent("""\
+        class Attn(nn.Module):
+            def forward(self, hidden_states):
+                router_logits = hidden_states @ self.weight.t()
+                routing_weights = F.softmax(router_logits, dim=-1)
+                return torch.topk(routing_weights, 2, dim=-1)
+        """)
+        + ENTRY
+    )
+    assert_noop(rule, router, make_ctx)
 
 
 # Falcon: an implementation dispatch (the eager path is kept), and, for ALiBi checkpoints, a path of its own.
@@ -222,9 +247,7 @@ def test_the_eager_path_of_an_implementation_dispatch_is_kept(make_ctx):
     assert f"attn_output = heads_first_attention(self, query, key, value, {scaling})\n" in after
 
 
-def test_every_path_is_converted_or_the_class_refused(make_ctx):
+def test_two_computations_in_one_class_are_refused(make_ctx):
     ctx = make_ctx()
     assert run_codemod(rule, FALCON, ctx) == FALCON
-    assert [f.what for f in ctx.findings] == [
-        "hand-written attention: `alibi` added to the attention scores (a position bias such as ALiBi)"
-    ]
+    assert len(ctx.findings) == 1 and "two attention computations in one forward" in ctx.findings[0].what

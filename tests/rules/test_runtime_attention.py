@@ -414,3 +414,12 @@ def test_hand_written_attention_calls_the_heads_first_layout(run_rule):
         "attn_output = self.attn.forward_heads_first(query_states, key_states, value_states, forward_metadata)"
         in out
     )
+
+
+def test_an_alibi_bias_becomes_the_layer_s_slopes(run_rule):
+    hand_written = attention(call_kwargs=("scaling=self.scaling,", "alibi=self.scaling,")).replace(
+        "= attention_interface(", "= heads_first_attention("
+    )
+    out = run_rule(rule, HEADER + hand_written + CALLERS)
+    assert "alibi_slopes=alibi_slopes(config.num_attention_heads, scale=self.scaling)" in ctor_line(out)
+    assert "from runtime.layers.attention import Attention, alibi_slopes" in out

@@ -13,7 +13,6 @@ added, a scale read at run time) is refused by name. A helper method holding the
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import assigned_names, called_name, classes, code, free_names, kwarg, method
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
@@ -75,6 +74,18 @@ def _product(e: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpress
     return None
 
 
+def _scaled_product(e: cst.BaseExpression) -> tuple[cst.BaseExpression, ...] | None:
+    """(input, a, b) of `torch.baddbmm(input, a, b, ...)` or `input.baddbmm(a, b, ...)` (batch1= / batch2=)."""
+    if not isinstance(e, cst.Call) or called_name(e).split(".")[-1] != "baddbmm":
+        return None
+    positional = [a.value for a in e.args if not a.keyword]
+    if called_name(e) not in SCALED_PRODUCTS:  # a method: its receiver is the input
+        positional.insert(0, e.func.value)
+    b1, b2 = kwarg(e, "batch1"), kwarg(e, "batch2")
+    operands = [*positional[:3], *(x.value for x in (b1, b2) if x is not None)]
+    return tuple(operands) if len(operands) == 3 else None
+
+
 def _untransposed(kt: cst.BaseExpression) -> cst.BaseExpression:
     """k of kᵀ as the scores' product reads it (`k.transpose(-1, -2)`, `k.mT`); a key kept transposed
     (GPT-1's `split_heads(k, k=True)`) is transposed back."""
@@ -89,7 +100,10 @@ class _Scores:
     """The scores' path through one region of statements: which names hold scores, the scale factors met, the
     buffers read as masks."""
 
-    def __init__(self, self_buffers: dict[str, str]):
+    def __init__(self, self_buffers: dict[str, str], alibi: set[str]):
+        self.alibi_names = alibi  # names that hold an ALiBi bias
+        self.alibi: list[str] | None = None  # factors of the ALiBi bias, once one is added
+        self.alibi_at = 0  # scale factors met from here on scale the bias too
         self.names: set[str] = set()
         self.masks: set[str] = set()  # names holding mask values (a buffer slice, a fill value)
         self.factors: list[str] = []
@@ -111,6 +125,18 @@ class _Scores:
         folded = m.matches(e, m.Name("None"))  # the mask argument, already folded away
         return bool(folded or subscripted or names & self.masks or any("mask" in n for n in names))
 
+    def add_bias(self, bias: cst.BaseExpression, factors: list[str]) -> None:
+        """An ALiBi bias joins the scores (the runtime's `Attention(alibi_slopes=...)`); another is refused."""
+        if self.alibi is not None or not _data_names(bias) & self.alibi_names:
+            raise Refused(f"`{code(bias)}` added to the attention scores (a position bias other than ALiBi)")
+        self.alibi, self.alibi_at = factors, len(self.factors)
+
+    def alibi_scale(self) -> str | None:
+        if self.alibi is None:
+            return None
+        factors = self.alibi + self.factors[self.alibi_at :]
+        return " * ".join(factors) if factors else "1.0"
+
     def value(self, e: cst.BaseExpression) -> None:
         """Walk a scores expression, recording what it does; refuse what the runtime cannot do."""
         if isinstance(e, cst.Name):
@@ -127,6 +153,8 @@ class _Scores:
             method_name = e.func.attr.value
             if method_name == "softmax":
                 self.softmax = True
+            elif method_name == "masked_fill" and e.args and self.is_mask(e.args[0].value):
+                pass  # a causal mask's fill
             elif method_name not in PASS_THROUGH:
                 raise Refused(f"`.{method_name}(...)` on the attention scores")
             return self.value(e.func.value)
@@ -143,6 +171,8 @@ class _Scores:
             if dim is None or code(dim.value) != "-1":
                 raise Refused(f"softmax over another dimension than the keys: `{code(e)}`")
             self.softmax = True
+        elif name.endswith("masked_fill") and len(e.args) > 1 and self.is_mask(e.args[1].value):
+            pass  # `torch.masked_fill(scores, causal_mask, min)`
         elif not ("dropout" in name or name in CLAMPS):
             raise Refused(f"`{name}(...)` applied to the attention scores")
         return self.value(first)
@@ -152,12 +182,11 @@ class _Scores:
         if left and right:
             raise Refused(f"`{code(e)}` combines the attention scores with themselves")
         scores, other = (e.left, e.right) if left else (e.right, e.left)
+        self.value(scores)  # inner first: a factor applied here scales a bias added inside
         op = type(e.operator)
         if op is cst.Add or (op is cst.Subtract and left):
             if not self.is_mask(other):
-                raise Refused(
-                    f"`{code(other)}` added to the attention scores (a position bias such as ALiBi)"
-                )
+                self.add_bias(other, [] if op is cst.Add else ["-1"])
         elif op is cst.Multiply:
             if not self.is_mask(other):  # GPT-1: `w * b + -1e4 * (1 - b)` with b the causal buffer
                 self.factors.append(code(other))
@@ -165,7 +194,6 @@ class _Scores:
             self.factors.append(f"1 / ({code(other)})")
         else:
             raise Refused(f"`{code(e)}` on the attention scores")
-        return self.value(scores)
 
 
 def _init_buffers(init: cst.FunctionDef | None) -> dict[str, str]:
@@ -229,6 +257,23 @@ def _eager_branch(s: cst.If) -> list[cst.BaseStatement]:
     return list(s.orelse.body.body) if s.orelse else []
 
 
+def _weighs_values(body: list, i: int) -> bool:
+    """Whether what body[i] binds reaches, through a softmax, the left side of a later product (`p @ v`)."""
+    derived, softmax = assigned_names(body[i]), False
+    for s in body[i + 1 :]:
+        for a in m.findall(s, m.Assign() | m.AugAssign() | m.Return()):
+            value = a.value
+            if value is None or not _data_names(value) & derived:
+                continue
+            calls = {called_name(c) for c in m.findall(value, m.Call())}
+            softmax |= any(c in SOFTMAX or c.endswith("softmax") for c in calls)
+            products = [p for e in m.findall(value, m.Call() | m.BinaryOperation()) if (p := _product(e))]
+            if softmax and any(_data_names(left) & derived for left, _ in products):
+                return True
+            derived |= assigned_names(a)
+    return False
+
+
 def _is_check(s: cst.BaseStatement) -> bool:
     """`if <shape or dtype test>: raise ...`"""
     return (
@@ -241,8 +286,8 @@ def _is_check(s: cst.BaseStatement) -> bool:
 class _Region:
     """One run of statements computing attention: from the scores' product to the product with v."""
 
-    def __init__(self, buffers: dict[str, str], zeros: set[str] = frozenset()):
-        self.scores = _Scores(buffers)
+    def __init__(self, buffers: dict[str, str], zeros: set[str] = frozenset(), alibi: set[str] = frozenset()):
+        self.scores = _Scores(buffers, alibi)
         self.zeros = zeros  # names the function binds to zero-filled tensors
         self.q = self.k = self.v = None
         self.out: cst.BaseAssignTargetExpression | None = None
@@ -256,13 +301,16 @@ class _Region:
             return False
         value = s.body[0].value
         for e in [value, *m.findall(value, m.Call() | m.BinaryOperation())]:
-            if isinstance(e, cst.Call) and called_name(e) in SCALED_PRODUCTS and len(e.args) >= 3:
-                self.q, self.k = e.args[1].value, _untransposed(e.args[2].value)
-                beta, added = kwarg(e, "beta"), e.args[0].value
-                if not (beta and code(beta.value) in {"0", "0.0"}) and not self._zeros(added):
-                    raise Refused(f"`{code(added)}` added to the attention scores (baddbmm's input)")
+            if (operands := _scaled_product(e)) is not None:
+                added, q, kt = operands
+                self.q, self.k = q, _untransposed(kt)
                 if alpha := kwarg(e, "alpha"):
                     self.scores.factors.append(code(alpha.value))
+                beta = kwarg(e, "beta")
+                if not (beta and code(beta.value) in {"0", "0.0"}) and not self._zeros(added):
+                    self.scores.add_bias(
+                        added, [code(beta.value)] if beta and code(beta.value) != "1.0" else []
+                    )
                 found = e
                 break
             if (pair := _product(e)) is not None:
@@ -349,8 +397,12 @@ class _Region:
 
 def _marker(region: _Region, window: str | None, q=None, k=None, v=None) -> cst.Call:
     args = [code(x) for x in (q or region.q, k or region.k, v or region.v)]
-    window_arg = f", sliding_window={window}" if window else ""
-    return cst.parse_expression(f"{MARKER}(self, {', '.join(args)}, scaling={region.scaling()}{window_arg})")
+    args.append(f"scaling={region.scaling()}")
+    if window:
+        args.append(f"sliding_window={window}")
+    if alibi := region.scores.alibi_scale():
+        args.append(f"alibi={alibi}")
+    return cst.parse_expression(f"{MARKER}(self, {', '.join(args)})")
 
 
 def _assign(
@@ -371,8 +423,8 @@ def _assign(
 class _Rewriter:
     """Finds and rewrites the attention computation of one class."""
 
-    def __init__(self, ctx: RewriteContext, cls: cst.ClassDef):
-        self.ctx, self.cls = ctx, cls
+    def __init__(self, cls: cst.ClassDef, alibi: set[str]):
+        self.alibi = alibi
         self.init = method(cls, "__init__")
         self.buffers = _init_buffers(self.init)
         self.zeros = {
@@ -394,18 +446,14 @@ class _Rewriter:
                 return self.block([*body[:i], *_eager_branch(s), *body[i + 1 :]], needed_after)
             if (sdpa := self._sdpa(s)) is not None:
                 return [*body[:i], *sdpa, *body[i + 1 :]], _Region({})
-            region = _Region(self.buffers, self.zeros)
-            if not region.start(s):
+            region = _Region(self.buffers, self.zeros, self.alibi)
+            if not region.start(s) or not _weighs_values(
+                body, i
+            ):  # a router's `softmax(x @ w)` is no attention
                 if isinstance(s, cst.If) and (nested := self._in_branches(s, needed_after, body[i + 1 :])):
                     return [*body[:i], nested[0], *body[i + 1 :]], nested[1]
                 continue
-            for j in range(i + 1, len(body)):
-                if region.statement(body[j]):
-                    break
-            else:
-                raise Refused("attention scores never multiplied with the values")
-            if not region.scores.softmax:
-                raise Refused("attention scores without a softmax")
+            j = next(j for j in range(i + 1, len(body)) if region.statement(body[j]))
             later = needed_after | free_names(cst.Module(body[j + 1 :]))
             weights = (region.scores.names | region.dropped) & later  # returned beside the output, at most
             if len(weights) > 1 or weights and not _only_returned(weights, body[j + 1 :]):
@@ -467,6 +515,18 @@ def _only_returned(names: set[str], body: list) -> bool:
     return uses == in_returns
 
 
+def _alibi_names(module: cst.Module) -> set[str]:
+    """Names holding an ALiBi bias: those naming it (`alibi`), and the keywords the file passes one by
+    (MPT's `position_bias=alibi`)."""
+    named = {n.value for n in m.findall(module, m.Name()) if "alibi" in n.value.lower()}
+    passed = {
+        a.keyword.value
+        for a in m.findall(module, m.Arg(keyword=m.Name()))
+        if any("alibi" in n.lower() for n in _data_names(a.value))
+    }
+    return named | passed
+
+
 def _candidates(module: cst.Module, entry: str) -> list[str]:
     """Classes the entry reaches with a forward (or helper) computing a softmax between two products, or calling
     scaled_dot_product_attention, and no attention-interface call."""
@@ -497,6 +557,7 @@ class HandWrittenAttention(Rule):
         names = _candidates(module, self.rewrite.entry_class)
         if not names:
             return module
+        self.alibi = _alibi_names(module)
         body = list(module.body)
         for i, s in enumerate(body):
             if isinstance(s, cst.ClassDef) and s.name.value in names:
@@ -507,17 +568,17 @@ class HandWrittenAttention(Rule):
         return module.with_changes(body=body)
 
     def _rewrite(self, cls: cst.ClassDef) -> cst.ClassDef:
-        rewriter = _Rewriter(self.rewrite, cls)
+        rewriter = _Rewriter(cls, self.alibi)
         fwd = method(cls, "forward")
-        body, found = list(fwd.body.body), False
-        while True:  # every computation: Falcon's rotary and ALiBi paths each have one
-            body, region = rewriter.block(body, set())
-            if region is None:
-                break
-            found = True
-        if found:
-            return _replaced(cls, fwd, fwd.with_changes(body=fwd.body.with_changes(body=body)))
-        return _fold_helper(cls, fwd, rewriter)
+        body, region = rewriter.block(list(fwd.body.body), set())
+        if region is None:
+            return _fold_helper(cls, fwd, rewriter)
+        if rewriter.block(body, set())[1] is not None:  # Falcon: its rotary and ALiBi paths, picked per call
+            raise Refused(
+                "two attention computations in one forward (as Falcon's rotary and ALiBi paths): each would need "
+                "a runtime Attention and KV cache of its own"
+            )
+        return _replaced(cls, fwd, fwd.with_changes(body=fwd.body.with_changes(body=body)))
 
 
 def _replaced(cls: cst.ClassDef, old: cst.FunctionDef, new: cst.FunctionDef | None) -> cst.ClassDef:

@@ -27,6 +27,7 @@ HEADS_FIRST = "heads_first_attention"  # MG021's form of attention written out b
 INTERFACE = {"attention_interface", "eager_attention_forward", HEADS_FIRST}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
 RUNTIME_KWARGS = {"scaling": "scale", "sliding_window": "sliding_window", "softcap": "soft_cap"}
+RUNTIME_KWARGS["alibi"] = "alibi_slopes"  # MG021's: an ALiBi bias on the scores, times this factor
 FORWARD_KWARGS = {"s_aux": "sinks"}  # passed on every call: GPT-OSS's per-head sink logits
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
@@ -149,6 +150,8 @@ def _attention_ctor(
         value = cst.Module([]).code_for_node(a.value)
         if free_names(a.value) - INIT_NAMES - set(param_names(init)):
             ctx.unsupported(scope, 0, f"attention argument `{key}={value}` depends on forward-time values")
+        if key == "alibi":
+            value = f"alibi_slopes({heads})" if value == "1.0" else f"alibi_slopes({heads}, scale={value})"
         args.append(f"{RUNTIME_KWARGS[key]}={value}")
     if kwarg(call, "scaling") is None:
         args.append(
@@ -314,8 +317,11 @@ class _DropWeightsAtCallers(_PassKwargs):
             kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             new = kept[0].value if len(kept) == 1 else target.with_changes(elements=kept)
             return updated.with_changes(targets=[cst.AssignTarget(new)])
-        if isinstance(target, cst.Name) and self._is_attention_call(updated.value, self.single):
-            self.whole.add(target.value)
+        if isinstance(target, cst.Name):  # a name bound to such a call's output alone, until rebound
+            if self._is_attention_call(updated.value, self.single):
+                self.whole.add(target.value)
+            else:
+                self.whole.discard(target.value)
         return updated
 
     def leave_Subscript(self, original, updated):
@@ -356,10 +362,11 @@ class RuntimeAttention(Rule):
                 )
             return module
         module = module.visit(_Classes(ctx, attn))
-        self.add_needed_imports(
-            [
-                ("runtime.layers.attention", "Attention"),
-                ("runtime.engine.forward_metadata", "ForwardMetaData"),
-            ]
-        )
+        imports = [
+            ("runtime.layers.attention", "Attention"),
+            ("runtime.engine.forward_metadata", "ForwardMetaData"),
+        ]
+        if "alibi_slopes=alibi_slopes(" in module.code:
+            imports.append(("runtime.layers.attention", "alibi_slopes"))
+        self.add_needed_imports(imports)
         return module

@@ -236,8 +236,11 @@ def _rewrite_per_head(
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | str:
     """The sharded class, or why it can't be sharded."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
-    if any(kwarg(a.call, "kv_heads_tiled") for a in self_layers(init, {"Attention"}).values()):
+    layers = self_layers(init, {"Attention"}).values()
+    if any(kwarg(a.call, "kv_heads_tiled") for a in layers):
         return "keys are tiled over the query heads (kv_heads_tiled): a rank's share of the heads needs every kv head"
+    if any(kwarg(a.call, "alibi_slopes") for a in layers):
+        return "ALiBi slopes (alibi_slopes) are given for all heads; splitting them by heads is not built"
     linears = self_layers(init, LINEAR)
     if fwd is not None and not any(a in linears for a in (*QKV, *FUSED_ON_DISK)):
         return _rewrite_per_head(cls, ctx, init, fwd)
