@@ -63,10 +63,10 @@ def test_readme_architecture_list_is_generated_from_the_coverage_table():
 
 def test_attention_written_out_by_hand_passes(tmp_path):
     """XGLM (bmm over [B*H, T, D] inline in forward), GPT-Neo (a helper method, a banded causal buffer as a
-    sliding window, its attention class looked up in a table) and GPT-NeoX-Japanese (baddbmm, decoder layers
-    called without **kwargs) convert with transformers' greedy tokens."""
-    proc = sweep(tmp_path, "xglm", "gpt_neo", "gpt_neox_japanese")
+    sliding window, its attention class looked up in a table, decoder layers called without **kwargs) and BLOOM
+    (`alibi.baddbmm(...)`: ALiBi) convert with transformers' greedy tokens."""
+    proc = sweep(tmp_path, "xglm", "gpt_neo", "bloom")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {e["model_type"]: e for e in json.loads((tmp_path / "coverage.json").read_text())["types"]}
-    for passing in ("xglm", "gpt_neo", "gpt_neox_japanese"):
+    for passing in ("xglm", "gpt_neo", "bloom"):
         assert rows[passing]["status"] == "PASS", rows[passing]

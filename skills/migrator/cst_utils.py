@@ -1,6 +1,6 @@
 """Small libcst helpers shared by the rewrite rules."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import libcst as cst
 import libcst.matchers as m
@@ -48,13 +48,15 @@ def names_in(node: cst.CSTNode) -> set[str]:
     return found
 
 
-def free_names(node: cst.CSTNode) -> set[str]:
-    """Bare names read under node: attribute names and keyword names excluded."""
+def free_names(node: cst.CSTNode, skipped: Collection[int] = ()) -> set[str]:
+    """Bare names read under node: attribute names, keyword names and the Name nodes whose ids are skipped
+    excluded."""
     found: set[str] = set()
 
     class _Collect(cst.CSTVisitor):
         def visit_Name(self, n: cst.Name) -> None:
-            found.add(n.value)
+            if id(n) not in skipped:
+                found.add(n.value)
 
         def visit_Attribute(self, n: cst.Attribute) -> bool:
             n.value.visit(self)
@@ -99,6 +101,27 @@ def assigned_names(stmt: cst.CSTNode) -> set[str]:
 
     stmt.visit(_Collect())
     return found
+
+
+def _rebound(stmt: cst.CSTNode) -> set[int]:
+    """ids of the Name nodes under stmt that only rebind a name: `x = ...` / `a, b = ...` targets, loop targets."""
+    found: set[int] = set()
+
+    def plain(target: cst.BaseExpression) -> None:
+        if isinstance(target, cst.Name):
+            found.add(id(target))
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for el in target.elements:
+                plain(el.value)
+
+    for node in m.findall(stmt, m.AssignTarget() | m.For()):
+        plain(node.target)
+    return found
+
+
+def read_names(stmt: cst.CSTNode) -> set[str]:
+    """Names stmt reads; rebinding a name is not reading it."""
+    return free_names(stmt, _rebound(stmt))
 
 
 def dotted(expr: cst.BaseExpression) -> str:

@@ -103,6 +103,8 @@ HELPER = (
 def test_a_helper_is_folded_into_its_call_site_with_the_banded_buffer_as_a_sliding_window(make_ctx):
     after = run_codemod(rule, HELPER, make_ctx())
     assert "def _attn" not in after
+    init = after[after.index("def __init__") : after.index("def forward")]
+    assert "bias" not in init and "self.head_dim = " in init  # the buffer and what only built it are gone
     window = 'sliding_window=config.window_size if attention_type == "local" else None'
     assert f"heads_first_attention(self, query, key, value, scaling=1.0, {window})" in after.replace(
         "\n", " "

@@ -13,7 +13,16 @@ added, a scale read at run time) is refused by name. A helper method holding the
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, called_name, classes, code, free_names, kwarg, method
+from skills.migrator.cst_utils import (
+    assigned_names,
+    called_name,
+    classes,
+    code,
+    free_names,
+    kwarg,
+    method,
+    read_names,
+)
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
 
@@ -425,6 +434,7 @@ class _Rewriter:
 
     def __init__(self, cls: cst.ClassDef, alibi: set[str]):
         self.alibi = alibi
+        self.read_buffers: set[str] = set()  # causal buffers the converted computations masked with
         self.init = method(cls, "__init__")
         self.buffers = _init_buffers(self.init)
         self.zeros = {
@@ -435,9 +445,9 @@ class _Rewriter:
         }
 
     def window(self, region: _Region) -> str | None:
-        if not region.scores.read_buffers:
-            return None
-        return _sliding_window(self.init)
+        """The sliding window of the buffer region masked with, if any (each converted region passes here)."""
+        self.read_buffers |= region.scores.read_buffers
+        return _sliding_window(self.init) if region.scores.read_buffers else None
 
     def block(self, body: list, needed_after: set[str]) -> tuple[list, _Region | None]:
         """body with its attention computation replaced, and the region found (None: nothing here)."""
@@ -572,13 +582,62 @@ class HandWrittenAttention(Rule):
         fwd = method(cls, "forward")
         body, region = rewriter.block(list(fwd.body.body), set())
         if region is None:
-            return _fold_helper(cls, fwd, rewriter)
+            return _without_unread_buffers(_fold_helper(cls, fwd, rewriter), rewriter.read_buffers)
         if rewriter.block(body, set())[1] is not None:  # Falcon: its rotary and ALiBi paths, picked per call
             raise Refused(
                 "two attention computations in one forward (as Falcon's rotary and ALiBi paths): each would need "
                 "a runtime Attention and KV cache of its own"
             )
-        return _replaced(cls, fwd, fwd.with_changes(body=fwd.body.with_changes(body=body)))
+        cls = _replaced(cls, fwd, fwd.with_changes(body=fwd.body.with_changes(body=body)))
+        return _without_unread_buffers(cls, rewriter.read_buffers)
+
+
+def _without_unread_buffers(cls: cst.ClassDef, buffers: set[str]) -> cst.ClassDef:
+    """The causal buffers the runtime's masks replace go once nothing reads them, with the __init__ statements
+    that only built them (GPT-Neo's `bias = torch.tril(...)`, made banded under `if attention_type == ...`)."""
+    init = method(cls, "__init__")
+    elsewhere = [s for s in cls.body.body if s is not init]
+    read = {a.attr.value for a in m.findall(cst.Module(elsewhere), m.Attribute(m.Name("self")))}
+    if not (gone := buffers - read):
+        return cls
+    body = [s for s in init.body.body if not _builds(s, gone)]
+    feeders = set().union(*(read_names(s) for s in init.body.body if _builds(s, gone)))
+    while True:  # a statement binding only feeders nobody reads any more goes, and what fed it joins them
+        unread = next(
+            (
+                s
+                for s in body
+                if _binds_locals_only(s)
+                and (bound := assigned_names(s)) <= feeders
+                and not bound & set().union(*(read_names(x) for x in body if x is not s))
+            ),
+            None,
+        )
+        if unread is None:
+            break
+        feeders |= read_names(unread)
+        body = [s for s in body if s is not unread]
+    return _replaced(cls, init, init.with_changes(body=init.body.with_changes(body=body)))
+
+
+def _binds_locals_only(s: cst.BaseStatement) -> bool:
+    """`x = ...` lines, or an `if` (no else) of them: nothing but local names is written."""
+    if isinstance(s, cst.If):
+        return s.orelse is None and all(_binds_locals_only(x) for x in s.body.body)
+    local = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])])
+    return m.matches(s, local)
+
+
+def _builds(s: cst.BaseStatement, attrs: set[str]) -> bool:
+    """`self.<attr> = ...` or `self.register_buffer("<attr>", ...)` for one of attrs."""
+    assign = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))])])
+    if m.matches(s, assign):
+        return s.body[0].targets[0].target.attr.value in attrs
+    register = m.SimpleStatementLine([m.Expr(m.Call(m.Attribute(m.Name("self"), m.Name("register_buffer"))))])
+    if m.matches(s, register) and s.body[0].value.args:
+        name = s.body[0].value.args[0].value
+        return isinstance(name, cst.SimpleString) and name.evaluated_value in attrs
+    return False
 
 
 def _replaced(cls: cst.ClassDef, old: cst.FunctionDef, new: cst.FunctionDef | None) -> cst.ClassDef:

@@ -7,7 +7,7 @@ import re
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, free_names, names_in, with_args
+from skills.migrator.cst_utils import assigned_names, free_names, names_in, read_names, with_args
 from skills.migrator.rule import Rule
 
 MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IGNORECASE)
@@ -23,28 +23,6 @@ def _builds_mask(node: cst.CSTNode) -> bool:
     return any(MASK_FACTORY.search(n) for n in free_names(node)) or any(
         MASK_METHOD.search(n) for n in methods
     )
-
-
-def _rebound(stmt: cst.CSTNode) -> set[int]:
-    """ids of the Name nodes under stmt that only rebind a name: `x = ...` / `a, b = ...` targets, loop targets."""
-    found: set[int] = set()
-
-    def plain(target: cst.BaseExpression) -> None:
-        if isinstance(target, cst.Name):
-            found.add(id(target))
-        elif isinstance(target, (cst.Tuple, cst.List)):
-            for el in target.elements:
-                plain(el.value)
-
-    for node in m.findall(stmt, m.AssignTarget() | m.For()):
-        plain(node.target)
-    return found
-
-
-def _reads(stmt: cst.CSTNode) -> set[str]:
-    """Names stmt uses; rebinding a name is not using it."""
-    rebound = _rebound(stmt)
-    return {n.value for n in m.findall(stmt, m.Name()) if id(n) not in rebound}
 
 
 def _clean_loop_targets(stmt: cst.CSTNode, tainted: set[str]) -> set[str]:
@@ -87,7 +65,7 @@ class _Clean(cst.CSTTransformer):
     def _is_mask(self, stmt: cst.BaseStatement) -> bool:
         """Builds a mask, uses one, or only binds mask names (compound statements count as a whole); a
         statement that also binds other names stays (`h, pos, mask = self.f(h, pos, mask)`)."""
-        if _builds_mask(stmt) or _reads(stmt) & self.tainted:
+        if _builds_mask(stmt) or read_names(stmt) & self.tainted:
             return True
         bound = assigned_names(stmt)  # only (re)initialises mask names: `causal_mask_mapping = {}`
         return bool(bound) and bound <= self.tainted
