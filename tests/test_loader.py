@@ -167,3 +167,23 @@ def test_tensors_fused_on_disk_are_split_as_transformers_converts_them():
     sharded.layers[0].self_attn.k_proj.weight.weight_loader = _HalfShard().weight_loader
     with pytest.raises(UserError, match="holds .*q_proj.weight, .*k_proj.weight, .*v_proj.weight fused"):
         load_named_weights(sharded, [("layers.0.attention.query_key_value.weight", qkv)])
+
+
+def test_names_transformers_renames_reach_a_fused_parameter():
+    """Exaone's checkpoint names (`transformer.h.0.attn.attention.k_proj`) are llama's after transformers'
+    renaming for the type (`model.layers.0.self_attn.k_proj`), which the migrated code holds fused in qkv_proj."""
+    from runtime.layers.linear import QKVParallelLinear
+    from runtime.layers.weights import load_named_weights
+
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"model_type": "exaone"})()
+    attn = torch.nn.Module()
+    attn.qkv_proj = QKVParallelLinear(4, 2, 2, 1)
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].self_attn = attn
+    parts = {"q": torch.ones(4, 4), "k": 2 * torch.ones(2, 4), "v": 3 * torch.ones(2, 4)}
+    mapping = [(".qkv_proj", f".{p}_proj", p) for p in "qkv"]
+    weights = [(f"transformer.h.0.attn.attention.{p}_proj.weight", w) for p, w in parts.items()]
+    assert load_named_weights(model, weights, mapping) == {"model.layers.0.self_attn.qkv_proj.weight"}
+    assert torch.equal(attn.qkv_proj.weight, torch.cat(list(parts.values())))

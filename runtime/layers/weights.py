@@ -41,6 +41,14 @@ def missing_weights(model: nn.Module, loaded: set[str]) -> list[str]:
     return sorted(set(dict(model.named_parameters())) - loaded)
 
 
+def _fused(name: str, mapping: list[tuple[str, str, object]]) -> tuple[str, object]:
+    """(the fused parameter's name, shard id) for a part (`.q_proj` of `.qkv_proj`), else (name, None)."""
+    for fused, piece, shard_id in mapping:
+        if piece in name:
+            return name.replace(piece, fused), shard_id
+    return name, None
+
+
 def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, object]],
@@ -71,13 +79,11 @@ def load_named_weights(
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
     for name, weight in _unfused(weights, layout, params, mapping):
-        target, shard_id, part = name, None, None
-        for fused, piece, sid in mapping:
-            if piece in name:
-                target, shard_id = name.replace(piece, fused), sid
-                break
-        if target not in params:
+        (target, shard_id), part = _fused(name, mapping), None
+        if target not in params:  # transformers' names for the type (Exaone's `transformer.h.*`), then fused
             target, part = layout().resolve(name)
+            if part is None:
+                target, shard_id = _fused(target, mapping)
         param = params.get(target)
         if param is None and skips.take(name):
             continue
