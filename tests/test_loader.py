@@ -187,3 +187,19 @@ def test_names_transformers_renames_reach_a_fused_parameter():
     weights = [(f"transformer.h.0.attn.attention.{p}_proj.weight", w) for p, w in parts.items()]
     assert load_named_weights(model, weights, mapping) == {"model.layers.0.self_attn.qkv_proj.weight"}
     assert torch.equal(attn.qkv_proj.weight, torch.cat(list(parts.values())))
+
+
+def test_a_tensor_fused_on_disk_splits_into_the_blocks_of_a_fused_layer():
+    """Sarvam-MoE's `query_key_value` (q, k, v of unequal sizes) into the migrated code's qkv_proj: each part is
+    sized by its block of the fused layer."""
+    from runtime.layers.linear import QKVParallelLinear
+    from runtime.layers.weights import load_named_weights
+
+    model = _FusedOnDisk("sarvam_moe")
+    model.layers[0].self_attn = attn = torch.nn.Module()
+    attn.qkv_proj = QKVParallelLinear(4, 2, 2, 1)
+    qkv = torch.arange(32.0).view(8, 4)
+    mapping = [(".qkv_proj", f".{p}_proj", p) for p in "qkv"]
+    loaded = load_named_weights(model, [("layers.0.attention.query_key_value.weight", qkv)], mapping)
+    assert "layers.0.self_attn.qkv_proj.weight" in loaded
+    assert torch.equal(attn.qkv_proj.weight, qkv)

@@ -132,14 +132,12 @@ def _unfused(
         tensor = materialize(weight)
         if not sized:
             sizes = [tensor.shape[0] // len(targets)] * len(targets)
-        elif all(t in params and getattr(_owner(params[t]), "tp_size", 1) == 1 for t in targets):
-            sizes = [params[t].shape[0] for t in targets]
-        else:
+        elif (sizes := _disk_sizes(targets, params, mapping)) is None:
             raise UserError(
                 f"checkpoint weight {name!r} holds {', '.join(targets)} fused; it is split by their sizes, "
-                "which needs each of them as a whole parameter of the model (not merged into one layer or "
-                "sharded by tensor parallelism). Run the migrated model unparallelized, or split the tensor in "
-                "the checkpoint."
+                "which needs each of them as a whole parameter of the model or a block of a fused layer (not "
+                "sharded by tensor parallelism on its own). Run the migrated model unparallelized, or split the "
+                "tensor in the checkpoint."
             )
         if sum(sizes) != tensor.shape[0]:
             raise UserError(
@@ -147,6 +145,24 @@ def _unfused(
                 "checkpoint does not belong to this model code."
             )
         yield from zip(targets, tensor.split(sizes), strict=True)
+
+
+def _disk_sizes(
+    targets: list[str], params: dict[str, torch.Tensor], mapping: list[tuple[str, str, object]]
+) -> list[int] | None:
+    """Rows each target has on disk: a whole unsharded parameter's, or its block of a fused layer (Sarvam-MoE's
+    q / k / v of the migrated qkv_proj, on any TP size); None where neither tells."""
+    sizes = []
+    for target in targets:
+        if target in params and getattr(_owner(params[target]), "tp_size", 1) == 1:
+            sizes.append(params[target].shape[0])
+            continue
+        fused, shard_id = _fused(target, mapping)
+        segment = getattr(_owner(params[fused]), "segments", {}).get(shard_id) if fused in params else None
+        if segment is None:
+            return None
+        sizes.append(segment.src_size)
+    return sizes
 
 
 def _owner(param: torch.Tensor) -> object:
