@@ -48,9 +48,12 @@ def names_in(node: cst.CSTNode) -> set[str]:
     return found
 
 
-def free_names(node: cst.CSTNode, skipped: Collection[int] = ()) -> set[str]:
+SHAPE_READS = frozenset({"shape", "dtype", "device", "ndim", "size", "dim"})
+
+
+def free_names(node: cst.CSTNode, skipped: Collection[int] = (), data_only: bool = False) -> set[str]:
     """Bare names read under node: attribute names, keyword names and the Name nodes whose ids are skipped
-    excluded."""
+    excluded. data_only: names whose values flow into node; `x.shape`, `x.size(-1)`, `x.dtype` read none of x."""
     found: set[str] = set()
 
     class _Collect(cst.CSTVisitor):
@@ -59,7 +62,8 @@ def free_names(node: cst.CSTNode, skipped: Collection[int] = ()) -> set[str]:
                 found.add(n.value)
 
         def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
+            if not (data_only and n.attr.value in SHAPE_READS):
+                n.value.visit(self)
             return False
 
         def visit_Arg(self, n: cst.Arg) -> bool:

@@ -2,7 +2,7 @@
 the canonical `heads_first_attention(self, q, k, v, ...)` call runtime_attention converts; the scores' path is
 read for the scale, masks and a banded (sliding-window) causal buffer, and anything else is refused by name."""
 
-from textwrap import dedent
+from textwrap import dedent, indent
 
 from codemod_harness import assert_codemod, assert_noop, run_codemod
 
@@ -18,6 +18,14 @@ HEADER = dedent("""\
 
     """)
 
+INIT = dedent("""\
+    class Attn(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.head_dim = config.hidden_size // config.num_attention_heads
+
+    """)
+
 ENTRY = dedent("""\
 
 
@@ -26,6 +34,12 @@ ENTRY = dedent("""\
             super().__init__()
             self.attn = Attn(config)
     """)
+
+
+def attention_class(forward: str) -> str:
+    """A module of one attention class (its __init__ sets head_dim) with this forward, reached by the entry."""
+    return HEADER + INIT + indent(dedent(forward), "    ") + ENTRY
+
 
 # XGLM / TrOCR: bmm over [B*H, T, D], the query scaled before, a shape check, the mask, dropout, weights returned.
 INLINE = """\
@@ -113,20 +127,11 @@ def test_a_helper_is_folded_into_its_call_site_with_the_banded_buffer_as_a_slidi
 
 
 def test_a_direct_sdpa_call_keeps_what_wraps_it(make_ctx):
-    before = (
-        HEADER
-        + dedent("""\
-        class Attn(nn.Module):
-            def __init__(self, config):
-                super().__init__()
-                self.head_dim = config.hidden_size // config.num_attention_heads
-
-            def forward(self, query, key, value, attention_mask):
-                out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=0.5).mT
-                return self.dense(out.flatten(2))
+    before = attention_class("""\
+        def forward(self, query, key, value, attention_mask):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=0.5).mT
+            return self.dense(out.flatten(2))
         """)
-        + ENTRY
-    )
     after = before.replace(
         "out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=0.5).mT",
         "out = heads_first_attention(self, query, key, value, scaling=0.5)\n        out = out.mT",
@@ -134,23 +139,14 @@ def test_a_direct_sdpa_call_keeps_what_wraps_it(make_ctx):
     assert_codemod(rule, before, after, make_ctx)
 
 
-BIASED = (
-    HEADER
-    + dedent("""\
-    class Attn(nn.Module):
-        def __init__(self, config):
-            super().__init__()
-            self.head_dim = config.hidden_size // config.num_attention_heads
-
-        def forward(self, query, key, value, position_bias, attention_mask):
-            scores = query @ key.transpose(-1, -2)
-            scores = (scores + position_bias) / math.sqrt(self.head_dim)
-            probs = F.softmax(scores + attention_mask, dim=-1)
-            attn_output = probs @ value
-            return attn_output
+BIASED = attention_class("""\
+    def forward(self, query, key, value, position_bias, attention_mask):
+        scores = query @ key.transpose(-1, -2)
+        scores = (scores + position_bias) / math.sqrt(self.head_dim)
+        probs = F.softmax(scores + attention_mask, dim=-1)
+        attn_output = probs @ value
+        return attn_output
     """)
-    + ENTRY
-)
 
 
 def test_an_alibi_bias_joins_the_attention_scaled_as_the_scores_after_it(make_ctx):
@@ -213,31 +209,22 @@ def test_interface_attention_and_plain_products_are_untouched(make_ctx):
 
 
 # Falcon: an implementation dispatch (the eager path is kept), and, for ALiBi checkpoints, a path of its own.
-FALCON = (
-    HEADER
-    + dedent("""\
-    class Attn(nn.Module):
-        def __init__(self, config):
-            super().__init__()
-            self.head_dim = config.hidden_size // config.num_attention_heads
-
-        def forward(self, query, key, value, alibi):
-            if alibi is None:
-                if self.config._attn_implementation == "sdpa" and not False:
-                    attn_output = F.scaled_dot_product_attention(query, key, value, attn_mask=None)
-                else:
-                    attention_scores = query @ key.transpose(-1, -2)
-                    attention_scores /= math.sqrt(self.head_dim)
-                    attention_scores = F.softmax(attention_scores + None, dim=-1, dtype=query.dtype)
-                    attn_output = attention_scores @ value
-                return self.dense(attn_output)
+FALCON = attention_class("""\
+    def forward(self, query, key, value, alibi):
+        if alibi is None:
+            if self.config._attn_implementation == "sdpa" and not False:
+                attn_output = F.scaled_dot_product_attention(query, key, value, attn_mask=None)
             else:
-                scores = query @ key.transpose(-1, -2)
-                attn_output = F.softmax(scores + alibi, dim=-1) @ value
-                return self.dense(attn_output)
+                attention_scores = query @ key.transpose(-1, -2)
+                attention_scores /= math.sqrt(self.head_dim)
+                attention_scores = F.softmax(attention_scores + None, dim=-1, dtype=query.dtype)
+                attn_output = attention_scores @ value
+            return self.dense(attn_output)
+        else:
+            scores = query @ key.transpose(-1, -2)
+            attn_output = F.softmax(scores + alibi, dim=-1) @ value
+            return self.dense(attn_output)
     """)
-    + ENTRY
-)
 
 
 def test_the_eager_path_of_an_implementation_dispatch_is_kept(make_ctx):

@@ -45,7 +45,6 @@ PASS_THROUGH = {
     "clone",
 }
 CLAMPS = {"torch.max", "torch.maximum", "torch.clamp", "torch.clamp_min"}
-SHAPE_READS = {"shape", "dtype", "device", "ndim", "size", "dim"}
 ZERO_FILLS = ("zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty")
 
 
@@ -54,24 +53,7 @@ class Refused(Exception):
 
 
 def _data_names(node: cst.CSTNode) -> set[str]:
-    """Names whose values flow into node: `x.shape`, `x.size(-1)`, `x.dtype` read no data of x."""
-    found: set[str] = set()
-
-    class _Collect(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            found.add(n.value)
-
-        def visit_Attribute(self, n: cst.Attribute) -> bool:
-            if n.attr.value not in SHAPE_READS:
-                n.value.visit(self)
-            return False
-
-        def visit_Arg(self, n: cst.Arg) -> bool:
-            n.value.visit(self)
-            return False
-
-    node.visit(_Collect())
-    return found
+    return free_names(node, data_only=True)
 
 
 def _product(e: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
