@@ -73,6 +73,16 @@ def _distances(md: ForwardMetaData, length: int) -> torch.Tensor:
     return md.memo(("distances", length), build)
 
 
+def _decode_distances(md: ForwardMetaData, num_slots: int) -> torch.Tensor:
+    """[B, 1, 1, S] key position minus each request's query position (its context's last), for ALiBi decode."""
+
+    def build():
+        j = torch.arange(num_slots, device=md.positions.device, dtype=torch.float32)[None, :]
+        return (j - (md.actual_seq_lengths_kv[:, None] - 1))[:, None, None, :]
+
+    return md.memo(("decode_distances", num_slots), build)
+
+
 def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torch.Tensor:
     """[B, 1, 1, S] boolean mask over the gathered context of each request."""
 
@@ -172,10 +182,7 @@ def attend(
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, v_head_dim).transpose(1, 2)
     mask = _decode_mask(md, sliding_window, ctx_k.shape[2])
-    bias = None
-    if alibi is not None:  # the query sits at the context's last position
-        slots = torch.arange(ctx_k.shape[2], device=q.device, dtype=torch.float32)
-        bias = (alibi, (slots - (md.actual_seq_lengths_kv[:, None] - 1))[:, None, None, :])
+    bias = None if alibi is None else (alibi, _decode_distances(md, ctx_k.shape[2]))
     return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, bias)[:, :, 0]
 
 

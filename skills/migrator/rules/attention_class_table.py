@@ -15,16 +15,16 @@ def _tables(module: cst.Module) -> dict[str, str]:
     """Module-level `NAME = {"eager": Class, ...}` -> the eager class's name."""
     found = {}
     for s in module.body:
-        if not m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], m.Dict())])):
+        if (name := _table_name(s)) is None:
             continue
-        assign = s.body[0]
-        for e in assign.value.elements:
+        for e in s.body[0].value.elements:
             if m.matches(e, m.DictElement(m.SimpleString(), m.Name())) and e.key.evaluated_value == EAGER:
-                found[assign.targets[0].target.value] = e.value.value
+                found[name] = e.value.value
     return found
 
 
 def _table_name(s: cst.BaseStatement) -> str | None:
+    """NAME of a module-level `NAME = {...}`."""
     if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], m.Dict())])):
         return s.body[0].targets[0].target.value
     return None

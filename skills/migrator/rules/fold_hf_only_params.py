@@ -377,7 +377,7 @@ class FoldHFOnlyParams(Rule):
             for fn in m.findall(cls.body, m.FunctionDef()):
                 for length in past.get((name, fn.name.value), set()):
                     calls = m.findall(fn, m.Call(func=m.Attribute(value=m.Name("self"))))
-                    if any(length in free_names(c) and "position_ids" not in free_names(c) for c in calls):
+                    if any(length in (read := free_names(c)) and "position_ids" not in read for c in calls):
                         self.rewrite.unsupported(
                             name,
                             0,
@@ -393,10 +393,12 @@ def _past_lengths(module: cst.Module) -> dict[tuple, set[str]]:
     for name, cls in classes(module).items():
         for fn in m.findall(cls.body, m.FunctionDef()):
             caches = {p.name.value for p in named_params(fn)} & CACHES
+            if not caches:
+                continue
             read = m.Call(
                 func=m.Attribute(value=m.OneOf(*map(m.Name, caches)), attr=m.Name("get_seq_length"))
             )
-            for a in m.findall(fn, m.Assign()) if caches else []:
+            for a in m.findall(fn, m.Assign()):
                 if m.findall(a.value, read):
                     found.setdefault((name, fn.name.value), set()).update(assigned_names(a))
     return found

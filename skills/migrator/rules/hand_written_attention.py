@@ -25,8 +25,9 @@ from skills.migrator.cst_utils import (
 )
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
+from skills.migrator.rules.runtime_attention import HEADS_FIRST as MARKER
+from skills.migrator.rules.runtime_attention import INTERFACE
 
-MARKER = "heads_first_attention"
 PRODUCTS = {"torch.matmul", "torch.bmm", "matmul", "bmm"}
 SCALED_PRODUCTS = {"torch.baddbmm", "baddbmm"}
 SDPA = {"torch.nn.functional.scaled_dot_product_attention", "nn.functional.scaled_dot_product_attention"}
@@ -91,14 +92,14 @@ class _Scores:
     """The scores' path through one region of statements: which names hold scores, the scale factors met, the
     buffers read as masks."""
 
-    def __init__(self, self_buffers: dict[str, str], alibi: set[str]):
+    def __init__(self, self_buffers: set[str], alibi: set[str]):
         self.alibi_names = alibi  # names that hold an ALiBi bias
         self.alibi: list[str] | None = None  # factors of the ALiBi bias, once one is added
         self.alibi_at = 0  # scale factors met from here on scale the bias too
         self.names: set[str] = set()
         self.masks: set[str] = set()  # names holding mask values (a buffer slice, a fill value)
         self.factors: list[str] = []
-        self.buffers = self_buffers  # attribute -> its __init__ source, for the ones read as masks
+        self.buffers = self_buffers  # attributes __init__ builds as buffers
         self.read_buffers: set[str] = set()
         self.softmax = False
 
@@ -187,18 +188,17 @@ class _Scores:
             raise Refused(f"`{code(e)}` on the attention scores")
 
 
-def _init_buffers(init: cst.FunctionDef | None) -> dict[str, str]:
-    """attr -> source of the statements building it, for `self.attr = nn.Buffer(...)` / register_buffer."""
+def _init_buffers(init: cst.FunctionDef | None) -> set[str]:
+    """The attributes __init__ builds as buffers (`self.attr = nn.Buffer(...)`, `self.register_buffer("attr", ...)`)."""
     if init is None:
-        return {}
-    text = code(init)
-    found = {}
+        return set()
+    found = set()
     for s in m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])):
         if "Buffer" in code(s.value) or "tril" in code(s.value):
-            found[s.targets[0].target.attr.value] = text
+            found.add(s.targets[0].target.attr.value)
     for c in m.findall(init, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("register_buffer")))):
         if c.args and isinstance(c.args[0].value, cst.SimpleString):
-            found[c.args[0].value.evaluated_value] = text
+            found.add(c.args[0].value.evaluated_value)
     return found
 
 
@@ -223,12 +223,11 @@ def _eager_branch(s: cst.If) -> list[cst.BaseStatement]:
     """The statements `if <..._attn_implementation == "sdpa" and ...>: ... else: ...` runs for the eager
     implementation, the reference the runtime matches."""
     test = s.test
+    # `impl == "sdpa" and not output_attentions`: the comparison decides alone when false
     while m.matches(test, m.BooleanOperation(operator=m.And())) and "_attn_implementation" not in code(
         test.right
     ):
-        test = (
-            test.left
-        )  # `impl == "sdpa" and not output_attentions`: the comparison decides alone when false
+        test = test.left
     compare = m.Comparison(
         m.Attribute(attr=m.Name("_attn_implementation")),
         [m.ComparisonTarget(m.Equal() | m.NotEqual(), m.SimpleString())],
@@ -277,7 +276,7 @@ def _is_check(s: cst.BaseStatement) -> bool:
 class _Region:
     """One run of statements computing attention: from the scores' product to the product with v."""
 
-    def __init__(self, buffers: dict[str, str], zeros: set[str] = frozenset(), alibi: set[str] = frozenset()):
+    def __init__(self, buffers: set[str], zeros: set[str] = frozenset(), alibi: set[str] = frozenset()):
         self.scores = _Scores(buffers, alibi)
         self.zeros = zeros  # names the function binds to zero-filled tensors
         self.q = self.k = self.v = None
@@ -285,6 +284,7 @@ class _Region:
         self.end_value: cst.BaseExpression | None = None  # the ending statement's value, the product inside
         self.product: cst.BaseExpression | None = None
         self.dropped: set[str] = set()  # names bound by dropped statements
+        self.window: str | None = None  # the sliding window of the buffer it masked with, once converted
 
     def start(self, s: cst.BaseStatement) -> bool:
         """Whether s starts the computation (`scores = q @ kᵀ [* scale]`, baddbmm); records q, k."""
@@ -386,11 +386,11 @@ class _Region:
         return " * ".join(self.scores.factors) if self.scores.factors else "1.0"
 
 
-def _marker(region: _Region, window: str | None, q=None, k=None, v=None) -> cst.Call:
+def _marker(region: _Region, q=None, k=None, v=None) -> cst.Call:
     args = [code(x) for x in (q or region.q, k or region.k, v or region.v)]
     args.append(f"scaling={region.scaling()}")
-    if window:
-        args.append(f"sliding_window={window}")
+    if region.window:
+        args.append(f"sliding_window={region.window}")
     if alibi := region.scores.alibi_scale():
         args.append(f"alibi={alibi}")
     return cst.parse_expression(f"{MARKER}(self, {', '.join(args)})")
@@ -437,11 +437,10 @@ class _Rewriter:
             if isinstance(s, cst.If) and "_attn_implementation" in code(s.test):
                 return self.block([*body[:i], *_eager_branch(s), *body[i + 1 :]], needed_after)
             if (sdpa := self._sdpa(s)) is not None:
-                return [*body[:i], *sdpa, *body[i + 1 :]], _Region({})
+                return [*body[:i], *sdpa, *body[i + 1 :]], _Region(set())
             region = _Region(self.buffers, self.zeros, self.alibi)
-            if not region.start(s) or not _weighs_values(
-                body, i
-            ):  # a router's `softmax(x @ w)` is no attention
+            # a router's `softmax(x @ w)` weighs no values: no attention
+            if not region.start(s) or not _weighs_values(body, i):
                 if isinstance(s, cst.If) and (nested := self._in_branches(s, needed_after, body[i + 1 :])):
                     return [*body[:i], nested[0], *body[i + 1 :]], nested[1]
                 continue
@@ -451,8 +450,10 @@ class _Rewriter:
             if len(weights) > 1 or weights and not _only_returned(weights, body[j + 1 :]):
                 used = ", ".join(sorted(weights))
                 raise Refused(f"values of the attention computation used after it: {used}")
-            marker = _marker(region, self.window(region))
-            new = _assign(region.out, region.end_value, region.product, marker, min(weights, default=None))
+            region.window = self.window(region)
+            new = _assign(
+                region.out, region.end_value, region.product, _marker(region), min(weights, default=None)
+            )
             return [*body[:i], *new, *body[j + 1 :]], region
         return body, None
 
@@ -528,7 +529,7 @@ def _candidates(module: cst.Module, entry: str) -> list[str]:
         if name not in used or method(cls, "forward") is None:
             continue
         calls = {called_name(c) for c in m.findall(cls, m.Call())}
-        if calls & {"attention_interface", "eager_attention_forward", MARKER}:
+        if calls & INTERFACE:
             continue
         if calls & SDPA or (
             any(c in SOFTMAX or c.endswith(".softmax") for c in calls)
@@ -654,7 +655,7 @@ def _fold_helper(cls: cst.ClassDef, fwd: cst.FunctionDef, rewriter: _Rewriter) -
             raise Refused(f"attention helper `{name}` returns `{code(returned)}`")
         bound = _bind(helper, calls[0])
         q, k, v = (_resolve(e, body, bound) for e in (region.q, region.k, region.v))
-        marker = _marker(region, rewriter.window(region), q, k, v)
+        marker = _marker(region, q, k, v)
         new_fwd = fwd.deep_replace(calls[0], marker)
         return _replaced(_replaced(cls, fwd, new_fwd), helper, None)
     return cls

@@ -26,8 +26,12 @@ from skills.migrator.rule import Rule
 HEADS_FIRST = "heads_first_attention"  # MG021's form of attention written out by hand
 INTERFACE = {"attention_interface", "eager_attention_forward", HEADS_FIRST}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
-RUNTIME_KWARGS = {"scaling": "scale", "sliding_window": "sliding_window", "softcap": "soft_cap"}
-RUNTIME_KWARGS["alibi"] = "alibi_slopes"  # MG021's: an ALiBi bias on the scores, times this factor
+RUNTIME_KWARGS = {
+    "scaling": "scale",
+    "sliding_window": "sliding_window",
+    "softcap": "soft_cap",
+    "alibi": "alibi_slopes",  # MG021's: an ALiBi bias on the scores, times this factor
+}
 FORWARD_KWARGS = {"s_aux": "sinks"}  # passed on every call: GPT-OSS's per-head sink logits
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
@@ -298,9 +302,8 @@ class _DropWeightsAtCallers(_PassKwargs):
 
     def __init__(self, attrs: set[str], single: set[str]):
         super().__init__(attrs)
-        self.single = (
-            single  # attrs whose modules returned `(output, weights)` and now return the output alone
-        )
+        # attrs whose modules returned `(output, weights)` and now return the output alone
+        self.single = single
         self.whole: set[str] = set()  # names bound to such a call's result in the current function
         self.weights: set[str] = set()  # names the weights were bound to in the current function
         self.returns_narrowed = False  # a return of the current function no longer passes them on
