@@ -125,11 +125,32 @@ def test_compile_mode_matches_transformers(name, tmp_path_factory, tmp_path):
     assert_framework_run_matches(reference, model_dir)
 
 
-def test_compiled_bfloat16_decode_equals_eager_and_is_traced_only_at_warm_up(tmp_path_factory, tmp_path):
-    """In bfloat16 the compiled decode step keeps the oneDNN-packed fused linears and the paged-attention kernel
-    (operators the graph calls as they are) and gives eager's tokens; the two graphs warm-up traces (one row,
-    and more) serve batches that shrink as requests finish and block tables that widen, without a graph break
-    or another trace."""
+@pytest.fixture(params=["host-kernels", "portable"])
+def host_kernels(request, monkeypatch):
+    """``portable``: no host kernels, so the path every accelerator takes (gather + SDPA, ``F.linear``)."""
+    from runtime import kernels
+    from runtime.layers import host_linear
+
+    def forget() -> None:
+        for cached in (kernels.host_decode_attention, kernels.host_linear_kernel, host_linear._kernel_dtype):
+            cached.cache_clear()
+
+    if request.param == "portable":
+        monkeypatch.setenv("SKILL_HOST_KERNELS", "0")
+        monkeypatch.delitem(kernels.BUILT, "paged_decode_attention", raising=False)
+        forget()
+        request.addfinalizer(forget)  # later tests load the built kernels again
+    return request.param
+
+
+def test_compiled_bfloat16_decode_equals_eager_and_is_traced_only_at_warm_up(
+    host_kernels, tmp_path_factory, tmp_path
+):
+    """In bfloat16 the compiled decode step gives eager's tokens, and the two graphs warm-up traces (one row, and
+    more) serve batches that shrink as requests finish and block tables that widen, without a graph break or
+    another trace: with the host kernels (oneDNN-packed fused linears and the paged-attention kernel, operators
+    the graph calls as they are) and on the portable path (which once traced again at every block-table width,
+    through a per-step cache keyed by it)."""
     from torch._dynamo.utils import counters
 
     from runtime.config import InferenceConfig

@@ -41,7 +41,11 @@ class ForwardMetaData:
         return self.memo("last_token_indices", lambda: self.actual_seq_lengths_cu_q[1:] - 1)
 
     def memo(self, key, build):
-        """Compute something once per step and share it across layers."""
+        """Compute something once per step and share it across layers. Inside a compiled graph a key that holds
+        sizes is not looked up: the lookup would make the graph specialise on those sizes and trace again whenever
+        one changes; the graph computes the value where it is used (and merges the identical computations)."""
+        if isinstance(key, tuple) and torch.compiler.is_compiling():
+            return build()
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]

@@ -127,10 +127,10 @@ def _kernel_dtype(dtype: torch.dtype) -> bool:
 def kernel_applies(weight: torch.Tensor) -> bool:
     """Whether ``host_linear`` beats ``F.linear`` for this weight: 16-bit, on a host oneDNN cannot prepack it for."""
     return (
-        weight.device.type == "cpu"
+        not torch.compiler.is_compiling()  # first: a graph must not trace the checks below (mkldnn's query breaks it)
+        and weight.device.type == "cpu"
         and _kernel_dtype(weight.dtype)
         and weight.is_contiguous()
-        and not torch.compiler.is_compiling()
     )
 
 

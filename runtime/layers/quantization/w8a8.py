@@ -94,6 +94,20 @@ class Int8DynamicMethod(Int8WeightOnlyMethod):
         return f"int8 activations per token; {kernel}F.linear on the integers (float32){' above' if kernel else ''}"
 
 
+@functools.cache
+def host_rowwise_scaled_mm() -> bool:
+    """Whether this torch's host ``torch._scaled_mm`` takes per-row scales (torch 2.11's takes only per-tensor
+    ones and fails an internal assert otherwise)."""
+    q = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(
+            q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32
+        )
+    except RuntimeError:
+        return False
+    return True
+
+
 def scaled_mm_linear(
     q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -129,6 +143,7 @@ class Fp8Method(QuantizedWeightMethod):
                 x.device.type == "cpu"
                 and token_rows(x) >= SCALED_MM_ROWS
                 and layer.weight_scale.shape[1] == 1
+                and host_rowwise_scaled_mm()
             ):
                 out = scaled_mm_linear(q, scale, layer.weight, layer.weight_scale, x.dtype)
                 return out if bias is None else out + bias
@@ -138,5 +153,9 @@ class Fp8Method(QuantizedWeightMethod):
     def describe(self, device: torch.device) -> str:
         if not self.activations:
             return super().describe(device)
-        scaled_mm = f", torch._scaled_mm from {SCALED_MM_ROWS} rows" if device.type == "cpu" else ""
+        scaled_mm = (
+            f", torch._scaled_mm from {SCALED_MM_ROWS} rows"
+            if device.type == "cpu" and host_rowwise_scaled_mm()
+            else ""
+        )
         return f"fp8 activations per token; {super().describe(device)}{scaled_mm}"
