@@ -19,6 +19,7 @@ import httpx
 import torch
 import yaml
 
+from runtime.distributed import select_device
 from runtime.errors import UserError
 from runtime.launch import free_port
 
@@ -219,7 +220,9 @@ class Peer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
+        self.device = select_device(0)  # the device the runtime picks for a single rank
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+        self.model = model.to(self.device).eval()
         config = self.model.config
         eos = config.eos_token_id
         self.pad = (
@@ -239,8 +242,8 @@ class Peer:
         self, prompts: list[list[int]], new_tokens: int, start: float
     ) -> tuple[torch.Tensor, list[float]]:
         width = max(map(len, prompts))
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         clock = _StepClock(start)
         out = self.model.generate(
             input_ids=ids,
@@ -258,7 +261,7 @@ class Peer:
         """Greedy tokens of one unpadded request and, per step, whether its top two logits tie within the
         dtype's rounding (where any other kernel may rightly pick the other token)."""
         out = self.model.generate(
-            input_ids=torch.tensor([prompt]),
+            input_ids=torch.tensor([prompt], device=self.device),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,

@@ -24,10 +24,16 @@ def _quantized(q: dict | None) -> str:
     return f"{q['tok_s']:.1f} ({q['vs_ours']:.2f}x; {same})"
 
 
+def _where(machine: dict) -> str:
+    device = machine.get("device", "cpu")
+    host = f"{machine['threads']} threads, {machine['cpu']}"
+    return host if device == "cpu" else f"{device} (host: {host})"
+
+
 def print_table(report: dict, console: Console) -> None:
     m = report["machine"]
     table = Table(
-        title=f"skill bench: {report['model_dir']} ({report['dtype']}, {m['threads']} threads, "
+        title=f"skill bench: {report['model_dir']} ({report['dtype']}, {_where(m)}, "
         f"read bandwidth {report['bandwidth_gb_s']:.1f} GB/s)"
     )
     for col in (
@@ -99,9 +105,7 @@ def plot(report: dict, path: Path) -> None:
         title = name + (f" ({w['ratio']:.2f}x)" if w["ratio"] else "")
         ax.set(title=title, ylabel=unit)
     m = report["machine"]
-    fig.suptitle(
-        f"{Path(report['model_dir']).name}, {report['dtype']}, {m['threads']} threads, {m['cpu']}", fontsize=9
-    )
+    fig.suptitle(f"{Path(report['model_dir']).name}, {report['dtype']}, {_where(m)}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.png")
