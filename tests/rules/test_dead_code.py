@@ -153,3 +153,112 @@ def test_attributes_only_init_reads_become_its_locals(make_ctx):
         "nn.Linear(self.hidden_size, self.intermediate_size", "nn.Linear(hidden_size, intermediate_size"
     )
     assert_codemod(rule, before, after, make_ctx)
+
+
+# BLOOM's model after the attention took its ALiBi slopes itself: the tensor the model still builds (through
+# torch calls and a helper of the file, reassigned once) and the accessor nothing calls go, with the helper.
+COMPUTED_BEFORE = dedent("""\
+    import torch
+
+
+    def _slopes(num_heads, device):
+        base = torch.full((), 0.5, device=device)
+        return torch.pow(base, torch.arange(1, 1 + num_heads, device=device))
+
+
+    def _finish(x):
+        return x
+
+
+    class LlamaModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_heads = config.num_attention_heads
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+            batch, length, _ = hidden.shape
+
+            # ALiBi, built once for every layer
+            slopes = _slopes(self.num_heads, hidden.device)
+            alibi = slopes[:, None] * torch.arange(length, device=hidden.device)
+            alibi = alibi.repeat(batch, 1).to(hidden.dtype)
+            # the last norm
+            return _finish(hidden)
+
+
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = LlamaModel(config)
+
+        def forward(self, input_ids):
+            return self.model(input_ids)
+    """)
+
+COMPUTED_AFTER = dedent("""\
+    import torch
+
+
+    def _finish(x):
+        return x
+
+
+    class LlamaModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+
+            # the last norm
+            return _finish(hidden)
+
+
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = LlamaModel(config)
+
+        def forward(self, input_ids):
+            return self.model(input_ids)
+    """)
+
+
+def test_computed_locals_uncalled_methods_and_what_only_they_used_go(run_rule):
+    assert run_rule(rule, COMPUTED_BEFORE) == COMPUTED_AFTER
+    assert run_rule(rule, COMPUTED_AFTER) == COMPUTED_AFTER
+
+
+def test_calls_that_may_change_something_stay(run_rule):
+    # A module's method, an in-place op, a collective, a helper that writes to its argument, and a method of a
+    # class with a base from outside the file (which may call it) are kept, though nothing reads them.
+    code = dedent("""\
+        def _fill(x):
+            x[0] = 1
+            return x
+
+
+        class LlamaModel(PreTrainedModel):
+            def helper(self):
+                return 1
+
+
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.model = LlamaModel(config)
+
+            def forward(self, input_ids, hidden):
+                moved = self.model.to(hidden.device)
+                doubled = hidden.mul_(2)
+                reduced = torch.distributed.all_reduce(hidden)
+                filled = _fill(hidden)
+                return self.model(input_ids)
+        """)
+    assert run_rule(rule, code) == code

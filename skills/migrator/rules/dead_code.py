@@ -1,4 +1,5 @@
-"""Leftovers of the other rules go: locals nobody reads, `self.x = ...` attributes nobody reads
+"""Leftovers of the other rules go: locals nobody reads (values that only compute), methods nobody can call
+(HF accessors such as `get_input_embeddings`) with what only they used, `self.x = ...` attributes nobody reads
 (dropout rates, layer indices for HF's cache, ...), and `pass` next to real statements; attributes only
 `__init__` reads (`self.hidden_size` feeding layer sizes) become its locals."""
 
@@ -6,6 +7,7 @@ from functools import partial
 
 import libcst as cst
 import libcst.matchers as m
+from torch import nn
 
 from skills.migrator.cst_utils import (
     SELF_ATTR,
@@ -18,8 +20,10 @@ from skills.migrator.cst_utils import (
     param_names,
     pure,
 )
+from skills.migrator.effects import computes_only, computing_functions
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import is_guard
+from skills.migrator.rules.prune_unreachable import prune_unreachable
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 # A non-persistent buffer of a copy: registering it touches nothing but the module itself.
@@ -54,18 +58,53 @@ def _target(small) -> cst.BaseExpression:
     return small.targets[0].target if isinstance(small, cst.Assign) else small.target
 
 
-def _is_dead_local(s: cst.BaseStatement, used: dict[str, int]) -> bool:
-    a = _single_assign(s)
-    return a is not None and isinstance(_target(a), cst.Name) and used.get(_target(a).value, 0) == 1
+def _bound_names(target: cst.BaseExpression) -> list[str] | None:
+    """The names a plain `x = ...` or `a, b, _ = ...` binds; None for any other target."""
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, cst.Tuple) and all(isinstance(e.value, cst.Name) for e in target.elements):
+        return [e.value.value for e in target.elements]
+    return None
+
+
+def _local_assignment(s: cst.BaseStatement, functions: set[str]) -> list[str] | None:
+    """The names `x = <value>` (or `a, b, _ = <value>`) binds, where evaluating the value changes nothing."""
+    if not (isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1):
+        return None
+    small = s.body[0]
+    if isinstance(small, cst.Assign) and len(small.targets) == 1:
+        target = small.targets[0].target
+    elif isinstance(small, cst.AnnAssign) and small.value is not None:
+        target = small.target
+    else:
+        return None
+    return _bound_names(target) if computes_only(small.value, functions) else None
+
+
+def _dead_names(body: cst.BaseSuite, functions: set[str]) -> set[str]:
+    """Names mentioned only by such assignments of their own (`x = ...; x = x.to(dtype)` and nothing else)."""
+    total: dict[str, int] = {}
+    for n in m.findall(body, m.Name()):
+        total[n.value] = total.get(n.value, 0) + 1
+    own: dict[str, int] = {}
+    for s in m.findall(body, m.SimpleStatementLine()):
+        for name in _local_assignment(s, functions) or ():
+            own[name] = own.get(name, 0) + sum(1 for n in m.findall(s, m.Name(name)))
+    return {"_"} | {name for name, count in own.items() if count == total[name]}
 
 
 class _DeadLocals(cst.CSTTransformer):
+    def __init__(self, functions: set[str] = frozenset()):
+        self.functions = functions  # the file's functions that only compute (their calls may go)
+
+    def _binds_only(self, s: cst.BaseStatement, dead: set[str]) -> bool:
+        names = _local_assignment(s, self.functions)
+        return names is not None and set(names) <= dead
+
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         while True:
-            used: dict[str, int] = {}
-            for n in m.findall(updated.body, m.Name()):
-                used[n.value] = used.get(n.value, 0) + 1
-            new = updated.visit(_DropIf(partial(_is_dead_local, used=used)))
+            dead = _dead_names(updated.body, self.functions)
+            new = updated.visit(_DropIf(partial(self._binds_only, dead=dead)))
             if new.deep_equals(updated):
                 return updated
             updated = new
@@ -76,22 +115,32 @@ def drop_dead_locals(fn: cst.FunctionDef) -> cst.FunctionDef:
     return fn.visit(_DeadLocals())
 
 
+def drop_dead_locals_in(module: cst.Module, entry_class: str) -> cst.Module:
+    """Every function of module without the locals nobody reads, and the top-level definitions only they
+    used (a helper computing what a dropped local held)."""
+    dropped = module.visit(_DeadLocals(computing_functions(module)))
+    return module if dropped.deep_equals(module) else prune_unreachable(dropped, entry_class)
+
+
 class _DropIf(cst.CSTTransformer):
-    """Statements the predicate names go; the next statement takes the blank lines of the first one gone,
-    so the block reads as if they had never been there."""
+    """Statements the predicate names go, with the comments above them; the next statement keeps its comments
+    and takes the blank lines of the first one gone that had any, so the block reads as if they had never
+    been there."""
 
     def __init__(self, predicate):
         self.predicate = predicate
 
     def leave_IndentedBlock(self, original, updated):
-        body, gap = [], None
+        body, gap = [], None  # gap: the first blank lines of the statements gone since the last one kept
         for s in updated.body:
             if m.matches(s, m.SimpleStatementLine([m.Pass()])) or (
                 isinstance(s, cst.SimpleStatementLine) and self.predicate(s)
             ):
-                gap = s.leading_lines if gap is None else gap
+                gap = gap or [line for line in s.leading_lines if line.comment is None]
                 continue
-            body.append(s.with_changes(leading_lines=gap) if gap is not None and body else s)
+            if gap is not None and body:  # its own comments stay, below the blank lines of those gone
+                s = s.with_changes(leading_lines=[*gap, *(ln for ln in s.leading_lines if ln.comment)])
+            body.append(s)
             gap = None
         return updated.with_changes(body=body or [cst.SimpleStatementLine([cst.Pass()])])
 
@@ -223,12 +272,60 @@ class _InitLocals(cst.CSTTransformer):
         return updated
 
 
+# what the runtime calls on a model's modules besides nn.Module's own methods (kept by name too)
+RUNTIME_HOOKS = frozenset(
+    {"forward", "load_weights", "get_cache_info", "check_model_settings", "process_weights_after_loading"}
+)
+
+
+def _uncalled_methods(module: cst.Module) -> dict[str, set[str]]:
+    """Per class, the methods no code can call: no `<anything>.name` in the file and no string naming it, not
+    a dunder, an nn.Module method or a runtime hook, in a class whose bases are all in the file or nn.Module
+    and that hands `self` to no transformers code (which may call anything)."""
+    local, hf_names = classes(module), transformers_names(module)
+    named = {a.attr.value for a in m.findall(module, m.Attribute())}
+    named |= {s.raw_value for s in m.findall(module, m.SimpleString())}
+    bases = in_file_bases(local)
+    found = {}
+    for name, cls in local.items():
+        outside = {dotted(b.value) for b in cls.bases} - local.keys() - {"nn.Module", "torch.nn.Module"}
+        if outside or any(_exposes_self(local[f], hf_names) for f in _family(bases, name)):
+            continue
+        found[name] = {
+            fn.name.value
+            for fn in cls.body.body
+            if isinstance(fn, cst.FunctionDef)
+            and not fn.name.value.startswith("__")
+            and fn.name.value not in named | RUNTIME_HOOKS
+            and not hasattr(nn.Module, fn.name.value)
+        }
+    return found
+
+
+class _DropMethods(cst.CSTTransformer):
+    def __init__(self, dead: dict[str, set[str]]):
+        self.dead = dead
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        gone = self.dead.get(updated.name.value, set())
+        body = [s for s in updated.body.body if not (isinstance(s, cst.FunctionDef) and s.name.value in gone)]
+        return (
+            updated.with_deep_changes(updated.body, body=body)
+            if len(body) != len(updated.body.body)
+            else updated
+        )
+
+
 class DeadCode(Rule):
     ID = "MG012"
-    DESCRIPTION = "Locals and self attributes nobody reads, and pass next to real statements, go."
+    DESCRIPTION = (
+        "Locals, self attributes and methods nobody reads or calls, and pass next to real statements, go."
+    )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        module = module.visit(_DeadLocals())
+        module = drop_dead_locals_in(module, self.rewrite.entry_class)
+        if any((dead := _uncalled_methods(module)).values()):  # what only they used goes with them
+            module = prune_unreachable(module.visit(_DropMethods(dead)), self.rewrite.entry_class)
         while True:
             new = module.visit(_DropAttrs(_unused_attrs(module, self.rewrite.entry_class)))
             if new.deep_equals(module):

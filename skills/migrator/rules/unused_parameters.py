@@ -13,6 +13,7 @@ import libcst as cst
 from skills.migrator.call_sites import binding, call_sites, named_params
 from skills.migrator.cst_utils import classes, free_names, method, pure
 from skills.migrator.rule import Rule
+from skills.migrator.rules.dead_code import drop_dead_locals_in
 
 CONTRACT = {"self", "config", "infer_config", "comm_manager", "prefix", "forward_metadata"}
 
@@ -89,4 +90,5 @@ class UnusedParameters(Rule):
                             doomed |= {id(param), *map(id, args)}
             if not doomed:
                 return module
-            module = module.visit(_Remove(doomed))
+            # and the locals only a removed argument read
+            module = drop_dead_locals_in(module.visit(_Remove(doomed)), self.rewrite.entry_class)

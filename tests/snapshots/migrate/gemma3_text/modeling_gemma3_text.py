@@ -316,6 +316,7 @@ class Gemma3TextModel(nn.Module):
         super().__init__()
         self.config = config
         padding_idx = config.pad_token_id
+        # Gemma3 downcasts the below to bfloat16, causing sqrt(3072)=55.4256 to become 55.5. See https://github.com/huggingface/transformers/pull/29402
         self.embed_tokens = Gemma3TextScaledWordEmbedding(
             config.vocab_size, config.hidden_size, padding_idx, embed_scale=self.config.hidden_size**0.5
         )
