@@ -157,6 +157,19 @@ def test_attributes_only_init_reads_become_its_locals(make_ctx):
 
 # BLOOM's model after the attention took its ALiBi slopes itself: the tensor the model still builds (through
 # torch calls and a helper of the file, reassigned once) and the accessor nothing calls go, with the helper.
+# the entry class both sides share
+ENTRY = dedent("""\
+
+
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = LlamaModel(config)
+
+        def forward(self, input_ids):
+            return self.model(input_ids)
+    """)
+
 COMPUTED_BEFORE = dedent("""\
     import torch
 
@@ -190,14 +203,6 @@ COMPUTED_BEFORE = dedent("""\
             # the last norm
             return _finish(hidden)
 
-
-    class LlamaForCausalLM(nn.Module):
-        def __init__(self, config):
-            super().__init__()
-            self.model = LlamaModel(config)
-
-        def forward(self, input_ids):
-            return self.model(input_ids)
     """)
 
 COMPUTED_AFTER = dedent("""\
@@ -219,20 +224,13 @@ COMPUTED_AFTER = dedent("""\
             # the last norm
             return _finish(hidden)
 
-
-    class LlamaForCausalLM(nn.Module):
-        def __init__(self, config):
-            super().__init__()
-            self.model = LlamaModel(config)
-
-        def forward(self, input_ids):
-            return self.model(input_ids)
     """)
 
 
 def test_computed_locals_uncalled_methods_and_what_only_they_used_go(run_rule):
-    assert run_rule(rule, COMPUTED_BEFORE) == COMPUTED_AFTER
-    assert run_rule(rule, COMPUTED_AFTER) == COMPUTED_AFTER
+    before, after = COMPUTED_BEFORE + ENTRY, COMPUTED_AFTER + ENTRY
+    assert run_rule(rule, before) == after
+    assert run_rule(rule, after) == after
 
 
 def test_calls_that_may_change_something_stay(run_rule):
