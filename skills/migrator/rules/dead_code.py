@@ -41,7 +41,8 @@ def _removable(value: cst.BaseExpression) -> bool:
     return pure(value)
 
 
-def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
+def _single_assign(s: cst.BaseStatement, removable=_removable) -> cst.Assign | cst.AnnAssign | None:
+    """The statement's assignment if it is one, to one target, of a value `removable` accepts."""
     if (
         isinstance(s, cst.SimpleStatementLine)
         and len(s.body) == 1
@@ -49,7 +50,7 @@ def _single_assign(s: cst.BaseStatement) -> cst.Assign | cst.AnnAssign | None:
     ):
         small = s.body[0]
         targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
-        if len(targets) == 1 and small.value is not None and _removable(small.value):
+        if len(targets) == 1 and small.value is not None and removable(small.value):
             return small
     return None
 
@@ -69,16 +70,8 @@ def _bound_names(target: cst.BaseExpression) -> list[str] | None:
 
 def _local_assignment(s: cst.BaseStatement, functions: set[str]) -> list[str] | None:
     """The names `x = <value>` (or `a, b, _ = <value>`) binds, where evaluating the value changes nothing."""
-    if not (isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1):
-        return None
-    small = s.body[0]
-    if isinstance(small, cst.Assign) and len(small.targets) == 1:
-        target = small.targets[0].target
-    elif isinstance(small, cst.AnnAssign) and small.value is not None:
-        target = small.target
-    else:
-        return None
-    return _bound_names(target) if computes_only(small.value, functions) else None
+    small = _single_assign(s, lambda value: _removable(value) or computes_only(value, functions))
+    return None if small is None else _bound_names(_target(small))
 
 
 def _dead_names(body: cst.BaseSuite, functions: set[str]) -> set[str]:
