@@ -13,7 +13,7 @@ import yaml
 from tiny_checkpoint import PARITY_PROMPTS
 
 from skills.verify.compare import compare
-from skills.verify.reference import Reference
+from skills.verify.reference import Reference, greedy_reference, load_reference_model
 
 
 def skill(*args: str) -> subprocess.CompletedProcess:
@@ -134,3 +134,17 @@ def test_a_prompt_parting_at_a_near_tie_is_told_apart_from_a_mismatch(gap, allow
     assert fields["status"] == status and fields["tokens_compared"] == 2
     differences = fields["near_ties"] if status == "near_tie" else [fields["first_difference"]]
     assert [(d.position, d.migrated_token, d.transformers_token) for d in differences] == [(1, 2, 0)]
+
+
+def test_a_model_without_a_cache_is_rerun_over_the_whole_sequence(tiny_llama_dir):
+    """GPT-1's forward takes no cache: the reference reads the whole sequence at every step instead."""
+    model = load_reference_model(tiny_llama_dir, torch.float32, trust_remote_code=False)
+
+    class WithoutCache(torch.nn.Module):
+        def forward(self, input_ids):
+            return model(input_ids, use_cache=False)
+
+    cached = greedy_reference(model, [1, 5, 9, 3], 6)
+    uncached = greedy_reference(WithoutCache(), [1, 5, 9, 3], 6)
+    assert uncached.tokens == cached.tokens
+    torch.testing.assert_close(uncached.logprobs, cached.logprobs, atol=1e-4, rtol=0)

@@ -33,15 +33,21 @@ def load_reference_model(model_path: Path, dtype: torch.dtype, trust_remote_code
 
 @torch.inference_mode()
 def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
-    # transformers 5.x renamed `past_key_values` to `cache` in forward() and its outputs, model by model
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    # transformers 5.x renamed `past_key_values` to `cache` in forward() and its outputs, model by model;
+    # a model without either (GPT-1) reads the whole sequence at every step
+    params = inspect.signature(model.forward).parameters
+    cache_arg = next((a for a in ("cache", "past_key_values") if a in params), None)
+    ids = list(prompt_ids)
+    out = model(torch.tensor([ids]), **({"use_cache": True} if cache_arg else {}))
     tokens, logprobs = [], []
     for step in range(steps):
         logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
         token = int(logp.argmax())
         tokens.append(token)
         logprobs.append(logp)
-        if step + 1 < steps:
+        if step + 1 < steps and cache_arg:
             out = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: getattr(out, cache_arg)})
+        elif step + 1 < steps:
+            ids.append(token)
+            out = model(torch.tensor([ids]))
     return Reference(tokens, torch.stack(logprobs))

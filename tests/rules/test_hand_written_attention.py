@@ -182,6 +182,45 @@ def test_a_scale_read_at_run_time_is_refused(make_ctx):
     assert "scale chosen at run time" in ctx.findings[0].what
 
 
+# GPT-1: a key kept transposed, a scale its constructor decides, the causal buffer, a helper returning a list.
+GPT1 = (
+    HEADER
+    + dedent("""\
+    class Attn(nn.Module):
+        def __init__(self, config, scale=False):
+            super().__init__()
+            self.bias = nn.Buffer(torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8), persistent=False)
+            self.scale = scale
+
+        def _attn(self, q, k, v, attention_mask=None):
+            w = torch.matmul(q, k)
+            if self.scale:
+                w = w / math.sqrt(v.size(-1))
+            b = self.bias[:, :, : w.size(-2), : w.size(-1)]
+            w = w * b + -1e4 * (1 - b)
+            w = nn.functional.softmax(w, dim=-1)
+            outputs = [torch.matmul(w, v)]
+            return outputs
+
+        def forward(self, x):
+            query, key, value = self.split(x)
+            attn_outputs = self._attn(query, key, value, None)
+            return self.c_proj(attn_outputs[0])
+    """)
+    + ENTRY
+)
+
+
+def test_a_scale_its_constructor_decides_and_a_wrapped_helper_output(make_ctx):
+    ctx = make_ctx()
+    after = run_codemod(rule, GPT1, ctx)
+    assert ctx.findings == [] and "def _attn" not in after and "self.bias" not in after
+    scaling = "scaling=(1 / (math.sqrt(attention_head_dim)) if self.scale else 1.0)"
+    call = f"attn_outputs = heads_first_attention(self, query, key.transpose(-1, -2), value, {scaling})"
+    assert f"{call}\n        attn_outputs = [attn_outputs]\n" in after
+    assert run_codemod(rule, after, make_ctx()) == after
+
+
 def test_interface_attention_and_plain_products_are_untouched(make_ctx):
     assert_noop(rule, HEADER + INLINE % INLINE_CALL + ENTRY, make_ctx)
     no_softmax = (

@@ -423,3 +423,17 @@ def test_an_alibi_bias_becomes_the_layer_s_slopes(run_rule):
     out = run_rule(rule, HEADER + hand_written + CALLERS)
     assert "alibi_slopes=alibi_slopes(config.num_attention_heads, scale=self.scaling)" in ctor_line(out)
     assert "from runtime.layers.attention import Attention, alibi_slopes" in out
+
+
+def test_a_head_size_read_at_run_time_is_the_layer_s_head_dim(run_rule):
+    scaled = attention(call_kwargs=("scaling=1 / math.sqrt(attention_head_dim),",)).replace(
+        "= attention_interface(", "= heads_first_attention("
+    )
+    assert "scale=1 / math.sqrt((self.head_dim))" in ctor_line(run_rule(rule, HEADER + scaled + CALLERS))
+
+
+def test_a_class_named_attention_makes_way_for_the_runtime_s(run_rule):
+    own = attention().replace("LlamaAttention", "Attention")
+    out = run_rule(rule, HEADER + own + CALLERS.replace("LlamaAttention", "Attention"))
+    assert "class LlamaAttention(nn.Module):" in out and "self.self_attn = LlamaAttention(" in out
+    assert "self.attn = Attention(" in out and "from runtime.layers.attention import Attention" in out

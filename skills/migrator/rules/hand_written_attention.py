@@ -25,8 +25,8 @@ from skills.migrator.cst_utils import (
 )
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
+from skills.migrator.rules.runtime_attention import HEAD_DIM, INTERFACE
 from skills.migrator.rules.runtime_attention import HEADS_FIRST as MARKER
-from skills.migrator.rules.runtime_attention import INTERFACE
 
 PRODUCTS = {"torch.matmul", "torch.bmm", "matmul", "bmm"}
 SCALED_PRODUCTS = {"torch.baddbmm", "baddbmm"}
@@ -276,8 +276,15 @@ def _is_check(s: cst.BaseStatement) -> bool:
 class _Region:
     """One run of statements computing attention: from the scores' product to the product with v."""
 
-    def __init__(self, buffers: set[str], zeros: set[str] = frozenset(), alibi: set[str] = frozenset()):
+    def __init__(
+        self,
+        buffers: set[str],
+        zeros: set[str] = frozenset(),
+        alibi: set[str] = frozenset(),
+        settled: set[str] = frozenset(),
+    ):
         self.scores = _Scores(buffers, alibi)
+        self.settled = settled  # attributes __init__ sets: a branch on them is decided once, at build time
         self.zeros = zeros  # names the function binds to zero-filled tensors
         self.q = self.k = self.v = None
         self.out: cst.BaseAssignTargetExpression | None = None
@@ -378,17 +385,40 @@ class _Region:
                 if self.statement(x):
                     raise Refused("the attention output computed inside a branch")
             seen.append(self.scores.factors)
-        if seen[0] != seen[1]:
+        read = {a.attr.value for a in m.findall(s.test, m.Attribute(value=m.Name("self")))}
+        if seen[0] != seen[1] and not (read and read <= self.settled):
             raise Refused(f"the attention scale chosen at run time (`if {code(s.test)}`)")
+        if seen[0] != seen[1]:  # GPT-1's `if self.scale:`, which MG005 evaluates in __init__
+            extra = [" * ".join(f[len(before) :]) or "1.0" for f in seen]
+            self.scores.factors = [*before, f"({extra[0]} if {code(s.test)} else {extra[1]})"]
         return False
 
     def scaling(self) -> str:
         return " * ".join(self.scores.factors) if self.scores.factors else "1.0"
 
 
+def _head_sizes_named(scaling: str, region: _Region) -> str:
+    """`math.sqrt(v.size(-1))` -> `math.sqrt(attention_head_dim)`: the last size of q, k or v (held as they are,
+    heads-first) is the per-head size, which MG005 knows when it builds the Attention in __init__."""
+    operands = [x.value for x in (region.q, region.k, region.v) if isinstance(x, cst.Name)]
+    last = m.Call(
+        func=m.Attribute(attr=m.Name("size")), args=[m.Arg(m.UnaryOperation(m.Minus(), m.Integer("1")))]
+    )
+    last |= m.Subscript(
+        value=m.Attribute(attr=m.Name("shape")),
+        slice=[m.SubscriptElement(m.Index(m.UnaryOperation(m.Minus(), m.Integer("1"))))],
+    )
+    expr = cst.parse_expression(scaling)
+    for e in m.findall(expr, last):
+        owner = e.func.value if isinstance(e, cst.Call) else e.value.value
+        if isinstance(owner, cst.Name) and owner.value in operands:
+            expr = expr.deep_replace(e, cst.Name(HEAD_DIM))
+    return code(expr)
+
+
 def _marker(region: _Region, q=None, k=None, v=None) -> cst.Call:
     args = [code(x) for x in (q or region.q, k or region.k, v or region.v)]
-    args.append(f"scaling={region.scaling()}")
+    args.append(f"scaling={_head_sizes_named(region.scaling(), region)}")
     if region.window:
         args.append(f"sliding_window={region.window}")
     if alibi := region.scores.alibi_scale():
@@ -419,6 +449,8 @@ class _Rewriter:
         self.read_buffers: set[str] = set()  # causal buffers the converted computations masked with
         self.init = method(cls, "__init__")
         self.buffers = _init_buffers(self.init)
+        assigned = m.findall(self.init, m.AssignTarget(m.Attribute(m.Name("self")))) if self.init else []
+        self.settled = {a.target.attr.value for a in assigned}
         self.zeros = {
             n
             for a in m.findall(cls, m.Assign(value=m.Call()))
@@ -438,7 +470,7 @@ class _Rewriter:
                 return self.block([*body[:i], *_eager_branch(s), *body[i + 1 :]], needed_after)
             if (sdpa := self._sdpa(s)) is not None:
                 return [*body[:i], *sdpa, *body[i + 1 :]], _Region(set())
-            region = _Region(self.buffers, self.zeros, self.alibi)
+            region = _Region(self.buffers, self.zeros, self.alibi, self.settled)
             # a router's `softmax(x @ w)` weighs no values: no attention
             if not region.start(s) or not _weighs_values(body, i):
                 if isinstance(s, cst.If) and (nested := self._in_branches(s, needed_after, body[i + 1 :])):
@@ -657,8 +689,22 @@ def _fold_helper(cls: cst.ClassDef, fwd: cst.FunctionDef, rewriter: _Rewriter) -
         q, k, v = (_resolve(e, body, bound) for e in (region.q, region.k, region.v))
         marker = _marker(region, q, k, v)
         new_fwd = fwd.deep_replace(calls[0], marker)
+        if region.end_value is not region.product:  # GPT-1's `return [w @ v]`: the caller gets the list
+            new_fwd = _wrapped_at_call(new_fwd, marker, region)
         return _replaced(_replaced(cls, fwd, new_fwd), helper, None)
     return cls
+
+
+def _wrapped_at_call(fwd: cst.FunctionDef, marker: cst.Call, region: _Region) -> cst.FunctionDef:
+    """`out = marker` -> `out = marker; out = <what the helper wrapped its product in, around out>`."""
+    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], value=m.Call())])
+    at = next((s for s in fwd.body.body if m.matches(s, line) and s.body[0].value is marker), None)
+    if at is None or _data_names(region.end_value) - _data_names(region.product):
+        raise Refused(f"the attention helper's output `{code(region.end_value)}` used inside an expression")
+    out = at.body[0].targets[0].target
+    lines = _assign(out, region.end_value, region.product, marker, None)
+    body = [x for s in fwd.body.body for x in (lines if s is at else [s])]
+    return fwd.with_changes(body=fwd.body.with_changes(body=body))
 
 
 def _bind(helper: cst.FunctionDef, call: cst.Call) -> dict[str, cst.BaseExpression]:

@@ -4,6 +4,8 @@ arguments HF passed at call time (scaling, sliding window, soft cap), the forwar
 `self.attn(q, k, v, forward_metadata)`, and the unused attention-weights output disappears, callers
 included."""
 
+import re
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -24,6 +26,7 @@ from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
 
 HEADS_FIRST = "heads_first_attention"  # MG021's form of attention written out by hand
+HEAD_DIM = "attention_head_dim"  # MG021's name for the per-head size its scale read from q or v at run time
 INTERFACE = {"attention_interface", "eager_attention_forward", HEADS_FIRST}
 IGNORED_KWARGS = {"dropout", "is_causal", "position_ids", "layer_idx", "cache_position"}
 RUNTIME_KWARGS = {
@@ -151,8 +154,9 @@ def _attention_ctor(
                 scope, 0, f"attention argument `{key}=` has no equivalent in the runtime Attention"
             )
             continue
-        value = cst.Module([]).code_for_node(a.value)
-        if free_names(a.value) - INIT_NAMES - set(param_names(init)):
+        arg = m.replace(a.value, m.Name(HEAD_DIM), cst.parse_expression(f"({head_dim})"))
+        value = cst.Module([]).code_for_node(arg)
+        if free_names(arg) - INIT_NAMES - set(param_names(init)):
             ctx.unsupported(scope, 0, f"attention argument `{key}={value}` depends on forward-time values")
         if key == "alibi":
             value = f"alibi_slopes({heads})" if value == "1.0" else f"alibi_slopes({heads}, scale={value})"
@@ -364,6 +368,10 @@ class RuntimeAttention(Rule):
                     "eager_attention_forward; custom attention code paths are not converted",
                 )
             return module
+        if any("Attention" in top_level_names(s) for s in module.body):  # GPT-1's, hiding the runtime's
+            model = re.sub(r"(ForCausalLM|LMHeadModel|Model)$", "", ctx.entry_class) or "Model"
+            module = m.replace(module, m.Name("Attention"), cst.Name(f"{model}Attention"))
+            attn = attention_classes(module, ctx.entry_class)
         module = module.visit(_Classes(ctx, attn))
         imports = [
             ("runtime.layers.attention", "Attention"),
