@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 NEW_TOKENS = 16
 
 
-def build_reference(model_type: str, tmp_path_factory) -> dict:
-    """A tiny checkpoint of the architecture with a clear greedy margin, and transformers' reference."""
+def build_reference(model_type: str, tmp_path_factory, **overrides) -> dict:
+    """A tiny checkpoint of the architecture (its config's fields overridden) with a clear greedy margin, and
+    transformers' reference."""
     ckpt = tmp_path_factory.mktemp(model_type)
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **overrides)
     tok = make_tokenizer(ckpt, config.vocab_size)
     ids = [tok(p)["input_ids"] for p in PARITY_PROMPTS]
     pick_seed(config, ckpt, ids)

@@ -11,13 +11,14 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.errors import UserError
 from runtime.kernels import STALE_LOCK_S, _drop_stale_lock, host_decode_attention
 from runtime.kv_cache import NULL_BLOCK, CacheEntry, KVCacheManager, ModelCacheInfo, cdiv
-from runtime.layers.attention import Attention, alibi_slopes
+from runtime.layers.attention import Attention, alibi_slopes, cache_info_of
 
 H, KV, D, BS, SCALE, MAX_LEN = 8, 2, 16, 4, 0.3, 32
 LENS = [1, 5, 11]
@@ -147,7 +148,8 @@ class Run:
     def check_cache(self, rids, tables):
         """K/V of every position still held sits at slot table[p // bs] * bs + p % bs; the window is held."""
         bs = self.kv.block_size
-        kc, vc = self.layer.k_cache.view(-1, KV, D), self.layer.v_cache.view(-1, KV, self.dv)
+        owner = self.layer.cache_owner
+        kc, vc = owner.k_cache.view(-1, KV, D), owner.v_cache.view(-1, KV, self.dv)
         for r, table in zip(rids, tables):
             _, k, v = self.hist[r]
             for p in range(len(k)):
@@ -407,6 +409,25 @@ def test_alibi_biases_prefill_and_decode_by_distance(window, legacy):
     """ALiBi (bloom, mpt): slope[h] * (key position - query position) joins the scores; decode takes the gathered
     path (the C++ kernel has no bias)."""
     prefill_then_decode(Run(window, legacy=legacy, alibi=alibi_slopes(H, scale=0.5)), LENS, steps=4)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["paged", "legacy"])
+def test_a_layer_on_another_s_cache_reads_and_writes_it(legacy):
+    """Falcon computes attention with ALiBi or without on one cache: the ALiBi layer is built with
+    `cache_of=` the other, declares no cache of its own, and reads and writes the other's."""
+    run = Run(legacy=legacy, alibi=alibi_slopes(H, scale=0.5))
+    owner = Attention(H, D, 1.0, KV, legacy=legacy)
+    owner.k_cache, owner.v_cache = run.layer.k_cache, run.layer.v_cache
+    run.layer = Attention(
+        H, D, SCALE, KV, legacy=legacy, alibi_slopes=alibi_slopes(H, scale=0.5), cache_of=owner
+    )
+    assert run.layer.k_cache is None and run.layer.cache_unit is None and run.group == owner.cache_group
+    prefill_then_decode(run, LENS, steps=3)
+    assert [
+        e.name for e in cache_info_of(nn.ModuleDict({"a": owner, "b": run.layer}), torch.float32).entries
+    ] == ["a"]
+    with pytest.raises(UserError, match="shares the cache of .* give both the same heads"):
+        Attention(H, D, SCALE, KV, sliding_window=3, cache_of=owner)
 
 
 def test_alibi_slopes_follow_the_paper_for_any_head_count():

@@ -79,6 +79,16 @@ def test_moe_checkpoints_load_and_match_transformers(moe_arch, tmp_path):
     assert_framework_run_matches(moe_arch, migrate(moe_arch, tmp_path))
 
 
+def test_falcon_with_alibi_matches_transformers(tmp_path_factory, tmp_path):
+    """Falcon's attention computes with ALiBi or with rotary positions, picked by `config.alibi`: the ALiBi
+    path runs on the cache of the rotary one (`Attention(cache_of=...)`), the switch read from the config."""
+    falcon = build_reference("falcon", tmp_path_factory, alibi=True, multi_query=False)
+    model_dir = migrate(falcon, tmp_path, "--mode", "framework")
+    code = (model_dir / "models" / "modeling_falcon.py").read_text()
+    assert "cache_of=self.attn" in code and "self.use_alibi = config.alibi" in code
+    assert_framework_run_matches(falcon, model_dir)
+
+
 # the standalone runner drives the same attention layer on both layouts; legacy runs with `-m slow`
 @pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_standalone_mode_matches_transformers(arch, tmp_path, kv):

@@ -219,10 +219,13 @@ class Attention(nn.Module):
         latent_dim: int | None = None,
         kv_heads_tiled: bool = False,
         alibi_slopes: Sequence[float] | None = None,
+        cache_of: "Attention | None" = None,
     ):
         """``kv_heads_tiled``: query head h reads key / value head ``h % num_kv_heads`` (keys tiled with
         ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``. ``alibi_slopes``: ALiBi,
-        a bias of ``slope[h] * (key position - query position)`` added to head h's scaled scores."""
+        a bias of ``slope[h] * (key position - query position)`` added to head h's scaled scores.
+        ``cache_of``: read and write that layer's cache instead of owning one (Falcon computes attention with
+        or without ALiBi on one cache: one forward runs one of the two)."""
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads or num_heads
@@ -230,9 +233,20 @@ class Attention(nn.Module):
         self.sliding_window, self.soft_cap, self.prefix = sliding_window, soft_cap, prefix
         self.latent_dim = latent_dim  # cached per token instead of keys and values (forward_latent)
         self.kv_heads_tiled = kv_heads_tiled and self.num_kv_heads != num_heads
+        self._shared = () if cache_of is None else (cache_of,)  # a tuple: not a submodule of this layer
+        if cache_of is not None and (cache_of.cache_shapes, cache_of.sliding_window) != (
+            self.cache_shapes,
+            sliding_window,
+        ):
+            raise UserError(
+                f"Attention layer {prefix or '(unnamed)'} shares the cache of {cache_of.prefix or 'a layer'} "
+                f"but caches {self.cache_shapes} per token (window {sliding_window}), not "
+                f"{cache_of.cache_shapes} (window {cache_of.sliding_window}): give both the same heads, "
+                "head sizes and sliding window."
+            )
         k_unit, v_unit = self.cache_shapes
-        self.cache_unit = (math.prod(k_unit),) if legacy else None
-        self.v_cache_unit = (math.prod(v_unit),) if legacy else None
+        self.cache_unit = (math.prod(k_unit),) if legacy and not self._shared else None
+        self.v_cache_unit = (math.prod(v_unit),) if legacy and not self._shared else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         if alibi_slopes is not None and len(alibi_slopes) != num_heads:
@@ -245,8 +259,14 @@ class Attention(nn.Module):
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     @property
+    def cache_owner(self) -> "Attention":
+        """The layer whose cache this one reads and writes: itself unless built with ``cache_of``."""
+        return self._shared[0] if self._shared else self
+
+    @property
     def cache_group(self) -> str:
-        return LEGACY if self.cache_unit else cache_group_key(self.sliding_window)
+        owner = self.cache_owner
+        return LEGACY if owner.cache_unit else cache_group_key(owner.sliding_window)
 
     @property
     def cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -269,21 +289,22 @@ class Attention(nn.Module):
 
         Each step writes the fresh tokens' latents; prefill expands those, decode expands each request's whole
         cached context (decompression: no per-head keys or values are ever stored)."""
-        assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
+        k_cache = self.cache_owner.k_cache
+        assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         sizes = [x.shape[-1] for x in latents]
         if md.is_prefill and not torch.compiler.is_compiling() and sum(sizes) != self.latent_dim:
             raise UserError(
                 f"Attention layer {self.prefix or '(unnamed)'} receives latents of widths {sizes} per token but "
                 f"caches {self.latent_dim}. Set `Attention(latent_dim=...)` in the modeling file to their sum."
             )
-        group, rows = self.cache_group, self.k_cache.view(-1, self.latent_dim)
+        group, rows = self.cache_group, k_cache.view(-1, self.latent_dim)
         rows.index_copy_(0, md.slot_mapping[group], torch.cat([x[0, 0] for x in latents], dim=-1))
         if md.is_prefill:
             k, v = (x[0].transpose(0, 1) for x in expand(*latents))
             q = q[0].transpose(0, 1)
             return _prefill(q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None)[None]
         table = md.block_table[group]
-        context = rows.view(-1, self.k_cache.shape[1], self.latent_dim)[table].flatten(1, 2)  # [B, S, latent]
+        context = rows.view(-1, k_cache.shape[1], self.latent_dim)[table].flatten(1, 2)  # [B, S, latent]
         k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
         mask = _decode_mask(md, self.sliding_window, k.shape[2])
         o = _sdpa(q[0].transpose(0, 1)[:, :, None], k, v, mask, self.scale, self.soft_cap, None)
@@ -328,10 +349,11 @@ class Attention(nn.Module):
         md: ForwardMetaData,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        assert self.k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
+        k_cache, v_cache = self.cache_owner.k_cache, self.cache_owner.v_cache
+        assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         if md.is_prefill and not torch.compiler.is_compiling():
             self._check_fits_cache(k, v, md)
-        shape = (-1, self.k_cache.shape[1], self.num_kv_heads)
+        shape = (-1, k_cache.shape[1], self.num_kv_heads)
         alibi = self.alibi_slopes
         if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head
             q = _tiled_to_grouped(q, self.num_kv_heads)
@@ -343,8 +365,8 @@ class Attention(nn.Module):
             q,
             k.contiguous(),
             v.contiguous(),
-            self.k_cache.view(*shape, self.head_dim),
-            self.v_cache.view(*shape, self.v_head_dim),
+            k_cache.view(*shape, self.head_dim),
+            v_cache.view(*shape, self.v_head_dim),
             md,
             self.cache_group,
             self.scale,
@@ -373,13 +395,13 @@ class Attention(nn.Module):
                 "the modeling file to the key and value head sizes."
             )
         seen = md.memo("attention_layers_run", set)
-        if id(self) in seen:
+        if id(self.cache_owner) in seen:
             raise UserError(
                 f"{where} ran twice in one forward pass (a layer applied in a loop, as recurrent-depth "
-                "models do). It owns one cache slot per token, so the second pass would overwrite the "
-                "first; looped layers are not supported."
+                "models do, or two layers on one cache). It owns one cache slot per token, so the second pass "
+                "would overwrite the first; looped layers are not supported."
             )
-        seen.add(id(self))
+        seen.add(id(self.cache_owner))
 
 
 def cache_info_of(model: nn.Module, dtype: torch.dtype):
@@ -390,7 +412,7 @@ def cache_info_of(model: nn.Module, dtype: torch.dtype):
         [
             CacheEntry(name, k[0], k[1], dtype, m.sliding_window, v[1])
             for name, m in model.named_modules()
-            if isinstance(m, Attention)
+            if isinstance(m, Attention) and m.cache_owner is m
             for k, v in [m.cache_shapes]
         ]
     )

@@ -28,6 +28,7 @@ class RewriteContext:
     kv_layout: str = "paged"  # "paged" | "legacy"
     checkpoint_config: Any = None  # the checkpoint's transformers config, when there is a checkpoint
     filename: str = "modeling.py"
+    source: str = ""  # the file as transformers wrote it, before any rule ran
     findings: list[Finding] = field(default_factory=list)
     scope_lines: dict[str, int] = field(default_factory=dict)  # class / function name -> line in the source
     rule: str = ""  # id of the rule running now

@@ -127,8 +127,9 @@ def convert_code(
             kv_layout=kv,
             checkpoint_config=checkpoint_config,
             filename=str(path),
+            source=path.read_text(),
         )
-        done.files[rel] = tidy(rules(path.read_text(), ctx, disabled=disabled), Path(rel).name)
+        done.files[rel] = tidy(rules(ctx.source, ctx, disabled=disabled), Path(rel).name)
         done.rules[rel] = ctx.applied
         findings += ctx.findings
     if findings:

@@ -100,6 +100,8 @@ def test_live_code_untouched(run_rule):
             def forward(self, x, position_ids):
                 if self.rope_type == "default":
                     pass
+                else:
+                    return x
                 seq = self.max_seq_len_cached
                 freqs = position_ids[..., None].float() * seq
                 return freqs
@@ -156,7 +158,8 @@ def test_attributes_only_init_reads_become_its_locals(make_ctx):
 
 
 # BLOOM's model after the attention took its ALiBi slopes itself: the tensor the model still builds (through
-# torch calls and a helper of the file, reassigned once) and the accessor nothing calls go, with the helper.
+# torch calls and a helper of the file, reassigned once; under a switch, as Falcon's) and the accessor nothing
+# calls go, with the helper.
 # the entry class both sides share
 ENTRY = dedent("""\
 
@@ -187,6 +190,7 @@ COMPUTED_BEFORE = dedent("""\
         def __init__(self, config):
             super().__init__()
             self.num_heads = config.num_attention_heads
+            self.use_alibi = config.alibi
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
 
         def get_input_embeddings(self):
@@ -200,6 +204,8 @@ COMPUTED_BEFORE = dedent("""\
             slopes = _slopes(self.num_heads, hidden.device)
             alibi = slopes[:, None] * torch.arange(length, device=hidden.device)
             alibi = alibi.repeat(batch, 1).to(hidden.dtype)
+            if self.use_alibi:  # Falcon builds it under a switch
+                alibi = alibi * 2
             # the last norm
             return _finish(hidden)
 

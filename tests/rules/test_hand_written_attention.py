@@ -251,6 +251,8 @@ def test_interface_attention_and_plain_products_are_untouched(make_ctx):
 FALCON = attention_class("""\
     def forward(self, query, key, value, alibi):
         if alibi is None:
+            query, key = self.rotary(query, key)
+        if alibi is None:
             if self.config._attn_implementation == "sdpa" and not False:
                 attn_output = F.scaled_dot_product_attention(query, key, value, attn_mask=None)
             else:
@@ -263,7 +265,12 @@ FALCON = attention_class("""\
             scores = query @ key.transpose(-1, -2)
             attn_output = F.softmax(scores + alibi, dim=-1) @ value
             return self.dense(attn_output)
-    """)
+    """).replace(
+    "self.attn = Attn(config)",
+    "self.attn = Attn(config)\n        self.use_alibi = config.alibi\n\n"
+    "    def forward(self, x):\n        alibi = None\n        if self.use_alibi:\n"
+    "            alibi = build_alibi_tensor(x)\n        return self.attn(x, x, x, alibi)",
+)
 
 
 def test_the_eager_path_of_an_implementation_dispatch_is_kept(make_ctx):
@@ -275,7 +282,43 @@ def test_the_eager_path_of_an_implementation_dispatch_is_kept(make_ctx):
     assert f"attn_output = heads_first_attention(self, query, key, value, {scaling})\n" in after
 
 
-def test_two_computations_in_one_class_are_refused(make_ctx):
+def test_two_paths_a_forward_picks_between_share_one_cache_and_alibi_is_asked_of_the_config(make_ctx):
+    """Falcon: with ALiBi or without (rotary), on the one cache HF updates before the branch; `alibi is None`
+    is asked of the config switch under which the model builds its ALiBi tensor."""
     ctx = make_ctx()
-    assert run_codemod(rule, FALCON, ctx) == FALCON
-    assert len(ctx.findings) == 1 and "two attention computations in one forward" in ctx.findings[0].what
+    after = run_codemod(rule, FALCON, ctx)
+    assert ctx.findings == []
+    rotary = (
+        "attn_output = heads_first_attention(self, query, key, value, scaling=1 / (math.sqrt(self.head_dim)))"
+    )
+    alibi = "heads_first_attention(self, query, key, value, scaling=1.0, alibi=1.0, shares_cache=True)"
+    assert rotary in after and alibi in after
+    assert after.count("if not self.use_alibi:") == 2 and "alibi is None" not in after
+    assert (
+        "        self.head_dim = config.hidden_size // config.num_attention_heads\n        self.use_alibi = config.alibi\n"
+        in after
+    )
+    assert run_codemod(rule, after, make_ctx()) == after
+
+
+def test_two_computations_that_may_both_run_are_refused(make_ctx):
+    both = attention_class("""\
+        def forward(self, query, key, value):
+            first = query @ key.transpose(-1, -2)
+            a = F.softmax(first, dim=-1) @ value
+            second = a @ key.transpose(-1, -2)
+            b = F.softmax(second, dim=-1) @ value
+            return a + b
+        """)
+    ctx = make_ctx()
+    assert run_codemod(rule, both, ctx) == both
+    assert len(ctx.findings) == 1 and "two attention computations in one forward that may both run" in (
+        ctx.findings[0].what
+    )
+
+
+def test_alibi_chosen_per_call_without_a_config_switch_is_refused(make_ctx):
+    per_call = FALCON.replace("        if self.use_alibi:\n", "        if x.shape[0] > 1:\n")
+    ctx = make_ctx()
+    assert run_codemod(rule, per_call, ctx) == per_call
+    assert "ALiBi used or not per call (`alibi is None`), with no config switch found" in ctx.findings[0].what

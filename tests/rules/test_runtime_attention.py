@@ -437,3 +437,42 @@ def test_a_class_named_attention_makes_way_for_the_runtime_s(run_rule):
     out = run_rule(rule, HEADER + own + CALLERS.replace("LlamaAttention", "Attention"))
     assert "class LlamaAttention(nn.Module):" in out and "self.self_attn = LlamaAttention(" in out
     assert "self.attn = Attention(" in out and "from runtime.layers.attention import Attention" in out
+
+
+FALCON_PATHS = dedent("""\
+
+
+    class LlamaAttention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.head_dim = config.hidden_size // config.num_attention_heads
+            self.num_kv_heads = config.num_kv_heads
+
+        def forward(self, q, k, v, **kwargs):
+            num_kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+            k = k.reshape(1, num_kv_heads, -1, self.head_dim)
+            if not self.use_alibi:
+                out, scores = heads_first_attention(self, q, k, v, scaling=0.5)
+                return self.dense(out), scores
+            else:
+                out, probs = heads_first_attention(self, q, k, v, scaling=0.5, alibi=0.5, shares_cache=True)
+                return self.dense(out), probs
+    """)
+
+
+def test_two_paths_a_forward_picks_between_share_one_cache(run_rule):
+    """Falcon after MG021: rotary or ALiBi, each returning its own weights, on one cache whose key heads the
+    forward computes (Falcon-40B broadcasts its keys to every query head)."""
+    out = run_rule(rule, HEADER + FALCON_PATHS + CALLERS)
+    heads = "num_kv_heads=self.num_heads if self.new_decoder_architecture else self.num_kv_heads"
+    ctors = [x.strip() for x in out.splitlines() if "= Attention(" in x]
+    assert ctors == [
+        f"self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, {heads}, scale=0.5)",
+        (
+            f"self.attn_2 = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, {heads}, "
+            "scale=0.5, alibi_slopes=alibi_slopes(config.num_attention_heads, scale=0.5), cache_of=self.attn)"
+        ),
+    ]
+    assert "out = self.attn_2.forward_heads_first(q, k, v, forward_metadata)" in out
+    assert out.count("return self.dense(out)\n") == 2
+    assert run_rule(rule, out) == out

@@ -1,7 +1,8 @@
 """Leftovers of the other rules go: locals nobody reads (values that only compute), methods nobody can call
 (HF accessors such as `get_input_embeddings`) with what only they used, `self.x = ...` attributes nobody reads
-(dropout rates, layer indices for HF's cache, ...), and `pass` next to real statements; attributes only
-`__init__` reads (`self.hidden_size` feeding layer sizes) become its locals."""
+(dropout rates, layer indices for HF's cache, ...), and `pass` next to real statements or alone under an
+`if` without effects; attributes only `__init__` reads (`self.hidden_size` feeding layer sizes) become its
+locals."""
 
 from functools import partial
 
@@ -115,6 +116,12 @@ def drop_dead_locals_in(module: cst.Module, entry_class: str) -> cst.Module:
     return module if dropped.deep_equals(module) else prune_unreachable(dropped, entry_class)
 
 
+# `if <test>: pass` with no else, once its statements went (Falcon's `if self.use_alibi:` built ALiBi alone)
+_EMPTY_IF = m.If(
+    test=m.MatchIfTrue(pure), body=m.IndentedBlock([m.SimpleStatementLine([m.Pass()])]), orelse=None
+)
+
+
 class _DropIf(cst.CSTTransformer):
     """Statements the predicate names go, with the comments above them; the next statement keeps its comments
     and takes the blank lines of the first one gone that had any, so the block reads as if they had never
@@ -126,7 +133,7 @@ class _DropIf(cst.CSTTransformer):
     def leave_IndentedBlock(self, original, updated):
         body, gap = [], None  # gap: the first blank lines of the statements gone since the last one kept
         for s in updated.body:
-            if m.matches(s, m.SimpleStatementLine([m.Pass()])) or (
+            if m.matches(s, m.SimpleStatementLine([m.Pass()]) | _EMPTY_IF) or (
                 isinstance(s, cst.SimpleStatementLine) and self.predicate(s)
             ):
                 gap = gap or [line for line in s.leading_lines if line.comment is None]

@@ -13,7 +13,9 @@ added, a scale read at run time) is refused by name. A helper method holding the
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.alibi_switch import config_switch
 from skills.migrator.cst_utils import (
+    appended,
     assigned_names,
     called_name,
     classes,
@@ -21,7 +23,9 @@ from skills.migrator.cst_utils import (
     free_names,
     kwarg,
     method,
+    param_names,
     read_names,
+    stmt,
 )
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
@@ -582,7 +586,7 @@ class HandWrittenAttention(Rule):
         names = _candidates(module, self.rewrite.entry_class)
         if not names:
             return module
-        self.alibi = _alibi_names(module)
+        self.current, self.alibi = module, _alibi_names(module)
         body = list(module.body)
         for i, s in enumerate(body):
             if isinstance(s, cst.ClassDef) and s.name.value in names:
@@ -598,13 +602,62 @@ class HandWrittenAttention(Rule):
         body, region = rewriter.block(list(fwd.body.body), set())
         if region is None:
             return _without_unread_buffers(_fold_helper(cls, fwd, rewriter), rewriter.read_buffers)
-        if rewriter.block(body, set())[1] is not None:  # Falcon: its rotary and ALiBi paths, picked per call
-            raise Refused(
-                "two attention computations in one forward (as Falcon's rotary and ALiBi paths): each would need "
-                "a runtime Attention and KV cache of its own"
-            )
+        body, second = rewriter.block(body, set())
+        if second is not None:  # Falcon: its rotary and ALiBi paths, picked per call
+            if rewriter.block(body, set())[1] is not None:
+                raise Refused("three attention computations in one forward")
+            body = _on_one_cache(body)
         cls = _replaced(cls, fwd, fwd.with_changes(body=fwd.body.with_changes(body=body)))
+        if any(r is not None and r.scores.alibi is not None for r in (region, second)):
+            cls = self._alibi_by_config(cls)
         return _without_unread_buffers(cls, rewriter.read_buffers)
+
+    def _alibi_by_config(self, cls: cst.ClassDef) -> cst.ClassDef:
+        """`if alibi is None:` on the ALiBi tensor a forward is passed, which the runtime's Attention replaces,
+        becomes `if not self.use_alibi:`, set in __init__ from the config switch under which the model built it."""
+        fwd, init = method(cls, "forward"), method(cls, "__init__")
+        held = m.OneOf(*map(m.Name, self.alibi & set(param_names(fwd)) or {"<none>"}))
+        none = m.Comparison(held, [m.ComparisonTarget(m.Is() | m.IsNot(), m.Name("None"))])
+        tests = m.findall(fwd, none)
+        if not tests:
+            return cls
+        source = cst.parse_module(self.rewrite.source) if self.rewrite.source else self.current
+        switch = config_switch(source, self.alibi)
+        if switch is None or "config" not in param_names(init):
+            raise Refused(
+                f"ALiBi used or not per call (`{code(tests[0])}`), with no config switch found for it"
+            )
+
+        def switched(test: cst.Comparison, _) -> cst.BaseExpression:
+            on = cst.parse_expression("self.use_alibi")
+            return (
+                cst.UnaryOperation(cst.Not(), on) if isinstance(test.comparisons[0].operator, cst.Is) else on
+            )
+
+        new_fwd = m.replace(fwd, none, switched)
+        line = stmt(f"self.use_alibi = {switch}\n")
+        new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, line]))
+        return _replaced(_replaced(cls, fwd, new_fwd), init, new_init)
+
+
+def _on_one_cache(body: list) -> list:
+    """Two computations in the two arms of one `if` (Falcon's rotary and ALiBi paths): a forward runs one of them,
+    on the one cache HF updates before the branch; the later one is marked to share the earlier one's."""
+    fn = cst.Module(body)
+    first, second = m.findall(fn, m.Call(func=m.Name(MARKER)))
+
+    def holds(arm: cst.CSTNode, call: cst.Call) -> bool:
+        return any(c is call for c in m.findall(arm, m.Call(func=m.Name(MARKER))))
+
+    if not any(
+        branch.orelse is not None and holds(branch.body, first) and holds(branch.orelse, second)
+        for branch in m.findall(fn, m.If())
+    ):
+        raise Refused(
+            "two attention computations in one forward that may both run: each would need a runtime Attention "
+            "and KV cache of its own"
+        )
+    return list(fn.deep_replace(second, appended(second, "shares_cache", "True")).body)
 
 
 def _without_unread_buffers(cls: cst.ClassDef, buffers: set[str]) -> cst.ClassDef:

@@ -20,6 +20,7 @@ from skills.migrator.cst_utils import (
     kwarg,
     method,
     param_names,
+    pure,
     stmt,
 )
 from skills.migrator.reachability import reachable, top_level_names
@@ -65,7 +66,7 @@ class _Forward(cst.CSTTransformer):
         self.calls: list[
             cst.Call
         ] = []  # one runtime Attention (and KV cache) each: `self.attn`, `self.attn_2`
-        self.weights: str | None = None
+        self.weights: set[str] = set()  # what each call's weights were bound to (Falcon's paths differ)
 
     def leave_SimpleStatementLine(self, original, updated):
         if assigned_names(updated) == {"attention_interface"}:
@@ -76,8 +77,8 @@ class _Forward(cst.CSTTransformer):
         self.calls.append(call)
         target = updated.body[0].targets[0].target
         out = target.elements[0].value if isinstance(target, cst.Tuple) else target
-        if isinstance(target, cst.Tuple) and len(target.elements) > 1 and self.weights is None:
-            self.weights = cst.Module([]).code_for_node(target.elements[1].value)
+        if isinstance(target, cst.Tuple) and len(target.elements) > 1:
+            self.weights.add(cst.Module([]).code_for_node(target.elements[1].value))
         q, k, v = (a.value for a in call.args[1:4])
         layer = f"self.{attention_attr(len(self.calls))}"
         if called_name(call) == HEADS_FIRST:
@@ -106,7 +107,7 @@ class _Forward(cst.CSTTransformer):
         return updated
 
     def leave_Return(self, original, updated):
-        return _without(updated, {self.weights}) if self.weights else updated
+        return _without(updated, self.weights)
 
 
 def _without(ret: cst.Return, dropped: set[str]) -> cst.Return:
@@ -125,8 +126,20 @@ def attention_attr(n: int) -> str:
     return "attn" if n == 1 else f"attn_{n}"
 
 
+def _forward_kv_heads(fwd: cst.FunctionDef) -> str | None:
+    """The key-head count a forward computes for itself from its module's attributes (`num_kv_heads =
+    self.num_heads if self.new_decoder_architecture else self.num_kv_heads`): what its cache holds."""
+    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])])
+    for s in fwd.body.body:
+        if m.matches(s, line) and s.body[0].targets[0].target.value in KV_HEAD_ATTRS:
+            value = s.body[0].value
+            if pure(value) and free_names(value) <= {"self", "config"}:
+                return cst.Module([]).code_for_node(value)
+    return None
+
+
 def _attention_ctor(
-    call: cst.Call, init: cst.FunctionDef, ctx: RewriteContext, scope: str, attr: str
+    call: cst.Call, init: cst.FunctionDef, fwd: cst.FunctionDef, ctx: RewriteContext, scope: str, attr: str
 ) -> cst.BaseStatement:
     init_code = cst.Module([]).code_for_node(init)
     head_dim = next(
@@ -141,6 +154,8 @@ def _attention_ctor(
     kv_local = next((a for a in KV_HEAD_ATTRS if any(a in assigned_names(s) for s in init.body.body)), None)
     if kv_local:  # e.g. MiMo-V2: `num_key_value_heads = config.num_key_value_heads * 2 if is_swa else ...`
         args.append(f"num_kv_heads={kv_local}")
+    elif in_forward := _forward_kv_heads(fwd):  # Falcon-40B's keys, broadcast to every query head
+        args.append(f"num_kv_heads={in_forward}")
     elif "num_key_value_heads" in init_code:
         args.append("num_kv_heads=config.num_key_value_heads")
     elif kv_attr:  # e.g. `self.kv_heads = 1 if self.multi_query else self.num_heads`
@@ -148,6 +163,9 @@ def _attention_ctor(
     for a in call.args:
         key = a.keyword.value if a.keyword else None
         if key is None or key in IGNORED_KWARGS or key in FORWARD_KWARGS:
+            continue
+        if key == "shares_cache":  # MG021's: one of two computations a forward picks between, on one cache
+            args.append(f"cache_of=self.{attention_attr(1)}")
             continue
         if key not in RUNTIME_KWARGS:
             ctx.unsupported(
@@ -232,7 +250,7 @@ class _Classes(cst.CSTTransformer):
             self.ctx.unsupported(name, 0, "attention call whose result is not assigned")
             return cls
         ctors = [
-            _attention_ctor(call, init, self.ctx, name, attention_attr(n))
+            _attention_ctor(call, init, fwd, self.ctx, name, attention_attr(n))
             for n, call in enumerate(rewriter.calls, 1)
         ]
         new_init = init.with_changes(body=init.body.with_changes(body=[*init.body.body, *ctors]))
