@@ -138,6 +138,20 @@ def _is_set(config: PretrainedConfig, name: str) -> bool:
         return False
 
 
+def _named_sizes(defaults: PretrainedConfig) -> dict[str, int]:
+    """Other sizes by what their names end with, shrunk where the defaults set them larger and the tables above
+    do not name them (Inkling's `unpadded_vocab_size` sizes the LM head, its `swa_head_dim` the sliding
+    layers' heads)."""
+    found = {}
+    for name, value in defaults.to_dict().items():
+        if isinstance(value, int) and not isinstance(value, bool) and name not in {**_TINY, **_SUB_SIZES}:
+            if name.endswith("vocab_size"):
+                found[name] = min(value, _TINY["vocab_size"])
+            elif name.endswith("head_dim"):
+                found[name] = min(value, _TINY["head_dim"])
+    return found
+
+
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text; MoE types get 4 small experts."""
     fixed = {**_ARCH.get(model_type, {}), **overrides}  # what the arch's entry or the caller sets wins
@@ -146,6 +160,7 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     params = {**_TINY, "is_decoder": True}
     params.update({k: v for k, v in _MOE.items() if hasattr(defaults, k)})
     params.update({k: v for k, v in _SUB_SIZES.items() if _is_set(defaults, k)})
+    params.update(_named_sizes(defaults))
     if (getattr(defaults, "n_group", None) or 1) > 1:
         params.update(_EXPERT_GROUPS)
     if hasattr(defaults, "n_shared_experts") and defaults.n_shared_experts is None:

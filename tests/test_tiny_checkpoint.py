@@ -105,3 +105,11 @@ def test_checkpoint_on_disk_is_what_transformers_loads(tmp_path: Path, model_typ
     assert on_disk and all(torch.equal(v, loaded[k]) for k, v in on_disk.items())
     pad = AutoModelForCausalLM.from_pretrained(out).config.pad_token_id
     assert (on_disk["model.embed_tokens.weight"][pad] == 0).all() == (model_type == "youtu")
+
+
+def test_sizes_named_apart_are_shrunk_by_their_names() -> None:
+    """Inkling's LM head is `unpadded_vocab_size` wide and its sliding layers' heads `swa_head_dim`: shrunk by
+    what the names end with, never grown (BERT's two token types stay two)."""
+    inkling = tiny_config("inkling2_text")
+    assert (inkling.unpadded_vocab_size, inkling.swa_head_dim) == (512, 16)
+    assert tiny_config("bert").type_vocab_size == 2
