@@ -82,6 +82,10 @@ def out_of_scope(model_type: str) -> str | None:
     )
     if towers:
         return f"multimodal: the causal LM wraps {', '.join(towers)}"
+    # towers the defaults leave unset but the class declares (Gemma 4 builds them from a checkpoint's config)
+    declared = sorted(k for k in vars(config) if MODALITY.search(k) and k.endswith("_config"))
+    if declared:
+        return f"multimodal: the causal LM wraps {', '.join(declared)} (unset in the defaults)"
     fields = sorted(k for k in vars(config) if STATE_FIELDS.search(k))
     layers = sorted(
         {str(t) for t in getattr(config, "layer_types", None) or () if NON_ATTENTION_LAYERS.search(str(t))}

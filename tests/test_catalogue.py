@@ -70,3 +70,11 @@ def test_attention_written_out_by_hand_passes(tmp_path):
     rows = {e["model_type"]: e for e in json.loads((tmp_path / "coverage.json").read_text())["types"]}
     for passing in ("xglm", "gpt_neo", "bloom"):
         assert rows[passing]["status"] == "PASS", rows[passing]
+
+
+def test_a_multimodal_wrapper_is_out_of_scope_even_with_its_towers_unset():
+    """Gemma 4's defaults leave vision_config / audio_config None: declared towers still make it a wrapper."""
+    assert "multimodal" in catalogue.out_of_scope("gemma4") and "vision_config" in catalogue.out_of_scope(
+        "gemma4"
+    )
+    assert catalogue.out_of_scope("gemma4_text") is None
