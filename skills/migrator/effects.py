@@ -1,6 +1,7 @@
 """Which expressions only compute a value, so that a statement binding one that nothing reads can go: their calls
-are torch / math functions, tensor methods that return a new tensor, builtins, or functions of the file that
-only compute themselves. Anything else (a module call, an in-place method, a collective) is kept."""
+are torch / math functions, tensor methods that return a new tensor, builtins, predicates (`is_*`, `has_*`), or
+functions of the file that only compute themselves. Anything else (a module call, an in-place method, a
+collective) is kept."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -28,8 +29,8 @@ _STORE = m.AssignTarget(m.Attribute() | m.Subscript()) | m.AugAssign(target=m.At
 
 def _computes(call: cst.Call, functions: frozenset[str] | set[str]) -> bool:
     f = call.func
-    if isinstance(f, cst.Name):
-        return f.value in BUILTINS or f.value in functions
+    if isinstance(f, cst.Name):  # a predicate (`is_flash_attention_requested(config)`) only answers
+        return f.value in BUILTINS or f.value in functions or f.value.startswith(("is_", "has_"))
     if not isinstance(f, cst.Attribute) or f.attr.value.endswith("_"):
         return False
     if m.matches(f.value, m.OneOf(*map(m.Name, _VALUE_MODULES))):

@@ -176,6 +176,9 @@ ENTRY = dedent("""\
 COMPUTED_BEFORE = dedent("""\
     import torch
 
+    if is_flash_attn_available():
+        pass
+
 
     def _slopes(num_heads, device):
         base = torch.full((), 0.5, device=device)
@@ -206,6 +209,7 @@ COMPUTED_BEFORE = dedent("""\
             alibi = alibi.repeat(batch, 1).to(hidden.dtype)
             if self.use_alibi:  # Falcon builds it under a switch
                 alibi = alibi * 2
+            implementation = "flash" if is_flash_attention_requested(self.config) else "eager"
             # the last norm
             return _finish(hidden)
 

@@ -73,3 +73,31 @@ def test_used_imports_untouched(run_rule):
                 return ACT2FN["silu"](F.linear(x, self.w))
         """)
     assert run_rule(rule, code) == code
+
+
+GUARDED = dedent("""\
+    import torch
+    from transformers.utils import is_flash_attn_available, is_torch_available
+
+    if is_flash_attn_available():
+        from transformers.modeling_flash_attention_utils import flash_fn
+
+    if is_torch_available():
+        from torch import nn
+
+
+    class LlamaMLP(nn.Module):
+        pass
+    """)
+
+
+def test_an_if_that_only_guarded_unused_imports_goes_with_them(run_rule):
+    """Falcon's `if is_flash_attn_available(...):` around a flash-attention import nothing calls any more goes,
+    and its predicate's import with it; a guard around an import still used stays."""
+    after = run_rule(rule, GUARDED)
+    assert after == GUARDED.replace(
+        "import torch\nfrom transformers.utils import is_flash_attn_available, is_torch_available\n\n"
+        "if is_flash_attn_available():\n    from transformers.modeling_flash_attention_utils import flash_fn\n\n",
+        "from transformers.utils import is_torch_available\n\n",
+    )
+    assert run_rule(rule, after) == after

@@ -116,9 +116,10 @@ def drop_dead_locals_in(module: cst.Module, entry_class: str) -> cst.Module:
     return module if dropped.deep_equals(module) else prune_unreachable(dropped, entry_class)
 
 
-# `if <test>: pass` with no else, once its statements went (Falcon's `if self.use_alibi:` built ALiBi alone)
+# `if <test>: pass` with no else, once its statements went (Falcon's `if self.use_alibi:` built ALiBi alone,
+# `if is_flash_attn_available(...):` imported what nothing uses)
 _EMPTY_IF = m.If(
-    test=m.MatchIfTrue(pure), body=m.IndentedBlock([m.SimpleStatementLine([m.Pass()])]), orelse=None
+    test=m.MatchIfTrue(computes_only), body=m.IndentedBlock([m.SimpleStatementLine([m.Pass()])]), orelse=None
 )
 
 
@@ -323,6 +324,7 @@ class DeadCode(Rule):
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        module = module.with_changes(body=[s for s in module.body if not m.matches(s, _EMPTY_IF)])
         module = drop_dead_locals_in(module, self.rewrite.entry_class)
         if any((dead := _uncalled_methods(module)).values()):  # what only they used goes with them
             module = prune_unreachable(module.visit(_DropMethods(dead)), self.rewrite.entry_class)
