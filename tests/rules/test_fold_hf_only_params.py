@@ -490,3 +490,25 @@ def test_a_past_length_feeding_a_module_without_positions_is_refused(run_rule, m
         assert refused == []
     else:
         assert refused[0].startswith("the past length `cache_length` read from the cache feeds a module")
+
+
+def test_return_dict_folds_to_the_hidden_states_form(run_rule):
+    """The runtime reads hidden states, never HF's tuple form: `return_dict` is True (Falcon, BLOOM, MPT)."""
+    before = dedent("""\
+        class FalconModel(nn.Module):
+            def forward(self, input_ids, return_dict: bool | None = None):
+                return_dict = return_dict if return_dict is not None else self.config.return_dict
+                hidden_states = self.h(input_ids)
+                if not return_dict:
+                    return tuple(v for v in [hidden_states, None] if v is not None)
+                return hidden_states
+        """)
+    after = dedent("""\
+        class FalconModel(nn.Module):
+            def forward(self, input_ids):
+                return_dict = True
+                hidden_states = self.h(input_ids)
+                return hidden_states
+        """)
+    assert run_rule(rule, before) == after
+    assert run_rule(rule, after) == after

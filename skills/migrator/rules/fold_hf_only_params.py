@@ -35,6 +35,7 @@ HF_ONLY: dict[str, object] = {
     "cache_position": None,
     "logits_to_keep": 0,
     "head_mask": None,
+    "return_dict": True,  # the runtime reads the model's hidden states, never its tuple form
 }
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
 # the HF-only parameters that hold a Cache
