@@ -3,12 +3,14 @@ q @ kᵀ, softmax, @ v; or a direct `F.scaled_dot_product_attention` call), beco
 converts: `out = heads_first_attention(self, q, k, v, scaling=...)`, heads-first on both sides as the code
 around it expects ([B, H, T, D], or [B*H, T, D] for bmm).
 
-The scores' path is read, not guessed: scale factors (a multiplier, a divisor, baddbmm's alpha), masks (the
-mask argument, a lower-triangular buffer, a banded one as a sliding window), softmax, dtype / layout / dropout
-steps and shape checks are understood; anything else done to the scores (an ALiBi or relative position bias
-added, a scale read at run time) is refused by name. A helper method holding the computation
-(`self._attn(q, k, v, mask)`) is folded into its call site and removed; where a forward dispatches on
-`config._attn_implementation`, the eager path is kept."""
+The scores' path is read, not guessed: scale factors (a multiplier, a divisor, baddbmm's alpha; under an `if` on
+attributes __init__ sets, a conditional scale), masks (the mask argument, a lower-triangular buffer, a banded
+one as a sliding window), an ALiBi bias, softmax, dtype / layout / dropout steps and shape checks are
+understood; anything else done to the scores (another position bias, a scale chosen per call) is refused by
+name. A helper method holding the computation (`self._attn(q, k, v, mask)`) is folded into its call site and
+removed; where a forward dispatches on `config._attn_implementation`, the eager path is kept. Two computations
+in the two arms of one `if` (Falcon's rotary and ALiBi paths) share one cache, and a test on the ALiBi tensor
+becomes a test of the config switch the model builds it under."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -389,12 +391,14 @@ class _Region:
                 if self.statement(x):
                     raise Refused("the attention output computed inside a branch")
             seen.append(self.scores.factors)
+        if seen[0] == seen[1]:
+            return False
         read = {a.attr.value for a in m.findall(s.test, m.Attribute(value=m.Name("self")))}
-        if seen[0] != seen[1] and not (read and read <= self.settled):
+        if not (read and read <= self.settled):
             raise Refused(f"the attention scale chosen at run time (`if {code(s.test)}`)")
-        if seen[0] != seen[1]:  # GPT-1's `if self.scale:`, which MG005 evaluates in __init__
-            extra = [" * ".join(f[len(before) :]) or "1.0" for f in seen]
-            self.scores.factors = [*before, f"({extra[0]} if {code(s.test)} else {extra[1]})"]
+        # GPT-1's `if self.scale:`: a conditional scale, which MG005 evaluates in __init__
+        extra = [" * ".join(f[len(before) :]) or "1.0" for f in seen]
+        self.scores.factors = [*before, f"({extra[0]} if {code(s.test)} else {extra[1]})"]
         return False
 
     def scaling(self) -> str:
@@ -616,14 +620,16 @@ class HandWrittenAttention(Rule):
         """`if alibi is None:` on the ALiBi tensor a forward is passed, which the runtime's Attention replaces,
         becomes `if not self.use_alibi:`, set in __init__ from the config switch under which the model built it."""
         fwd, init = method(cls, "forward"), method(cls, "__init__")
-        held = m.OneOf(*map(m.Name, self.alibi & set(param_names(fwd)) or {"<none>"}))
-        none = m.Comparison(held, [m.ComparisonTarget(m.Is() | m.IsNot(), m.Name("None"))])
-        tests = m.findall(fwd, none)
+        held = self.alibi & set(param_names(fwd))
+        none = m.Comparison(
+            m.OneOf(*map(m.Name, held)), [m.ComparisonTarget(m.Is() | m.IsNot(), m.Name("None"))]
+        )
+        tests = m.findall(fwd, none) if held else []
         if not tests:
             return cls
         source = cst.parse_module(self.rewrite.source) if self.rewrite.source else self.current
         switch = config_switch(source, self.alibi)
-        if switch is None or "config" not in param_names(init):
+        if switch is None or "config" not in param_names(init) or "self.use_alibi" in code(cls):
             raise Refused(
                 f"ALiBi used or not per call (`{code(tests[0])}`), with no config switch found for it"
             )
