@@ -349,7 +349,8 @@ class Attention(nn.Module):
         md: ForwardMetaData,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        k_cache, v_cache = self.cache_owner.k_cache, self.cache_owner.v_cache
+        owner = self.cache_owner
+        k_cache, v_cache = owner.k_cache, owner.v_cache
         assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         if md.is_prefill and not torch.compiler.is_compiling():
             self._check_fits_cache(k, v, md)
@@ -394,14 +395,14 @@ class Attention(nn.Module):
                 f"[{self.num_kv_heads}, {self.v_head_dim}]. Set `Attention(head_dim=..., v_head_dim=...)` in "
                 "the modeling file to the key and value head sizes."
             )
-        seen = md.memo("attention_layers_run", set)
-        if id(self.cache_owner) in seen:
+        seen, owner = md.memo("attention_layers_run", set), id(self.cache_owner)
+        if owner in seen:
             raise UserError(
                 f"{where} ran twice in one forward pass (a layer applied in a loop, as recurrent-depth "
                 "models do, or two layers on one cache). It owns one cache slot per token, so the second pass "
                 "would overwrite the first; looped layers are not supported."
             )
-        seen.add(id(self.cache_owner))
+        seen.add(owner)
 
 
 def cache_info_of(model: nn.Module, dtype: torch.dtype):

@@ -45,9 +45,11 @@ def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
         token = int(logp.argmax())
         tokens.append(token)
         logprobs.append(logp)
-        if step + 1 < steps and cache_arg:
+        if step + 1 == steps:
+            break
+        if cache_arg:
             out = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: getattr(out, cache_arg)})
-        elif step + 1 < steps:
+        else:
             ids.append(token)
             out = model(torch.tensor([ids]))
     return Reference(tokens, torch.stack(logprobs))
