@@ -31,6 +31,12 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+def return_cached_memory(device: torch.device) -> None:
+    """Hand the allocator's cached free blocks back to the device, so free_memory_bytes counts them."""
+    if device.type in ("cuda", "npu"):
+        getattr(torch, device.type).empty_cache()
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so host timers measure it (a no-op on the host)."""
     if device.type in ("cuda", "npu"):

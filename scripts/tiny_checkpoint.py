@@ -71,6 +71,8 @@ _ARCH: dict[str, dict] = {
     "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # its layer pattern, for 2 layers
     "zaya": {"num_experts_per_tok": 1},  # the only top-k its config accepts
+    # a layer in each section: input, recurrent (looped), output
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_output_layers": 1},
 }
 
 

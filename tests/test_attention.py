@@ -261,12 +261,43 @@ def test_keys_with_another_head_count_than_cached_are_refused_by_name():
         run.layer(run.randn(3, H * D), wide, wide, md)
 
 
-def test_a_layer_run_twice_in_one_forward_is_refused():
+def test_a_layer_run_twice_on_one_cache_in_one_forward_is_refused():
     run = Run()
     md, (q, k, v) = _prefill(run, 3), (run.randn(3, n * D) for n in (H, KV, KV))
     run.layer(q, k, v, md)
-    with pytest.raises(UserError, match="ran twice in one forward pass"):
+    with pytest.raises(UserError, match="ran twice on one cache in one forward pass"):
         run.layer(q, k, v, md)  # a looped (recurrent-depth) layer would overwrite its own cache entries
+
+
+def test_a_looped_layer_keeps_a_cache_per_key():
+    """A recurrent-depth model applies a layer once per loop, each pass with a cache of its own (`cache_key`):
+    the probe forward collects the keys, each key gets its entry, and each pass attends over its own history."""
+    layer, gen = Attention(H, D, SCALE, KV), torch.Generator().manual_seed(3)
+    model = nn.ModuleDict({"attn": layer})
+    probe = metadata(True, [1], [0], [[NULL_BLOCK]], BS, layer.cache_group)
+    probe.probe = True
+    layer.k_cache = layer.v_cache = torch.zeros(2, BS, KV, D)
+    for key in (0, 4, 4):  # the probe neither checks nor sizes: it records
+        layer(*(torch.randn(1, n * D) for n in (H, KV, KV)), probe, cache_key=key)
+    layer.set_cache_keys(sorted(probe.memo("attention_cache_keys", dict)[id(layer)]))
+    info = cache_info_of(model, torch.float32)
+    assert [e.name for e in info.entries] == ["attn", "attn.cache_key4"]
+    kv = KVCacheManager(info, 16, BS)
+    for holder in (layer, *layer.more_caches):
+        holder.k_cache, holder.v_cache = torch.zeros(16, BS, KV, D), torch.zeros(16, BS, KV, D)
+    hist = {key: [torch.empty(0, n, D) for n in (H, KV, KV)] for key in (0, 4)}
+    for computed, new in [(0, 5), (5, 1), (6, 1)]:  # a prefill, then two decode steps
+        assert kv.allocate_slots("r", computed, new)
+        table = kv.block_tables(["r"])[layer.cache_group]
+        md = metadata(computed == 0, [new], [computed], table, BS, layer.cache_group)
+        for key in (0, 4):
+            q, k, v = (torch.randn(new, n, D, generator=gen) for n in (H, KV, KV))
+            hist[key] = [torch.cat([h, x]) for h, x in zip(hist[key], (q, k, v))]
+            out = layer(q.flatten(1), k.flatten(1), v.flatten(1), md, cache_key=key)
+            ref = naive(*hist[key], range(computed, computed + new))
+            torch.testing.assert_close(out.view(new, H, D).double(), ref, atol=1e-5, rtol=0)
+        with pytest.raises(UserError, match="cache_key 9, which the engine's start-up forward did not use"):
+            layer(q.flatten(1), k.flatten(1), v.flatten(1), md, cache_key=9)
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the portable path runs instead")

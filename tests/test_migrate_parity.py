@@ -89,6 +89,15 @@ def test_falcon_with_alibi_matches_transformers(tmp_path_factory, tmp_path):
     assert_framework_run_matches(falcon, model_dir)
 
 
+def test_a_looped_model_keeps_a_cache_per_loop_and_matches_transformers(tmp_path_factory, tmp_path):
+    """Dory applies its recurrent layers once per loop, each loop on a cache layer of its own (`self.layer_idx +
+    cache_offset`): the offset becomes the runtime layer's `cache_key`, which keeps a cache per key."""
+    dory = build_reference("dory", tmp_path_factory)
+    model_dir = migrate(dory, tmp_path, "--mode", "framework")
+    assert "cache_key=cache_offset" in (model_dir / "models" / "modeling_dory.py").read_text()
+    assert_framework_run_matches(dory, model_dir)
+
+
 # the standalone runner drives the same attention layer on both layouts; legacy runs with `-m slow`
 @pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_standalone_mode_matches_transformers(arch, tmp_path, kv):

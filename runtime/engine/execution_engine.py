@@ -57,6 +57,8 @@ class ExecutionEngine:
         self.worker.init()
         self.tokenizer = self.worker.load_tokenizer()
         self.kv = self.worker.init_kvcache()
+        if self.worker.fit_cache_keys(self.dummy_step(probe=True).memo("attention_cache_keys", dict)):
+            self.kv = self.worker.init_kvcache()
         self.eos_token_ids = eos_token_ids(self.worker.model_path, self.worker.hf_config, self.tokenizer)
         sc = self.config.scheduler_config
         self.scheduler = self.scheduler_cls(
@@ -176,9 +178,10 @@ class ExecutionEngine:
         return tokens
 
     @torch.inference_mode()
-    def dummy_step(self) -> None:
+    def dummy_step(self, probe: bool = False) -> ForwardMetaData:
         """A one-token forward whose KV goes to slot 0 (the null block; a free legacy row): a rank without work
-        runs it while its peers step, because attention-DP ranks share the collectives of TP modules."""
+        runs it while its peers step, because attention-DP ranks share the collectives of TP modules. With
+        ``probe`` it records the cache keys each attention layer is called with (in its step metadata's memo)."""
         one, zero = _long(self.device, [1]), _long(self.device, [0])
         slot = _long(self.device, [[0]])
         md = ForwardMetaData(
@@ -193,8 +196,10 @@ class ExecutionEngine:
             prompt_tokens=[1],
             block_table=dict.fromkeys(self.kv.group_keys, slot),
             slot_mapping=dict.fromkeys(self.kv.group_keys, zero),
+            probe=probe,
         )
         self._run(zero, zero, md)
+        return md
 
     def warm_up(self) -> None:
         """A dummy prefill and decode so kernels and allocators are ready before timing starts. A compiled decode

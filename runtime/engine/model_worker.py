@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
-from runtime.device_memory import free_memory_bytes, lazy_zeros, synchronize
+from runtime.device_memory import free_memory_bytes, lazy_zeros, return_cached_memory, synchronize
 from runtime.distributed import DistInfo
 from runtime.engine.graph_mode import compile_decode
 from runtime.engine.legacy_cache import LegacyCacheRows
@@ -19,7 +19,7 @@ from runtime.engine.loader import converted_quant_method, init_dummy_weights, lo
 from runtime.engine.registry import resolve_model
 from runtime.errors import UserError
 from runtime.kv_cache import KVCacheManager, blocks_for_batch, blocks_for_memory
-from runtime.layers.attention import Attention
+from runtime.layers.attention import Attention, cache_holders
 from runtime.layers.host_linear import swap_host_linears
 from runtime.layers.quantization.online import process_weights_after_loading, quantize_online
 
@@ -171,10 +171,11 @@ class ModelWorker:
         bytes_per_block = info.bytes_per_block(sc.block_size)
         num_blocks = sc.num_kv_blocks or self._blocks_from_memory(bytes_per_block)
         manager = KVCacheManager(info, num_blocks, sc.block_size)
+        holders = {**modules, **cache_holders(self.model)}
         for entries in manager.groups.values():
             for e in entries:
                 shape = (num_blocks, sc.block_size, e.num_kv_heads)
-                module = modules[e.name]
+                module = holders[e.name]
                 module.k_cache = lazy_zeros((*shape, e.head_dim), e.dtype, self.dist.device)
                 module.v_cache = lazy_zeros((*shape, e.value_dim), e.dtype, self.dist.device)
         logger.info(
@@ -185,6 +186,20 @@ class ModelWorker:
             ", ".join(manager.group_keys),
         )
         return manager
+
+    def fit_cache_keys(self, keys: dict[int, set[int]]) -> bool:
+        """Give each attention layer a cache per key a forward pass gave it (``keys``: by id of the layer); True
+        when one changed, after releasing the pool, which must then be sized again."""
+        owners = [m for m in self.model.modules() if isinstance(m, Attention) and m.cache_owner is m]
+        changed = [m for m in owners if tuple(sorted(keys.get(id(m), m.cache_keys))) != m.cache_keys]
+        for m in changed:
+            m.set_cache_keys(sorted(keys[id(m)]))
+            logger.info("[Main] %s keeps a cache for each of its keys %s", m.prefix, m.cache_keys)
+        if changed:
+            for holder in cache_holders(self.model).values():
+                holder.k_cache = holder.v_cache = None
+            return_cached_memory(self.dist.device)
+        return bool(changed)
 
     def _blocks_from_memory(self, bytes_per_block: int) -> int:
         """``mem_fraction_static`` of the memory free after the weights, but no more blocks than the scheduler can

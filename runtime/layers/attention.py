@@ -197,12 +197,24 @@ def _grouped_to_tiled(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.view(T, kv_heads, H // kv_heads, D).transpose(1, 2).reshape(T, H, D)
 
 
+class CacheSlot:
+    """One more cache of a layer that keeps several (a ``cache_key`` each)."""
+
+    def __init__(self) -> None:
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention that owns its slice of the KV cache.
 
     The engine binds ``k_cache`` / ``v_cache`` after sizing the pool. With ``legacy=True`` the
     layer declares ``cache_unit`` instead and the engine preallocates a
     ``[max_batch, max_seq_len, *cache_unit]`` cache on it (the seeds' legacy path).
+
+    A layer applied several times in one forward pass (recurrent-depth models loop over their layers) passes a
+    ``cache_key`` per application, as transformers offsets the layer index it gives ``cache.update``; it keeps
+    a cache per key. The engine collects the keys on a dummy forward at start (``set_cache_keys``).
     """
 
     def __init__(
@@ -249,6 +261,8 @@ class Attention(nn.Module):
         self.v_cache_unit = (math.prod(v_unit),) if legacy and not self._shared else None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.cache_keys: tuple[int, ...] = (0,)  # the first reads and writes k_cache / v_cache
+        self.more_caches: tuple[CacheSlot, ...] = ()  # one for each further key
         if alibi_slopes is not None and len(alibi_slopes) != num_heads:
             raise UserError(
                 f"Attention layer {prefix or '(unnamed)'} has {num_heads} heads but {len(alibi_slopes)} ALiBi "
@@ -262,6 +276,35 @@ class Attention(nn.Module):
     def cache_owner(self) -> "Attention":
         """The layer whose cache this one reads and writes: itself unless built with ``cache_of``."""
         return self._shared[0] if self._shared else self
+
+    def set_cache_keys(self, keys: Sequence[int]) -> None:
+        if len(keys) > 1 and self.cache_unit:
+            raise UserError(
+                f"Attention layer {self.prefix or '(unnamed)'} keeps a cache for each of the keys {list(keys)} "
+                "(a layer applied in a loop), which only the paged KV layout gives: drop "
+                "`custom_params.kv_layout: legacy`."
+            )
+        self.cache_keys = tuple(keys)
+        self.more_caches = tuple(CacheSlot() for _ in keys[1:])
+
+    def _caches(self, md: ForwardMetaData, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owner's cache for ``key``; the engine's probe forward records the key instead (and writes the
+        first cache, as its dummy token may)."""
+        owner = self.cache_owner
+        if md.probe:
+            md.memo("attention_cache_keys", dict).setdefault(id(owner), set()).add(key)
+        elif md.is_prefill and not torch.compiler.is_compiling():
+            self._check_runs_once(md, key)
+        if md.probe or key == owner.cache_keys[0]:
+            return owner.k_cache, owner.v_cache
+        if key not in owner.cache_keys:
+            raise UserError(
+                f"Attention layer {self.prefix or '(unnamed)'} is called with cache_key {key}, which the engine's "
+                f"start-up forward did not use (it sized caches for {list(owner.cache_keys)}): the keys must not "
+                "depend on the input."
+            )
+        slot = owner.more_caches[owner.cache_keys.index(key) - 1]
+        return slot.k_cache, slot.v_cache
 
     @property
     def cache_group(self) -> str:
@@ -282,6 +325,7 @@ class Attention(nn.Module):
         latents: tuple[torch.Tensor, ...],
         expand: Callable[..., tuple[torch.Tensor, torch.Tensor]],
         md: ForwardMetaData,
+        cache_key: int = 0,
     ) -> torch.Tensor:
         """Multi-head latent attention over a cache of the latents themselves (HF layout, as migrated models call
         it): q [1, H, T, D], latents [1, 1, T, d_i] whose widths sum to ``latent_dim``, and ``expand(*latents)``
@@ -289,7 +333,7 @@ class Attention(nn.Module):
 
         Each step writes the fresh tokens' latents; prefill expands those, decode expands each request's whole
         cached context (decompression: no per-head keys or values are ever stored)."""
-        k_cache = self.cache_owner.k_cache
+        k_cache = self._caches(md, cache_key)[0]
         assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         sizes = [x.shape[-1] for x in latents]
         if md.is_prefill and not torch.compiler.is_compiling() and sum(sizes) != self.latent_dim:
@@ -317,29 +361,31 @@ class Attention(nn.Module):
         v: torch.Tensor,
         md: ForwardMetaData,
         sinks: torch.Tensor | None = None,
+        cache_key: int = 0,
     ) -> torch.Tensor:
         """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads, v of head size Dv) -> [T, H*Dv].
 
         HF layout, as migrated models call it: q [1, H, T, D], k/v [1, Hkv, T, D | Dv] -> [1, T, H, Dv].
         ``sinks`` [H]: a learned logit per query head that joins each softmax's denominator (GPT-OSS).
+        ``cache_key``: which of the layer's caches this application reads and writes (class docstring).
         """
         if q.dim() == 4:
             q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
-            return self._attend(q, k, v, md, sinks)[None]
+            return self._attend(q, k, v, md, sinks, cache_key)[None]
         T = q.shape[0]
         q = q.view(T, -1, self.head_dim)
         k = k.view(T, -1, self.head_dim)
         v = v.view(T, -1, self.v_head_dim)
-        return self._attend(q, k, v, md, sinks).reshape(T, -1)
+        return self._attend(q, k, v, md, sinks, cache_key).reshape(T, -1)
 
     def forward_heads_first(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData, cache_key: int = 0
     ) -> torch.Tensor:
         """The layout attention written out by hand keeps on both sides (migrated models call it): q [1, H, T, D]
         or [H, T, D], k / v alike with Hkv heads -> [1, H, T, Dv] or [H, T, Dv]."""
         heads_first = q.shape[:-1]
         q, k, v = (x.reshape(-1, *x.shape[-2:]).transpose(0, 1) for x in (q, k, v))
-        return self._attend(q, k, v, md, None).transpose(0, 1).reshape(*heads_first, -1)
+        return self._attend(q, k, v, md, None, cache_key).transpose(0, 1).reshape(*heads_first, -1)
 
     def _attend(
         self,
@@ -348,12 +394,12 @@ class Attention(nn.Module):
         v: torch.Tensor,
         md: ForwardMetaData,
         sinks: torch.Tensor | None,
+        cache_key: int,
     ) -> torch.Tensor:
-        owner = self.cache_owner
-        k_cache, v_cache = owner.k_cache, owner.v_cache
+        k_cache, v_cache = self._caches(md, cache_key)
         assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         if md.is_prefill and not torch.compiler.is_compiling():
-            self._check_fits_cache(k, v, md)
+            self._check_fits_cache(k, v)
         shape = (-1, k_cache.shape[1], self.num_kv_heads)
         alibi = self.alibi_slopes
         if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head
@@ -378,7 +424,7 @@ class Attention(nn.Module):
         )
         return _grouped_to_tiled(o, self.num_kv_heads) if self.kv_heads_tiled else o
 
-    def _check_fits_cache(self, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData) -> None:
+    def _check_fits_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Refuse by name what this layer's cache cannot hold; checked on eager prefill steps."""
         where = f"Attention layer {self.prefix or '(unnamed)'}"
         if k.shape[1] != self.num_kv_heads:
@@ -395,25 +441,48 @@ class Attention(nn.Module):
                 f"[{self.num_kv_heads}, {self.v_head_dim}]. Set `Attention(head_dim=..., v_head_dim=...)` in "
                 "the modeling file to the key and value head sizes."
             )
-        seen, owner = md.memo("attention_layers_run", set), id(self.cache_owner)
-        if owner in seen:
+
+    def _check_runs_once(self, md: ForwardMetaData, key: int) -> None:
+        seen, cache = md.memo("attention_caches_written", set), (id(self.cache_owner), key)
+        if cache in seen:
             raise UserError(
-                f"{where} ran twice in one forward pass (a layer applied in a loop, as recurrent-depth "
-                "models do, or two layers on one cache). It owns one cache slot per token, so the second pass "
-                "would overwrite the first; looped layers are not supported."
+                f"Attention layer {self.prefix or '(unnamed)'} ran twice on one cache in one forward pass (a layer "
+                "applied in a loop, or two layers on one cache): the second pass would overwrite the first's keys "
+                "and values. A looped layer passes a `cache_key` per application (the offset transformers adds to "
+                "the layer index it gives `cache.update`); this model gives the same one twice."
             )
-        seen.add(owner)
+        seen.add(cache)
 
 
 def cache_info_of(model: nn.Module, dtype: torch.dtype):
-    """The paged cache entries of every ``Attention`` layer, for a model's ``get_cache_info()``."""
+    """The paged cache entries of every ``Attention`` layer, for a model's ``get_cache_info()``: one per
+    cache key of a layer applied several times in a forward pass."""
     from runtime.kv_cache import CacheEntry, ModelCacheInfo
 
     return ModelCacheInfo(
         [
             CacheEntry(name, k[0], k[1], dtype, m.sliding_window, v[1])
-            for name, m in model.named_modules()
-            if isinstance(m, Attention) and m.cache_owner is m
+            for m, names in _owners(model)
             for k, v in [m.cache_shapes]
+            for name in names
         ]
     )
+
+
+def cache_holders(model: nn.Module) -> dict[str, "Attention | CacheSlot"]:
+    """What the engine binds each cache entry's tensors on, by entry name."""
+    return {
+        name: slot
+        for m, names in _owners(model)
+        for name, slot in zip(names, (m, *m.more_caches), strict=True)
+    }
+
+
+def _owners(model: nn.Module) -> list[tuple[Attention, list[str]]]:
+    """Each attention layer that owns its cache, with an entry name per cache key: its module name, then
+    ``{name}.cache_key{key}`` for each further key."""
+    return [
+        (m, [name] + [f"{name}.cache_key{key}" for key in m.cache_keys[1:]])
+        for name, m in model.named_modules()
+        if isinstance(m, Attention) and m.cache_owner is m
+    ]

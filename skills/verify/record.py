@@ -23,8 +23,10 @@ def describe(v: Verification) -> str:
     )
     if v.status in ("identical", "near_tie"):
         why = (
-            ", wider than the dtype's because the checkpoint quantizes activations per token: a float sum taken "
-            "in another order can move an element across a rounding tie, a whole quantization step"
+            f"; {v.reason}"
+            if v.reason
+            else ", wider than the dtype's because the checkpoint quantizes activations per token: a float sum "
+            "taken in another order can move an element across a rounding tie, a whole quantization step"
             if v.logprob_atol > LOGPROB_ATOL[v.dtype]
             else ""
         )
@@ -37,7 +39,7 @@ def describe(v: Verification) -> str:
         head = "identical to transformers" if v.identical else "identical to transformers up to near ties"
         return (
             f"Greedy tokens {head}: {v.tokens_compared} tokens compared; log-probabilities within "
-            f"{v.max_logprob_diff:.2g} (tolerance {v.logprob_atol:g}{why}).{ties} {what}."
+            f"{v.max_logprob_diff:.2g} (tolerance {v.logprob_atol:.3g}{why}).{ties} {what}."
         )
     d = v.first_difference
     if d is None:

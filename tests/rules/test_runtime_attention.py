@@ -223,6 +223,17 @@ def test_attention_sinks_are_passed_on_every_call(run_rule, make_ctx):
     assert run_rule(rule, out) == out
 
 
+def test_a_cache_key_is_passed_on(run_rule, make_ctx):
+    # MG023's key of a looped layer (HRM-Text) selects which of the runtime Attention's caches a pass uses.
+    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "cache_key=cycle_offset,")) + CALLERS
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert (
+        "self.attn(query_states, key_states, value_states, forward_metadata, cache_key=cycle_offset)" in out
+    )
+
+
 def test_forward_time_argument_is_a_finding(run_rule, make_ctx):
     code = (
         HEADER

@@ -36,7 +36,8 @@ RUNTIME_KWARGS = {
     "softcap": "soft_cap",
     "alibi": "alibi_slopes",  # MG021's: an ALiBi bias on the scores, times this factor
 }
-FORWARD_KWARGS = {"s_aux": "sinks"}  # passed on every call: GPT-OSS's per-head sink logits
+# passed on every call: GPT-OSS's per-head sink logits, MG023's cache key of a looped layer
+FORWARD_KWARGS = {"s_aux": "sinks", "cache_key": "cache_key"}
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
 
