@@ -30,7 +30,8 @@ SCENARIO_ARCHS = [
 # (architecture, scenario): qkv bias (qwen2); sliding-window layers with a scaled embedding the rules leave
 # replicated, tied to the head (gemma3); attention sinks split by query heads, alternating sliding / full layers
 # tied to the head, MoE experts left whole (gpt_oss); q/k/v and gate/up fused on disk (phi3); q / k norms over
-# all heads, run on every head (olmo2). `make test` runs one scenario of each new layout; `-m slow` the rest
+# all heads, run on every head (olmo2); q, k and v interleaved per head in one tensor on disk, split by whole heads
+# (gpt_neox, whose output projection is `dense`). `make test` runs one scenario of each new layout; `-m slow` the rest
 # (qwen2's TP+DP run is llama's plus biases, gemma3's ties and windows are gpt_oss's under TP 2).
 OTHER_ARCHS = [
     pytest.param("qwen2", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
@@ -40,6 +41,7 @@ OTHER_ARCHS = [
     pytest.param("phi3", "tp2", marks=pytest.mark.slow),
     ("olmo2", "tp2"),
     pytest.param("olmo2", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+    ("gpt_neox", "tp2"),
 ]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {

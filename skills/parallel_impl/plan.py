@@ -24,7 +24,7 @@ from runtime.config import ParallelConfig
 from runtime.config.comm_manager import group_layout
 from runtime.errors import ConfigError, UserError
 from runtime.layers.token_layout import needs_sharded_layout
-from skills.parallel_impl.rules.attention import FUSED_ON_DISK
+from skills.parallel_impl.rules.attention import FUSED_ON_DISK, OUT
 
 VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
 _WORLD_SPLITS = (
@@ -251,6 +251,8 @@ def _module(name: str) -> str:
     if "experts" in parts:
         return "experts"
     leaf = parts[-2] if len(parts) > 1 else parts[0]
+    if leaf in OUT and len(parts) > 2 and "att" in parts[-3]:  # GPT-NeoX's `attention.dense`
+        return "o_proj"
     return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
 
 
@@ -296,7 +298,8 @@ def _held(
         leaf := name.rsplit(".", 1)[-1]
     ) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
         return numel // pc.attn_tp_size
-    if module.removeprefix("shared_") not in sharded:
+    attr = name.split(".")[-2] if "." in name else name  # as the rewritten code names it (`dense`)
+    if module.removeprefix("shared_") not in sharded and attr not in sharded:
         return numel
     # the only other layers the rules build are attention projections sized by heads (MLA's q_b_proj, kv_b_proj)
     size = tp.get(module, pc.attn_tp_size)

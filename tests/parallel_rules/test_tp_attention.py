@@ -145,6 +145,53 @@ def test_fused_qkv_cut_other_than_in_blocks_is_a_finding(make_ctx):
     assert finding.rule == rule.ID and str(finding).endswith(f" [{rule.ID}]")  # which rule refused
 
 
+NEOX_BEFORE = dedent("""\
+    class GPTNeoXAttention(nn.Module):
+        def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.head_size = config.hidden_size // config.num_attention_heads
+            self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_size, scale=1.0)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, 3 * self.head_size)
+            qkv = self.query_key_value(hidden_states).view(hidden_shape).transpose(1, 2)
+            query_states, key_states, value_states = qkv.chunk(3, dim=-1)
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            return self.dense(attn_output.reshape(*input_shape, -1))
+    """)
+
+
+def test_qkv_interleaved_per_head_on_disk_is_split_by_whole_heads(run_rule, make_ctx):
+    """GPT-NeoX stores q, k and v of each head together ([heads, 3, head_size] rows) and views its output per head:
+    a rank's contiguous share of the rows is its heads' q, k and v, so the fused projection is column-parallel."""
+    ctx = make_ctx()
+    out = run_rule(rule, NEOX_BEFORE, ctx)
+    assert ctx.findings == ctx.fused == []
+    assert (
+        ctx.rewrites[0]
+        == "GPTNeoXAttention: query_key_value -> ColumnParallelLinear by heads (attn_tp_group)"
+    )
+    assert (
+        "self.query_key_value = ColumnParallelLinear(config.hidden_size, 3 * config.hidden_size, bias=True"
+        in out
+    )
+    assert 'num_heads=local_heads(config.num_attention_heads, comm_manager, "attn_tp_group")' in out
+    assert "qkv = self.query_key_value(hidden_states).view(hidden_shape).transpose(1, 2)" in out
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.findings == []
+
+
+def test_qkv_interleaved_per_head_with_fewer_key_heads_is_a_finding(run_rule, make_ctx):
+    code = NEOX_BEFORE.replace("scale=1.0)", "scale=1.0, num_kv_heads=2)")
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    (finding,) = ctx.findings
+    assert "interleaves q, k and v per head, with fewer key heads than query heads" in finding.what
+
+
 def _finding(run_rule, make_ctx, code: str) -> str:
     """The single finding of an attention class the rule must leave as it is."""
     ctx = make_ctx()

@@ -169,13 +169,40 @@ def _reads_global_size(cls: cst.ClassDef) -> str | None:
     return None
 
 
+def _viewed_per_head(fwd: cst.FunctionDef, attr: str) -> bool:
+    """Whether forward views `self.<attr>(...)`'s output as [..., -1 heads, n * head size] before anything else
+    reads it: its rows are then whole heads, each with its own q, k and v (GPT-NeoX's `query_key_value`), and the
+    heads the view infers are a rank's share."""
+    project = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
+    views = m.findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view"))))
+    if len(views) != 1 or self_refs(fwd, attr) != 1:
+        return False
+    args = views[0].args
+    shape = args[0].value if len(args) == 1 else cst.Tuple([cst.Element(a.value) for a in args])
+    if isinstance(shape, cst.Name):  # `hidden_shape = (*input_shape, -1, 3 * self.head_size)` first
+        bound = m.findall(fwd, m.Assign([m.AssignTarget(m.Name(shape.value))]))
+        shape = bound[0].value if len(bound) == 1 else None
+    if not isinstance(shape, cst.Tuple) or len(shape.elements) < 2:
+        return False
+    heads, width = (e.value for e in shape.elements[-2:])
+    per_head = m.BinaryOperation(m.Integer(), m.Multiply()) | m.BinaryOperation(
+        operator=m.Multiply(), right=m.Integer()
+    )
+    return m.matches(heads, m.UnaryOperation(m.Minus(), m.Integer("1"))) and m.matches(width, per_head)
+
+
 def _rewrite_per_head(
-    cls: cst.ClassDef, ctx: ParallelRewriteContext, init: cst.FunctionDef, fwd: cst.FunctionDef
+    cls: cst.ClassDef,
+    ctx: ParallelRewriteContext,
+    init: cst.FunctionDef,
+    fwd: cst.FunctionDef,
+    per_head: list[str] | None = None,
 ) -> cst.ClassDef | str:
-    """Attention whose projections are not q/k/v (multi-head latent attention): each projection whose output size
-    counts the heads becomes a ColumnParallelLinear (its rows are whole heads, split contiguously), the output
-    projection an OProjParallelLinear (row-parallel in attn_tp_group, or in oproj_tp_group over attention-DP ranks),
-    the low-rank ones stay replicated, and `Attention` gets this rank's heads."""
+    """Attention whose projections are not q/k/v blocks: each projection whose rows are whole heads (multi-head
+    latent attention's, whose output size counts the heads; ``per_head``: a fused projection whose output forward
+    views per head) becomes a ColumnParallelLinear (split contiguously), the output projection an
+    OProjParallelLinear (row-parallel in attn_tp_group, or in oproj_tp_group over attention-DP ranks), the low-rank
+    ones stay replicated, and `Attention` gets this rank's heads."""
     linears = _optional_linears(init)
     attention = list(self_layers(init, {"Attention"}).values())
     out = next((a for a in OUT if a in linears), None)
@@ -185,7 +212,9 @@ def _rewrite_per_head(
         return "__init__ does not build exactly one runtime `Attention(...)` layer"
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
-    per_head = [a for a, layer in linears.items() if a != out and HEAD_COUNTS.search(code(layer.call))]
+    per_head = per_head or [
+        a for a, layer in linears.items() if a != out and HEAD_COUNTS.search(code(layer.call))
+    ]
     if not per_head:
         return "no q/k/v projections and no projection whose output size counts the heads"
     args = {a: linear_args(linears[a].call) for a in (*per_head, out)}
@@ -247,6 +276,11 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     attention = list(self_layers(init, {"Attention"}).values())
     out = next((a for a in OUT if a in linears), None)
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
+    if fused and fwd is not None and _viewed_per_head(fwd, fused):
+        counts = [(arg(a.call, 0, "num_heads"), arg(a.call, 3, "num_kv_heads")) for a in attention]
+        if any(kv is not None and (q is None or code(kv.value) != code(q.value)) for q, kv in counts):
+            return f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
+        return _rewrite_per_head(cls, ctx, init, fwd, [fused])
     projections = (fused,) if fused else QKV
     missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
     if missing:
