@@ -162,7 +162,8 @@ def check(model_type: str, work: Path) -> Entry:
         return Entry(
             model_type,
             "PASS",
-            f"{result['tokens_compared']} tokens, log-prob gap {result['max_logprob_diff']:.1e}",
+            f"{result['tokens_compared']} tokens, log-prob gap {result['max_logprob_diff']:.1e}"
+            + (f" ({result['reason']})" if result["reason"] else ""),
         )
     first = result.get("first_difference")
     if first is None:  # the tokens agree, the log-probabilities do not

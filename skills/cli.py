@@ -496,7 +496,9 @@ def verify(
         Path | None, typer.Option(help="JSON list of prompts, or one per line (default: a fixed set).")
     ] = None,
     tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens compared per prompt.")] = 16,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16, for both sides.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="float32 | bfloat16 | float16 | float64, for both sides.")
+    ] = "float32",
     trust_remote_code: Annotated[
         bool, typer.Option(help="Allow running model code that came from the checkpoint.")
     ] = False,

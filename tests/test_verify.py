@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ import yaml
 from tiny_checkpoint import PARITY_PROMPTS
 
 from skills.verify.compare import compare
-from skills.verify.reference import Reference, forced_logprobs, greedy_reference, load_reference_model
-from skills.verify.verify import _against_float64
+from skills.verify.reference import Reference, greedy_reference, load_reference_model
+from skills.verify.verify import settled_in_float64
 
 
 def skill(*args: str) -> subprocess.CompletedProcess:
@@ -152,28 +151,33 @@ def test_a_model_without_a_cache_is_rerun_over_the_whole_sequence(tiny_llama_dir
     torch.testing.assert_close(uncached.logprobs, cached.logprobs, atol=1e-4, rtol=0)
 
 
-def test_teacher_forced_log_probabilities_equal_the_greedy_run_s(tiny_llama_dir):
-    model = load_reference_model(tiny_llama_dir, torch.float32, trust_remote_code=False)
-    greedy = greedy_reference(model, [1, 5, 9, 3], 6)
-    forced = forced_logprobs(model, [1, 5, 9, 3], greedy.tokens)
-    torch.testing.assert_close(forced.float(), greedy.logprobs, atol=1e-4, rtol=0)
+def test_float64_runs_agree_to_the_last_bit(migrated, tmp_path):
+    """The runtime runs float64 (verify's check when float32 drifts): transformers' log-probabilities exactly."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PARITY_PROMPTS[:1]))
+    proc = skill(
+        "verify",
+        str(migrated),
+        "--prompts-file",
+        str(prompts),
+        "--tokens",
+        "4",
+        "--dtype",
+        "float64",
+        "--json",
+    )
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 0 and result["identical"] and result["max_logprob_diff"] <= 1e-6, proc.stderr[
+        -2000:
+    ]
 
 
-@pytest.mark.parametrize(("ours_off", "status"), [(0.02, "identical"), (0.06, "mismatch")])
-def test_drift_within_transformers_own_float32_rounding_is_not_a_mismatch(ours_off, status):
-    """Tokens agree but log-probabilities differ beyond the tolerance: the migrated run passes when it is no
-    further from transformers' float64 log-probabilities than transformers' own float32 run (0.05 here)."""
-    exact = torch.log_softmax(torch.tensor([[2.0, 0.0, -1.0, -3.0]] * 3, dtype=torch.float64), dim=-1)
-
-    class Float64Reference(torch.nn.Module):
-        def forward(self, input_ids):
-            assert input_ids.tolist() == [[7, 0, 0]]  # the prompt, then all but the last token
-            return SimpleNamespace(logits=exact[None])
-
-    theirs, ours = exact.float() - 0.05, exact.float() - ours_off
-    reference = Reference([0, 0, 0], theirs)
-    out = {**_run_output([0, 0, 0], ours), "prompt_token_ids": [7]}
-    fields = compare([out], [reference], "float32", str, 2e-3)
-    assert fields["status"] == "mismatch" and fields["first_difference"] is None
-    fields = _against_float64(fields, [out], [reference], Float64Reference())
-    assert fields["status"] == status and "transformers' own float32 run 0.05" in fields["reason"]
+@pytest.mark.parametrize(("in_float64", "status"), [("identical", "identical"), ("mismatch", "mismatch")])
+def test_float32_drift_with_agreeing_tokens_is_settled_in_float64(in_float64, status):
+    """hrm_text's random 16-pass recurrence moves float32 log-probabilities by 0.04 between any two
+    implementations: the conversion passes when the two runs agree in float64."""
+    drift = {"status": "mismatch", "first_difference": None, "max_logprob_diff": 0.04, "reason": "drift"}
+    exact = {"status": in_float64, "max_logprob_diff": 0.0, "tokens_compared": 64}
+    fields = settled_in_float64(drift, exact)
+    assert fields["status"] == status and fields["max_logprob_diff"] == 0.04
+    assert fields["reason"].startswith("float32 rounding" if status == "identical" else "drift; in float64")

@@ -44,7 +44,7 @@ class ModelConfig(_Section):
     model_name: str = "model"
     model_path: str = ""
     output_path: str = ""
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "bfloat16"
     with_ckpt: bool = True
     next_n: int = Field(0, ge=0)
     exe_mode: str = "eager"

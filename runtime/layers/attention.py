@@ -166,7 +166,7 @@ def attend(
     if md.is_prefill:
         return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi)
     table = md.block_table[group]
-    if q.device.type == "cpu" and alibi is None and (kernel := _decode_kernel()):
+    if q.device.type == "cpu" and alibi is None and q.dtype != torch.float64 and (kernel := _decode_kernel()):
         return kernel(
             q.contiguous(),
             k_cache,

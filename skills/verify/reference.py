@@ -53,12 +53,3 @@ def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
             ids.append(token)
             out = model(torch.tensor([ids]))
     return Reference(tokens, torch.stack(logprobs))
-
-
-@torch.inference_mode()
-def forced_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab]: the log-probabilities of each step of a run that produced ``tokens``, in one forward
-    over the whole sequence, in the model's dtype."""
-    ids = torch.tensor([list(prompt_ids) + tokens[:-1]])
-    logits = model(ids).logits[0, len(prompt_ids) - 1 :]
-    return torch.log_softmax(logits.double(), dim=-1)
