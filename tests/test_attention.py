@@ -18,7 +18,7 @@ from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.errors import UserError
 from runtime.kernels import STALE_LOCK_S, _drop_stale_lock, host_decode_attention
 from runtime.kv_cache import NULL_BLOCK, CacheEntry, KVCacheManager, ModelCacheInfo, cdiv
-from runtime.layers.attention import Attention, alibi_slopes, cache_info_of
+from runtime.layers.attention import Attention, alibi_slopes, cache_info_of, probed_cache_keys
 
 H, KV, D, BS, SCALE, MAX_LEN = 8, 2, 16, 4, 0.3, 32
 LENS = [1, 5, 11]
@@ -279,7 +279,7 @@ def test_a_looped_layer_keeps_a_cache_per_key():
     layer.k_cache = layer.v_cache = torch.zeros(2, BS, KV, D)
     for key in (0, 4, 4):  # the probe neither checks nor sizes: it records
         layer(*(torch.randn(1, n * D) for n in (H, KV, KV)), probe, cache_key=key)
-    layer.set_cache_keys(sorted(probe.memo("attention_cache_keys", dict)[id(layer)]))
+    layer.set_cache_keys(sorted(probed_cache_keys(probe)[id(layer)]))
     info = cache_info_of(model, torch.float32)
     assert [e.name for e in info.entries] == ["attn", "attn.cache_key4"]
     kv = KVCacheManager(info, 16, BS)

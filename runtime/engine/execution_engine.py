@@ -22,6 +22,7 @@ from runtime.engine.scheduler import Scheduler
 from runtime.engine.step_inputs import build_step_inputs
 from runtime.engine.step_stats import StepStats
 from runtime.engine.stopping import eos_token_ids
+from runtime.layers.attention import probed_cache_keys
 from runtime.layers.token_layout import ATTN_GROUP, any_rank, needs_sharded_layout, step_layout, use_layout
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class ExecutionEngine:
         self.worker.init()
         self.tokenizer = self.worker.load_tokenizer()
         self.kv = self.worker.init_kvcache()
-        if self.worker.fit_cache_keys(self.dummy_step(probe=True).memo("attention_cache_keys", dict)):
+        if self.worker.fit_cache_keys(probed_cache_keys(self.dummy_step(probe=True))):
             self.kv = self.worker.init_kvcache()
         self.eos_token_ids = eos_token_ids(self.worker.model_path, self.worker.hf_config, self.tokenizer)
         sc = self.config.scheduler_config

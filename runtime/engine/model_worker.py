@@ -191,9 +191,10 @@ class ModelWorker:
         """Give each attention layer a cache per key a forward pass gave it (``keys``: by id of the layer); True
         when one changed, after releasing the pool, which must then be sized again."""
         owners = [m for m in self.model.modules() if isinstance(m, Attention) and m.cache_owner is m]
-        changed = [m for m in owners if tuple(sorted(keys.get(id(m), m.cache_keys))) != m.cache_keys]
+        wanted = {m: tuple(sorted(keys[id(m)])) for m in owners if id(m) in keys}
+        changed = [m for m, k in wanted.items() if k != m.cache_keys]
         for m in changed:
-            m.set_cache_keys(sorted(keys[id(m)]))
+            m.set_cache_keys(wanted[m])
             logger.info("[Main] %s keeps a cache for each of its keys %s", m.prefix, m.cache_keys)
         if changed:
             for holder in cache_holders(self.model).values():

@@ -197,6 +197,11 @@ def _grouped_to_tiled(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.view(T, kv_heads, H // kv_heads, D).transpose(1, 2).reshape(T, H, D)
 
 
+def probed_cache_keys(md: ForwardMetaData) -> dict[int, set[int]]:
+    """The cache keys each attention layer (by id of its cache owner) was called with in a probe forward."""
+    return md.memo("attention_cache_keys", dict)
+
+
 class CacheSlot:
     """One more cache of a layer that keeps several (a ``cache_key`` each)."""
 
@@ -292,10 +297,11 @@ class Attention(nn.Module):
         first cache, as its dummy token may)."""
         owner = self.cache_owner
         if md.probe:
-            md.memo("attention_cache_keys", dict).setdefault(id(owner), set()).add(key)
-        elif md.is_prefill and not torch.compiler.is_compiling():
+            probed_cache_keys(md).setdefault(id(owner), set()).add(key)
+            return owner.k_cache, owner.v_cache
+        if md.is_prefill and not torch.compiler.is_compiling():
             self._check_runs_once(md, key)
-        if md.probe or key == owner.cache_keys[0]:
+        if key == owner.cache_keys[0]:
             return owner.k_cache, owner.v_cache
         if key not in owner.cache_keys:
             raise UserError(

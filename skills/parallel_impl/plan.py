@@ -245,12 +245,18 @@ def _param_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def _attr(name: str) -> str:
+    """The attribute holding a parameter, as the model code names it (`dense` of `attention.dense.weight`)."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) > 1 else parts[0]
+
+
 def _module(name: str) -> str:
     """The module a parameter belongs to, as the rewrites name it ("experts" for every routed expert)."""
     parts = name.split(".")
     if "experts" in parts:
         return "experts"
-    leaf = parts[-2] if len(parts) > 1 else parts[0]
+    leaf = _attr(name)
     if leaf in OUT and len(parts) > 2 and "att" in parts[-3]:  # GPT-NeoX's `attention.dense`
         return "o_proj"
     return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
@@ -298,8 +304,7 @@ def _held(
         leaf := name.rsplit(".", 1)[-1]
     ) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
         return numel // pc.attn_tp_size
-    attr = name.split(".")[-2] if "." in name else name  # as the rewritten code names it (`dense`)
-    if module.removeprefix("shared_") not in sharded and attr not in sharded:
+    if module.removeprefix("shared_") not in sharded and _attr(name) not in sharded:
         return numel
     # the only other layers the rules build are attention projections sized by heads (MLA's q_b_proj, kv_b_proj)
     size = tp.get(module, pc.attn_tp_size)

@@ -42,16 +42,16 @@ class CacheKeys(Rule):
                     continue
                 calls = [c for c in m.findall(fn, m.Call(func=m.Name())) if called_name(c) in INTERFACE]
                 if len(offsets) > 1 or len(calls) != 1:
+                    why = (
+                        "by more than one offset"
+                        if len(offsets) > 1
+                        else "which has no single attention_interface call to carry it as `cache_key`"
+                    )
                     self.rewrite.unsupported(
                         name,
                         0,
                         f"the cache layer index is offset by `{'`, `'.join(offsets)}` (a layer applied several "
-                        f"times, each with a cache of its own) in `{fn.name.value}`, "
-                        + (
-                            "by more than one offset"
-                            if len(offsets) > 1
-                            else "which has no single attention_interface call to carry it as `cache_key`"
-                        ),
+                        f"times, each with a cache of its own) in `{fn.name.value}`, {why}",
                     )
                     continue
                 (call,) = calls
