@@ -1,9 +1,10 @@
-"""Per-head parameters and modules under attention TP: a rank's head count, sinks cut to this rank's heads, a module
-over all heads' q or k run on every head."""
+"""Per-head parameters and modules under attention TP: a rank's head count and share of per-head values, sinks
+cut to this rank's heads, a module over all heads' q or k run on every head."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -15,6 +16,8 @@ from runtime.layers.linear import LoadedWeight, ShardId, check_shape, read_narro
 if TYPE_CHECKING:
     from runtime.config.comm_manager import CommManager
 
+T = TypeVar("T")
+
 
 def local_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
     """The heads of ``total`` one rank of ``tp_group`` computes: the contiguous share its column-parallel
@@ -23,6 +26,14 @@ def local_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> 
     if total % size:
         raise ConfigError(f"{total} attention heads are not divisible by the size of {tp_group} ({size})")
     return total // size
+
+
+def local_share(per_head: Sequence[T], comm_manager: CommManager | None, tp_group: str) -> list[T]:
+    """This rank's contiguous share of ``per_head`` values (ALiBi slopes, one per query head): those of the heads
+    ``local_heads`` counts."""
+    local = local_heads(len(per_head), comm_manager, tp_group)
+    rank = tp_info(comm_manager, tp_group)[1]
+    return list(per_head[rank * local : (rank + 1) * local])
 
 
 def shard_heads(

@@ -236,10 +236,9 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
             "scale=self.head_dim**-0.5,\n",
             "scale=self.head_dim**-0.5,\n                kv_heads_tiled=True,\n",
         ),
-        "ALiBi slopes": BEFORE.replace(  # BLOOM
-            "scale=self.head_dim**-0.5,\n",
-            "scale=self.head_dim**-0.5,\n                alibi_slopes=alibi_slopes(config.num_attention_heads),\n",
-        ),
+        "whole model's `n_heads`": BEFORE.replace(  # set twice: not one value to take a rank's share of
+            "        # projections\n", "        self.n_heads = 4\n        self.n_heads += 4\n"
+        ).replace("(*hidden_states.shape[:-1], -1,", "(-1, self.n_heads,"),
         "computed after q_proj": BEFORE.replace("head_dim=self.head_dim", "head_dim=self.head_dim2").replace(
             "        self.attn = Attention(", "        self.head_dim2 = 64\n        self.attn = Attention("
         ),
@@ -488,3 +487,124 @@ def test_unshardable_latent_attention_is_a_finding(run_rule, make_ctx):
         assert run_rule(rule, code, ctx) == code
         (finding,) = ctx.findings
         assert finding.scope == "DeepseekV3Attention" and reason in finding.what, (reason, finding.what)
+
+
+def test_alibi_slopes_keep_this_ranks_heads(run_rule, make_ctx):
+    # BLOOM / MPT: one ALiBi slope per query head, given to the runtime Attention when it is built.
+    code = BEFORE.replace(
+        "scale=self.head_dim**-0.5,\n",
+        "scale=self.head_dim**-0.5,\n                alibi_slopes=alibi_slopes(config.num_attention_heads),\n",
+    )
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert (
+        'alibi_slopes=local_share(alibi_slopes(config.num_attention_heads), comm_manager, "attn_tp_group")'
+        in out
+    )
+    assert "from runtime.layers.head_shard import local_share" in out
+    assert run_rule(rule, out, make_ctx()) == out
+
+
+HEADS_READ = BEFORE.replace(
+    "        # projections\n",
+    "        self.num_heads = config.num_attention_heads\n        self.num_kv_heads = config.num_key_value_heads\n",
+).replace(
+    "        attn_output = self.o_proj(attn_output.reshape(*hidden_shape[:-2], -1))\n",
+    "        attn_output = attn_output.reshape(*hidden_shape[:-2], self.num_heads * self.head_dim)\n"
+    "        assert key_states.shape[1] == self.num_kv_heads\n"
+    "        attn_output = self.o_proj(attn_output)\n",
+)
+assert HEADS_READ.count("self.num_heads * self.head_dim") == 1
+
+
+def test_head_counts_read_by_forward_become_this_ranks(run_rule, make_ctx):
+    """A head count forward reads as `self.x` is set to this rank's share at the end of __init__: the layers built
+    before from the whole count are sharded by their own class."""
+    ctx = make_ctx()
+    out = run_rule(rule, HEADS_READ, ctx)
+    assert ctx.findings == []
+    assert (
+        "        self.num_heads = self.qkv_proj.num_heads\n"
+        "        self.num_kv_heads = self.qkv_proj.num_kv_heads\n"
+        '        self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)\n'
+    ) in out
+    assert "reshape(*hidden_shape[:-2], self.num_heads * self.head_dim)" in out  # forward unchanged
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.findings == again.rewrites == []
+
+
+def test_head_count_read_but_set_other_than_once_is_a_finding(run_rule, make_ctx):
+    code = HEADS_READ.replace(
+        "        self.num_kv_heads = config.num_key_value_heads\n",
+        "        self.num_kv_heads = config.num_key_value_heads\n        self.num_kv_heads //= 1\n",
+    )
+    assert "whole model's `num_kv_heads`" in _finding(run_rule, make_ctx, code)
+
+
+BLOOM_BEFORE = dedent("""\
+    class BloomAttention(nn.Module):
+        def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.num_heads = config.n_head
+            self.head_dim = config.hidden_size // self.num_heads
+            if self.head_dim * self.num_heads != config.hidden_size:
+                raise ValueError(f"hidden_size must be divisible by num_heads ({self.num_heads})")
+            self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+            self.k_norm = nn.LayerNorm(config.hidden_size // self.num_heads)
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+            self.attn = Attention(
+                num_heads=config.n_head, head_dim=self.head_dim, scale=1.0, alibi_slopes=alibi_slopes(config.n_head)
+            )
+
+        def _reshape(self, fused_qkv):
+            batch_size, seq_length, _ = fused_qkv.shape
+            fused_qkv = fused_qkv.view(batch_size, seq_length, self.num_heads, 3, self.head_dim)
+            return fused_qkv[..., 0, :], self.k_norm(fused_qkv[..., 1, :]), fused_qkv[..., 2, :]
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            fused_qkv = self.query_key_value(hidden_states)
+            query, key, value = self._reshape(fused_qkv)
+            context = self.attn(query, key, value, forward_metadata)
+            return self.dense(context.reshape(*context.shape[:-2], self.num_heads * self.head_dim))
+    """)
+
+
+def test_qkv_viewed_per_head_in_a_helper_is_split_by_whole_heads(run_rule, make_ctx):
+    """BLOOM / Persimmon: the fused output reaches a helper that views it [.., heads, 3, head_dim]; the helper's
+    head count becomes a rank's, the per-head LayerNorm (sized by a division by the heads) stays whole, the
+    ALiBi slopes keep this rank's heads."""
+    ctx = make_ctx()
+    out = run_rule(rule, BLOOM_BEFORE, ctx)
+    assert ctx.findings == []
+    assert (
+        ctx.rewrites[0] == "BloomAttention: query_key_value -> ColumnParallelLinear by heads (attn_tp_group)"
+    )
+    assert 'self.num_heads = local_heads(self.num_heads, comm_manager, "attn_tp_group")\n' in out
+    assert 'alibi_slopes=local_share(alibi_slopes(config.n_head), comm_manager, "attn_tp_group")' in out
+    assert "self.k_norm = nn.LayerNorm(config.hidden_size // self.num_heads)" in out
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.findings == []
+
+
+def test_qkv_shape_built_from_its_size_is_split_by_whole_heads(run_rule, make_ctx):
+    # GPT-NeoX-Japanese: `qkv.view(*(qkv.size()[:-1] + (heads, 3 * head_size)))`
+    code = BLOOM_BEFORE.replace(
+        "            query, key, value = self._reshape(fused_qkv)\n",
+        "            shape = fused_qkv.size()[:-1] + (self.num_heads, 3 * self.head_dim)\n"
+        "            fused_qkv = fused_qkv.view(*shape)\n"
+        "            query, key, value = fused_qkv.chunk(3, dim=-1)\n",
+    )
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == [] and "ColumnParallelLinear by heads" in ctx.rewrites[0]
+    assert 'self.num_heads = local_heads(self.num_heads, comm_manager, "attn_tp_group")' in out
+
+
+def test_qkv_viewed_in_blocks_first_is_not_split_by_heads(run_rule, make_ctx):
+    # [.., 3, heads, head_dim]: the rows are q, k, v blocks, not whole heads
+    code = BLOOM_BEFORE.replace(
+        "seq_length, self.num_heads, 3, self.head_dim", "seq_length, 3, self.num_heads, self.head_dim"
+    )
+    what = _finding(run_rule, make_ctx, code, "BloomAttention")
+    assert "`self.query_key_value` is q/k/v fused on disk" in what

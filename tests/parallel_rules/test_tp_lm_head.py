@@ -110,3 +110,29 @@ def test_missing_last_token_selection_is_a_finding(run_rule, make_ctx):
     run_rule(rule, code, ctx)
     (finding,) = ctx.findings
     assert "no `[..., forward_metadata.last_token_indices]` selection" in finding.what
+
+
+def test_head_named_otherwise_found_by_its_vocabulary_output(run_rule, make_ctx):
+    # GPT-NeoX-Japanese's head is `embed_out`: the one linear whose output counts the vocabulary. Left replicated,
+    # its weight would be tied to one rank's vocab shard and give that shard's logits only.
+    code = BEFORE.replace("lm_head", "embed_out")
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert out == AFTER.replace("lm_head", "embed_out")
+    assert ctx.rewrites[0].startswith(
+        "LlamaForCausalLM: embed_out -> ParallelLMHead (lmhead_tp_group), tied to"
+    )
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.rewrites == again.findings == []
+
+
+def test_unrecognised_head_tied_to_a_parallel_embedding_is_a_finding(run_rule, make_ctx):
+    code = BEFORE.replace("lm_head", "out").replace("config.vocab_size", "config.num_labels")
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert "ParallelLMHead" not in run_rule(rule, code, make_ctx())
+    assert any(
+        "`self.out.weight = self.model.embed_tokens.weight` ties a layer that is not one nn.Linear LM head"
+        in f.what
+        for f in ctx.findings
+    )

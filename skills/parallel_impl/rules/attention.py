@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, called_name, classes, free_names, kwarg, method
+from skills.migrator.cst_utils import (
+    assigned_names,
+    called_name,
+    classes,
+    free_names,
+    kwarg,
+    method,
+    param_names,
+    stmt,
+)
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
@@ -22,6 +31,7 @@ from skills.parallel_impl.rules._units import (
     REGION_IMPORTS,
     Layer,
     arg,
+    bound_call,
     code,
     drop_unused_locals,
     edit_body,
@@ -52,25 +62,62 @@ FUSED_ON_DISK = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv
 STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v")]
 # forward code that would mean whole-model head counts / widths, which a rank no longer has
 GLOBAL_SIZES = re.compile(
-    r"\b(num_heads|num_attention_heads|num_key_value_heads|num_kv_heads|hidden_size|"
+    r"\b(num_heads|num_attention_heads|num_key_value_heads|num_kv_heads|n_heads|n_head|hidden_size|"
     r"embed_dim|all_head_size)\b"
 )
 
 
 # a module or parameter built in __init__ with these is sized for every head, not a rank's share
 HEAD_COUNTS = re.compile(r"\b(num_attention_heads|num_key_value_heads|num_heads|num_kv_heads)\b")
+# head counts a method other than __init__ may read as `self.<attr>`: they size the activations a rank holds
+HEAD_ATTRS = re.compile(r"num_heads|num_attention_heads|num_key_value_heads|num_kv_heads|n_heads|n_head")
+
+
+def _head_attrs(fns: list[cst.FunctionDef], init: cst.FunctionDef) -> list[str]:
+    """The head counts `self.x` that fns (the methods other than __init__) read and __init__ sets once, by a
+    top-level `self.x = ...` line: they become this rank's share at the end of __init__ (what __init__ built from
+    them is sized for the whole model and sharded by its layer)."""
+    found = []
+    for fn in fns:
+        for node in m.findall(fn, m.Attribute(m.Name("self"), m.Name())):
+            attr = node.attr.value
+            if attr not in found and HEAD_ATTRS.fullmatch(attr) and _set_once(init, attr):
+                found.append(attr)
+    return found
+
+
+def _set_once(init: cst.FunctionDef, attr: str) -> bool:
+    target = m.Attribute(m.Name("self"), m.Name(attr))
+    setters = [s for s in init.body.body if m.findall(s, m.AssignTarget(target) | m.AugAssign(target))]
+    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(target)])])
+    return len(setters) == 1 and m.matches(setters[0], line)
+
+
+def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatementLine]:
+    """`self.x = <this rank's share of x>` for each head count x: share[x], or local_heads of it."""
+    default = 'local_heads(self.{}, comm_manager, "' + GROUP + '")'
+    return [stmt(f"self.{a} = {share.get(a) or default.format(a)}\n") for a in attrs]
 
 
 def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> str | None:
-    """Source of the first other __init__ statement that builds a module / parameter from the head counts."""
+    """Source of the first other __init__ statement that builds a module / parameter from the head counts (an
+    exception it raises is neither)."""
     for statement in init.body.body:
         if any(statement is s for s in skip):
             continue
-        for call in m.findall(statement, m.Call()):
+        raised = {id(c) for r in m.findall(statement, m.Raise()) for c in m.findall(r, m.Call())}
+        for call in (c for c in m.findall(statement, m.Call()) if id(c) not in raised):
             callee = called_name(call).split(".")[-1]
-            if (callee[:1].isupper() or callee == "Parameter") and HEAD_COUNTS.search(code(call)):
+            if (callee[:1].isupper() or callee == "Parameter") and _counts_heads(call):
                 return code(statement).strip()
     return None
+
+
+def _counts_heads(node: cst.CSTNode) -> bool:
+    """Whether node reads a head count other than as a divisor (`hidden_size // num_heads` is one head's size)."""
+    divide = m.BinaryOperation(operator=m.FloorDivide() | m.Divide())
+    divisors = {id(n) for d in m.findall(node, divide) for n in m.findall(d.right, m.Name())}
+    return any(HEAD_COUNTS.fullmatch(n.value) and id(n) not in divisors for n in m.findall(node, m.Name()))
 
 
 def _sink_lines(cls: cst.ClassDef, init: cst.FunctionDef, fwd: cst.FunctionDef) -> dict[int, str]:
@@ -158,37 +205,120 @@ def _optional_linears(init: cst.FunctionDef) -> dict[str, Layer]:
     return found
 
 
-def _reads_global_size(cls: cst.ClassDef) -> str | None:
-    """A whole-model head count or width that a method other than __init__ reads (names only, not docstrings)."""
-    for fn in cls.body.body:
-        if not isinstance(fn, cst.FunctionDef) or fn.name.value == "__init__":
-            continue
+def _reads_global_size(fns: list[cst.FunctionDef], local: list[str]) -> str | None:
+    """A whole-model head count or width that one of fns reads (names only, not docstrings), other than the head
+    counts `self.x` of local, which hold this rank's share, and a function's own parameters (what its callers
+    pass, checked where they call)."""
+    for fn in fns:
+        fields = {id(a.attr): a for a in m.findall(fn, m.Attribute())}
+        given = set(param_names(fn))
         for node in m.findall(fn, m.Name()):
-            if GLOBAL_SIZES.fullmatch(node.value):
+            field = fields.get(id(node))
+            mine = field is not None and m.matches(field.value, m.Name("self")) and node.value in local
+            if (
+                GLOBAL_SIZES.fullmatch(node.value)
+                and not mine
+                and (field is not None or node.value not in given)
+            ):
                 return node.value
     return None
 
 
-def _viewed_per_head(fwd: cst.FunctionDef, attr: str) -> bool:
-    """Whether forward views `self.<attr>(...)`'s output as [..., -1 heads, n * head size] before anything else
-    reads it: its rows are then whole heads, each with its own q, k and v (GPT-NeoX's `query_key_value`), and the
-    heads the view infers are a rank's share."""
+def _methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
+    """The methods of cls other than __init__."""
+    return [f for f in cls.body.body if isinstance(f, cst.FunctionDef) and f.name.value != "__init__"]
+
+
+SHAPE_READ = "shape", "size"
+MINUS_ONE = m.UnaryOperation(m.Minus(), m.Integer("1"))
+
+
+def _first_view(
+    cls: cst.ClassDef, scope: cst.FunctionDef, name: str, after: int
+) -> tuple[cst.FunctionDef, cst.Call] | None:
+    """(its method, the `.view(...)` / `.reshape(...)` call) that first shapes the tensor `name` holds from statement `after` of
+    scope on, when nothing but its `.shape` / `.size()` reads it before (following it into one method of cls it
+    is passed to) and its unshaped value is not read after."""
+    body = scope.body.body
+    for i, s in enumerate(body[after + 1 :], after + 1):
+        reads = len(m.findall(s, m.Name(name))) - len(m.findall(s, m.AssignTarget(m.Name(name))))
+        shape_reads = m.findall(s, m.Attribute(m.Name(name), m.OneOf(*map(m.Name, SHAPE_READ))))
+        if reads == len(shape_reads):
+            continue
+        if reads != len(shape_reads) + 1:
+            return None
+        rebound = bool(m.findall(s, m.AssignTarget(m.Name(name))))
+        if not rebound and any(m.findall(later, m.Name(name)) for later in body[i + 1 :]):
+            return None
+        views = m.findall(s, m.Call(m.Attribute(m.Name(name), m.Name("view") | m.Name("reshape"))))
+        if views:
+            return scope, views[0]
+        passed = m.Call(
+            m.Attribute(m.Name("self"), m.Name()), [m.ZeroOrMore(), m.Arg(m.Name(name)), m.ZeroOrMore()]
+        )
+        calls = m.findall(s, passed)
+        helper = method(cls, calls[0].func.attr.value) if calls else None
+        if helper is None or helper is scope:
+            return None
+        at = next(k for k, a in enumerate(calls[0].args) if m.matches(a.value, m.Name(name)))
+        given = calls[0].args[at]
+        params = [p.name.value for p in helper.params.params[1:]]
+        param = given.keyword.value if given.keyword else params[at] if at < len(params) else None
+        return None if param is None else _first_view(cls, helper, param, -1)
+    return None
+
+
+def _shape_dims(scope: cst.FunctionDef, view: cst.Call) -> list[cst.BaseExpression | None] | None:
+    """The dims view gives (None for those a starred shape adds), a shape passed by a name bound once in scope
+    looked up, a shape `x.size()[:-1] + (a, b)` read as its new dims."""
+
+    def bound(e: cst.BaseExpression) -> cst.BaseExpression:
+        if (
+            isinstance(e, cst.Name)
+            and len(found := m.findall(scope, m.Assign([m.AssignTarget(m.Name(e.value))]))) == 1
+        ):
+            return found[0].value
+        return e
+
+    def dims(e: cst.BaseExpression) -> list[cst.BaseExpression | None] | None:
+        e = bound(e)
+        if isinstance(e, cst.Tuple):
+            return [None if isinstance(x, cst.StarredElement) else x.value for x in e.elements]
+        if m.matches(e, m.BinaryOperation(operator=m.Add(), right=m.Tuple())):
+            return [None, *dims(e.right)]
+        return None
+
+    if len(view.args) == 1:
+        return dims(view.args[0].value)
+    return [None if a.star else a.value for a in view.args]
+
+
+def _viewed_per_head(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]) -> bool:
+    """Whether the output of `self.<attr>(...)` is first shaped [..., G, *block] with G inferred (-1) or one of the
+    head counts `self.x` of heads (which hold a rank's share), and a block of more than one head's width (two dims
+    or a multiple of one): its rows are then whole heads (or groups of them), each with its own q, k and v (GPT-NeoX's
+    `query_key_value`), and a rank's contiguous share of the rows is its heads'."""
     project = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
-    views = m.findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view"))))
-    if len(views) != 1 or self_refs(fwd, attr) != 1:
+    if self_refs(cls, attr) != 2 or not m.findall(fwd, project):
         return False
-    args = views[0].args
-    shape = args[0].value if len(args) == 1 else cst.Tuple([cst.Element(a.value) for a in args])
-    if isinstance(shape, cst.Name):  # `hidden_shape = (*input_shape, -1, 3 * self.head_size)` first
-        bound = m.findall(fwd, m.Assign([m.AssignTarget(m.Name(shape.value))]))
-        shape = bound[0].value if len(bound) == 1 else None
-    if not isinstance(shape, cst.Tuple) or len(shape.elements) < 2:
+    direct = m.findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view") | m.Name("reshape"))))
+    bound = bound_call(fwd.body.body, attr)
+    found = (fwd, direct[0]) if direct else bound and _first_view(cls, fwd, bound[1], bound[0])
+    shape = _shape_dims(*found) if found else None
+    group = m.OneOf(MINUS_ONE, *(m.Attribute(m.Name("self"), m.Name(h)) for h in heads))
+    at = next((i for i, d in enumerate(shape or []) if d is not None and m.matches(d, group)), None)
+    if at is None:
         return False
-    heads, width = (e.value for e in shape.elements[-2:])
-    per_head = m.BinaryOperation(m.Integer(), m.Multiply()) | m.BinaryOperation(
+    before, block = shape[:at], shape[at + 1 :]
+    multiple = m.BinaryOperation(m.Integer(), m.Multiply()) | m.BinaryOperation(
         operator=m.Multiply(), right=m.Integer()
     )
-    return m.matches(heads, m.UnaryOperation(m.Minus(), m.Integer("1"))) and m.matches(width, per_head)
+    wide = len(block) > 1 or (len(block) == 1 and block[0] is not None and m.matches(block[0], multiple))
+    return (
+        wide
+        and not any(d is None or m.matches(d, MINUS_ONE) or HEAD_COUNTS.search(code(d)) for d in block)
+        and not any(d is not None and m.matches(d, m.Integer() | MINUS_ONE) for d in before)
+    )
 
 
 def _rewrite_per_head(
@@ -226,7 +356,8 @@ def _rewrite_per_head(
     skip = [linears[a].line for a in (*per_head, out)] + [attn.line]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
-    if found := _reads_global_size(cls):
+    local = _head_attrs(_methods(cls), init)
+    if found := _reads_global_size(_methods(cls), local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
     if not returns_output_of(fwd, out):
         return f"forward does not return {out}'s output as is"
@@ -244,12 +375,13 @@ def _rewrite_per_head(
     for pos, name in ((0, "num_heads"), (3, "num_kv_heads")):
         if (given := arg(call, pos, name)) is not None:
             call = _set_kwarg(call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")')
+    call = _shard_alibi(call)
     changes = {
         **{id(linears[a].line): [parallel(a, "ColumnParallelLinear", GROUP)] for a in per_head},
         id(linears[out].line): [parallel(out, "OProjParallelLinear", OPROJ_GROUP)],
         id(attn.line): [attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])],
     }
-    new_init = edit_body(init, changes, [region(GROUP, whole_sequence=True)])
+    new_init = edit_body(init, changes, [*_localized(local, {}), region(GROUP, whole_sequence=True)])
     name, replicated = cls.name.value, [a for a in linears if a not in (*per_head, out)]
     ctx.rewrites += [
         f"{name}: {'/'.join(per_head)} -> ColumnParallelLinear by heads ({GROUP})",
@@ -268,15 +400,13 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     layers = self_layers(init, {"Attention"}).values()
     if any(kwarg(a.call, "kv_heads_tiled") for a in layers):
         return "keys are tiled over the query heads (kv_heads_tiled): a rank's share of the heads needs every kv head"
-    if any(kwarg(a.call, "alibi_slopes") for a in layers):
-        return "ALiBi slopes (alibi_slopes) are given for all heads; splitting them by heads is not built"
     linears = self_layers(init, LINEAR)
     if fwd is not None and not any(a in linears for a in (*QKV, *FUSED_ON_DISK)):
         return _rewrite_per_head(cls, ctx, init, fwd)
     attention = list(self_layers(init, {"Attention"}).values())
     out = next((a for a in OUT if a in linears), None)
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
-    if fused and fwd is not None and _viewed_per_head(fwd, fused):
+    if fused and fwd is not None and _viewed_per_head(cls, fwd, fused, _head_attrs(_methods(cls), init)):
         counts = [(arg(a.call, 0, "num_heads"), arg(a.call, 3, "num_kv_heads")) for a in attention]
         if any(kv is not None and (q is None or code(kv.value) != code(q.value)) for q, kv in counts):
             return f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
@@ -321,8 +451,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
-    if found := GLOBAL_SIZES.search(code(fwd.body)):
-        return f"forward uses the whole model's `{found.group()}`, which a rank no longer has"
+    methods = [fwd if f.name.value == "forward" else f for f in _methods(cls)]  # forward as cut above
+    local = _head_attrs(methods, init)
+    if found := _reads_global_size(methods, local):
+        return f"a method uses the whole model's `{found}`, which a rank no longer has"
     if not returns_output_of(fwd, out):
         return f"forward does not return {out}'s output as is"
     new_fwd = fwd if fused else fuse_calls(fwd, QKV, "qkv_proj")
@@ -345,7 +477,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         linears[out].line,
     )
     call = _set_kwarg(attn.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
-    call = _set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads")
+    call = _shard_alibi(_set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads"))
     attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
     sink_lines = {id(s): [_wrapped(s, "shard_heads")] for s in init.body.body if id(s) in sinks}
     heads_of = {"q": sizes[1], "k": sizes[2]}
@@ -364,7 +496,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
             **sink_lines,
             **all_head_lines,
         },
-        [region(GROUP, whole_sequence=True)],
+        [*_localized(local, _qkv_shares(init, local, qkv_attr, sizes)), region(GROUP, whole_sequence=True)],
     )
     new_init = drop_unused_locals(new_init, free_names(linears[projections[0]].call))
     name = cls.name.value
@@ -380,6 +512,30 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if not fused:
         ctx.fused += [s for s in STACKED if s not in ctx.fused]
     return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
+
+
+def _shard_alibi(call: cst.Call) -> cst.Call:
+    """call with its ALiBi slopes (`alibi_slopes=`, one per head) cut to this rank's heads."""
+    if (slopes := kwarg(call, "alibi_slopes")) is None:
+        return call
+    return _set_kwarg(
+        call, len(call.args), "alibi_slopes", f'local_share({code(slopes.value)}, comm_manager, "{GROUP}")'
+    )
+
+
+def _qkv_shares(init: cst.FunctionDef, attrs: list[str], qkv: str, sizes: list[str]) -> dict[str, str]:
+    """head count x -> `self.<qkv>.num_heads` / `.num_kv_heads` when __init__ sets x to what QKVParallelLinear was
+    given as the query / key heads (a rank holds one replica of a key head when they are fewer than its ranks)."""
+    given = {sizes[1]: f"self.{qkv}.num_heads", sizes[2]: f"self.{qkv}.num_kv_heads"}
+    shares = {}
+    for a in attrs:
+        (line,) = [
+            s for s in init.body.body if m.findall(s, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(a))))
+        ]
+        value = code(line.body[0].value)
+        if value in given or f"self.{a}" in given:
+            shares[a] = given.get(value) or given[f"self.{a}"]
+    return shares
 
 
 def _wrapped(line: cst.SimpleStatementLine, helper: str, *args: str) -> cst.SimpleStatementLine:
@@ -423,7 +579,10 @@ class ShardAttention(Rule):
         used = [
             (LINEAR_IMPORT, c) for c in ("QKVParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
         ]
-        used += [("runtime.layers.head_shard", h) for h in ("local_heads", "shard_heads", "gather_heads")]
+        used += [
+            ("runtime.layers.head_shard", h)
+            for h in ("local_heads", "local_share", "shard_heads", "gather_heads")
+        ]
         used += [("runtime.layers.oproj", "OProjParallelLinear")]
         self.add_needed_imports([(src, name) for src, name in used if re.search(rf"\b{name}\(", text)])
         return replace_classes(module, new)

@@ -15,6 +15,7 @@ from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
     PREFIX_IMPORT,
+    Layer,
     code,
     edit_body,
     is_docstring,
@@ -30,25 +31,26 @@ if TYPE_CHECKING:
     from skills.parallel_impl.rewrite import ParallelRewriteContext
 
 GROUP = "lmhead_tp_group"
-TIE = m.SimpleStatementLine(
-    [
-        m.Assign(
-            [m.AssignTarget(m.Attribute(m.Attribute(m.Name("self"), m.Name("lm_head")), m.Name("weight")))],
-            m.Attribute(attr=m.Name("weight")),
-        )
-    ]
-)
+
+
+def _tie(head: str | None = None) -> m.SimpleStatementLine:
+    """`self.<head>.weight = <embedding>.weight` (any head when None)."""
+    target = m.Attribute(m.Attribute(m.Name("self"), m.Name(head) if head else m.Name()), m.Name("weight"))
+    return m.SimpleStatementLine([m.Assign([m.AssignTarget(target)], m.Attribute(attr=m.Name("weight")))])
 
 
 class _Tie(cst.CSTTransformer):
-    """`self.lm_head.weight = <embedding>.weight` -> `self.lm_head.tie_weights(<embedding>)`."""
+    """`self.<head>.weight = <embedding>.weight` -> `self.<head>.tie_weights(<embedding>)`."""
+
+    def __init__(self, head: str):
+        self.head = head
 
     def leave_SimpleStatementLine(self, original, updated):
-        if not m.matches(updated, TIE):
+        if not m.matches(updated, _tie(self.head)):
             return updated
         embedding = updated.body[0].value.value
         return updated.with_changes(
-            body=[cst.Expr(cst.parse_expression(f"self.lm_head.tie_weights({code(embedding)})"))]
+            body=[cst.Expr(cst.parse_expression(f"self.{self.head}.tie_weights({code(embedding)})"))]
         )
 
 
@@ -85,14 +87,34 @@ def _parallel_embeddings(module: cst.Module) -> set[str]:
     }
 
 
+def _head(init: cst.FunctionDef) -> Layer | None:
+    """`self.lm_head = nn.Linear(...)`, or else the one linear of init whose output counts the vocabulary
+    (GPT-NeoX's `embed_out`)."""
+    linears = self_layers(init, LINEAR)
+    if "lm_head" in linears:
+        return linears["lm_head"]
+    vocab = [h for h in linears.values() if (a := linear_args(h.call)) and "vocab_size" in a.out_features]
+    return vocab[0] if len(vocab) == 1 else None
+
+
 def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteContext) -> cst.ClassDef:
     """The entry class with a ParallelLMHead, or cls itself when its head stays replicated."""
     init = method(cls, "__init__")
-    head = self_layers(init, LINEAR).get("lm_head") if init is not None else None
-    if head is None:
-        return cls
-    ties = [dotted(t.body[0].value.value) for t in m.findall(init, TIE)]
+    head = _head(init) if init is not None else None
     parallel = _parallel_embeddings(module)
+    if head is None:
+        tied = [
+            t for t in m.findall(init, _tie()) if dotted(t.body[0].value.value).split(".")[-1] in parallel
+        ]
+        if tied:
+            ctx.unsupported(
+                cls.name.value,
+                0,
+                f"`{code(tied[0]).strip()}` ties a layer that is not one nn.Linear "
+                "LM head to a vocab-parallel embedding",
+            )
+        return cls
+    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.attr))]
     tied_parallel = [t for t in ties if t.split(".")[-1] in parallel]
     args = linear_args(head.call)
     if len(tied_parallel) != len(ties) or args is None or not plumbed(init):
@@ -105,15 +127,15 @@ def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteConte
             )
         return cls
     new = parallel_layer(
-        "lm_head",
+        head.attr,
         "ParallelLMHead",
         [args.out_features, args.in_features, f"bias={args.bias}"],
         GROUP,
         head.line,
     )
-    init = edit_body(init, {id(head.line): [new]}).visit(_Tie())
+    init = edit_body(init, {id(head.line): [new]}).visit(_Tie(head.attr))
     ctx.rewrites.append(
-        f"{cls.name.value}: lm_head -> ParallelLMHead ({GROUP})"
+        f"{cls.name.value}: {head.attr} -> ParallelLMHead ({GROUP})"
         + "".join(f", tied to {t} via tie_weights" for t in ties)
     )
     return replace_methods(cls, {"__init__": init})
