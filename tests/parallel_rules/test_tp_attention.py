@@ -216,8 +216,8 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
         "whole model's `num_heads`": BEFORE.replace(
             "(*hidden_states.shape[:-1], -1,", "(-1, self.num_heads,"
         ),
-        "does not return o_proj's output as is": BEFORE.replace(
-            "return attn_output", "return attn_output + 1"
+        "does not return o_proj's output as is": BEFORE.replace(  # partial sums mixed with replicated values
+            "return attn_output", "return attn_output + hidden_states"
         ),
         "no `self.o_proj = nn.Linear(...)`": BEFORE.replace(
             "self.o_proj = nn.Linear", "self.o_proj = Conv1D"
@@ -608,3 +608,59 @@ def test_qkv_viewed_in_blocks_first_is_not_split_by_heads(run_rule, make_ctx):
     )
     what = _finding(run_rule, make_ctx, code, "BloomAttention")
     assert "`self.query_key_value` is q/k/v fused on disk" in what
+
+
+def test_qkv_chunked_in_blocks_after_an_elementwise_clamp_is_split_per_rank(run_rule, make_ctx):
+    # MPT: `if self.clip_qkv: qkv = qkv.clamp(...)`, then `q, k, v = qkv.chunk(3, dim=2)` (equal [q; k; v] blocks)
+    code = PHI3_BEFORE.replace(
+        "        query_pos = self.config.num_attention_heads * self.head_dim\n"
+        "        query_states = qkv[..., :query_pos]\n"
+        "        key_states = qkv[..., query_pos : query_pos + self.num_key_value_heads * self.head_dim]\n"
+        "        value_states = qkv[..., query_pos + self.num_key_value_heads * self.head_dim :]\n",
+        "        if self.config.clip_qkv:\n"
+        "            qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)\n"
+        "        query_states, key_states, value_states = qkv.chunk(3, dim=2)\n",
+    )
+    assert code != PHI3_BEFORE
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert (
+        "query_states, key_states, value_states = qkv.split(self.qkv_proj.output_partition_sizes, dim=2)"
+        in out
+    )
+    assert "qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)" in out
+    assert run_rule(rule, out, make_ctx()) == out
+    mixed = code.replace(
+        "qkv.clamp(min=-self.config.clip_qkv,", "qkv.clamp(min=qkv.mean(),"
+    )  # not element-wise
+    assert "other than as 3 consecutive slices" in _finding(run_rule, make_ctx, mixed, "Phi3Attention")
+
+
+RESIDUAL_BEFORE = BLOOM_BEFORE.replace(
+    "def forward(self, hidden_states, *, forward_metadata, **kwargs):",
+    "def forward(self, hidden_states, residual, *, forward_metadata, **kwargs):",
+).replace(
+    "        return self.dense(context.reshape(*context.shape[:-2], self.num_heads * self.head_dim))\n",
+    "        output = self.dense(context.reshape(*context.shape[:-2], self.num_heads * self.head_dim))\n"
+    "        output = dropout_add(output, residual, 0.0, self.training)\n"
+    "        return output\n",
+)
+
+
+def test_residual_added_after_the_output_projection_is_added_to_the_sums(run_rule, make_ctx):
+    """BLOOM adds the residual inside attention: the TPRegion reduces right after the output projection, and the
+    residual (in the rank's own token layout, like the sums then) is added once."""
+    assert RESIDUAL_BEFORE != BLOOM_BEFORE
+    ctx = make_ctx()
+    out = run_rule(rule, RESIDUAL_BEFORE, ctx)
+    assert ctx.findings == []
+    assert "output = self.tp_region.exit(self.dense(context.reshape(" in out
+    assert "output = dropout_add(output, residual, 0.0, self.training)\n        return output\n" in out
+    assert run_rule(rule, out, make_ctx()) == out
+
+
+def test_hidden_states_read_after_the_output_projection_is_a_finding(run_rule, make_ctx):
+    code = RESIDUAL_BEFORE.replace("dropout_add(output, residual,", "dropout_add(output, hidden_states,")
+    what = _finding(run_rule, make_ctx, code, "BloomAttention")
+    assert "does not return dense's output as is, nor only combine it with its other arguments" in what

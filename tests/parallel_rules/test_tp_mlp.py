@@ -175,3 +175,16 @@ def test_fused_column_cut_otherwise_stays_replicated(run_rule, make_ctx):
         assert ctx.rewrites == ctx.fused == ctx.findings == []
     code = GLM.replace("2 * config.ffn_hidden_size", "3 * config.ffn_hidden_size")
     assert run_rule(rule, code) == code
+
+
+def test_residual_added_inside_forward_is_added_to_the_sums(run_rule, make_ctx):
+    # BLOOM / MPT: the MLP adds the residual it is given; the partial sums are reduced before that, once.
+    code = BEFORE.replace("def forward(self, x):", "def forward(self, x, residual):").replace(
+        "return down_proj", "return down_proj + residual"
+    )
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == [] and ctx.rewrites
+    assert "down_proj = self.tp_region.exit(self.down_proj(" in out
+    assert "return down_proj + residual" in out
+    assert run_rule(rule, out, make_ctx()) == out

@@ -104,3 +104,39 @@ def test_no_checkpoint_plain_branches_and_undecidable_tests_untouched(make_ctx):
                     self.z = ROPE_INIT_FUNCTIONS["c"]
         """)
     assert_noop(rule, IMPORTS + plain, partial(make_ctx, checkpoint_config=LlamaConfig()))
+
+
+# BLOOM: with pretraining_tp > 1 the output projection's weight is sliced by hand, past the layer (and so past
+# any parallel or quantized layer the model is later given); this checkpoint never takes that branch.
+WEIGHT_READ = dedent("""\
+    class BloomAttention(nn.Module):
+        def __init__(self, config: LlamaConfig):
+            super().__init__()
+            self.pretraining_tp = config.pretraining_tp
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+        def forward(self, x):
+            if self.pretraining_tp > 1:
+                out = F.linear(x[..., :8], self.dense.weight[:, :8])
+            else:
+                out = self.dense(x)
+            return out
+    """)
+
+
+def test_an_untaken_branch_reading_a_layer_weight_becomes_a_guard(make_ctx):
+    guarded = WEIGHT_READ.replace(
+        "        if self.pretraining_tp > 1:\n"
+        "            out = F.linear(x[..., :8], self.dense.weight[:, :8])\n"
+        "        else:\n"
+        "            out = self.dense(x)\n",
+        "        if self.pretraining_tp > 1:\n"
+        "            raise NotImplementedError('migrated for a checkpoint where `self.pretraining_tp > 1` is false; '\n"
+        "                'run `skill migrate` on this checkpoint')\n"
+        "        out = self.dense(x)\n",
+    )
+    assert guarded != WEIGHT_READ
+    assert_codemod(
+        rule, WEIGHT_READ, guarded, partial(make_ctx, checkpoint_config=LlamaConfig(pretraining_tp=1))
+    )
+    assert_noop(rule, WEIGHT_READ, partial(make_ctx, checkpoint_config=LlamaConfig(pretraining_tp=2)))

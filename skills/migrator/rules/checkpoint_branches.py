@@ -1,8 +1,9 @@
 """Branches the checkpoint never takes go, when they only keep transformers machinery alive: an `if` whose
 test reads nothing but the checkpoint's config (`config.x`, `self.config.x[...]`, `self.a` set once from
 them) is evaluated on that config; when it is false and its body uses a name imported from transformers
-(`ROPE_INIT_FUNCTIONS[...]` for a RoPE type the checkpoint does not have), the body becomes a
-NotImplementedError naming the test, so the same code given another checkpoint refuses instead of computing
+(`ROPE_INIT_FUNCTIONS[...]` for a RoPE type the checkpoint does not have) or reads a layer's weight itself
+instead of calling the layer (BLOOM's `pretraining_tp` slices of `self.dense.weight`, which no parallel or
+quantized layer could honour), the body becomes a NotImplementedError naming the test, so the same code given another checkpoint refuses instead of computing
 something else. `@dynamic_rope_update` goes from a class whose RoPE type is pinned that way to a
 non-dynamic one (the decorator does nothing for those types), and with it the attributes only it read."""
 
@@ -19,6 +20,7 @@ from skills.migrator.rules.strip_hf_decorators import transformers_names
 BUILTINS = {"getattr": getattr, "len": len}
 # The RoPE types transformers' dynamic_rope_update acts on ("dynamic" in the type, or "longrope").
 DYNAMIC_ROPE = ("dynamic", "longrope")
+LAYER_WEIGHT = m.Attribute(m.Attribute(m.Name("self"), m.Name()), m.Name("weight") | m.Name("bias"))
 GUARD = ("migrated for a checkpoint where `{test}` is false; ", "run `skill migrate` on this checkpoint")
 
 
@@ -78,8 +80,15 @@ def is_guard(body: cst.BaseSuite) -> bool:
     return m.matches(body, m.IndentedBlock([m.SimpleStatementLine([m.Raise()])]))
 
 
+def _reads_layer_weight(body: cst.BaseSuite) -> bool:
+    """body reads `self.<layer>.weight` (or `.bias`) itself; assigning it (a weight tie) is no read."""
+    written = {id(t.target) for t in m.findall(body, m.AssignTarget(LAYER_WEIGHT))}
+    return any(id(a) not in written for a in m.findall(body, LAYER_WEIGHT))
+
+
 class _Fold(cst.CSTTransformer):
-    """In one class: untaken config branches that use transformers names become guards."""
+    """In one class: untaken config branches that use transformers names or read a layer's weight become
+    guards."""
 
     def __init__(self, scopes: dict[str, dict], hf_names: set[str]) -> None:
         self.scopes, self.hf_names, self.function = scopes, hf_names, []
@@ -95,7 +104,7 @@ class _Fold(cst.CSTTransformer):
         scope = self.scopes.get(self.function[0]) if len(self.function) == 1 else None
         if scope is None or is_guard(updated.body) or not _config_only(updated.test, set(scope)):
             return updated
-        if not names_in(updated.body) & self.hf_names:
+        if not names_in(updated.body) & self.hf_names and not _reads_layer_weight(updated.body):
             return updated
         ok, value = _evaluate(updated.test, scope)
         if not ok or value:
@@ -138,7 +147,8 @@ def _drop_rope_update(cls: cst.ClassDef, hf_names: set[str]) -> cst.ClassDef:
 class CheckpointBranches(Rule):
     ID = "MG018"
     DESCRIPTION = (
-        "Config branches the checkpoint never takes that keep transformers code alive become guards."
+        "Config branches the checkpoint never takes that keep transformers code alive, or read a layer's "
+        "weight past the layer, become guards."
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:

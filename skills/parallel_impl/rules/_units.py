@@ -247,14 +247,35 @@ def is_docstring(s: cst.BaseStatement) -> bool:
     return m.matches(s, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]))
 
 
-def wrap_region(fwd: cst.FunctionDef) -> cst.FunctionDef | None:
+def exit_point(fwd: cst.FunctionDef, attr: str) -> int | None:
+    """Index of forward's top-level statement `name = self.<attr>(...)` (its only call of the layer) after which
+    forward reads only name, what it binds from there on and its other arguments (BLOOM adds the residual it is
+    given): the TPRegion can sum the partial outputs there, and the rest runs once on the sums, in the rank's own
+    token layout like those arguments."""
+    body = fwd.body.body
+    bound = bound_call(body, attr)
+    if bound is None or self_refs(fwd, attr) != 1 or len(param_names(fwd)) < 2:
+        return None
+    at, name = bound
+    earlier = set().union(*(assigned_names(s) for s in body[:at]), {param_names(fwd)[1]}) - {name}
+    return None if free_names(cst.Module(body[at + 1 :]), data_only=True) & earlier else at
+
+
+def wrap_region(fwd: cst.FunctionDef, exit_at: int | None = None) -> cst.FunctionDef | None:
     """forward starting with `<hidden> = self.tp_region.enter(<hidden>)` (hidden: its first argument) and
-    returning `self.tp_region.exit(...)`; None when forward takes no positional argument after self."""
+    returning `self.tp_region.exit(...)`, or exiting at the value of its statement exit_at (see exit_point); None
+    when forward takes no positional argument after self."""
     params = [*fwd.params.posonly_params, *fwd.params.params]
     if len(params) < 2 or not isinstance(fwd.body, cst.IndentedBlock):
         return None
     hidden = params[1].name.value
-    body = [s.visit(_ExitOnReturn()) for s in fwd.body.body]
+    if exit_at is None:
+        body = [s.visit(_ExitOnReturn()) for s in fwd.body.body]
+    else:
+        body = list(fwd.body.body)
+        assign = body[exit_at].body[0]
+        value = cst.Call(cst.parse_expression("self.tp_region.exit"), [cst.Arg(assign.value)])
+        body[exit_at] = body[exit_at].with_changes(body=[assign.with_changes(value=value)])
     at = 1 if is_docstring(body[0]) else 0
     body.insert(at, stmt(f"{hidden} = self.tp_region.enter({hidden})\n"))
     return fwd.with_changes(body=fwd.body.with_changes(body=body))
@@ -289,18 +310,61 @@ def bound_call(body: Sequence[cst.BaseStatement], attr: str) -> tuple[int, str] 
     )
 
 
+# methods that act on each element alone: the blocks of a fused output stay where they are
+ELEMENTWISE = ("clamp", "clip", "float", "to", "contiguous")
+
+
+def _elementwise_update(s: cst.BaseStatement, x: str) -> bool:
+    """`x = x.clamp(...)` (an ELEMENTWISE method whose arguments do not read x), alone or as the whole body of an
+    `if` without else whose test does not read x (MPT's `if self.clip_qkv:`)."""
+    call = m.Call(m.Attribute(m.Name(x), m.OneOf(*map(m.Name, ELEMENTWISE))))
+    update = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(x))], call)])
+    if isinstance(s, cst.If):
+        body = s.body.body
+        return (
+            s.orelse is None
+            and not m.findall(s.test, m.Name(x))
+            and all(_elementwise_update(b, x) for b in body)
+        )
+    return m.matches(s, update) and len(m.findall(s, m.Name(x))) == 2
+
+
+def _chunked(s: cst.BaseStatement, x: str, parts: int) -> tuple[str, str] | None:
+    """(targets, dim) of `a, b, c = x.chunk(parts, dim=d)` (or `x.chunk(parts, d)`)."""
+    chunk = m.Call(m.Attribute(m.Name(x), m.Name("chunk")), [m.Arg(m.Integer(str(parts))), m.Arg()])
+    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Tuple())], chunk)])
+    if not m.matches(s, line):
+        return None
+    assign = s.body[0]
+    dim = assign.value.args[1]
+    if (dim.keyword is not None and dim.keyword.value != "dim") or len(
+        assign.targets[0].target.elements
+    ) != parts:
+        return None
+    return code(assign.targets[0].target), code(dim.value)
+
+
 def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.FunctionDef | str:
     """forward cutting `x = self.<attr>(...)` into `parts` consecutive blocks of its last dim (`a = x[..., :p]`,
-    `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes) made to split it by the parallel
-    layer's per-rank sizes instead: `a, b, c = x.split(self.<attr>.output_partition_sizes, dim=-1)`. Locals
-    only those bounds read go too. Returns why not when the output is used any other way."""
+    `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes, or `a, b, c = x.chunk(parts, dim)`,
+    equal blocks), maybe after element-wise updates of x, made to split it by the parallel layer's per-rank sizes
+    instead: `a, b, c = x.split(self.<attr>.output_partition_sizes, dim=-1)`. Locals only those bounds read go too.
+    Returns why not when the output is used any other way."""
     body = list(fwd.body.body)
     bound = bound_call(body, attr)
     if bound is None or self_refs(fwd, attr) != 1:
         return f"forward does not bind `self.{attr}(...)`'s output to a name once"
     x = bound[1]
+    updates = [s for s in body if _elementwise_update(s, x)]
+    uses = len(m.findall(fwd, m.Name(x))) - 1 - sum(len(m.findall(s, m.Name(x))) for s in updates)
+    chunks = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, x, parts))]
+    if len(chunks) == 1 and uses == 1:
+        (i, (targets, dim)), sizes = chunks[0], f"self.{attr}.output_partition_sizes"
+        body[i] = stmt(f"{targets} = {x}.split({sizes}, dim={dim})\n").with_changes(
+            leading_lines=body[i].leading_lines
+        )
+        return fwd.with_changes(body=fwd.body.with_changes(body=body))
     cuts = [(i, c) for i, s in enumerate(body) if (c := _block_slice(s, x))]
-    uses = len(m.findall(fwd, m.Name(x))) - 1
     bounds = [b for _, c in cuts for b in c[1:]]
     consecutive = bounds[:1] == [None] and bounds[-1:] == [None] and bounds[1:-1:2] == bounds[2:-1:2]
     if len(cuts) != parts or uses != parts or not consecutive:

@@ -35,6 +35,7 @@ from skills.parallel_impl.rules._units import (
     code,
     drop_unused_locals,
     edit_body,
+    exit_point,
     fuse_calls,
     has_region,
     linear_args,
@@ -321,6 +322,15 @@ def _viewed_per_head(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: 
     )
 
 
+def _in_region(fwd: cst.FunctionDef, out: str) -> cst.FunctionDef | str:
+    """forward inside the class's TPRegion: its partial sums reduced on return, or right after the output projection
+    when forward then only adds its other arguments (see exit_point); why not otherwise."""
+    exit_at = None if returns_output_of(fwd, out) else exit_point(fwd, out)
+    if exit_at is None and not returns_output_of(fwd, out):
+        return f"forward does not return {out}'s output as is, nor only combine it with its other arguments"
+    return wrap_region(fwd, exit_at) or "forward takes no hidden-states argument"
+
+
 def _rewrite_per_head(
     cls: cst.ClassDef,
     ctx: ParallelRewriteContext,
@@ -359,11 +369,9 @@ def _rewrite_per_head(
     local = _head_attrs(_methods(cls), init)
     if found := _reads_global_size(_methods(cls), local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
-    if not returns_output_of(fwd, out):
-        return f"forward does not return {out}'s output as is"
-    new_fwd = wrap_region(fwd)
-    if new_fwd is None:
-        return "forward takes no hidden-states argument"
+    new_fwd = _in_region(fwd, out)
+    if isinstance(new_fwd, str):
+        return new_fwd
 
     def parallel(attr: str, ctor: str, group: str) -> cst.SimpleStatementLine:
         a = args[attr]
@@ -455,16 +463,14 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     local = _head_attrs(methods, init)
     if found := _reads_global_size(methods, local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
-    if not returns_output_of(fwd, out):
-        return f"forward does not return {out}'s output as is"
     new_fwd = fwd if fused else fuse_calls(fwd, QKV, "qkv_proj")
     if isinstance(new_fwd, str):
         return new_fwd
     if any(self_refs(cls, a) != 2 for a in projections):
         return f"{'/'.join(projections)} are used outside __init__ and forward"
-    new_fwd = wrap_region(new_fwd)
-    if new_fwd is None:
-        return "forward takes no hidden-states argument"
+    new_fwd = _in_region(new_fwd, out)
+    if isinstance(new_fwd, str):
+        return new_fwd
 
     qkv = parallel_layer(
         qkv_attr, "QKVParallelLinear", [q.in_features, *sizes, f"bias={q.bias}"], GROUP, first

@@ -26,6 +26,7 @@ from skills.parallel_impl.rules._units import (
     bound_call,
     code,
     edit_body,
+    exit_point,
     fuse_calls,
     has_region,
     linear_args,
@@ -95,7 +96,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         return None
     columns, row = unit
     args: dict[str, LinearArgs | None] = {a: linear_args(linears[a].call) for a in (*columns, row)}
-    if None in args.values() or not returns_output_of(fwd, row):
+    adds_after = not returns_output_of(fwd, row)  # BLOOM / MPT add the residual they are given
+    if None in args.values() or (adds_after and exit_point(fwd, row) is None):
         return None
     first, down = args[columns[0]], args[row]
     half = doubled(cst.parse_expression(first.out_features))  # X of an output `2 * X`
@@ -119,7 +121,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         return None
     else:
         attr, ctor, out = columns[0], "ColumnParallelLinear", first.out_features
-    fwd = wrap_region(fwd)
+    fwd = wrap_region(fwd, exit_point(fwd, row) if adds_after else None)
     if fwd is None:
         return None
     changes = {id(linears[a].line): [] for a in columns[1:]}
