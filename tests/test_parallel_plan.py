@@ -484,3 +484,18 @@ def test_yaml_name():
         yaml_name("qwen3_moe", pc(4, 2, 4, 4, 4, moe_dispatch="all_gather"), moe=True)
         == "qwen3_moe_rank_4_2tp_2dp_densetp4_embedtp4_lmheadtp4_ep4_allgather.yaml"
     )
+
+
+def test_vocabulary_layers_under_other_names_follow_their_own_tp_sizes():
+    """BLOOM's embedding is `word_embeddings` (its head tied to it): at embed_tp 4 with attention TP 2 each rank
+    holds a quarter of it, as VocabParallelEmbedding builds it, not attention's half. Its config names no
+    intermediate_size: the MLP's width (4 x hidden) is read off its first column layer."""
+    cfg = AutoConfig.for_model("bloom", hidden_size=64, n_head=4, n_layer=2, vocab_size=512)
+    assert not hasattr(cfg, "intermediate_size")
+    sharded = frozenset({"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "word_embeddings"})
+    roles = {"word_embeddings": "embed_tokens"}
+    named = make_plan(pc(4, 2, 4, 4, 4), cfg, torch.bfloat16, sharded, roles)
+    unnamed = make_plan(pc(4, 2, 4, 4, 4), cfg, torch.bfloat16, sharded)
+    assert unnamed.per_rank_param_bytes - named.per_rank_param_bytes == 512 * 64 * (1 / 2 - 1 / 4) * BF16
+    assert any(r.startswith("embed_tokens -> VocabParallelEmbedding (embed_tp=4") for r in named.rewrites)
+    assert any("(dense_tp=4: intermediate 256 -> 64 per rank)" in r for r in named.rewrites)

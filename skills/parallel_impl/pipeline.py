@@ -158,21 +158,30 @@ class _Target:
     rules: dict[str, list[str]]
 
 
-def _parallel_attrs(text: str) -> set[str]:
-    """x of each `self.x = ...` whose value builds a parallel layer (also as one branch of a conditional)."""
+def _parallel_attrs(text: str) -> dict[str, str]:
+    """x -> the class of each `self.x = ...` whose value builds a parallel layer (also as one branch of a
+    conditional)."""
     return {
-        target.attr
+        target.attr: ctor
         for node in ast.walk(ast.parse(text))
         if isinstance(node, ast.Assign)
         for target in node.targets
         if isinstance(target, ast.Attribute)
         and isinstance(target.value, ast.Name)
         and target.value.id == "self"
-        and any(
-            isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in _PARALLEL
+        for ctor in [
+            c.func.id
             for c in ast.walk(node.value)
-        )
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in _PARALLEL
+        ][:1]
     }
+
+
+def _vocab_roles(new_code: dict[str, str]) -> dict[str, str]:
+    """attribute -> embed_tokens / lm_head for the vocabulary layers the rewritten code builds (BLOOM's
+    `word_embeddings`, GPT-NeoX-Japanese's `embed_out`)."""
+    roles = {"VocabParallelEmbedding": "embed_tokens", "ParallelLMHead": "lm_head"}
+    return {a: roles[c] for text in new_code.values() for a, c in _parallel_attrs(text).items() if c in roles}
 
 
 def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
@@ -202,7 +211,8 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
             f"skill parallelize cannot shard this model safely: {'; '.join(map(str, code.findings))}. Nothing "
             "was written; port these modules to the parallel layers by hand (see references/model_contract.md)."
         )
-    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, _sharded_modules(code.files, code.fused))
+    sharded = _sharded_modules(code.files, code.fused)
+    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, sharded, _vocab_roles(code.files))
     return _Target(
         model_dir,
         pc,

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from rich.table import Table
@@ -92,7 +93,8 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
         (n for k in ("num_experts", "n_routed_experts", "num_local_experts") if (n := getattr(cfg, k, None))),
         0,
     )
-    moe_i = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    intermediate = getattr(cfg, "intermediate_size", None) or _mlp_width(hf_config)
+    moe_i = getattr(cfg, "moe_intermediate_size", None) or intermediate
     shared = (
         getattr(cfg, "shared_expert_intermediate_size", None)
         or (getattr(cfg, "n_shared_experts", None) or 0) * moe_i
@@ -102,7 +104,7 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
         cfg.hidden_size,
         cfg.num_attention_heads,
         getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        cfg.intermediate_size,
+        intermediate,
         cfg.vocab_size,
         experts,
         moe_i,
@@ -232,6 +234,14 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
         raise ConfigError(" ".join(problems))
 
 
+def _mlp_width(hf_config: PretrainedConfig) -> int:
+    """The dense MLP's width, for a config that does not name it (BLOOM's 4 x hidden): the output size of its
+    first column layer; 0 without one."""
+    column = _MLP_COLUMN[:-1]  # gate_up_proj holds two widths
+    shapes = _param_shapes(hf_config).items()
+    return next((shape[0] for name, shape in shapes if _attr(name) in column and name.endswith(".weight")), 0)
+
+
 def _param_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the Hugging Face model (tied ones once), built on the meta device: shapes, no memory."""
     try:
@@ -251,12 +261,15 @@ def _attr(name: str) -> str:
     return parts[-2] if len(parts) > 1 else parts[0]
 
 
-def _module(name: str) -> str:
-    """The module a parameter belongs to, as the rewrites name it ("experts" for every routed expert)."""
+def _module(name: str, roles: Mapping[str, str]) -> str:
+    """The module a parameter belongs to, as the rewrites name it ("experts" for every routed expert; roles: an
+    attribute's role when its name does not say it, BLOOM's `word_embeddings` the embed_tokens)."""
     parts = name.split(".")
     if "experts" in parts:
         return "experts"
     leaf = _attr(name)
+    if leaf in roles:
+        return roles[leaf]
     if leaf in OUT and len(parts) > 2 and "att" in parts[-3]:  # GPT-NeoX's `attention.dense`
         return "o_proj"
     return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
@@ -291,9 +304,10 @@ def _held(
     s: _Shapes,
     tp: dict[str, int],
     sharded: frozenset[str],
+    roles: Mapping[str, str],
 ) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
-    numel, module = math.prod(shape), _module(name)
+    numel, module = math.prod(shape), _module(name, roles)
     if module == "experts":  # stacked [num_experts, ...]: each rank of moe_ep_group its block
         if "experts" not in sharded or shape[0] != s.experts:
             return numel
@@ -469,16 +483,22 @@ SHARDABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", *_MLP, "embed_tok
 
 
 def make_plan(
-    pc: ParallelConfig, hf_config: PretrainedConfig, dtype: torch.dtype, sharded: frozenset[str] = SHARDABLE
+    pc: ParallelConfig,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    sharded: frozenset[str] = SHARDABLE,
+    roles: Mapping[str, str] = MappingProxyType({}),
 ) -> Plan:
     """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank.
 
     `sharded`: the modules the rewritten code builds as parallel layers (shared-expert MLPs follow the MLP names);
-    the others are planned whole on every rank."""
+    the others are planned whole on every rank. `roles`: attribute -> embed_tokens / lm_head for the vocabulary
+    layers the rewritten code builds under other names."""
     s = _shapes(hf_config)
     validate(pc, hf_config)
+    sharded |= frozenset(roles.values())  # the roles are those of parallel layers the code builds
     shapes = _param_shapes(hf_config)
-    modules = {_module(name) for name in shapes}
+    modules = {_module(name, roles) for name in shapes}
     if "o_proj" not in modules or not (
         s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK}
     ):
@@ -491,7 +511,7 @@ def make_plan(
     ep_stride = {"moe_ep_group": pc.moe_tp_size}  # ranks sharing a moe_tp index
     groups = [GroupSpec(name, w // n, n, ep_stride.get(name, 1)) for name, n in sizes.items()]
     tp = _tp_sizes(pc)
-    held = sum(_held(name, shape, pc, s, tp, sharded) for name, shape in shapes.items())
+    held = sum(_held(name, shape, pc, s, tp, sharded, roles) for name, shape in shapes.items())
     total = sum(math.prod(shape) for shape in shapes.values())
     return Plan(w, groups, steps, held * dtype.itemsize, total * dtype.itemsize)
 
