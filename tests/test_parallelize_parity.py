@@ -33,8 +33,10 @@ SCENARIO_ARCHS = [
 # all heads, run on every head (olmo2); q, k and v interleaved per head in one tensor on disk, split by whole heads
 # (gpt_neox, whose output projection is `dense`; bloom views it per head in a helper that reads `self.num_heads`,
 # which becomes a rank's share, passes ALiBi slopes, cut to a rank's heads, and adds the residual inside attention
-# and the MLP, after their sums). `make test` runs one scenario of each new layout; `-m slow` the rest (qwen2's TP+DP
-# run is llama's plus biases, gemma3's ties and windows are gpt_oss's under TP 2, gpt_neox's layout is bloom's).
+# and the MLP, after their sums); per-head q / k norms built only under `use_qk_norm`, which the checkpoint turns
+# off (cohere: the branch becomes a guard, and migrate's fused file is overwritten without --force). `make test`
+# runs one scenario of each new layout; `-m slow` the rest (qwen2's TP+DP run is llama's plus biases, gemma3's ties
+# and windows are gpt_oss's under TP 2, gpt_neox's layout is bloom's).
 OTHER_ARCHS = [
     pytest.param("qwen2", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
     pytest.param("gemma3_text", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
@@ -45,6 +47,7 @@ OTHER_ARCHS = [
     pytest.param("olmo2", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
     pytest.param("gpt_neox", "tp2", marks=pytest.mark.slow),
     ("bloom", "tp2"),
+    ("cohere", "tp2"),
 ]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the issue's scenarios
 SCENARIOS = {

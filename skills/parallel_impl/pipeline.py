@@ -132,6 +132,13 @@ def _measured_plan(t: _Target, config: InferenceConfig) -> Plan:
     return dataclasses.replace(t.plan, kv_bytes_per_token=max(kv for _, kv in measured))
 
 
+def _as_migrated(sources: dict[str, str], entry_class: str) -> dict[str, str]:
+    """models/*.py as `skill migrate` writes them (fused at TP 1, without the checkpoint's config: see
+    skills/migrator/fuse.py), to tell them from a user's edits."""
+    code = rewrite_sources(sources, entry_class)
+    return sources if code.findings or not code.fused else code.files
+
+
 def _refuse_overwrite(path: Path, new: str, allowed: tuple[str, ...], force: bool) -> None:
     if force or not path.exists():
         return
@@ -205,7 +212,7 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
     validate(pc, hf_config)
     sources = _migrated_sources(model_dir)
     check_rule_ids(disabled, PARALLEL_RULES)
-    code = rewrite_sources(sources, model_cls.__name__, disabled)
+    code = rewrite_sources(sources, model_cls.__name__, disabled, hf_config)
     if code.findings:
         raise UserError(
             f"skill parallelize cannot shard this model safely: {'; '.join(map(str, code.findings))}. Nothing "
@@ -272,8 +279,9 @@ def parallelize(
     scenario_name, scenario_text, scenario_config = _scenario(t)
     plan = _measured_plan(t, scenario_config)  # refuses a rewrite that does not hold the plan's bytes
 
+    as_migrated = _as_migrated(sources, t.model_cls.__name__)
     for name, text in new_code.items():
-        _refuse_overwrite(model_dir / "models" / name, text, (sources[name],), force)
+        _refuse_overwrite(model_dir / "models" / name, text, (sources[name], as_migrated[name]), force)
     target_yaml = model_dir / "config" / scenario_name
     _refuse_overwrite(target_yaml, scenario_text, (), force)
 

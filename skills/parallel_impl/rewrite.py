@@ -7,6 +7,7 @@ The output does not depend on a parallel_config: every layer reads its TP size f
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from skills.migrator.codestyle import tidy
 from skills.migrator.context import Finding, RewriteContext
@@ -43,14 +44,17 @@ class ParallelCode:
 
 
 def rewrite_sources(
-    sources: dict[str, str], entry_class: str, disabled: Collection[str] = ()
+    sources: dict[str, str], entry_class: str, disabled: Collection[str] = (), checkpoint_config: Any = None
 ) -> ParallelCode:
-    """The parallel rewrite of a model's files (name -> text); only modeling_*.py files change."""
+    """The parallel rewrite of a model's files (name -> text); only modeling_*.py files change. With the
+    checkpoint's config, the branches it never takes are guarded first (PR008)."""
     code = ParallelCode(dict(sources), [], {}, {}, [])
     for name, text in sources.items():
         if not name.startswith("modeling_"):
             continue
-        ctx = ParallelRewriteContext(entry_class=entry_class, filename=name)
+        ctx = ParallelRewriteContext(
+            entry_class=entry_class, filename=name, checkpoint_config=checkpoint_config
+        )
         code.files[name] = tidy(parallelize_source(text, ctx, disabled), name)
         code.rules[f"models/{name}"] = ctx.applied
         code.findings += ctx.findings

@@ -22,6 +22,7 @@ BUILTINS = {"getattr": getattr, "len": len}
 DYNAMIC_ROPE = ("dynamic", "longrope")
 LAYER_WEIGHT = m.Attribute(m.Attribute(m.Name("self"), m.Name()), m.Name("weight") | m.Name("bias"))
 GUARD = ("migrated for a checkpoint where `{test}` is false; ", "run `skill migrate` on this checkpoint")
+GuardText = tuple[str, str]
 
 
 def _config_only(e: cst.BaseExpression, allowed: set[str]) -> bool:
@@ -63,9 +64,9 @@ def _config_param(init: cst.FunctionDef, config: PretrainedConfig) -> bool:
     return annotation.split(".")[-1] == type(config).__name__ and "config" not in assigned_names(init.body)
 
 
-def _guard(test: cst.BaseExpression) -> cst.BaseStatement:
+def _guard(test: cst.BaseExpression, text: GuardText) -> cst.BaseStatement:
     what, how = (
-        cst.SimpleString(repr(part.format(test=cst.Module([]).code_for_node(test)))) for part in GUARD
+        cst.SimpleString(repr(part.format(test=cst.Module([]).code_for_node(test)))) for part in text
     )
     message = cst.ConcatenatedString(
         what,
@@ -87,11 +88,11 @@ def _reads_layer_weight(body: cst.BaseSuite) -> bool:
 
 
 class _Fold(cst.CSTTransformer):
-    """In one class: untaken config branches that use transformers names or read a layer's weight become
-    guards."""
+    """In one class: untaken config branches that use transformers names or read a layer's weight (every one:
+    hf_names None) become guards."""
 
-    def __init__(self, scopes: dict[str, dict], hf_names: set[str]) -> None:
-        self.scopes, self.hf_names, self.function = scopes, hf_names, []
+    def __init__(self, scopes: dict[str, dict], hf_names: set[str] | None, text: GuardText) -> None:
+        self.scopes, self.hf_names, self.text, self.function = scopes, hf_names, text, []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.function.append(node.name.value)
@@ -104,12 +105,13 @@ class _Fold(cst.CSTTransformer):
         scope = self.scopes.get(self.function[0]) if len(self.function) == 1 else None
         if scope is None or is_guard(updated.body) or not _config_only(updated.test, set(scope)):
             return updated
-        if not names_in(updated.body) & self.hf_names and not _reads_layer_weight(updated.body):
+        kept = self.hf_names is not None and not names_in(updated.body) & self.hf_names
+        if kept and not _reads_layer_weight(updated.body):
             return updated
         ok, value = _evaluate(updated.test, scope)
         if not ok or value:
             return updated
-        guard = updated.with_changes(body=cst.IndentedBlock([_guard(updated.test)]), orelse=None)
+        guard = updated.with_changes(body=cst.IndentedBlock([_guard(updated.test, self.text)]), orelse=None)
         rest = updated.orelse
         if isinstance(rest, cst.Else):
             return cst.FlattenSentinel([guard, *rest.body.body])
@@ -144,33 +146,40 @@ def _drop_rope_update(cls: cst.ClassDef, hf_names: set[str]) -> cst.ClassDef:
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
+def guard_untaken_branches(
+    module: cst.Module, config: PretrainedConfig, hf_names: set[str] | None, text: GuardText = GUARD
+) -> cst.Module:
+    """module with the untaken config branches of each class built from config turned into guards: those that
+    use hf_names or read a layer's weight, or every one when hf_names is None; `@dynamic_rope_update` dropped
+    where a guard pins the RoPE type."""
+    replaced = {}
+    for name, cls in classes(module).items():
+        init = method(cls, "__init__")
+        if init is None or not _config_param(init, config):
+            continue
+        attrs = _self_attrs(cls, init, config)
+        methods = [s for s in cls.body.body if isinstance(s, cst.FunctionDef)]
+        scopes = {fn.name.value: {"self": attrs} for fn in methods}
+        scopes["__init__"] = {"self": attrs, "config": config}
+        new = cls.visit(_Fold(scopes, hf_names, text))
+        if hf_names is not None and _pins_rope_type(new):
+            new = _drop_rope_update(new, hf_names)
+        if not new.deep_equals(cls):
+            replaced[name] = new
+    if not replaced:
+        return module
+    body = [replaced.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
+    return module.with_changes(body=body)
+
+
 class CheckpointBranches(Rule):
     ID = "MG018"
     DESCRIPTION = (
-        "Config branches the checkpoint never takes that keep transformers code alive, or read a layer's "
-        "weight past the layer, become guards."
+        "Untaken config branches that keep transformers code alive or read a layer's weight become guards."
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         config = self.rewrite.checkpoint_config
         if config is None:
             return module
-        hf_names = transformers_names(module)
-        replaced = {}
-        for name, cls in classes(module).items():
-            init = method(cls, "__init__")
-            if init is None or not _config_param(init, config):
-                continue
-            attrs = _self_attrs(cls, init, config)
-            methods = [s for s in cls.body.body if isinstance(s, cst.FunctionDef)]
-            scopes = {fn.name.value: {"self": attrs} for fn in methods}
-            scopes["__init__"] = {"self": attrs, "config": config}
-            new = cls.visit(_Fold(scopes, hf_names))
-            if _pins_rope_type(new):
-                new = _drop_rope_update(new, hf_names)
-            if not new.deep_equals(cls):
-                replaced[name] = new
-        if not replaced:
-            return module
-        body = [replaced.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
-        return module.with_changes(body=body)
+        return guard_untaken_branches(module, config, transformers_names(module))

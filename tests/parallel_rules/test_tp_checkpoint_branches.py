@@ -1,0 +1,45 @@
+"""checkpoint_branches (PR008): every config branch the checkpoint never takes becomes a guard before the layers
+are sharded, so nothing it builds needs a rule; taken branches, plain code and a rewrite without the checkpoint's
+config are left alone."""
+
+from functools import partial
+from textwrap import dedent
+
+from codemod_harness import assert_codemod, assert_noop
+from transformers import CohereConfig
+
+from skills.parallel_impl.rules.checkpoint_branches import GuardUntakenBranches as rule
+
+# Cohere: per-head q / k norms, sized for every head, built and applied only under use_qk_norm.
+BEFORE = dedent("""\
+    class CohereAttention(nn.Module):
+        def __init__(self, config: CohereConfig, layer_idx, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.use_qk_norm = config.use_qk_norm
+            if self.use_qk_norm:
+                self.q_norm = CohereLayerNorm(hidden_size=(config.num_attention_heads, 16))
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            if self.use_qk_norm:
+                hidden_states = self.q_norm(hidden_states)
+            return hidden_states
+    """)
+
+GUARD = (
+    "raise NotImplementedError('parallelized for a checkpoint where `self.use_qk_norm` is false; '\n"
+    "                'run `skill migrate` and `skill parallelize` on this checkpoint')\n"
+)
+AFTER = BEFORE.replace(
+    "            self.q_norm = CohereLayerNorm(hidden_size=(config.num_attention_heads, 16))\n",
+    "            " + GUARD,
+).replace("            hidden_states = self.q_norm(hidden_states)\n", "            " + GUARD)
+
+
+def test_untaken_branches_become_guards(make_ctx):
+    assert AFTER != BEFORE
+    assert_codemod(rule, BEFORE, AFTER, partial(make_ctx, checkpoint_config=CohereConfig(use_qk_norm=False)))
+
+
+def test_taken_branches_and_a_rewrite_without_the_config_untouched(make_ctx):
+    assert_noop(rule, BEFORE, partial(make_ctx, checkpoint_config=CohereConfig(use_qk_norm=True)))
+    assert_noop(rule, BEFORE, make_ctx)
