@@ -6,7 +6,7 @@ from functools import partial
 from textwrap import dedent
 
 from codemod_harness import assert_codemod, assert_noop
-from transformers import CohereConfig
+from transformers import CohereConfig, FalconConfig
 
 from skills.parallel_impl.rules.checkpoint_branches import GuardUntakenBranches as rule
 
@@ -43,3 +43,42 @@ def test_untaken_branches_become_guards(make_ctx):
 def test_taken_branches_and_a_rewrite_without_the_config_untouched(make_ctx):
     assert_noop(rule, BEFORE, partial(make_ctx, checkpoint_config=CohereConfig(use_qk_norm=True)))
     assert_noop(rule, BEFORE, make_ctx)
+
+
+# Falcon: one `if` / `elif` chain per layout; the checkpoint (multi-query) takes the last arm. An untaken `elif`
+# cannot become two statements inside its chain (it is its parent's `orelse`): it keeps the rest of the chain.
+CHAIN = dedent("""\
+    class FalconAttention(nn.Module):
+        def __init__(self, config: FalconConfig):
+            super().__init__()
+            self.new_decoder_architecture = config.new_decoder_architecture
+            self.multi_query = config.multi_query
+
+        def forward(self, x):
+            if self.new_decoder_architecture:
+                return x + 1
+            elif not self.multi_query:
+                return x + 2
+            elif self.multi_query:
+                return x + 3
+            return x
+    """)
+
+
+def _guard(test: str) -> str:
+    return (
+        f"            raise NotImplementedError('parallelized for a checkpoint where `{test}` is false; '\n"
+        "                'run `skill migrate` and `skill parallelize` on this checkpoint')\n"
+    )
+
+
+def test_an_untaken_elif_keeps_the_rest_of_its_chain(make_ctx):
+    after = CHAIN.replace(
+        "            return x + 1\n        elif not self.multi_query:\n            return x + 2\n",
+        _guard("self.new_decoder_architecture")
+        + "        if not self.multi_query:\n"
+        + _guard("not self.multi_query"),
+    )
+    assert after != CHAIN
+    config = FalconConfig(new_decoder_architecture=False, multi_query=True)
+    assert_codemod(rule, CHAIN, after, partial(make_ctx, checkpoint_config=config))

@@ -93,6 +93,11 @@ class _Fold(cst.CSTTransformer):
 
     def __init__(self, scopes: dict[str, dict], hf_names: set[str] | None, text: GuardText) -> None:
         self.scopes, self.hf_names, self.text, self.function = scopes, hf_names, text, []
+        self.elifs: set[int] = set()  # an `elif` is its parent's orelse: it cannot become several statements
+
+    def visit_If(self, node: cst.If) -> None:
+        if isinstance(node.orelse, cst.If):
+            self.elifs.add(id(node.orelse))
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.function.append(node.name.value)
@@ -111,7 +116,10 @@ class _Fold(cst.CSTTransformer):
         ok, value = _evaluate(updated.test, scope)
         if not ok or value:
             return updated
-        guard = updated.with_changes(body=cst.IndentedBlock([_guard(updated.test, self.text)]), orelse=None)
+        guarded = cst.IndentedBlock([_guard(updated.test, self.text)])
+        if id(original) in self.elifs:  # `elif <test>: raise ...`, the rest of the chain after it as it was
+            return updated.with_changes(body=guarded)
+        guard = updated.with_changes(body=guarded, orelse=None)
         rest = updated.orelse
         if isinstance(rest, cst.Else):
             return cst.FlattenSentinel([guard, *rest.body.body])
