@@ -664,3 +664,28 @@ def test_hidden_states_read_after_the_output_projection_is_a_finding(run_rule, m
     code = RESIDUAL_BEFORE.replace("dropout_add(output, residual,", "dropout_add(output, hidden_states,")
     what = _finding(run_rule, make_ctx, code, "BloomAttention")
     assert "does not return dense's output as is, nor only combine it with its other arguments" in what
+
+
+def test_norm_over_every_heads_output_runs_on_every_head(run_rule, make_ctx):
+    # BitNet: `attn_sub_norm` (sized hidden_size) over all heads' attention output, right before o_proj
+    code = BEFORE.replace(
+        "        self.attn = Attention(\n",
+        "        self.attn_sub_norm = RMSNorm(config.hidden_size)\n        self.attn = Attention(\n",
+    ).replace(
+        "        attn_output = self.o_proj(attn_output.reshape(*hidden_shape[:-2], -1))\n",
+        "        attn_output = self.attn_sub_norm(attn_output.reshape(*hidden_shape[:-2], -1))\n"
+        "        attn_output = self.o_proj(attn_output)\n",
+    )
+    assert code.count("attn_sub_norm") == 2
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert (
+        "self.attn_sub_norm = gather_heads(RMSNorm(config.hidden_size), config.num_attention_heads, comm_manager, "
+        '"attn_tp_group")' in out
+    )
+    assert (
+        "LlamaAttention: attn_sub_norm runs on every head of o_proj's input (gather_heads, attn_tp_group)"
+        in (ctx.rewrites)
+    )
+    assert run_rule(rule, out, make_ctx()) == out

@@ -119,6 +119,10 @@ def test_unshardable_mlp_stays_replicated(run_rule, make_ctx):
         BEFORE.replace("self.up_proj(x)", "self.up_proj(x * 2)"),  # gate and up on different inputs
         BEFORE.replace("bias=config.mlp_bias)\n        self.up", "dtype=torch.float32)\n        self.up"),
         BEFORE.replace("        self.act_fn", "        self.shared = nn.Linear(1, 2)\n        self.act_fn"),
+        BEFORE.replace(  # BitNet: a norm over the whole intermediate width, between the projections
+            "        self.act_fn",
+            "        self.sub_norm = RMSNorm(config.intermediate_size)\n        self.act_fn",
+        ).replace("self.act_fn(self.gate_proj(x))", "self.sub_norm(self.act_fn(self.gate_proj(x)))"),
     ]
     for code in cases:
         assert code != BEFORE

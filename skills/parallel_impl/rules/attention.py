@@ -9,6 +9,7 @@ Unsharded attention would be wrong under TP, so an attention class this rule can
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import libcst as cst
@@ -137,10 +138,11 @@ def _sink_lines(cls: cst.ClassDef, init: cst.FunctionDef, fwd: cst.FunctionDef) 
 
 
 def _all_head_modules(
-    init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef
+    init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef, out: str
 ) -> dict[int, tuple[str, str]]:
     """id() of each __init__ line `self.x = Module(...)` whose module forward applies only to the whole output of
-    q_proj or k_proj (`self.x(self.q_proj(h))`) -> (x, "q" or "k")."""
+    q_proj or k_proj (`self.x(self.q_proj(h))`: "q" or "k"), or to the whole input of the output projection (BitNet's
+    `attn_sub_norm` over every head's output: "o") -> (x, kind)."""
     found = {}
     for s in init.body.body:
         target = m.SimpleStatementLine(
@@ -149,14 +151,34 @@ def _all_head_modules(
         if not m.matches(s, target):
             continue
         attr = s.body[0].targets[0].target.attr.value
+        if self_refs(cls, attr) != 2:
+            continue
         for proj in ("q_proj", "k_proj"):
             applied = m.Call(
                 m.Attribute(m.Name("self"), m.Name(attr)),
                 [m.Arg(m.Call(m.Attribute(m.Name("self"), m.Name(proj))))],
             )
-            if len(m.findall(fwd, applied)) == 1 and self_refs(cls, attr) == 2:
+            if len(m.findall(fwd, applied)) == 1:
                 found[id(s)] = (attr, proj[0])
+        if _feeds(fwd, attr, out):
+            found[id(s)] = (attr, "o")
     return found
+
+
+def _feeds(fwd: cst.FunctionDef, attr: str, out: str) -> bool:
+    """forward gives `self.<attr>(...)`'s result whole to `self.<out>`: `self.<out>(self.<attr>(x))`, or
+    `y = self.<attr>(x)` followed by a statement calling `self.<out>(y)`."""
+    call = m.Call(m.Attribute(m.Name("self"), m.Name(attr)))
+    if m.findall(fwd, m.Call(m.Attribute(m.Name("self"), m.Name(out)), [m.Arg(call)])):
+        return True
+    body = fwd.body.body
+    bound = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)])
+    for s, after in pairwise(body):
+        if m.matches(s, bound):
+            y = s.body[0].targets[0].target.value
+            if m.findall(after, m.Call(m.Attribute(m.Name("self"), m.Name(out)), [m.Arg(m.Name(y))])):
+                return True
+    return False
 
 
 def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
@@ -454,7 +476,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if _computed_later(init, sizes, first, attn.line):
         return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _sink_lines(cls, init, fwd)
-    all_heads = {} if fused else _all_head_modules(init, fwd, cls)
+    all_heads = {} if fused else _all_head_modules(init, fwd, cls, out)
     skip = [linears[a].line for a in (*projections, out)] + [attn.line]
     skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
     if whole := _whole_head_module(init, skip):
@@ -486,7 +508,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     call = _shard_alibi(_set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads"))
     attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
     sink_lines = {id(s): [_wrapped(s, "shard_heads")] for s in init.body.body if id(s) in sinks}
-    heads_of = {"q": sizes[1], "k": sizes[2]}
+    heads_of = {"q": sizes[1], "k": sizes[2], "o": sizes[1]}
     all_head_lines = {
         id(s): [_wrapped(s, "gather_heads", heads_of[all_heads[id(s)][1]])]
         for s in init.body.body
@@ -505,14 +527,14 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         [*_localized(local, _qkv_shares(init, local, qkv_attr, sizes)), region(GROUP, whole_sequence=True)],
     )
     new_init = drop_unused_locals(new_init, free_names(linears[projections[0]].call))
-    name = cls.name.value
+    name, applied = cls.name.value, {"q": "q_proj's output", "k": "k_proj's output", "o": f"{out}'s input"}
     ctx.rewrites += [
         f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})",
         f"{name}: {out} -> RowParallelLinear ({GROUP})",
         *(f"{name}: {a} -> this rank's heads (shard_heads, {GROUP})" for a in sinks.values()),
         *(
-            f"{name}: {a} runs on every head of {p}_proj's output (gather_heads, {GROUP})"
-            for a, p in all_heads.values()
+            f"{name}: {a} runs on every head of {applied[k]} (gather_heads, {GROUP})"
+            for a, k in all_heads.values()
         ),
     ]
     if not fused:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, classes, doubled, method
+from skills.migrator.cst_utils import assigned_names, called_name, classes, doubled, method
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import (
     LINEAR,
@@ -87,6 +87,17 @@ def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
     return y in assigned_names(later[0]) or len(later) == 1  # y rebound by the halving, or never read again
 
 
+def _sized_by(init: cst.FunctionDef, skip: list[cst.BaseStatement], width: str) -> bool:
+    """Another module of init is built with the intermediate width (BitNet's `ffn_sub_norm` between the
+    projections), spelt as the projection spells it or as the value of the local it names: a rank would hand it
+    only its share of that width."""
+    spellings = [width] + [code(a.value) for a in m.findall(init, m.Assign([m.AssignTarget(m.Name(width))]))]
+    pattern = re.compile("|".join(rf"(?<![\w.]){re.escape(w)}(?!\w)" for w in spellings))
+    others = [s for s in init.body.body if not any(s is k for k in skip)]
+    calls = [c for s in others for c in m.findall(s, m.Call()) if called_name(c) != "super"]
+    return any(pattern.search(code(c)) for c in calls)
+
+
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> cst.ClassDef | None:
     """The sharded class (the layer classes it uses added to `used`), None to leave it replicated."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
@@ -101,6 +112,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         return None
     first, down = args[columns[0]], args[row]
     half = doubled(cst.parse_expression(first.out_features))  # X of an output `2 * X`
+    width = code(half) if half is not None else first.out_features
+    if _sized_by(init, [linears[a].line for a in (*columns, row)], width):
+        return None
     if len(columns) == 2:
         up = args["up_proj"]
         if (first.in_features, first.bias) != (up.in_features, up.bias) or any(
