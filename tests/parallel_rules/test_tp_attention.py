@@ -489,21 +489,29 @@ def test_unshardable_latent_attention_is_a_finding(run_rule, make_ctx):
         assert finding.scope == "DeepseekV3Attention" and reason in finding.what, (reason, finding.what)
 
 
+def _sharded(run_rule, make_ctx, code: str, ctx=None) -> str:
+    """The rewritten code of an attention class the rule shards (ctx: the context to rewrite it in, to read its
+    rewrites after), checked idempotent."""
+    ctx = ctx or make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.findings == again.rewrites == []
+    return out
+
+
 def test_alibi_slopes_keep_this_ranks_heads(run_rule, make_ctx):
     # BLOOM / MPT: one ALiBi slope per query head, given to the runtime Attention when it is built.
     code = BEFORE.replace(
         "scale=self.head_dim**-0.5,\n",
         "scale=self.head_dim**-0.5,\n                alibi_slopes=alibi_slopes(config.num_attention_heads),\n",
     )
-    ctx = make_ctx()
-    out = run_rule(rule, code, ctx)
-    assert ctx.findings == []
+    out = _sharded(run_rule, make_ctx, code)
     assert (
         'alibi_slopes=local_share(alibi_slopes(config.num_attention_heads), comm_manager, "attn_tp_group")'
         in out
     )
     assert "from runtime.layers.head_shard import local_share" in out
-    assert run_rule(rule, out, make_ctx()) == out
 
 
 HEADS_READ = BEFORE.replace(
@@ -521,17 +529,13 @@ assert HEADS_READ.count("self.num_heads * self.head_dim") == 1
 def test_head_counts_read_by_forward_become_this_ranks(run_rule, make_ctx):
     """A head count forward reads as `self.x` is set to this rank's share at the end of __init__: the layers built
     before from the whole count are sharded by their own class."""
-    ctx = make_ctx()
-    out = run_rule(rule, HEADS_READ, ctx)
-    assert ctx.findings == []
+    out = _sharded(run_rule, make_ctx, HEADS_READ)
     assert (
         "        self.num_heads = self.qkv_proj.num_heads\n"
         "        self.num_kv_heads = self.qkv_proj.num_kv_heads\n"
         '        self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)\n'
     ) in out
     assert "reshape(*hidden_shape[:-2], self.num_heads * self.head_dim)" in out  # forward unchanged
-    again = make_ctx()
-    assert run_rule(rule, out, again) == out and again.findings == again.rewrites == []
 
 
 def test_head_count_read_but_set_other_than_once_is_a_finding(run_rule, make_ctx):
@@ -575,16 +579,13 @@ def test_qkv_viewed_per_head_in_a_helper_is_split_by_whole_heads(run_rule, make_
     head count becomes a rank's, the per-head LayerNorm (sized by a division by the heads) stays whole, the
     ALiBi slopes keep this rank's heads."""
     ctx = make_ctx()
-    out = run_rule(rule, BLOOM_BEFORE, ctx)
-    assert ctx.findings == []
+    out = _sharded(run_rule, make_ctx, BLOOM_BEFORE, ctx)
     assert (
         ctx.rewrites[0] == "BloomAttention: query_key_value -> ColumnParallelLinear by heads (attn_tp_group)"
     )
     assert 'self.num_heads = local_heads(self.num_heads, comm_manager, "attn_tp_group")\n' in out
     assert 'alibi_slopes=local_share(alibi_slopes(config.n_head), comm_manager, "attn_tp_group")' in out
     assert "self.k_norm = nn.LayerNorm(config.hidden_size // self.num_heads)" in out
-    again = make_ctx()
-    assert run_rule(rule, out, again) == out and again.findings == []
 
 
 def test_qkv_shape_built_from_its_size_is_split_by_whole_heads(run_rule, make_ctx):
@@ -622,15 +623,12 @@ def test_qkv_chunked_in_blocks_after_an_elementwise_clamp_is_split_per_rank(run_
         "        query_states, key_states, value_states = qkv.chunk(3, dim=2)\n",
     )
     assert code != PHI3_BEFORE
-    ctx = make_ctx()
-    out = run_rule(rule, code, ctx)
-    assert ctx.findings == []
+    out = _sharded(run_rule, make_ctx, code)
     assert (
         "query_states, key_states, value_states = qkv.split(self.qkv_proj.output_partition_sizes, dim=2)"
         in out
     )
     assert "qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)" in out
-    assert run_rule(rule, out, make_ctx()) == out
     mixed = code.replace(
         "qkv.clamp(min=-self.config.clip_qkv,", "qkv.clamp(min=qkv.mean(),"
     )  # not element-wise
@@ -652,12 +650,9 @@ def test_residual_added_after_the_output_projection_is_added_to_the_sums(run_rul
     """BLOOM adds the residual inside attention: the TPRegion reduces right after the output projection, and the
     residual (in the rank's own token layout, like the sums then) is added once."""
     assert RESIDUAL_BEFORE != BLOOM_BEFORE
-    ctx = make_ctx()
-    out = run_rule(rule, RESIDUAL_BEFORE, ctx)
-    assert ctx.findings == []
+    out = _sharded(run_rule, make_ctx, RESIDUAL_BEFORE)
     assert "output = self.tp_region.exit(self.dense(context.reshape(" in out
     assert "output = dropout_add(output, residual, 0.0, self.training)\n        return output\n" in out
-    assert run_rule(rule, out, make_ctx()) == out
 
 
 def test_hidden_states_read_after_the_output_projection_is_a_finding(run_rule, make_ctx):
@@ -678,8 +673,7 @@ def test_norm_over_every_heads_output_runs_on_every_head(run_rule, make_ctx):
     )
     assert code.count("attn_sub_norm") == 2
     ctx = make_ctx()
-    out = run_rule(rule, code, ctx)
-    assert ctx.findings == []
+    out = _sharded(run_rule, make_ctx, code, ctx)
     assert (
         "self.attn_sub_norm = gather_heads(RMSNorm(config.hidden_size), config.num_attention_heads, comm_manager, "
         '"attn_tp_group")' in out
@@ -688,4 +682,3 @@ def test_norm_over_every_heads_output_runs_on_every_head(run_rule, make_ctx):
         "LlamaAttention: attn_sub_norm runs on every head of o_proj's input (gather_heads, attn_tp_group)"
         in (ctx.rewrites)
     )
-    assert run_rule(rule, out, make_ctx()) == out

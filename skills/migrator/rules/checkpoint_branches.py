@@ -155,11 +155,13 @@ def _drop_rope_update(cls: cst.ClassDef, hf_names: set[str]) -> cst.ClassDef:
 
 
 def guard_untaken_branches(
-    module: cst.Module, config: PretrainedConfig, hf_names: set[str] | None, text: GuardText = GUARD
+    module: cst.Module, config: PretrainedConfig | None, hf_names: set[str] | None, text: GuardText = GUARD
 ) -> cst.Module:
     """module with the untaken config branches of each class built from config turned into guards: those that
     use hf_names or read a layer's weight, or every one when hf_names is None; `@dynamic_rope_update` dropped
-    where a guard pins the RoPE type."""
+    where a guard pins the RoPE type. Without a config (no checkpoint), module as it is."""
+    if config is None:
+        return module
     replaced = {}
     for name, cls in classes(module).items():
         init = method(cls, "__init__")
@@ -187,7 +189,4 @@ class CheckpointBranches(Rule):
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        config = self.rewrite.checkpoint_config
-        if config is None:
-            return module
-        return guard_untaken_branches(module, config, transformers_names(module))
+        return guard_untaken_branches(module, self.rewrite.checkpoint_config, transformers_names(module))

@@ -22,7 +22,4 @@ class GuardUntakenBranches(Rule):
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        config = self.rewrite.checkpoint_config
-        if config is None:
-            return module
-        return guard_untaken_branches(module, config, None, GUARD)
+        return guard_untaken_branches(module, self.rewrite.checkpoint_config, None, GUARD)
