@@ -1,6 +1,6 @@
-"""checkpoint_branches (PR008): every config branch the checkpoint never takes becomes a guard before the layers
-are sharded, so nothing it builds needs a rule; taken branches, plain code and a rewrite without the checkpoint's
-config are left alone."""
+"""checkpoint_branches (PR008): a config branch the checkpoint never takes that builds per-head modules (or uses
+them) becomes a guard before the layers are sharded, so nothing it builds needs a rule; taken branches, other
+untaken ones and a rewrite without the checkpoint's config are left alone."""
 
 from functools import partial
 from textwrap import dedent
@@ -45,23 +45,21 @@ def test_taken_branches_and_a_rewrite_without_the_config_untouched(make_ctx):
     assert_noop(rule, BEFORE, make_ctx)
 
 
-# Falcon: one `if` / `elif` chain per layout; the checkpoint (multi-query) takes the last arm. An untaken `elif`
-# cannot become two statements inside its chain (it is its parent's `orelse`): it keeps the rest of the chain.
+# One `if` / `elif` chain per layout (as Falcon writes its layouts); the checkpoint (multi-query) takes the last
+# arm. An untaken `elif` cannot become two statements inside its chain (it is its parent's `orelse`): it keeps the
+# rest of the chain.
 CHAIN = dedent("""\
     class FalconAttention(nn.Module):
         def __init__(self, config: FalconConfig):
             super().__init__()
             self.new_decoder_architecture = config.new_decoder_architecture
             self.multi_query = config.multi_query
-
-        def forward(self, x):
             if self.new_decoder_architecture:
-                return x + 1
+                self.norm = Norm(config.num_attention_heads * 4)
             elif not self.multi_query:
-                return x + 2
+                self.norm = Norm(config.num_attention_heads * 2)
             elif self.multi_query:
-                return x + 3
-            return x
+                self.norm = Norm(4)
     """)
 
 
@@ -74,7 +72,9 @@ def _guard(test: str) -> str:
 
 def test_an_untaken_elif_keeps_the_rest_of_its_chain(make_ctx):
     after = CHAIN.replace(
-        "            return x + 1\n        elif not self.multi_query:\n            return x + 2\n",
+        "            self.norm = Norm(config.num_attention_heads * 4)\n"
+        "        elif not self.multi_query:\n"
+        "            self.norm = Norm(config.num_attention_heads * 2)\n",
         _guard("self.new_decoder_architecture")
         + "        if not self.multi_query:\n"
         + _guard("not self.multi_query"),
@@ -82,3 +82,15 @@ def test_an_untaken_elif_keeps_the_rest_of_its_chain(make_ctx):
     assert after != CHAIN
     config = FalconConfig(new_decoder_architecture=False, multi_query=True)
     assert_codemod(rule, CHAIN, after, partial(make_ctx, checkpoint_config=config))
+
+
+def test_an_untaken_branch_without_per_head_modules_stays_general(make_ctx):
+    # llama's weight tie under tie_word_embeddings: nothing in it for the parallel rules to shard
+    code = dedent("""\
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config: CohereConfig):
+                super().__init__()
+                if config.tie_word_embeddings:
+                    self.lm_head.weight = self.model.embed_tokens.weight
+        """)
+    assert_noop(rule, code, partial(make_ctx, checkpoint_config=CohereConfig(tie_word_embeddings=False)))

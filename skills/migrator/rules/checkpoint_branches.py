@@ -7,6 +7,7 @@ quantized layer could honour), the body becomes a NotImplementedError naming the
 something else. `@dynamic_rope_update` goes from a class whose RoPE type is pinned that way to a
 non-dynamic one (the decorator does nothing for those types), and with it the attributes only it read."""
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import libcst as cst
@@ -87,12 +88,19 @@ def _reads_layer_weight(body: cst.BaseSuite) -> bool:
     return any(id(a) not in written for a in m.findall(body, LAYER_WEIGHT))
 
 
-class _Fold(cst.CSTTransformer):
-    """In one class: untaken config branches that use transformers names or read a layer's weight (every one:
-    hf_names None) become guards."""
+Wanted = Callable[[cst.ClassDef, cst.If], bool]
 
-    def __init__(self, scopes: dict[str, dict], hf_names: set[str] | None, text: GuardText) -> None:
-        self.scopes, self.hf_names, self.text, self.function = scopes, hf_names, text, []
+
+def keeps_transformers_alive(hf_names: set[str]) -> Wanted:
+    """MG018's branches: those whose body uses a name imported from transformers or reads a layer's weight."""
+    return lambda cls, branch: bool(names_in(branch.body) & hf_names) or _reads_layer_weight(branch.body)
+
+
+class _Fold(cst.CSTTransformer):
+    """In one class: the untaken config branches `wanted` picks become guards."""
+
+    def __init__(self, cls: cst.ClassDef, scopes: dict[str, dict], wanted: Wanted, text: GuardText) -> None:
+        self.cls, self.scopes, self.wanted, self.text, self.function = cls, scopes, wanted, text, []
         self.elifs: set[int] = set()  # an `elif` is its parent's orelse: it cannot become several statements
 
     def visit_If(self, node: cst.If) -> None:
@@ -110,8 +118,7 @@ class _Fold(cst.CSTTransformer):
         scope = self.scopes.get(self.function[0]) if len(self.function) == 1 else None
         if scope is None or is_guard(updated.body) or not _config_only(updated.test, set(scope)):
             return updated
-        kept = self.hf_names is not None and not names_in(updated.body) & self.hf_names
-        if kept and not _reads_layer_weight(updated.body):
+        if not self.wanted(self.cls, original):
             return updated
         ok, value = _evaluate(updated.test, scope)
         if not ok or value:
@@ -155,11 +162,14 @@ def _drop_rope_update(cls: cst.ClassDef, hf_names: set[str]) -> cst.ClassDef:
 
 
 def guard_untaken_branches(
-    module: cst.Module, config: PretrainedConfig | None, hf_names: set[str] | None, text: GuardText = GUARD
+    module: cst.Module,
+    config: PretrainedConfig | None,
+    wanted: Wanted,
+    text: GuardText = GUARD,
+    then: Callable[[cst.ClassDef], cst.ClassDef] = lambda cls: cls,
 ) -> cst.Module:
-    """module with the untaken config branches of each class built from config turned into guards: those that
-    use hf_names or read a layer's weight, or every one when hf_names is None; `@dynamic_rope_update` dropped
-    where a guard pins the RoPE type. Without a config (no checkpoint), module as it is."""
+    """module with the untaken config branches of each class built from config that `wanted` picks turned into
+    guards, `then` applied to each such class after. Without a config (no checkpoint), module as it is."""
     if config is None:
         return module
     replaced = {}
@@ -171,9 +181,7 @@ def guard_untaken_branches(
         methods = [s for s in cls.body.body if isinstance(s, cst.FunctionDef)]
         scopes = {fn.name.value: {"self": attrs} for fn in methods}
         scopes["__init__"] = {"self": attrs, "config": config}
-        new = cls.visit(_Fold(scopes, hf_names, text))
-        if hf_names is not None and _pins_rope_type(new):
-            new = _drop_rope_update(new, hf_names)
+        new = then(cls.visit(_Fold(cls, scopes, wanted, text)))
         if not new.deep_equals(cls):
             replaced[name] = new
     if not replaced:
@@ -189,4 +197,10 @@ class CheckpointBranches(Rule):
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        return guard_untaken_branches(module, self.rewrite.checkpoint_config, transformers_names(module))
+        hf_names = transformers_names(module)
+
+        def unpin(cls: cst.ClassDef) -> cst.ClassDef:
+            return _drop_rope_update(cls, hf_names) if _pins_rope_type(cls) else cls
+
+        config = self.rewrite.checkpoint_config
+        return guard_untaken_branches(module, config, keeps_transformers_alive(hf_names), then=unpin)

@@ -110,12 +110,12 @@ def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> 
         raised = {id(c) for r in m.findall(statement, m.Raise()) for c in m.findall(r, m.Call())}
         for call in (c for c in m.findall(statement, m.Call()) if id(c) not in raised):
             callee = called_name(call).split(".")[-1]
-            if (callee[:1].isupper() or callee == "Parameter") and _counts_heads(call):
+            if (callee[:1].isupper() or callee == "Parameter") and counts_heads(call):
                 return code(statement).strip()
     return None
 
 
-def _counts_heads(node: cst.CSTNode) -> bool:
+def counts_heads(node: cst.CSTNode) -> bool:
     """Whether node reads a head count other than as a divisor (`hidden_size // num_heads` is one head's size)."""
     divide = m.BinaryOperation(operator=m.FloorDivide() | m.Divide())
     divisors = {id(n) for d in m.findall(node, divide) for n in m.findall(d.right, m.Name())}

@@ -1,25 +1,50 @@
-"""Before any layer is sharded, every config branch the checkpoint never takes becomes a guard (the migrator's
-MG018 keeps the harmless ones general): a module such a branch builds (Cohere's and StableLM's per-head q / k
-norms, off under `use_qk_norm` / `qk_layernorm`) is never built for this checkpoint and needs no sharding, and
-the parallel code, bound to this checkpoint's layout, refuses one that takes the branch instead of running it with
-whole layers."""
+"""Before any layer is sharded, a config branch the checkpoint never takes becomes a guard when the parallel rules
+would otherwise have to shard what it builds (the migrator's MG018 keeps such branches general): one whose body
+builds a module or parameter sized by the head counts (Cohere's and StableLM's per-head q / k norms, off under
+`use_qk_norm` / `qk_layernorm`), and one that uses an attribute only such a branch sets. What the checkpoint never
+builds needs no sharding, and the parallel code refuses a checkpoint that takes the branch instead of running it
+with whole layers. Other untaken branches (a weight tie under `tie_word_embeddings`) stay general."""
 
 import libcst as cst
+import libcst.matchers as m
 
+from skills.migrator.cst_utils import called_name, method
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
+from skills.parallel_impl.rules.attention import counts_heads
 
 GUARD = (
     "parallelized for a checkpoint where `{test}` is false; ",
     "run `skill migrate` and `skill parallelize` on this checkpoint",
 )
+SELF_ATTR = m.Attribute(m.Name("self"), m.Name())
+
+
+def _builds_per_head(node: cst.CSTNode) -> bool:
+    """node builds a module (a capitalised callee) or a Parameter from the head counts."""
+    calls = m.findall(node, m.Call())
+    return any(
+        (called_name(c).split(".")[-1][:1].isupper() or called_name(c).endswith("Parameter"))
+        and counts_heads(c)
+        for c in calls
+    )
+
+
+def _per_head_attrs(cls: cst.ClassDef) -> set[str]:
+    """`self.x` that an `if` of __init__ sets in a body building per-head modules."""
+    init = method(cls, "__init__")
+    branches = [b for b in m.findall(init, m.If()) if _builds_per_head(b.body)] if init else []
+    return {t.target.attr.value for b in branches for t in m.findall(b.body, m.AssignTarget(SELF_ATTR))}
+
+
+def _needs_guard(cls: cst.ClassDef, branch: cst.If) -> bool:
+    used = {a.attr.value for a in m.findall(branch.body, SELF_ATTR)}
+    return _builds_per_head(branch.body) or bool(used & _per_head_attrs(cls))
 
 
 class GuardUntakenBranches(Rule):
     ID = "PR008"
-    DESCRIPTION = (
-        "Config branches the checkpoint never takes become guards, so no rule shards what they build."
-    )
+    DESCRIPTION = "Untaken config branches that build per-head modules (or use them) become guards."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        return guard_untaken_branches(module, self.rewrite.checkpoint_config, None, GUARD)
+        return guard_untaken_branches(module, self.rewrite.checkpoint_config, _needs_guard, GUARD)
