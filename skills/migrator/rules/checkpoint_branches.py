@@ -3,9 +3,10 @@ test reads nothing but the checkpoint's config (`config.x`, `self.config.x[...]`
 them) is evaluated on that config; when it is false and its body uses a name imported from transformers
 (`ROPE_INIT_FUNCTIONS[...]` for a RoPE type the checkpoint does not have) or reads a layer's weight itself
 instead of calling the layer (BLOOM's `pretraining_tp` slices of `self.dense.weight`, which no parallel or
-quantized layer could honour), the body becomes a NotImplementedError naming the test, so the same code given another checkpoint refuses instead of computing
-something else. `@dynamic_rope_update` goes from a class whose RoPE type is pinned that way to a
-non-dynamic one (the decorator does nothing for those types), and with it the attributes only it read."""
+quantized layer could honour), the body becomes a NotImplementedError naming the test, so the same code given
+another checkpoint refuses instead of computing something else. `@dynamic_rope_update` goes from a class whose
+RoPE type is pinned that way to a non-dynamic one (the decorator does nothing for those types), and with it the
+attributes only it read."""
 
 from collections.abc import Callable
 from types import SimpleNamespace

@@ -62,17 +62,16 @@ QKV = ("q_proj", "k_proj", "v_proj")
 OUT = ("o_proj", "out_proj", "dense")
 FUSED_ON_DISK = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv")
 STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v")]
+# head counts as configs and attention classes name them
+HEADS = ("num_attention_heads", "num_key_value_heads", "num_heads", "num_kv_heads")
 # forward code that would mean whole-model head counts / widths, which a rank no longer has
-GLOBAL_SIZES = re.compile(
-    r"\b(num_heads|num_attention_heads|num_key_value_heads|num_kv_heads|n_heads|n_head|hidden_size|"
-    r"embed_dim|all_head_size)\b"
-)
+GLOBAL_SIZES = re.compile(rf"\b({'|'.join(HEADS)}|n_heads|n_head|hidden_size|embed_dim|all_head_size)\b")
 
 
 # a module or parameter built in __init__ with these is sized for every head, not a rank's share
-HEAD_COUNTS = re.compile(r"\b(num_attention_heads|num_key_value_heads|num_heads|num_kv_heads)\b")
+HEAD_COUNTS = re.compile(rf"\b({'|'.join(HEADS)})\b")
 # head counts a method other than __init__ may read as `self.<attr>`: they size the activations a rank holds
-HEAD_ATTRS = re.compile(r"num_heads|num_attention_heads|num_key_value_heads|num_kv_heads|n_heads|n_head")
+HEAD_ATTRS = re.compile("|".join((*HEADS, "n_heads", "n_head")))
 
 
 def _head_attrs(fns: list[cst.FunctionDef], init: cst.FunctionDef) -> list[str]:
@@ -97,7 +96,7 @@ def _set_once(init: cst.FunctionDef, attr: str) -> bool:
 
 def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatementLine]:
     """`self.x = <this rank's share of x>` for each head count x: share[x], or local_heads of it."""
-    default = 'local_heads(self.{}, comm_manager, "' + GROUP + '")'
+    default = f'local_heads(self.{{}}, comm_manager, "{GROUP}")'
     return [stmt(f"self.{a} = {share.get(a) or default.format(a)}\n") for a in attrs]
 
 
@@ -108,11 +107,15 @@ def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> 
         if any(statement is s for s in skip):
             continue
         raised = {id(c) for r in m.findall(statement, m.Raise()) for c in m.findall(r, m.Call())}
-        for call in (c for c in m.findall(statement, m.Call()) if id(c) not in raised):
-            callee = called_name(call).split(".")[-1]
-            if (callee[:1].isupper() or callee == "Parameter") and counts_heads(call):
-                return code(statement).strip()
+        if any(builds_from_heads(c) for c in m.findall(statement, m.Call()) if id(c) not in raised):
+            return code(statement).strip()
     return None
+
+
+def builds_from_heads(call: cst.Call) -> bool:
+    """call builds a module (a capitalised callee) or a Parameter sized by the head counts."""
+    callee = called_name(call).split(".")[-1]
+    return (callee[:1].isupper() or callee == "Parameter") and counts_heads(call)
 
 
 def counts_heads(node: cst.CSTNode) -> bool:
@@ -259,9 +262,9 @@ MINUS_ONE = m.UnaryOperation(m.Minus(), m.Integer("1"))
 def _first_view(
     cls: cst.ClassDef, scope: cst.FunctionDef, name: str, after: int
 ) -> tuple[cst.FunctionDef, cst.Call] | None:
-    """(its method, the `.view(...)` / `.reshape(...)` call) that first shapes the tensor `name` holds from statement `after` of
-    scope on, when nothing but its `.shape` / `.size()` reads it before (following it into one method of cls it
-    is passed to) and its unshaped value is not read after."""
+    """(its method, the `.view(...)` / `.reshape(...)` call) that first shapes the tensor `name` holds from
+    statement `after` of scope on, when nothing but its `.shape` / `.size()` reads it before (following it into one
+    method of cls it is passed to) and its unshaped value is not read after."""
     body = scope.body.body
     for i, s in enumerate(body[after + 1 :], after + 1):
         reads = len(m.findall(s, m.Name(name))) - len(m.findall(s, m.AssignTarget(m.Name(name))))
@@ -347,8 +350,8 @@ def _viewed_per_head(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: 
 def _in_region(fwd: cst.FunctionDef, out: str) -> cst.FunctionDef | str:
     """forward inside the class's TPRegion: its partial sums reduced on return, or right after the output projection
     when forward then only adds its other arguments (see exit_point); why not otherwise."""
-    exit_at = None if returns_output_of(fwd, out) else exit_point(fwd, out)
-    if exit_at is None and not returns_output_of(fwd, out):
+    exit_at = None
+    if not returns_output_of(fwd, out) and (exit_at := exit_point(fwd, out)) is None:
         return f"forward does not return {out}'s output as is, nor only combine it with its other arguments"
     return wrap_region(fwd, exit_at) or "forward takes no hidden-states argument"
 

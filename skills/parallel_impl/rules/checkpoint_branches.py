@@ -8,10 +8,10 @@ with whole layers. Other untaken branches (a weight tie under `tie_word_embeddin
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import called_name, method
+from skills.migrator.cst_utils import method
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
-from skills.parallel_impl.rules.attention import counts_heads
+from skills.parallel_impl.rules.attention import builds_from_heads
 
 GUARD = (
     "parallelized for a checkpoint where `{test}` is false; ",
@@ -21,13 +21,7 @@ SELF_ATTR = m.Attribute(m.Name("self"), m.Name())
 
 
 def _builds_per_head(node: cst.CSTNode) -> bool:
-    """node builds a module (a capitalised callee) or a Parameter from the head counts."""
-    calls = m.findall(node, m.Call())
-    return any(
-        (called_name(c).split(".")[-1][:1].isupper() or called_name(c).endswith("Parameter"))
-        and counts_heads(c)
-        for c in calls
-    )
+    return any(builds_from_heads(c) for c in m.findall(node, m.Call()))
 
 
 def _per_head_attrs(cls: cst.ClassDef) -> set[str]:

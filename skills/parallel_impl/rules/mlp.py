@@ -108,7 +108,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
     columns, row = unit
     args: dict[str, LinearArgs | None] = {a: linear_args(linears[a].call) for a in (*columns, row)}
     adds_after = not returns_output_of(fwd, row)  # BLOOM / MPT add the residual they are given
-    if None in args.values() or (adds_after and exit_point(fwd, row) is None):
+    if None in args.values():
         return None
     first, down = args[columns[0]], args[row]
     half = doubled(cst.parse_expression(first.out_features))  # X of an output `2 * X`
@@ -135,7 +135,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         return None
     else:
         attr, ctor, out = columns[0], "ColumnParallelLinear", first.out_features
-    fwd = wrap_region(fwd, exit_point(fwd, row) if adds_after else None)
+    exit_at = exit_point(fwd, row) if adds_after else None  # on forward as fused above
+    if adds_after and exit_at is None:
+        return None
+    fwd = wrap_region(fwd, exit_at)
     if fwd is None:
         return None
     changes = {id(linears[a].line): [] for a in columns[1:]}
