@@ -499,3 +499,45 @@ def test_vocabulary_layers_under_other_names_follow_their_own_tp_sizes():
     assert unnamed.per_rank_param_bytes - named.per_rank_param_bytes == 512 * 64 * (1 / 2 - 1 / 4) * BF16
     assert any(r.startswith("embed_tokens -> VocabParallelEmbedding (embed_tp=4") for r in named.rewrites)
     assert any("(dense_tp=4: intermediate 256 -> 64 per rank)" in r for r in named.rewrites)
+
+
+def test_experts_counted_from_their_stacked_weights_when_the_config_names_them_otherwise():
+    """Aria names its routed experts `moe_num_experts`: the plan reads their count off the stacked weights."""
+    aria = AutoConfig.for_model(
+        "aria_text",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        vocab_size=512,
+        num_hidden_layers=2,
+        moe_num_experts=4,
+        moe_topk=2,
+    )
+    sharded = SHARDABLE | {"experts"}
+    whole = make_plan(pc(4, 2, 1, 2, 4, moe_tp_size=4), aria, torch.bfloat16, sharded)
+    split = make_plan(pc(4, 2, 1, 2, 4, moe_tp_size=1), aria, torch.bfloat16, sharded)
+    assert "1 of 4 experts per rank" in "\n".join(split.rewrites)
+    experts = 2 * 4 * 3 * 64 * 32 * BF16  # layers x experts x (gate, up, down) x hidden x intermediate
+    assert whole.per_rank_param_bytes - split.per_rank_param_bytes == experts * 3 // 4
+
+
+def test_a_gate_inside_attention_follows_the_attention_tp_size():
+    """AFMoE's `self_attn.gate_proj` is split by heads with q_proj (attn_tp), not like the MLP's gate_proj."""
+    afmoe = AutoConfig.for_model(
+        "afmoe",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        vocab_size=512,
+        num_hidden_layers=2,
+        num_dense_layers=2,
+    )
+    sharded = SHARDABLE | {"gate_proj"}
+    dense_only = make_plan(pc(2, 1, 2, 2, 2), afmoe, torch.float32, sharded)
+    with_attention = make_plan(pc(2, 2, 2, 2, 2), afmoe, torch.float32, sharded)
+    attention = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 64 * 64) * 4  # layers x (q, k+v, o, gate) x fp32
+    assert dense_only.per_rank_param_bytes - with_attention.per_rank_param_bytes == attention // 2

@@ -92,7 +92,7 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
     experts = next(
         (n for k in ("num_experts", "n_routed_experts", "num_local_experts") if (n := getattr(cfg, k, None))),
         0,
-    )
+    ) or _stacked_experts(hf_config)
     intermediate = getattr(cfg, "intermediate_size", None) or _mlp_width(hf_config)
     moe_i = getattr(cfg, "moe_intermediate_size", None) or intermediate
     shared = (
@@ -242,6 +242,17 @@ def _mlp_width(hf_config: PretrainedConfig) -> int:
     return next((shape[0] for name, shape in shapes if _attr(name) in column and name.endswith(".weight")), 0)
 
 
+def _stacked_experts(hf_config: PretrainedConfig) -> int:
+    """The routed experts of a config that names their count otherwise (Aria's `moe_num_experts`): the leading
+    size of the experts' stacked [num_experts, ...] parameters; 0 without them. The model is built only for a
+    config with a field about experts."""
+    fields = hf_config.get_text_config().to_dict()
+    if not any("expert" in k and isinstance(v, int) and v > 1 for k, v in fields.items()):
+        return 0
+    shapes = _param_shapes(hf_config).items()
+    return next((shape[0] for name, shape in shapes if "experts" in name.split(".") and len(shape) == 3), 0)
+
+
 def _param_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the Hugging Face model (tied ones once), built on the meta device: shapes, no memory."""
     try:
@@ -270,8 +281,11 @@ def _module(name: str, roles: Mapping[str, str]) -> str:
     leaf = _attr(name)
     if leaf in roles:
         return roles[leaf]
-    if leaf in OUT and len(parts) > 2 and "att" in parts[-3]:  # GPT-NeoX's `attention.dense`
+    in_attention = len(parts) > 2 and "att" in parts[-3]
+    if leaf in OUT and in_attention:  # GPT-NeoX's `attention.dense`
         return "o_proj"
+    if leaf in _MLP_COLUMN and in_attention:  # AFMoE's output gate: split by heads with q_proj, not the MLP
+        return f"attention_{leaf}"
     return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
 
 

@@ -3,6 +3,8 @@ around forward; attention that can't be sharded is a finding."""
 
 from textwrap import dedent
 
+import pytest
+
 from skills.parallel_impl.rewrite import parallelize_source
 from skills.parallel_impl.rules.attention import ShardAttention as rule
 
@@ -682,3 +684,74 @@ def test_norm_over_every_heads_output_runs_on_every_head(run_rule, make_ctx):
         "LlamaAttention: attn_sub_norm runs on every head of o_proj's input (gather_heads, attn_tp_group)"
         in (ctx.rewrites)
     )
+
+
+GATED = BEFORE.replace(
+    "        self.attn = Attention(\n",
+    "        self.gate_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)\n"
+    "        self.attn = Attention(\n",
+).replace(
+    "        attn_output = self.o_proj(",
+    "        attn_output = attn_output * torch.sigmoid(self.gate_proj(hidden_states))\n"
+    "        attn_output = self.o_proj(",
+)
+
+
+def test_output_gate_per_query_head_is_split_by_heads(run_rule, make_ctx):
+    # AFMoE: gate_proj, built like q_proj, gates each query head's channels of the attention output.
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, GATED, ctx)
+    assert (
+        "        self.gate_proj = ColumnParallelLinear(config.hidden_size, config.num_attention_heads * self.head_dim, "
+        'bias=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "gate_proj"))\n'
+        in out
+    )
+    assert "attn_output * torch.sigmoid(self.gate_proj(hidden_states))" in out
+    assert ctx.rewrites[-1] == (
+        "LlamaAttention: gate_proj -> ColumnParallelLinear by query heads, like q_proj (attn_tp_group)"
+    )
+
+
+def test_gate_sized_otherwise_than_q_proj_is_a_finding(run_rule, make_ctx):
+    code = GATED.replace(
+        "nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)",
+        "nn.Linear(config.hidden_size, config.num_attention_heads, bias=False)",
+    )
+    assert "`self.gate_proj = nn.Linear(" in _finding(run_rule, make_ctx, code)
+
+
+def test_gate_bias_per_query_head_keeps_this_ranks_heads(run_rule, make_ctx):
+    # Beam: one gate bias per query head, broadcast over the heads of the gate.
+    code = GATED.replace(
+        "        self.attn = Attention(\n",
+        "        self.gate_bias = nn.Parameter(torch.zeros(config.num_attention_heads))\n        self.attn = Attention(\n",
+    ).replace(
+        "torch.sigmoid(self.gate_proj(hidden_states))",
+        "torch.sigmoid(self.gate_proj(hidden_states) + self.gate_bias[None, :, None])",
+    )
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, code, ctx)
+    assert (
+        "        self.gate_bias = shard_heads(nn.Parameter(torch.zeros(config.num_attention_heads)), comm_manager, "
+        '"attn_tp_group")\n' in out
+    )
+    assert "LlamaAttention: gate_bias -> this rank's heads (shard_heads, attn_tp_group)" in ctx.rewrites
+
+
+@pytest.mark.parametrize(
+    "use, size",
+    [
+        ("self.gate_bias[None, :, None]", "config.num_key_value_heads"),  # sized by the key heads
+        ("self.gate_bias[None, :, :]", "config.num_attention_heads"),  # two axes kept: not one per head
+        ("self.gate_bias.sum()", "config.num_attention_heads"),  # every head together
+    ],
+)
+def test_per_head_parameter_not_broadcast_per_query_head_is_a_finding(run_rule, make_ctx, use, size):
+    code = GATED.replace(
+        "        self.attn = Attention(\n",
+        f"        self.gate_bias = nn.Parameter(torch.zeros({size}))\n        self.attn = Attention(\n",
+    ).replace(
+        "torch.sigmoid(self.gate_proj(hidden_states))",
+        f"torch.sigmoid(self.gate_proj(hidden_states) + {use})",
+    )
+    assert "`self.gate_bias = nn.Parameter(" in _finding(run_rule, make_ctx, code)

@@ -1,14 +1,17 @@
 """Attention is sharded by heads in attn_tp_group: q_proj/k_proj/v_proj become one QKVParallelLinear
 `qkv_proj`, o_proj a RowParallelLinear whose partial sums the class's TPRegion reduces on the way out, and
-the runtime `Attention` gets the per-rank head counts (which also size this rank's KV cache), and a per-head
-parameter it receives as `sinks=` keeps this rank's heads (`shard_heads`); a module applied to all heads' q or k
-projection output (OLMo2's q_norm / k_norm) runs on every head (`gather_heads`).
+the runtime `Attention` gets the per-rank head counts (which also size this rank's KV cache). A per-head
+parameter it receives as `sinks=`, or broadcasts along the head axis, keeps this rank's heads (`shard_heads`);
+another linear with q_proj's output size (an output gate per query-head channel) is split by heads like q_proj;
+a module applied to all heads' q or k projection output (OLMo2's q_norm / k_norm) runs on every head
+(`gather_heads`).
 
 Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -31,6 +34,7 @@ from skills.parallel_impl.rules._units import (
     LINEAR_IMPORT,
     REGION_IMPORTS,
     Layer,
+    LinearArgs,
     arg,
     bound_call,
     code,
@@ -125,19 +129,30 @@ def counts_heads(node: cst.CSTNode) -> bool:
     return any(HEAD_COUNTS.fullmatch(n.value) and id(n) not in divisors for n in m.findall(node, m.Name()))
 
 
-def _sink_lines(cls: cst.ClassDef, init: cst.FunctionDef, fwd: cst.FunctionDef) -> dict[int, str]:
-    """id() of each __init__ line `self.x = ...` whose parameter forward uses only as `sinks=self.x` -> x."""
+def _per_head_params(
+    cls: cst.ClassDef, init: cst.FunctionDef, fwd: cst.FunctionDef, q_heads: str
+) -> dict[int, str]:
+    """id() of each __init__ line `self.x = ...` whose value forward uses only per query head -> x: as
+    `sinks=self.x` (GPT-OSS), or, built from the query head count q_heads, broadcast along the head axis as
+    `self.x[None, :, None]` (a gate bias per head)."""
     sink = m.Arg(keyword=m.Name("sinks"), value=m.Attribute(m.Name("self"), m.Name()))
-    attrs = {a.value.attr.value for a in m.findall(fwd, sink)}
-    return {
-        id(s): a
-        for s in init.body.body
-        for a in attrs
-        if m.matches(
-            s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(a)))])])
-        )
-        and self_refs(cls, a) == 2
-    }
+    sinks = {a.value.attr.value for a in m.findall(fwd, sink)}
+    broadcast = set()
+    for sub in m.findall(fwd, m.Subscript(m.Attribute(m.Name("self"), m.Name()))):
+        slices = [e.slice for e in sub.slice]
+        full = [x for x in slices if m.matches(x, m.Slice(lower=None, upper=None, step=None))]
+        if len(full) == 1 and all(x is full[0] or m.matches(x, m.Index(m.Name("None"))) for x in slices):
+            broadcast.add(sub.value.attr.value)
+    found = {}
+    for s in init.body.body:
+        target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))
+        if not m.matches(s, m.SimpleStatementLine([m.Assign([target])])):
+            continue
+        a, value = s.body[0].targets[0].target.attr.value, code(s.body[0].value)
+        per_head = a in sinks or (a in broadcast and re.search(rf"\b{re.escape(q_heads)}\b", value))
+        if per_head and self_refs(cls, a) == 2:
+            found[id(s)] = a
+    return found
 
 
 def _all_head_modules(
@@ -182,6 +197,21 @@ def _feeds(fwd: cst.FunctionDef, attr: str, out: str) -> bool:
             if m.findall(after, m.Call(m.Attribute(m.Name("self"), m.Name(out)), [m.Arg(m.Name(y))])):
                 return True
     return False
+
+
+def _head_gates(
+    cls: cst.ClassDef, linears: dict[str, Layer], taken: Sequence[str], q_proj: str
+) -> dict[str, LinearArgs]:
+    """attr -> arguments of each other linear built with q_proj's output size, which forward calls once (AFMoE's
+    `gate_proj`, a gate per query-head channel): its rows are the query heads', split by heads like q_proj's."""
+    q_out = linear_args(linears[q_proj].call)
+    found = {}
+    for attr, layer in linears.items():
+        args = linear_args(layer.call)
+        same = args is not None and q_out is not None and args.out_features == q_out.out_features
+        if attr not in taken and same and self_refs(cls, attr) == 2:
+            found[attr] = args
+    return found
 
 
 def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
@@ -478,9 +508,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return f"the Attention layer is built before {projections[0]}, whose per-rank head counts it takes"
     if _computed_later(init, sizes, first, attn.line):
         return f"the Attention head counts use values computed after {projections[0]}"
-    sinks = _sink_lines(cls, init, fwd)
+    sinks = _per_head_params(cls, init, fwd, sizes[1])
     all_heads = {} if fused else _all_head_modules(init, fwd, cls, out)
-    skip = [linears[a].line for a in (*projections, out)] + [attn.line]
+    gates = _head_gates(cls, linears, (*projections, out), projections[0])
+    skip = [linears[a].line for a in (*projections, out, *gates)] + [attn.line]
     skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
@@ -511,6 +542,18 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     call = _shard_alibi(_set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads"))
     attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
     sink_lines = {id(s): [_wrapped(s, "shard_heads")] for s in init.body.body if id(s) in sinks}
+    gate_lines = {
+        id(linears[g].line): [
+            parallel_layer(
+                g,
+                "ColumnParallelLinear",
+                [a.in_features, a.out_features, f"bias={a.bias}"],
+                GROUP,
+                linears[g].line,
+            )
+        ]
+        for g, a in gates.items()
+    }
     heads_of = {"q": sizes[1], "k": sizes[2], "o": sizes[1]}
     all_head_lines = {
         id(s): [_wrapped(s, "gather_heads", heads_of[all_heads[id(s)][1]])]
@@ -525,6 +568,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
             id(linears[out].line): [o_proj],
             id(attn.line): [attn_line],
             **sink_lines,
+            **gate_lines,
             **all_head_lines,
         },
         [*_localized(local, _qkv_shares(init, local, qkv_attr, sizes)), region(GROUP, whole_sequence=True)],
@@ -535,6 +579,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})",
         f"{name}: {out} -> RowParallelLinear ({GROUP})",
         *(f"{name}: {a} -> this rank's heads (shard_heads, {GROUP})" for a in sinks.values()),
+        *(
+            f"{name}: {g} -> ColumnParallelLinear by query heads, like {projections[0]} ({GROUP})"
+            for g in gates
+        ),
         *(
             f"{name}: {a} runs on every head of {applied[k]} (gather_heads, {GROUP})"
             for a, k in all_heads.values()
