@@ -203,3 +203,26 @@ def test_a_tensor_fused_on_disk_splits_into_the_blocks_of_a_fused_layer():
     loaded = load_named_weights(model, [("layers.0.attention.query_key_value.weight", qkv)], mapping)
     assert "layers.0.self_attn.qkv_proj.weight" in loaded
     assert torch.equal(attn.qkv_proj.weight, qkv)
+
+
+def test_a_parameter_named_like_a_fused_part_loads_as_itself():
+    """AFMoE's attention has its own `gate_proj` beside the MLP's, which the migrated code fuses into
+    gate_up_proj: the attention's tensor loads into its own parameter, the MLP's into its block."""
+    from runtime.layers.linear import MergedColumnParallelLinear
+    from runtime.layers.weights import load_named_weights
+
+    model = torch.nn.Module()
+    model.self_attn, model.mlp = torch.nn.Module(), torch.nn.Module()
+    model.self_attn.gate_proj = torch.nn.Linear(4, 2, bias=False)
+    model.mlp.gate_up_proj = MergedColumnParallelLinear(4, [3, 3])
+    mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+    gate, mlp_gate, mlp_up = torch.ones(2, 4), torch.full((3, 4), 2.0), torch.full((3, 4), 3.0)
+    weights = [
+        ("self_attn.gate_proj.weight", gate),
+        ("mlp.gate_proj.weight", mlp_gate),
+        ("mlp.up_proj.weight", mlp_up),
+    ]
+    loaded = load_named_weights(model, weights, mapping)
+    assert loaded == {"self_attn.gate_proj.weight", "mlp.gate_up_proj.weight"}
+    assert torch.equal(model.self_attn.gate_proj.weight, gate)
+    assert torch.equal(model.mlp.gate_up_proj.weight, torch.cat([mlp_gate, mlp_up]))

@@ -541,3 +541,28 @@ def test_a_gate_inside_attention_follows_the_attention_tp_size():
     with_attention = make_plan(pc(2, 2, 2, 2, 2), afmoe, torch.float32, sharded)
     attention = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 64 * 64) * 4  # layers x (q, k+v, o, gate) x fp32
     assert dense_only.per_rank_param_bytes - with_attention.per_rank_param_bytes == attention // 2
+
+
+def test_mlp_widths_that_differ_per_layer_must_each_divide():
+    """Gemma 3n gives each layer its own MLP width (`intermediate_size` is a list)."""
+    gemma3n = AutoConfig.for_model(
+        "gemma3n_text",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=[64, 96],
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size_per_layer_input=8,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0, 0.0],
+    )
+    plan = make_plan(pc(2, 2, 2, 2, 2), gemma3n, torch.float32)
+    assert "intermediate 64 / 96 -> 32 / 48 per rank" in "\n".join(plan.rewrites)
+    message = rejected(pc(64, 64, 64, 64, 64), gemma3n)
+    assert "intermediate_size 64 / 96 is not divisible by it" in message

@@ -79,7 +79,8 @@ def load_named_weights(
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
     for name, weight in _unfused(weights, layout, params, mapping):
-        (target, shard_id), part = _fused(name, mapping), None
+        # a parameter of this very name wins over a fused one (AFMoE's attention `gate_proj` beside the MLP's)
+        (target, shard_id), part = (name, None) if name in params else _fused(name, mapping), None
         if target not in params:  # transformers' names for the type (Exaone's `transformer.h.*`), then fused
             target, part = layout().resolve(name)
             if part is None:

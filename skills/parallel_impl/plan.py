@@ -78,7 +78,7 @@ class _Shapes:
     hidden: int
     heads: int
     kv_heads: int
-    intermediate: int
+    intermediate: tuple[int, ...]  # the dense MLP's widths: several when they differ per layer (Gemma 3n)
     vocab: int
     experts: int  # routed experts; 0 for a dense model
     moe_intermediate: int
@@ -93,8 +93,9 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
         (n for k in ("num_experts", "n_routed_experts", "num_local_experts") if (n := getattr(cfg, k, None))),
         0,
     ) or _stacked_experts(hf_config)
-    intermediate = getattr(cfg, "intermediate_size", None) or _mlp_width(hf_config)
-    moe_i = getattr(cfg, "moe_intermediate_size", None) or intermediate
+    widths = getattr(cfg, "intermediate_size", None) or _mlp_width(hf_config)
+    intermediate = tuple(sorted(set(widths))) if isinstance(widths, (list, tuple)) else (widths,)
+    moe_i = getattr(cfg, "moe_intermediate_size", None) or intermediate[0]
     shared = (
         getattr(cfg, "shared_expert_intermediate_size", None)
         or (getattr(cfg, "n_shared_experts", None) or 0) * moe_i
@@ -112,6 +113,10 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
         bool(getattr(cfg, "kv_lora_rank", None)),
         bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
+
+
+def _widths(widths: tuple[int, ...]) -> str:
+    return " / ".join(map(str, widths))
 
 
 def _divisors(n: int) -> list[int]:
@@ -171,8 +176,8 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
         )
     need(
         "dense_tp_size",
-        lambda t: s.intermediate % t == 0,
-        f"intermediate_size {s.intermediate} is not divisible by it",
+        lambda t: all(i % t == 0 for i in s.intermediate),
+        f"intermediate_size {_widths(s.intermediate)} is not divisible by it",
     )
     if s.experts:
         need(
@@ -402,8 +407,9 @@ def _rewrites(
         i = s.intermediate
         column = [m for m in _MLP_COLUMN if m in modules]
         kind = "MergedColumnParallelLinear" if len(column) > 1 else "ColumnParallelLinear"
+        per_rank = _widths(tuple(w // d for w in i))
         steps.append(
-            f"{'/'.join(column)} -> {kind} (dense_tp={d}: intermediate {i} -> {i // d} per rank)"
+            f"{'/'.join(column)} -> {kind} (dense_tp={d}: intermediate {_widths(i)} -> {per_rank} per rank)"
             f"{on('dense_tp_group', d)}"
         )
         steps.append(

@@ -755,3 +755,54 @@ def test_per_head_parameter_not_broadcast_per_query_head_is_a_finding(run_rule, 
         f"torch.sigmoid(self.gate_proj(hidden_states) + {use})",
     )
     assert "`self.gate_bias = nn.Parameter(" in _finding(run_rule, make_ctx, code)
+
+
+# Gemma 3n, shortened: layers that reuse an earlier layer's keys and values build no k_proj / v_proj.
+KV_SHARED = BEFORE.replace(
+    "        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=True)\n"
+    "        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=True)\n",
+    '        self.is_kv_shared_layer = config.kv_sharing_modes[layer_idx] == "reuse"\n'
+    "        if not self.is_kv_shared_layer:\n"
+    "            self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=True)\n"
+    "            self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=True)\n",
+).replace(
+    "        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
+    "        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n",
+    "        if self.is_kv_shared_layer:\n"
+    '            key_states, value_states = kwargs["shared_kv_states"]\n'
+    "        else:\n"
+    "            key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
+    "            value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n",
+)
+
+
+def test_projections_built_only_in_some_layers_are_split_by_heads_unfused(run_rule, make_ctx):
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, KV_SHARED, ctx)
+    plumbing = 'comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "{}"))'
+    assert (
+        "        self.q_proj = ColumnParallelLinear(config.hidden_size, config.num_attention_heads * self.head_dim, "
+        "bias=True, " + plumbing.format("q_proj") in out
+    )
+    assert (
+        "            self.k_proj = ColumnParallelLinear(config.hidden_size, config.num_key_value_heads * "
+        "self.head_dim, bias=True, " + plumbing.format("k_proj") in out
+    )
+    assert "self.v_proj = ColumnParallelLinear(" in out and "QKVParallelLinear" not in out
+    assert 'num_kv_heads=local_heads(config.num_key_value_heads, comm_manager, "attn_tp_group")' in out
+    assert (
+        ctx.rewrites[0]
+        == "LlamaAttention: q_proj/k_proj/v_proj -> ColumnParallelLinear by heads (attn_tp_group)"
+    )
+
+
+def test_a_projection_assigned_twice_is_a_finding(run_rule, make_ctx):
+    code = KV_SHARED.replace(
+        "        self.o_proj = nn.Linear(",
+        "        else:\n"
+        "            self.k_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim)\n"
+        "        self.o_proj = nn.Linear(",
+    )
+    assert "`self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads" in _finding(
+        run_rule, make_ctx, code
+    )

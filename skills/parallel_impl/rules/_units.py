@@ -123,6 +123,19 @@ def edit_body(
     return fn.with_changes(body=fn.body.with_changes(body=[*body, *append]))
 
 
+class _ById(cst.CSTTransformer):
+    def __init__(self, new: dict[int, cst.CSTNode]) -> None:
+        self.new = new
+
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+        return self.new.get(id(original), updated)
+
+
+def replace_by_id(node: cst.CSTNode, new: dict[int, cst.CSTNode]) -> cst.CSTNode:
+    """node with each node under it whose id() is a key of new replaced by its value (in a block too)."""
+    return node.visit(_ById(new))
+
+
 def replace_classes(module: cst.Module, new: dict[str, cst.ClassDef]) -> cst.Module:
     return module.with_changes(
         body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]

@@ -47,6 +47,7 @@ from skills.parallel_impl.rules._units import (
     parallel_layer,
     plumbed,
     region,
+    replace_by_id,
     replace_classes,
     replace_methods,
     returns_output_of,
@@ -105,14 +106,14 @@ def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatem
 
 
 def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> str | None:
-    """Source of the first other __init__ statement that builds a module / parameter from the head counts (an
-    exception it raises is neither)."""
-    for statement in init.body.body:
-        if any(statement is s for s in skip):
-            continue
-        raised = {id(c) for r in m.findall(statement, m.Raise()) for c in m.findall(r, m.Call())}
-        if any(builds_from_heads(c) for c in m.findall(statement, m.Call()) if id(c) not in raised):
-            return code(statement).strip()
+    """Source of the first other line of __init__ (in a block too) that builds a module / parameter from the head
+    counts (an exception it raises is neither)."""
+    skipped = {id(c) for s in skip for c in m.findall(s, m.Call())}
+    for line in m.findall(init.body, m.SimpleStatementLine()):
+        raised = {id(c) for r in m.findall(line, m.Raise()) for c in m.findall(r, m.Call())}
+        calls = [c for c in m.findall(line, m.Call()) if id(c) not in raised | skipped]
+        if any(builds_from_heads(c) for c in calls):
+            return code(line).strip()
     return None
 
 
@@ -242,23 +243,24 @@ def _computed_later(
 
 
 def _optional_linears(init: cst.FunctionDef) -> dict[str, Layer]:
-    """attr -> Layer for each top-level `self.<attr> = nn.Linear(...)` of init, in order, also when the value is
-    `nn.Linear(...) if <cond> else None` (or the reverse): the layer the model builds when it has one."""
+    """attr -> Layer for each `self.<attr> = nn.Linear(...)` line of init, in order, also in a block (Gemma 3n
+    builds k_proj / v_proj only in layers that do not reuse another layer's keys) and when the value is
+    `nn.Linear(...) if <cond> else None` (or the reverse): the layer the model builds when it has one. An attribute
+    assigned more than once is left out."""
     optional = m.IfExp(body=m.Call() | m.Name("None"), orelse=m.Call() | m.Name("None"))
     line = m.SimpleStatementLine(
         [m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))], m.Call() | optional)]
     )
-    found = {}
-    for s in init.body.body:
-        if not m.matches(s, line):
-            continue
+    found, seen = {}, []
+    for s in m.findall(init.body, line):
+        attr = s.body[0].targets[0].target.attr.value
+        seen.append(attr)
         value = s.body[0].value
         branches = [value] if isinstance(value, cst.Call) else [value.body, value.orelse]
         calls = [c for c in branches if isinstance(c, cst.Call) and called_name(c) in LINEAR]
         if len(calls) == 1:
-            attr = s.body[0].targets[0].target.attr.value
             found[attr] = Layer(attr, s, calls[0])
-    return found
+    return {a: layer for a, layer in found.items() if seen.count(a) == 1}
 
 
 def _reads_global_size(fns: list[cst.FunctionDef], local: list[str]) -> str | None:
@@ -440,11 +442,13 @@ def _rewrite_per_head(
             call = _set_kwarg(call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")')
     call = _shard_alibi(call)
     changes = {
-        **{id(linears[a].line): [parallel(a, "ColumnParallelLinear", GROUP)] for a in per_head},
-        id(linears[out].line): [parallel(out, "OProjParallelLinear", OPROJ_GROUP)],
-        id(attn.line): [attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])],
+        **{id(linears[a].line): parallel(a, "ColumnParallelLinear", GROUP) for a in per_head},
+        id(linears[out].line): parallel(out, "OProjParallelLinear", OPROJ_GROUP),
+        id(attn.line): attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)]),
     }
-    new_init = edit_body(init, changes, [*_localized(local, {}), region(GROUP, whole_sequence=True)])
+    new_init = edit_body(
+        replace_by_id(init, changes), {}, [*_localized(local, {}), region(GROUP, whole_sequence=True)]
+    )
     name, replicated = cls.name.value, [a for a in linears if a not in (*per_head, out)]
     ctx.rewrites += [
         f"{name}: {'/'.join(per_head)} -> ColumnParallelLinear by heads ({GROUP})",
@@ -466,6 +470,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     linears = self_layers(init, LINEAR)
     if fwd is not None and not any(a in linears for a in (*QKV, *FUSED_ON_DISK)):
         return _rewrite_per_head(cls, ctx, init, fwd)
+    built = _optional_linears(init)
+    if fwd is not None and "q_proj" in linears and any(a not in linears and a in built for a in QKV):
+        # k / v built only in some layers, or not always: each projection split by its own heads, unfused
+        return _rewrite_per_head(cls, ctx, init, fwd, [a for a in QKV if a in built])
     attention = list(self_layers(init, {"Attention"}).values())
     out = next((a for a in OUT if a in linears), None)
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
