@@ -712,12 +712,43 @@ def test_output_gate_per_query_head_is_split_by_heads(run_rule, make_ctx):
     )
 
 
-def test_gate_sized_otherwise_than_q_proj_is_a_finding(run_rule, make_ctx):
+def test_gate_per_query_head_sized_through_a_local_is_split_by_heads(run_rule, make_ctx):
+    # Laguna: one gate per head (or per head channel), its size set in a local first.
+    code = GATED.replace(
+        "        self.gate_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)\n",
+        "        gate_dim = config.num_attention_heads if config.gate_per_head else config.num_attention_heads * self.head_dim\n"
+        "        self.gate_proj = nn.Linear(config.hidden_size, gate_dim, bias=False)\n",
+    )
+    out = _sharded(run_rule, make_ctx, code)
+    assert "self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_dim, bias=False, " in out
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        "config.num_key_value_heads * self.head_dim",  # the key heads'
+        "config.num_attention_heads * self.head_dim + config.num_key_value_heads",  # key heads too
+    ],
+)
+def test_gate_sized_otherwise_than_by_query_heads_is_a_finding(run_rule, make_ctx, size):
     code = GATED.replace(
         "nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)",
-        "nn.Linear(config.hidden_size, config.num_attention_heads, bias=False)",
+        f"nn.Linear(config.hidden_size, {size}, bias=False)",
     )
     assert "`self.gate_proj = nn.Linear(" in _finding(run_rule, make_ctx, code)
+
+
+def test_a_module_sized_for_all_heads_through_a_local_is_a_finding(run_rule, make_ctx):
+    code = GATED.replace(
+        "        self.gate_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)\n",
+        "        width = config.num_attention_heads * self.head_dim\n"
+        "        self.gate_norm = RMSNorm(width)\n"
+        "        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)\n",
+    ).replace(
+        "torch.sigmoid(self.gate_proj(hidden_states))",
+        "torch.sigmoid(self.gate_norm(self.gate_proj(hidden_states)))",
+    )
+    assert "`self.gate_norm = RMSNorm(width)`" in _finding(run_rule, make_ctx, code)
 
 
 def test_gate_bias_per_query_head_keeps_this_ranks_heads(run_rule, make_ctx):

@@ -270,3 +270,31 @@ def test_calls_that_may_change_something_stay(run_rule):
                 return self.model(input_ids)
         """)
     assert run_rule(rule, code) == code
+
+
+def test_an_if_left_with_pass_on_both_sides_goes_when_its_test_only_asks(run_rule):
+    # GPTBigCode once the encoder's mask is folded away: both branches only built it.
+    before = (
+        dedent("""\
+        class LlamaModel(nn.Module):
+            def forward(self, input_ids):
+                if is_flash_attention_requested(self.config):
+                    pass
+                else:
+                    pass
+                return self.embed(input_ids)
+        """)
+        + ENTRY
+    )
+    after = (
+        dedent("""\
+        class LlamaModel(nn.Module):
+            def forward(self, input_ids):
+                return self.embed(input_ids)
+        """)
+        + ENTRY
+    )
+    assert run_rule(rule, before) == after
+    assert run_rule(rule, after) == after
+    kept = before.replace("is_flash_attention_requested(self.config)", "self.setup(input_ids)")
+    assert run_rule(rule, kept) == kept  # a test that may change something stays

@@ -303,7 +303,7 @@ def test_blocks_called_in_an_enumerate_loop_lose_the_positional_arguments_too(ru
     # GPT2Model.forward (v5) passes cache and mask to each block positionally.
     code = dedent("""\
         class GPT2Block(nn.Module):
-            def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None, **kwargs):
+            def forward(self, hidden_states, cache=None, attention_mask=None, token_type_ids=None, **kwargs):
                 return hidden_states
 
 
@@ -318,7 +318,7 @@ def test_blocks_called_in_an_enumerate_loop_lose_the_positional_arguments_too(ru
                 return hidden_states
         """)
     out = run_rule(rule, code)
-    assert "def forward(self, hidden_states, encoder_hidden_states=None, **kwargs):" in out
+    assert "def forward(self, hidden_states, token_type_ids=None, **kwargs):" in out
     assert "hidden_states = block(hidden_states, None, position_ids=position_ids)" in out
 
 
@@ -512,3 +512,83 @@ def test_return_dict_folds_to_the_hidden_states_form(run_rule):
         """)
     assert run_rule(rule, before) == after
     assert run_rule(rule, after) == after
+
+
+# XGLM's attention and decoder layer, shortened: cross-attention reads an encoder's states.
+CROSS_ATTENTION = dedent("""\
+    class XGLMAttention(nn.Module):
+        def forward(self, hidden_states, key_value_states: torch.Tensor | None = None, **kwargs):
+            is_cross_attention = key_value_states is not None
+            current_states = key_value_states if is_cross_attention else hidden_states
+            return self.o_proj(self.k_proj(current_states))
+
+
+    class XGLMDecoderLayer(nn.Module):
+        def forward(self, hidden_states, encoder_hidden_states: torch.Tensor | None = None, **kwargs):
+            hidden_states = hidden_states + self.self_attn(hidden_states, **kwargs)
+            if encoder_hidden_states is not None:
+                hidden_states = hidden_states + self.encoder_attn(
+                    hidden_states, key_value_states=encoder_hidden_states, **kwargs
+                )
+            return hidden_states
+    """)
+
+
+def test_encoder_states_are_none_for_a_decoder_only_runtime(run_rule):
+    """No encoder runs beside a causal LM: cross-attention inputs are None, and a flag tested on them is False."""
+    after = dedent("""\
+        class XGLMAttention(nn.Module):
+            def forward(self, hidden_states, **kwargs):
+                is_cross_attention = False
+                current_states = hidden_states
+                return self.o_proj(self.k_proj(current_states))
+
+
+        class XGLMDecoderLayer(nn.Module):
+            def forward(self, hidden_states, **kwargs):
+                hidden_states = hidden_states + self.self_attn(hidden_states, **kwargs)
+                return hidden_states
+        """)
+    assert run_rule(rule, CROSS_ATTENTION) == after
+    assert run_rule(rule, after) == after
+
+
+def test_a_flag_tested_on_a_value_known_only_at_run_time_stays(run_rule):
+    code = CROSS_ATTENTION.replace("key_value_states is not None", "hidden_states is not None")
+    assert "is_cross_attention = hidden_states is not None" in run_rule(rule, code)
+
+
+def test_a_cross_attention_class_of_its_own_keeps_the_encoder_states_it_computes_on(run_rule):
+    # BERT's BertCrossAttention: the model no longer calls it, and None.shape would be no code to leave behind.
+    code = dedent("""\
+        class BertCrossAttention(nn.Module):
+            def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+                kv_shape = (*encoder_hidden_states.shape[:-1], -1, self.head_size)
+                key = self.key(encoder_hidden_states).view(kv_shape)
+                return self.attn(self.query(hidden_states), key, attention_mask)
+        """)
+    expected = code.replace(", attention_mask=None, **kwargs)", ", **kwargs)").replace(
+        "key, attention_mask)", "key, None)"
+    )
+    assert run_rule(rule, code) == expected
+
+
+def test_a_parameter_the_body_rebinds_still_leaves_the_signature(run_rule):
+    code = dedent("""\
+        class Embeddings(nn.Module):
+            def forward(self, input_ids, inputs_embeds=None):
+                if inputs_embeds is None:
+                    inputs_embeds = self.word_embeddings(input_ids)
+                return inputs_embeds
+        """)
+    assert "def forward(self, input_ids):" in run_rule(rule, code)
+
+
+def test_a_conditional_whose_sides_fold_to_the_same_value_is_that_value(run_rule):
+    code = dedent("""\
+        class BertAttention(nn.Module):
+            def forward(self, hidden_states, encoder_attention_mask=None):
+                mask = None if not self.is_cross_attention else encoder_attention_mask
+                return self.self(hidden_states, mask)
+        """)
+    assert "        mask = None\n" in run_rule(rule, code)

@@ -1,7 +1,10 @@
 """Parameters that only serve HF's generate / training API (`cache`, `use_cache`, `attention_mask`,
-`inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) are removed from every signature but
-that of a helper method its own class calls with a value computed at run time. Their values are known under
-the runtime contract, so branches on them are folded away, call arguments forwarding them are dropped, and
+`inputs_embeds`, `labels`, `output_attentions`, `logits_to_keep`, ...) and cross-attention's encoder states (a
+causal LM runs without an encoder) are removed from every signature but that of a helper method its own class
+calls with a value computed at run time, and of a function that computes on the encoder's states whatever they
+are (a cross-attention class of its own, which the model no longer calls). Their values are known under the
+runtime contract, so branches on them (and flags tested on them, `is_cross_attention = key_value_states is not
+None`) are folded away, call arguments forwarding them are dropped, and
 `**kwargs: Unpack[...]` loses its annotation. A module that keeps its own state in the cache (calls a method of
 `cache.layers[i]`, or of the cache other than `update`) is refused: folding its cache away would silently
 forget that state between steps, and the runtime caches only keys and values."""
@@ -35,9 +38,20 @@ HF_ONLY: dict[str, object] = {
     "cache_position": None,
     "logits_to_keep": 0,
     "head_mask": None,
+    # a causal LM runs without an encoder: cross-attention has no states to read
+    "encoder_hidden_states": None,
+    "encoder_attention_mask": None,
+    "key_value_states": None,
     "return_dict": True,  # the runtime reads the model's hidden states, never its tuple form
 }
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
+ENCODER = {"encoder_hidden_states", "encoder_attention_mask", "key_value_states"}
+# what folding an encoder's states to None leaves in a function that needs them (cross-attention itself)
+ON_NONE = (
+    m.Attribute(value=m.Name("None"))
+    | m.Subscript(value=m.Name("None"))
+    | m.Call(m.Attribute(m.Name("self")), [m.Arg(m.Name("None"), keyword=None), m.ZeroOrMore()])
+)
 # the HF-only parameters that hold a Cache
 CACHES = {"cache", "past_key_values", "past_key_value", "layer_past"}
 GRADIENT_CHECKPOINTING = m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing"))
@@ -150,12 +164,17 @@ class _Substitute(cst.CSTTransformer):
 
     def leave_IfExp(self, original, updated):
         v = self.env.truth(original.test)
+        if v is None and updated.body.deep_equals(updated.orelse) and not m.findall(updated.test, m.Call()):
+            return updated.body  # both sides folded to the same value
         return updated if v is None else (updated.body if v else updated.orelse)
 
 
 NAMED = {"True": True, "False": False, "None": None}
 LITERAL = m.Name("True") | m.Name("False") | m.Name("None") | m.Integer()
 LITERAL_ASSIGN = m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())], value=LITERAL)])
+TEST_ASSIGN = m.SimpleStatementLine(
+    [m.Assign([m.AssignTarget(m.Name())], m.Comparison() | m.BooleanOperation() | m.UnaryOperation(m.Not()))]
+)
 
 
 def _fold_block(body, env: _Env) -> list:
@@ -231,6 +250,10 @@ def _fold_stmt(s, env: _Env) -> list:
         inner = env.copy()
         inner.forget(assigned_names(s))
         return [s.with_changes(**head, body=_block(s.body, _fold_block(s.body.body, inner)))]
+    if m.matches(s, TEST_ASSIGN) and not m.findall(s, m.Call() | m.NamedExpr()):
+        v = env.truth(s.body[0].value)  # `is_cross_attention = key_value_states is not None`: False
+        if v is not None:
+            return [s.with_changes(body=[s.body[0].with_changes(value=cst.Name(str(v)))])]
     return [s.visit(_Substitute(env))]
 
 
@@ -254,6 +277,15 @@ class _Fold(cst.CSTTransformer):
         names = [p.name.value for p in (*params.params, *params.kwonly_params)]
         kept = self.kept.get((self.classes[-1], updated.name.value), set()) if self.classes else set()
         consts = {n: HF_ONLY[n] for n in names if n in HF_ONLY and n not in kept}
+
+        def folded(consts: dict[str, object]) -> list | None:
+            env = _Env(dict(consts), set(names) & ALWAYS_GIVEN)  # folding forgets what the body rebinds
+            return _fold_block(updated.body.body, env) if consts else None
+
+        body = folded(consts)
+        if ENCODER & consts.keys() and any(m.findall(s, ON_NONE) for s in body):
+            consts = {n: v for n, v in consts.items() if n not in ENCODER}  # it needs them: it stays as it is
+            body = folded(consts)
         star_kwargs = params.star_kwarg
         if star_kwargs is not None and star_kwargs.annotation is not None:
             star_kwargs = star_kwargs.with_changes(annotation=None)
@@ -265,10 +297,8 @@ class _Fold(cst.CSTTransformer):
             elif not isinstance(params.star_arg, cst.Param):
                 positional = without_dangling_comma(positional, params.params)
         new_params = params.with_changes(params=positional, kwonly_params=kwonly, star_kwarg=star_kwargs)
-        if not consts:
+        if body is None:
             return updated.with_changes(params=new_params)
-        env = _Env(consts, set(names) & ALWAYS_GIVEN)
-        body = _fold_block(updated.body.body, env)
         return updated.with_changes(params=new_params, body=_block(updated.body, body))
 
 

@@ -2,9 +2,9 @@
 `qkv_proj`, o_proj a RowParallelLinear whose partial sums the class's TPRegion reduces on the way out, and
 the runtime `Attention` gets the per-rank head counts (which also size this rank's KV cache). A per-head
 parameter it receives as `sinks=`, or broadcasts along the head axis, keeps this rank's heads (`shard_heads`);
-another linear with q_proj's output size (an output gate per query-head channel) is split by heads like q_proj;
-a module applied to all heads' q or k projection output (OLMo2's q_norm / k_norm) runs on every head
-(`gather_heads`).
+another linear whose output counts the query heads (an output gate per head or per head channel) is split by
+heads like q_proj; a module applied to all heads' q or k projection output (OLMo2's q_norm / k_norm) runs on
+every head (`gather_heads`).
 
 Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
 
@@ -75,6 +75,8 @@ GLOBAL_SIZES = re.compile(rf"\b({'|'.join(HEADS)}|n_heads|n_head|hidden_size|emb
 
 # a module or parameter built in __init__ with these is sized for every head, not a rank's share
 HEAD_COUNTS = re.compile(rf"\b({'|'.join(HEADS)})\b")
+QUERY_HEADS = ("num_attention_heads", "num_heads", "n_heads", "n_head")
+KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads"}
 # head counts a method other than __init__ may read as `self.<attr>`: they size the activations a rank holds
 HEAD_ATTRS = re.compile("|".join((*HEADS, "n_heads", "n_head")))
 
@@ -107,20 +109,37 @@ def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatem
 
 def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> str | None:
     """Source of the first other line of __init__ (in a block too) that builds a module / parameter from the head
-    counts (an exception it raises is neither)."""
+    counts, also through a local set from them (`g_proj_dim = self.num_heads`); an exception it raises is
+    neither."""
     skipped = {id(c) for s in skip for c in m.findall(s, m.Call())}
+    values = _local_values(init)
     for line in m.findall(init.body, m.SimpleStatementLine()):
         raised = {id(c) for r in m.findall(line, m.Raise()) for c in m.findall(r, m.Call())}
         calls = [c for c in m.findall(line, m.Call()) if id(c) not in raised | skipped]
-        if any(builds_from_heads(c) for c in calls):
+        if any(builds_from_heads(c, values) for c in calls):
             return code(line).strip()
     return None
 
 
-def builds_from_heads(call: cst.Call) -> bool:
-    """call builds a module (a capitalised callee) or a Parameter sized by the head counts."""
+def _local_values(init: cst.FunctionDef) -> dict[str, cst.BaseExpression]:
+    """local -> its value, for the locals a top-level line of init assigns once."""
+    lines = [
+        s.body[0]
+        for s in init.body.body
+        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])]))
+    ]
+    names = [a.targets[0].target.value for a in lines]
+    return {n: a.value for n, a in zip(names, lines, strict=True) if names.count(n) == 1}
+
+
+def builds_from_heads(call: cst.Call, values: dict[str, cst.BaseExpression] | None = None) -> bool:
+    """call builds a module (a capitalised callee) or a Parameter sized by the head counts, read directly or
+    through the locals values holds."""
     callee = called_name(call).split(".")[-1]
-    return (callee[:1].isupper() or callee == "Parameter") and counts_heads(call)
+    if not (callee[:1].isupper() or callee == "Parameter"):
+        return False
+    read = {n.value for n in m.findall(call, m.Name())} & (values or {}).keys()
+    return counts_heads(call) or any(counts_heads(values[n]) for n in read)
 
 
 def counts_heads(node: cst.CSTNode) -> bool:
@@ -201,16 +220,23 @@ def _feeds(fwd: cst.FunctionDef, attr: str, out: str) -> bool:
 
 
 def _head_gates(
-    cls: cst.ClassDef, linears: dict[str, Layer], taken: Sequence[str], q_proj: str
+    cls: cst.ClassDef, init: cst.FunctionDef, linears: dict[str, Layer], taken: Sequence[str], q_heads: str
 ) -> dict[str, LinearArgs]:
-    """attr -> arguments of each other linear built with q_proj's output size, which forward calls once (AFMoE's
-    `gate_proj`, a gate per query-head channel): its rows are the query heads', split by heads like q_proj's."""
-    q_out = linear_args(linears[q_proj].call)
+    """attr -> arguments of each other linear, which forward calls once, whose output size counts the query heads
+    (q_heads, or another name for them) and no key heads, directly or through a local: an output gate per query
+    head (Laguna's `g_proj`) or per query-head channel (AFMoE's `gate_proj`), whose rows are the query heads',
+    split by heads like q_proj's."""
+    values = _local_values(init)
+    query = {*QUERY_HEADS, *(n.value for n in m.findall(cst.parse_expression(q_heads), m.Name()))}
     found = {}
     for attr, layer in linears.items():
         args = linear_args(layer.call)
-        same = args is not None and q_out is not None and args.out_features == q_out.out_features
-        if attr not in taken and same and self_refs(cls, attr) == 2:
+        if attr in taken or args is None or self_refs(cls, attr) != 2:
+            continue
+        size = cst.parse_expression(args.out_features)
+        read = {n.value for n in m.findall(size, m.Name())}
+        read |= {x.value for n in read & values.keys() for x in m.findall(values[n], m.Name())}
+        if read & query and not read & KV_HEADS:
             found[attr] = args
     return found
 
@@ -518,7 +544,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _per_head_params(cls, init, fwd, sizes[1])
     all_heads = {} if fused else _all_head_modules(init, fwd, cls, out)
-    gates = _head_gates(cls, linears, (*projections, out), projections[0])
+    gates = _head_gates(cls, init, linears, (*projections, out), sizes[1])
     skip = [linears[a].line for a in (*projections, out, *gates)] + [attn.line]
     skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
     if whole := _whole_head_module(init, skip):
