@@ -566,3 +566,21 @@ def test_mlp_widths_that_differ_per_layer_must_each_divide():
     assert "intermediate 64 / 96 -> 32 / 48 per rank" in "\n".join(plan.rewrites)
     message = rejected(pc(64, 64, 64, 64, 64), gemma3n)
     assert "intermediate_size 64 / 96 is not divisible by it" in message
+
+
+def test_an_output_projection_role_keyed_by_its_owner_leaves_a_namesake_whole():
+    """ModernBERT's attention and MLP both name a layer `Wo`: only `attn.Wo` is attention's row-parallel output."""
+    cfg = AutoConfig.for_model(
+        "modernbert-decoder",
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=512,
+        num_hidden_layers=2,
+        attention_bias=False,
+        pad_token_id=0,
+    )
+    sharded = frozenset({"q_proj", "k_proj", "v_proj", "Wo"})
+    plan = make_plan(pc(2, 2, 1, 2, 2), cfg, torch.float32, sharded, {"attn.Wo": "o_proj"})
+    attention = 2 * 4 * 64 * 64 * 4  # layers x (q, k, v, Wo) x fp32
+    assert plan.total_param_bytes - plan.per_rank_param_bytes == attention // 2

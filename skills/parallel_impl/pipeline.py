@@ -165,30 +165,77 @@ class _Target:
     rules: dict[str, list[str]]
 
 
-def _parallel_attrs(text: str) -> dict[str, str]:
-    """x -> the class of each `self.x = ...` whose value builds a parallel layer (also as one branch of a
-    conditional)."""
+def _self_calls(tree: ast.AST) -> dict[str, ast.Call]:
+    """x -> the first call in the value of each `self.x = ...` under tree."""
     return {
-        target.attr: ctor
-        for node in ast.walk(ast.parse(text))
+        target.attr: calls[0]
+        for node in ast.walk(tree)
         if isinstance(node, ast.Assign)
         for target in node.targets
         if isinstance(target, ast.Attribute)
         and isinstance(target.value, ast.Name)
         and target.value.id == "self"
-        for ctor in [
-            c.func.id
+        for calls in [[c for c in ast.walk(node.value) if isinstance(c, ast.Call)]]
+        if calls
+    }
+
+
+def _parallel_calls(tree: ast.AST) -> dict[str, ast.Call]:
+    """x -> the call of each `self.x = ...` under tree whose value builds a parallel layer (also as one branch of
+    a conditional)."""
+    return {
+        target.attr: call
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+        for call in [
+            c
             for c in ast.walk(node.value)
             if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in _PARALLEL
         ][:1]
     }
 
 
-def _vocab_roles(new_code: dict[str, str]) -> dict[str, str]:
-    """attribute -> embed_tokens / lm_head for the vocabulary layers the rewritten code builds (BLOOM's
-    `word_embeddings`, GPT-NeoX-Japanese's `embed_out`)."""
-    roles = {"VocabParallelEmbedding": "embed_tokens", "ParallelLMHead": "lm_head"}
-    return {a: roles[c] for text in new_code.values() for a, c in _parallel_attrs(text).items() if c in roles}
+def _parallel_attrs(text: str) -> dict[str, str]:
+    """x -> the class of each parallel layer `self.x` the code builds."""
+    return {a: call.func.id for a, call in _parallel_calls(ast.parse(text)).items()}
+
+
+def _roles(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """attribute -> the role the plan counts it in, for layers the rewritten code builds under other names: the
+    vocabulary layers (BLOOM's `word_embeddings`, GPT-NeoX-Japanese's `embed_out`) and attention's output
+    projection (an OProjParallelLinear, or a RowParallelLinear of attn_tp_group), keyed `<owner>.<attr>` by the
+    attribute its class is built into (ModernBERT's `attn.Wo`, not its MLP's `Wo`), and the q / k / v parts of
+    `qkv_proj` (Llama's original `wq` / `wk` / `wv`)."""
+    kinds = {
+        "VocabParallelEmbedding": "embed_tokens",
+        "ParallelLMHead": "lm_head",
+        "OProjParallelLinear": "o_proj",
+    }
+    qkv = zip(fused.get("qkv_proj", ()), ("q_proj", "k_proj", "v_proj"), strict=False)
+    found = {part: role for part, role in qkv if part != role}
+    for text in new_code.values():
+        tree = ast.parse(text)
+        owners = {
+            call.func.id: owner
+            for owner, call in _self_calls(tree).items()
+            if isinstance(call.func, ast.Name)
+        }
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for attr, call in _parallel_calls(cls).items():
+                group = next((k.value for k in call.keywords if k.arg == "tp_group"), None)
+                in_attention = isinstance(group, ast.Constant) and group.value == "attn_tp_group"
+                role = kinds.get(call.func.id) or (
+                    "o_proj" if call.func.id == "RowParallelLinear" and in_attention else None
+                )
+                if role == "o_proj" and cls.name in owners:
+                    found[f"{owners[cls.name]}.{attr}"] = role
+                elif role:
+                    found[attr] = role
+    return found
 
 
 def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
@@ -219,7 +266,7 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
             "was written; port these modules to the parallel layers by hand (see references/model_contract.md)."
         )
     sharded = _sharded_modules(code.files, code.fused)
-    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, sharded, _vocab_roles(code.files))
+    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, sharded, _roles(code.files, code.fused))
     return _Target(
         model_dir,
         pc,

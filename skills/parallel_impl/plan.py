@@ -284,8 +284,9 @@ def _module(name: str, roles: Mapping[str, str]) -> str:
     if "experts" in parts:
         return "experts"
     leaf = _attr(name)
-    if leaf in roles:
-        return roles[leaf]
+    owned = ".".join(parts[-3:-1])  # `attn.Wo`: a role the layer has in the module that owns it
+    if owned in roles or leaf in roles:
+        return roles.get(owned) or roles[leaf]
     in_attention = len(parts) > 2 and "att" in parts[-3]
     if leaf in OUT and in_attention:  # GPT-NeoX's `attention.dense`
         return "o_proj"
@@ -512,11 +513,16 @@ def make_plan(
     """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank.
 
     `sharded`: the modules the rewritten code builds as parallel layers (shared-expert MLPs follow the MLP names);
-    the others are planned whole on every rank. `roles`: attribute -> embed_tokens / lm_head for the vocabulary
+    the others are planned whole on every rank. `roles`: attribute -> embed_tokens / lm_head / o_proj for the
     layers the rewritten code builds under other names."""
     s = _shapes(hf_config)
     validate(pc, hf_config)
-    sharded |= frozenset(roles.values())  # the roles are those of parallel layers the code builds
+    owned = {
+        key.rsplit(".", 1)[1] for key in roles if "." in key
+    }  # `attn.Wo` is sharded, the MLP's `Wo` is not
+    sharded = (sharded - owned) | frozenset(
+        roles.values()
+    )  # the roles are those of parallel layers the code builds
     shapes = _param_shapes(hf_config)
     modules = {_module(name, roles) for name in shapes}
     if "o_proj" not in modules or not (

@@ -837,3 +837,54 @@ def test_a_projection_assigned_twice_is_a_finding(run_rule, make_ctx):
     assert "`self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads" in _finding(
         run_rule, make_ctx, code
     )
+
+
+def test_an_output_projection_named_otherwise_is_the_linear_called_after_attention(run_rule, make_ctx):
+    # ModernBERT-decoder: `Wo`.
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, BEFORE.replace("o_proj", "Wo"), ctx)
+    assert "        self.Wo = RowParallelLinear(config.num_attention_heads * self.head_dim, " in out
+    assert "return self.tp_region.exit(attn_output)" in out
+    assert ctx.rewrites[1] == "LlamaAttention: Wo -> RowParallelLinear (attn_tp_group)"
+
+
+def test_two_linears_called_after_attention_leave_the_output_projection_unknown(run_rule, make_ctx):
+    code = GATED.replace("o_proj", "Wo")  # the gate is called after attention too
+    assert "no `self.o_proj = nn.Linear(...)` in __init__" in _finding(run_rule, make_ctx, code)
+
+
+# Llama's original layout, shortened: wq / wk / wv / wo, rotary embedding applied to q and k together.
+WQKV = (
+    BEFORE.replace("q_proj", "wq")
+    .replace("k_proj", "wk")
+    .replace("v_proj", "wv")
+    .replace("o_proj", "wo")
+    .replace(
+        "        attn_output = self.attn(",
+        "        query_states, key_states = rope(query_states, key_states, position_embeddings)\n"
+        "        attn_output = self.attn(",
+    )
+)
+
+
+def test_projections_named_otherwise_are_found_by_what_reaches_attention(run_rule, make_ctx):
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, WQKV, ctx)
+    assert "        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, " in out
+    assert "        self.wo = RowParallelLinear(" in out
+    assert "wq_out, wk_out, wv_out = self.qkv_proj(hidden_states).split(" in out
+    assert ctx.rewrites[:2] == [
+        "LlamaAttention: wq/wk/wv -> QKVParallelLinear qkv_proj (attn_tp_group)",
+        "LlamaAttention: wo -> RowParallelLinear (attn_tp_group)",
+    ]
+    assert ctx.fused == [(".qkv_proj", ".wq", "q"), (".qkv_proj", ".wk", "k"), (".qkv_proj", ".wv", "v")]
+
+
+def test_projections_called_on_an_alias_of_the_same_input_fuse(run_rule, make_ctx):
+    # BioGPT once its cross-attention input is folded away: `current_states = hidden_states`.
+    code = BEFORE.replace(
+        "        key_states = self.k_proj(hidden_states)",
+        "        current_states = hidden_states\n        key_states = self.k_proj(current_states)",
+    ).replace("self.v_proj(hidden_states)", "self.v_proj(current_states)")
+    out = _sharded(run_rule, make_ctx, code)
+    assert "q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(" in out

@@ -204,6 +204,21 @@ class _CallsToNames(cst.CSTTransformer):
         return updated
 
 
+def _unaliased(fwd: cst.FunctionDef, x: cst.BaseExpression) -> str:
+    """x's source, or, for a local forward binds once to another name (BioGPT's `current_states = hidden_states`),
+    that name."""
+    if isinstance(x, cst.Name):
+        bound = m.findall(fwd.body, m.AssignTarget(m.Name(x.value)))
+        lines = [
+            s
+            for s in fwd.body.body
+            if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(x.value))], m.Name())]))
+        ]
+        if len(bound) == 1 and len(lines) == 1:
+            return lines[0].body[0].value.value
+    return code(x)
+
+
 def fuse_calls(fwd: cst.FunctionDef, attrs: Sequence[str], fused: str) -> cst.FunctionDef | str:
     """`self.<attr>(x)` -> `<attr>_out` for each attr, all bound by one statement before the first top-level
     statement that uses them: `<attr>_out, ... = self.<fused>(x).split(self.<fused>.output_partition_sizes,
@@ -215,12 +230,13 @@ def fuse_calls(fwd: cst.FunctionDef, attrs: Sequence[str], fused: str) -> cst.Fu
     args = [calls[a][0].args for a in attrs]
     if any(len(x) != 1 or x[0].keyword or x[0].star for x in args):
         return f"{listed} are not called with one positional argument"
-    if len({code(x[0].value) for x in args}) != 1:
+    inputs = {_unaliased(fwd, x[0].value) for x in args}
+    if len(inputs) != 1:
         return f"{listed} are called on different inputs"
     outs = [f"{a}_out" for a in attrs]
     if set(outs) & names_in(fwd):
         return f"forward already uses the names {', '.join(outs)}"
-    x = args[0][0].value
+    x = cst.parse_expression(inputs.pop())
     body = fwd.body.body
     holding = [
         i

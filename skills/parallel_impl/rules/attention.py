@@ -11,7 +11,7 @@ Unsharded attention would be wrong under TP, so an attention class this rule can
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -66,7 +66,6 @@ OPROJ_GROUP = "oproj_tp_group"
 QKV = ("q_proj", "k_proj", "v_proj")
 OUT = ("o_proj", "out_proj", "dense")
 FUSED_ON_DISK = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv")
-STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v")]
 # head counts as configs and attention classes name them
 HEADS = ("num_attention_heads", "num_key_value_heads", "num_heads", "num_kv_heads")
 # forward code that would mean whole-model head counts / widths, which a rank no longer has
@@ -176,10 +175,10 @@ def _per_head_params(
 
 
 def _all_head_modules(
-    init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef, out: str
+    init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef, qk: Sequence[str], out: str
 ) -> dict[int, tuple[str, str]]:
     """id() of each __init__ line `self.x = Module(...)` whose module forward applies only to the whole output of
-    q_proj or k_proj (`self.x(self.q_proj(h))`: "q" or "k"), or to the whole input of the output projection (BitNet's
+    the q or k projection qk names (`self.x(self.q_proj(h))`: "q" or "k"), or to the whole input of the output projection (BitNet's
     `attn_sub_norm` over every head's output: "o") -> (x, kind)."""
     found = {}
     for s in init.body.body:
@@ -191,13 +190,13 @@ def _all_head_modules(
         attr = s.body[0].targets[0].target.attr.value
         if self_refs(cls, attr) != 2:
             continue
-        for proj in ("q_proj", "k_proj"):
+        for proj, kind in zip(qk, "qk", strict=True):
             applied = m.Call(
                 m.Attribute(m.Name("self"), m.Name(attr)),
                 [m.Arg(m.Call(m.Attribute(m.Name("self"), m.Name(proj))))],
             )
             if len(m.findall(fwd, applied)) == 1:
-                found[id(s)] = (attr, proj[0])
+                found[id(s)] = (attr, kind)
         if _feeds(fwd, attr, out):
             found[id(s)] = (attr, "o")
     return found
@@ -239,6 +238,80 @@ def _head_gates(
         if read & query and not read & KV_HEADS:
             found[attr] = args
     return found
+
+
+def _out_proj(init: cst.FunctionDef, fwd: cst.FunctionDef | None, linears: Collection[str]) -> str | None:
+    """The output projection among linears: the one named so (OUT), else the only one forward calls after the
+    runtime Attention (ModernBERT's `Wo`)."""
+    named = next((a for a in OUT if a in linears), None)
+    attention = list(self_layers(init, {"Attention"}))
+    if named or fwd is None or len(attention) != 1:
+        return named
+    body = fwd.body.body
+    attend = m.Call(m.Attribute(m.Name("self"), m.Name(attention[0])))
+    at = next((i for i, s in enumerate(body) if m.findall(s, attend)), None)
+    called = m.Call(m.Attribute(m.Name("self"), m.Name()))
+    after = (
+        {c.func.attr.value for s in body[at + 1 :] for c in m.findall(s, called)} if at is not None else set()
+    )
+    candidates = after & set(linears)
+    return candidates.pop() if len(candidates) == 1 else None
+
+
+def _qkv_names(
+    init: cst.FunctionDef, fwd: cst.FunctionDef | None, linears: Collection[str]
+) -> tuple[str, ...]:
+    """The q, k and v projections: q_proj / k_proj / v_proj, else the linears whose outputs reach the runtime
+    Attention's query, key and value arguments through forward's top-level assignments (Llama's original `wq` /
+    `wk` / `wv`)."""
+    attention = list(self_layers(init, {"Attention"}))
+    if all(a in linears for a in QKV) or fwd is None or len(attention) != 1:
+        return QKV
+    body = fwd.body.body
+    attend = m.Call(m.Attribute(m.Name("self"), m.Name(attention[0])))
+    at = next((i for i, s in enumerate(body) if m.findall(s, attend)), None)
+    args = (
+        [a.value for a in m.findall(body[at], attend)[0].args[:3] if a.keyword is None]
+        if at is not None
+        else []
+    )
+    found = tuple(_feeding(body, at, a, linears) for a in args)
+    return found if len(found) == 3 and None not in found and len(set(found)) == 3 else QKV
+
+
+def _feeding(
+    body: Sequence[cst.BaseStatement], before: int, expr: cst.BaseExpression, linears: Collection[str]
+) -> str | None:
+    """The one linear of linears whose output expr carries, followed back through the top-level assignments of
+    body before statement `before` (a tuple target through the matching argument: `q, k = rope(q, k, ...)`)."""
+    self_call = m.Call(m.Attribute(m.Name("self"), m.Name()))
+    for _ in range(len(body)):
+        called = {c.func.attr.value for c in m.findall(expr, self_call)} & set(linears)
+        if called:
+            return called.pop() if len(called) == 1 else None
+        bound = [(i, s) for i, s in enumerate(body[:before]) if isinstance(s, cst.SimpleStatementLine)]
+        names = {n.value for n in m.findall(expr, m.Name())}
+        for i, s in reversed(bound):
+            assign = s.body[0] if len(s.body) == 1 and isinstance(s.body[0], cst.Assign) else None
+            target = assign.targets[0].target if assign and len(assign.targets) == 1 else None
+            if isinstance(target, cst.Name) and target.value in names:
+                expr, before = assign.value, i
+                break
+            if isinstance(target, cst.Tuple) and isinstance(assign.value, cst.Call):
+                at = [
+                    k
+                    for k, e in enumerate(target.elements)
+                    if m.matches(e.value, m.Name()) and e.value.value in names
+                ]
+                if at:
+                    given = [a.value for a in assign.value.args if a.keyword is None]
+                    if len(at) > 1 or at[0] >= len(given):
+                        return None
+                    expr, before = given[at[0]], i
+                    break
+        else:
+            return None
+    return None
 
 
 def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
@@ -428,7 +501,7 @@ def _rewrite_per_head(
     ones stay replicated, and `Attention` gets this rank's heads."""
     linears = _optional_linears(init)
     attention = list(self_layers(init, {"Attention"}).values())
-    out = next((a for a in OUT if a in linears), None)
+    out = _out_proj(init, fwd, linears)
     if out is None:
         return "no `self.o_proj = nn.Linear(...)` in __init__"
     if len(attention) != 1:
@@ -494,21 +567,22 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if any(kwarg(a.call, "kv_heads_tiled") for a in layers):
         return "keys are tiled over the query heads (kv_heads_tiled): a rank's share of the heads needs every kv head"
     linears = self_layers(init, LINEAR)
-    if fwd is not None and not any(a in linears for a in (*QKV, *FUSED_ON_DISK)):
+    names = _qkv_names(init, fwd, linears)
+    if fwd is not None and not any(a in linears for a in (*names, *FUSED_ON_DISK)):
         return _rewrite_per_head(cls, ctx, init, fwd)
     built = _optional_linears(init)
     if fwd is not None and "q_proj" in linears and any(a not in linears and a in built for a in QKV):
         # k / v built only in some layers, or not always: each projection split by its own heads, unfused
         return _rewrite_per_head(cls, ctx, init, fwd, [a for a in QKV if a in built])
     attention = list(self_layers(init, {"Attention"}).values())
-    out = next((a for a in OUT if a in linears), None)
+    out = _out_proj(init, fwd, linears)
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
     if fused and fwd is not None and _viewed_per_head(cls, fwd, fused, _head_attrs(_methods(cls), init)):
         counts = [(arg(a.call, 0, "num_heads"), arg(a.call, 3, "num_kv_heads")) for a in attention]
         if any(kv is not None and (q is None or code(kv.value) != code(q.value)) for q, kv in counts):
             return f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
         return _rewrite_per_head(cls, ctx, init, fwd, [fused])
-    projections = (fused,) if fused else QKV
+    projections = (fused,) if fused else names
     missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
     if missing:
         return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
@@ -543,7 +617,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if _computed_later(init, sizes, first, attn.line):
         return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _per_head_params(cls, init, fwd, sizes[1])
-    all_heads = {} if fused else _all_head_modules(init, fwd, cls, out)
+    all_heads = {} if fused else _all_head_modules(init, fwd, cls, projections[:2], out)
     gates = _head_gates(cls, init, linears, (*projections, out), sizes[1])
     skip = [linears[a].line for a in (*projections, out, *gates)] + [attn.line]
     skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
@@ -553,7 +627,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     local = _head_attrs(methods, init)
     if found := _reads_global_size(methods, local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
-    new_fwd = fwd if fused else fuse_calls(fwd, QKV, "qkv_proj")
+    new_fwd = fwd if fused else fuse_calls(fwd, names, "qkv_proj")
     if isinstance(new_fwd, str):
         return new_fwd
     if any(self_refs(cls, a) != 2 for a in projections):
@@ -608,7 +682,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         [*_localized(local, _qkv_shares(init, local, qkv_attr, sizes)), region(GROUP, whole_sequence=True)],
     )
     new_init = drop_unused_locals(new_init, free_names(linears[projections[0]].call))
-    name, applied = cls.name.value, {"q": "q_proj's output", "k": "k_proj's output", "o": f"{out}'s input"}
+    name = cls.name.value
+    applied = {"q": f"{names[0]}'s output", "k": f"{names[1]}'s output", "o": f"{out}'s input"}
     ctx.rewrites += [
         f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})",
         f"{name}: {out} -> RowParallelLinear ({GROUP})",
@@ -623,7 +698,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         ),
     ]
     if not fused:
-        ctx.fused += [s for s in STACKED if s not in ctx.fused]
+        stacked = [(".qkv_proj", f".{a}", shard) for a, shard in zip(names, "qkv", strict=True)]
+        ctx.fused += [s for s in stacked if s not in ctx.fused]
     return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
 
 
