@@ -501,16 +501,19 @@ def test_vocabulary_layers_under_other_names_follow_their_own_tp_sizes():
     assert any("(dense_tp=4: intermediate 256 -> 64 per rank)" in r for r in named.rewrites)
 
 
+def _tiny(model_type: str, **kw) -> PretrainedConfig:
+    """A tiny config of model_type: hidden 64, 4 heads, vocab 512, 2 layers, and kw."""
+    return AutoConfig.for_model(
+        model_type, hidden_size=64, num_attention_heads=4, vocab_size=512, num_hidden_layers=2, **kw
+    )
+
+
 def test_experts_counted_from_their_stacked_weights_when_the_config_names_them_otherwise():
     """Aria names its routed experts `moe_num_experts`: the plan reads their count off the stacked weights."""
-    aria = AutoConfig.for_model(
+    aria = _tiny(
         "aria_text",
-        hidden_size=64,
-        num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=32,
-        vocab_size=512,
-        num_hidden_layers=2,
         moe_num_experts=4,
         moe_topk=2,
     )
@@ -524,16 +527,12 @@ def test_experts_counted_from_their_stacked_weights_when_the_config_names_them_o
 
 def test_a_gate_inside_attention_follows_the_attention_tp_size():
     """AFMoE's `self_attn.gate_proj` is split by heads with q_proj (attn_tp), not like the MLP's gate_proj."""
-    afmoe = AutoConfig.for_model(
+    afmoe = _tiny(
         "afmoe",
-        hidden_size=64,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         intermediate_size=128,
         moe_intermediate_size=32,
-        vocab_size=512,
-        num_hidden_layers=2,
         num_dense_layers=2,
     )
     sharded = SHARDABLE | {"gate_proj"}
@@ -545,17 +544,13 @@ def test_a_gate_inside_attention_follows_the_attention_tp_size():
 
 def test_mlp_widths_that_differ_per_layer_must_each_divide():
     """Gemma 3n gives each layer its own MLP width (`intermediate_size` is a list)."""
-    gemma3n = AutoConfig.for_model(
+    gemma3n = _tiny(
         "gemma3n_text",
-        hidden_size=64,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         intermediate_size=[64, 96],
-        vocab_size=512,
         vocab_size_per_layer_input=512,
         hidden_size_per_layer_input=8,
-        num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"],
         num_kv_shared_layers=0,
         laurel_rank=4,
@@ -570,13 +565,9 @@ def test_mlp_widths_that_differ_per_layer_must_each_divide():
 
 def test_an_output_projection_role_keyed_by_its_owner_leaves_a_namesake_whole():
     """ModernBERT's attention and MLP both name a layer `Wo`: only `attn.Wo` is attention's row-parallel output."""
-    cfg = AutoConfig.for_model(
+    cfg = _tiny(
         "modernbert-decoder",
-        hidden_size=64,
-        num_attention_heads=4,
         intermediate_size=128,
-        vocab_size=512,
-        num_hidden_layers=2,
         attention_bias=False,
         pad_token_id=0,
     )

@@ -165,43 +165,28 @@ class _Target:
     rules: dict[str, list[str]]
 
 
-def _self_calls(tree: ast.AST) -> dict[str, ast.Call]:
-    """x -> the first call in the value of each `self.x = ...` under tree."""
-    return {
-        target.attr: calls[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        for target in node.targets
-        if isinstance(target, ast.Attribute)
-        and isinstance(target.value, ast.Name)
-        and target.value.id == "self"
-        for calls in [[c for c in ast.walk(node.value) if isinstance(c, ast.Call)]]
-        if calls
-    }
-
-
-def _parallel_calls(tree: ast.AST) -> dict[str, ast.Call]:
-    """x -> the call of each `self.x = ...` under tree whose value builds a parallel layer (also as one branch of
-    a conditional)."""
-    return {
-        target.attr: call
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        for target in node.targets
-        if isinstance(target, ast.Attribute)
-        and isinstance(target.value, ast.Name)
-        and target.value.id == "self"
-        for call in [
+def _self_calls(tree: ast.AST, ctors: Collection[str] | None = None) -> dict[str, ast.Call]:
+    """x -> the first call in the value of each `self.x = ...` under tree; with ctors, the first call of one of
+    them (a parallel layer, also as one branch of a conditional)."""
+    found = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        calls = [
             c
             for c in ast.walk(node.value)
-            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in _PARALLEL
-        ][:1]
-    }
+            if isinstance(c, ast.Call)
+            and (ctors is None or (isinstance(c.func, ast.Name) and c.func.id in ctors))
+        ]
+        for target in node.targets:
+            if calls and isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
+                found[target.attr] = calls[0]
+    return found
 
 
 def _parallel_attrs(text: str) -> dict[str, str]:
     """x -> the class of each parallel layer `self.x` the code builds."""
-    return {a: call.func.id for a, call in _parallel_calls(ast.parse(text)).items()}
+    return {a: call.func.id for a, call in _self_calls(ast.parse(text), _PARALLEL).items()}
 
 
 def _roles(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> dict[str, str]:
@@ -225,7 +210,7 @@ def _roles(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> dict[
             if isinstance(call.func, ast.Name)
         }
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            for attr, call in _parallel_calls(cls).items():
+            for attr, call in _self_calls(cls, _PARALLEL).items():
                 group = next((k.value for k in call.keywords if k.arg == "tp_group"), None)
                 in_attention = isinstance(group, ast.Constant) and group.value == "attn_tp_group"
                 role = kinds.get(call.func.id) or (
