@@ -51,7 +51,9 @@ OTHER_ARCHS = [
     ("beam", "tp2"),  # an output gate per head channel and a gate bias per head
     ("gemma3n_text", "tp2"),  # k / v built only in layers that do not reuse another layer's keys
     pytest.param("laguna", "tp2", marks=pytest.mark.slow),  # a gate per head sized through a local
-    pytest.param("modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),  # the output projection `Wo`
+    pytest.param(
+        "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow
+    ),  # the output projection `Wo`
 ]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {
