@@ -517,12 +517,10 @@ def make_plan(
     layers the rewritten code builds under other names."""
     s = _shapes(hf_config)
     validate(pc, hf_config)
-    owned = {
-        key.rsplit(".", 1)[1] for key in roles if "." in key
-    }  # `attn.Wo` is sharded, the MLP's `Wo` is not
-    sharded = (sharded - owned) | frozenset(
-        roles.values()
-    )  # the roles are those of parallel layers the code builds
+    # the roles are those of parallel layers the code builds; one keyed by its owner (`attn.Wo`) leaves a
+    # namesake elsewhere (the MLP's `Wo`) as the plan finds it
+    owned = {key.rsplit(".", 1)[1] for key in roles if "." in key}
+    sharded = (sharded - owned) | frozenset(roles.values())
     shapes = _param_shapes(hf_config)
     modules = {_module(name, roles) for name in shapes}
     if "o_proj" not in modules or not (

@@ -116,8 +116,8 @@ def drop_dead_locals_in(module: cst.Module, entry_class: str) -> cst.Module:
     return module if dropped.deep_equals(module) else prune_unreachable(dropped, entry_class)
 
 
-# `if <test>: pass` with no else (or `else: pass`), once its statements went (Falcon's `if self.use_alibi:` built ALiBi alone,
-# `if is_flash_attn_available(...):` imported what nothing uses)
+# `if <test>: pass` with no else (or `else: pass`), once its statements went (Falcon's `if self.use_alibi:` built
+# ALiBi alone, `if is_flash_attn_available(...):` imported what nothing uses)
 _PASS = m.IndentedBlock([m.SimpleStatementLine([m.Pass()])])
 _EMPTY_IF = m.If(
     test=m.MatchIfTrue(computes_only),

@@ -204,18 +204,24 @@ class _CallsToNames(cst.CSTTransformer):
         return updated
 
 
+def local_values(fn: cst.FunctionDef) -> dict[str, cst.BaseExpression]:
+    """local -> its value, for the locals a top-level line of fn assigns once."""
+    lines = [
+        s.body[0]
+        for s in fn.body.body
+        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])]))
+    ]
+    names = [a.targets[0].target.value for a in lines]
+    return {n: a.value for n, a in zip(names, lines, strict=True) if names.count(n) == 1}
+
+
 def _unaliased(fwd: cst.FunctionDef, x: cst.BaseExpression) -> str:
-    """x's source, or, for a local forward binds once to another name (BioGPT's `current_states = hidden_states`),
-    that name."""
-    if isinstance(x, cst.Name):
-        bound = m.findall(fwd.body, m.AssignTarget(m.Name(x.value)))
-        lines = [
-            s
-            for s in fwd.body.body
-            if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(x.value))], m.Name())]))
-        ]
-        if len(bound) == 1 and len(lines) == 1:
-            return lines[0].body[0].value.value
+    """x's source, or, for a local forward binds once, and only to another name (BioGPT's `current_states =
+    hidden_states`), that name."""
+    if isinstance(x, cst.Name) and len(m.findall(fwd.body, m.AssignTarget(m.Name(x.value)))) == 1:
+        value = local_values(fwd).get(x.value)
+        if isinstance(value, cst.Name):
+            return value.value
     return code(x)
 
 

@@ -44,6 +44,7 @@ from skills.parallel_impl.rules._units import (
     fuse_calls,
     has_region,
     linear_args,
+    local_values,
     parallel_layer,
     plumbed,
     region,
@@ -111,24 +112,13 @@ def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> 
     counts, also through a local set from them (`g_proj_dim = self.num_heads`); an exception it raises is
     neither."""
     skipped = {id(c) for s in skip for c in m.findall(s, m.Call())}
-    values = _local_values(init)
+    values = local_values(init)
     for line in m.findall(init.body, m.SimpleStatementLine()):
         raised = {id(c) for r in m.findall(line, m.Raise()) for c in m.findall(r, m.Call())}
         calls = [c for c in m.findall(line, m.Call()) if id(c) not in raised | skipped]
         if any(builds_from_heads(c, values) for c in calls):
             return code(line).strip()
     return None
-
-
-def _local_values(init: cst.FunctionDef) -> dict[str, cst.BaseExpression]:
-    """local -> its value, for the locals a top-level line of init assigns once."""
-    lines = [
-        s.body[0]
-        for s in init.body.body
-        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])]))
-    ]
-    names = [a.targets[0].target.value for a in lines]
-    return {n: a.value for n, a in zip(names, lines, strict=True) if names.count(n) == 1}
 
 
 def builds_from_heads(call: cst.Call, values: dict[str, cst.BaseExpression] | None = None) -> bool:
@@ -178,8 +168,8 @@ def _all_head_modules(
     init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef, qk: Sequence[str], out: str
 ) -> dict[int, tuple[str, str]]:
     """id() of each __init__ line `self.x = Module(...)` whose module forward applies only to the whole output of
-    the q or k projection qk names (`self.x(self.q_proj(h))`: "q" or "k"), or to the whole input of the output projection (BitNet's
-    `attn_sub_norm` over every head's output: "o") -> (x, kind)."""
+    the q or k projection qk names (`self.x(self.q_proj(h))`: "q" or "k"), or to the whole input of the output
+    projection (BitNet's `attn_sub_norm` over every head's output: "o") -> (x, kind)."""
     found = {}
     for s in init.body.body:
         target = m.SimpleStatementLine(
@@ -225,7 +215,7 @@ def _head_gates(
     (q_heads, or another name for them) and no key heads, directly or through a local: an output gate per query
     head (Laguna's `g_proj`) or per query-head channel (AFMoE's `gate_proj`), whose rows are the query heads',
     split by heads like q_proj's."""
-    values = _local_values(init)
+    values = local_values(init)
     query = {*QUERY_HEADS, *(n.value for n in m.findall(cst.parse_expression(q_heads), m.Name()))}
     found = {}
     for attr, layer in linears.items():
@@ -240,20 +230,26 @@ def _head_gates(
     return found
 
 
+def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple[int, cst.Call] | None:
+    """(the index of forward's top-level statement that calls the class's one runtime Attention, that call)."""
+    attention = list(self_layers(init, {"Attention"}))
+    if fwd is None or len(attention) != 1:
+        return None
+    attend = m.Call(m.Attribute(m.Name("self"), m.Name(attention[0])))
+    for i, s in enumerate(fwd.body.body):
+        if calls := m.findall(s, attend):
+            return i, calls[0]
+    return None
+
+
 def _out_proj(init: cst.FunctionDef, fwd: cst.FunctionDef | None, linears: Collection[str]) -> str | None:
     """The output projection among linears: the one named so (OUT), else the only one forward calls after the
     runtime Attention (ModernBERT's `Wo`)."""
     named = next((a for a in OUT if a in linears), None)
-    attention = list(self_layers(init, {"Attention"}))
-    if named or fwd is None or len(attention) != 1:
+    if named or (found := _attention_call(init, fwd)) is None:
         return named
-    body = fwd.body.body
-    attend = m.Call(m.Attribute(m.Name("self"), m.Name(attention[0])))
-    at = next((i for i, s in enumerate(body) if m.findall(s, attend)), None)
     called = m.Call(m.Attribute(m.Name("self"), m.Name()))
-    after = (
-        {c.func.attr.value for s in body[at + 1 :] for c in m.findall(s, called)} if at is not None else set()
-    )
+    after = {c.func.attr.value for s in fwd.body.body[found[0] + 1 :] for c in m.findall(s, called)}
     candidates = after & set(linears)
     return candidates.pop() if len(candidates) == 1 else None
 
@@ -264,19 +260,12 @@ def _qkv_names(
     """The q, k and v projections: q_proj / k_proj / v_proj, else the linears whose outputs reach the runtime
     Attention's query, key and value arguments through forward's top-level assignments (Llama's original `wq` /
     `wk` / `wv`)."""
-    attention = list(self_layers(init, {"Attention"}))
-    if all(a in linears for a in QKV) or fwd is None or len(attention) != 1:
+    if all(a in linears for a in QKV) or (found := _attention_call(init, fwd)) is None:
         return QKV
-    body = fwd.body.body
-    attend = m.Call(m.Attribute(m.Name("self"), m.Name(attention[0])))
-    at = next((i for i, s in enumerate(body) if m.findall(s, attend)), None)
-    args = (
-        [a.value for a in m.findall(body[at], attend)[0].args[:3] if a.keyword is None]
-        if at is not None
-        else []
-    )
-    found = tuple(_feeding(body, at, a, linears) for a in args)
-    return found if len(found) == 3 and None not in found and len(set(found)) == 3 else QKV
+    at, call = found
+    args = [a.value for a in call.args[:3] if a.keyword is None]
+    fed = tuple(_feeding(fwd.body.body, at, a, linears) for a in args)
+    return fed if len(fed) == 3 and None not in fed and len(set(fed)) == 3 else QKV
 
 
 def _feeding(
