@@ -200,6 +200,30 @@ def test_each_rank_reads_only_its_rows():
     assert src.reads == [(slice(4, 6),)]
 
 
+def test_weights_stored_in_out_load_transposed(tmp_path):
+    """transformers' Conv1D stores [in, out]: each layer keeps its share of the transpose, read lazily too, and a
+    square weight (where a missed transpose would load without error) is transposed."""
+    w_col, w_row, w_sq = torch.randn(3, 8), torch.randn(8, 3), torch.randn(4, 4)
+    save_file({"col": w_col, "row": w_row, "sq": w_sq}, tmp_path / "w.safetensors")
+    for rank in range(2):
+        tp = FakeTP(2, rank)
+        col = ColumnParallelLinear(3, 8, comm_manager=tp, transposed_on_disk=True)
+        qkv = QKVParallelLinear(3, 2, 2, 1, comm_manager=tp, transposed_on_disk=True)
+        row = RowParallelLinear(8, 3, comm_manager=tp, transposed_on_disk=True)
+        whole = ReplicatedLinear(4, 4, bias=True, transposed_on_disk=True)
+        load(qkv.weight, w_col)
+        load(whole.bias, w_sq[0])  # only the weight is stored transposed
+        with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+            load(col.weight, f.get_slice("col"))
+            load(row.weight, f.get_slice("row"))
+            load(whole.weight, f.get_slice("sq"))
+        assert torch.equal(col.weight, rows(w_col.t(), 4 * rank, 4))
+        expected = torch.cat([rows(w_col.t(), 2 * rank, 2), w_col.t()[4:6], w_col.t()[6:8]])
+        assert torch.equal(qkv.weight, expected)
+        assert torch.equal(row.weight, w_row.t()[:, 4 * rank : 4 * rank + 4])
+        assert torch.equal(whole.weight, w_sq.t()) and torch.equal(whole.bias, w_sq[0])
+
+
 def test_replicated_and_single_rank_forward_match_f_linear():
     x, w, b = torch.randn(2, 3), torch.randn(5, 3), torch.randn(5)
     for cls in (ReplicatedLinear, ColumnParallelLinear):

@@ -83,15 +83,23 @@ class TPModule(nn.Module):
         params_dtype: torch.dtype | None,
         comm_manager: CommManager | None = None,
         tp_group: str = "",
+        transposed_on_disk: bool = False,
     ):
         super().__init__()
+        self.transposed_on_disk = transposed_on_disk
         self.tp_group_name = tp_group
         self.tp_size, self.tp_rank, self.group = tp_info(comm_manager, tp_group)
         self.prefix = prefix
         self.params_dtype = params_dtype or torch.get_default_dtype()
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
-        default_weight_loader(param, loaded, shard_id)
+        default_weight_loader(param, self._as_stored(param, loaded), shard_id)
+
+    def _as_stored(self, param: nn.Parameter, loaded: LoadedWeight) -> LoadedWeight:
+        """The checkpoint tensor laid out as param is: [out, in] for a weight the checkpoint stores [in, out]."""
+        if not self.transposed_on_disk or param is not getattr(self, "weight", None):
+            return loaded
+        return loaded.t() if isinstance(loaded, torch.Tensor) else _TransposedSlice(loaded)
 
     def _add_param(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> None:
         param = nn.Parameter(torch.empty(shape, dtype=dtype or self.params_dtype), requires_grad=False)
@@ -125,6 +133,22 @@ class TPModule(nn.Module):
         return _Segment(offset, size, self.tp_rank * size, total * unit)
 
 
+class _TransposedSlice:
+    """A lazy 2-D slice read as its transpose (rows of the view are columns on disk)."""
+
+    def __init__(self, stored: LazySlice):
+        self.stored = stored
+
+    def get_shape(self) -> list[int]:
+        return self.stored.get_shape()[::-1]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if index is Ellipsis:
+            return self.stored[...].t()
+        rows, cols = (*index, slice(None), slice(None))[:2]
+        return self.stored[cols, rows].t()
+
+
 @dataclass(frozen=True)
 class _Segment:
     """A block of rows (e.g. q, k or v): where this rank's share sits in its parameter and on disk."""
@@ -144,8 +168,9 @@ class ReplicatedLinear(TPModule):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         quant_method: UnquantizedLinearMethod | None = None,
+        transposed_on_disk: bool = False,
     ):
-        super().__init__(prefix, params_dtype)
+        super().__init__(prefix, params_dtype, transposed_on_disk=transposed_on_disk)
         self._create_weights(quant_method, output_size, input_size)
         self._add_bias(bias, output_size)
 
@@ -167,8 +192,9 @@ class ColumnParallelLinear(TPModule):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         quant_method: UnquantizedLinearMethod | None = None,
+        transposed_on_disk: bool = False,
     ):
-        super().__init__(prefix, params_dtype, comm_manager, tp_group)
+        super().__init__(prefix, params_dtype, comm_manager, tp_group, transposed_on_disk)
         self.input_size = input_size
         self.output_size = output_size
         self.gather_output = gather_output
@@ -186,6 +212,7 @@ class ColumnParallelLinear(TPModule):
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: ShardId = None) -> None:
         """shard_id None: the checkpoint tensor holds every block back to back (fused on disk)."""
+        loaded = self._as_stored(param, loaded)
         if shard_id is None:
             blocks = list(self.segments.values())
         elif shard_id in self.segments:
@@ -223,6 +250,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         quant_method: UnquantizedLinearMethod | None = None,
+        transposed_on_disk: bool = False,
     ):
         self.output_sizes = list(output_sizes)
         super().__init__(
@@ -235,6 +263,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             params_dtype,
             prefix,
             quant_method,
+            transposed_on_disk,
         )
 
     def _make_segments(self) -> dict[ShardId, _Segment]:
@@ -264,13 +293,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         quant_method: UnquantizedLinearMethod | None = None,
+        transposed_on_disk: bool = False,
     ):
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
         output_size = (total_num_heads + 2 * self.total_num_kv_heads) * head_size
         super().__init__(
-            hidden_size, output_size, bias, False, comm_manager, tp_group, params_dtype, prefix, quant_method
+            hidden_size,
+            output_size,
+            bias,
+            False,
+            comm_manager,
+            tp_group,
+            params_dtype,
+            prefix,
+            quant_method,
+            transposed_on_disk,
         )
         self.q_size = self.segments["q"].size
         self.kv_size = self.segments["k"].size
@@ -309,8 +348,9 @@ class RowParallelLinear(TPModule):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         quant_method: UnquantizedLinearMethod | None = None,
+        transposed_on_disk: bool = False,
     ):
-        super().__init__(prefix, params_dtype, comm_manager, tp_group)
+        super().__init__(prefix, params_dtype, comm_manager, tp_group, transposed_on_disk)
         self.input_size = input_size
         self.output_size = output_size
         self.input_is_parallel = input_is_parallel
@@ -323,6 +363,7 @@ class RowParallelLinear(TPModule):
         """The weight, and parameters marked ``input_dim = 1`` (group scales), keep this rank's share of columns."""
         if param is not self.weight and getattr(param, "input_dim", None) != 1:
             return default_weight_loader(param, loaded, shard_id)
+        loaded = self._as_stored(param, loaded)
         cols = param.shape[1]
         check_shape(param, loaded, (param.shape[0], cols * self.tp_size), tuple(param.shape))
         param.data.copy_(read_narrow(loaded, 1, self.tp_rank * cols, cols))

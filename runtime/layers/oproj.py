@@ -32,6 +32,7 @@ class OProjParallelLinear(RowParallelLinear):
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
         quant_method: UnquantizedLinearMethod | None = None,
+        transposed_on_disk: bool = False,
     ):
         self.gathers_tokens = comm_manager is not None and comm_manager.has_group(tp_group)
         super().__init__(
@@ -44,6 +45,7 @@ class OProjParallelLinear(RowParallelLinear):
             params_dtype=params_dtype,
             prefix=prefix,
             quant_method=quant_method,
+            transposed_on_disk=transposed_on_disk,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -124,7 +124,7 @@ def test_absent_kv_heads_passed_explicitly(run_rule):
 
 
 def test_fused_qkv_cut_other_than_in_blocks_is_a_finding(make_ctx):
-    # GPT-NeoX interleaves q/k/v per head in its fused tensor: forward chunks it, not in [q; k; v] blocks
+    # the fused output cut by a function the rule does not read: its blocks are not known to be [q; k; v]
     code = dedent("""\
         class GPTNeoXAttention(nn.Module):
             def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
@@ -134,7 +134,7 @@ def test_fused_qkv_cut_other_than_in_blocks_is_a_finding(make_ctx):
                 self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_size, scale=1.0)
 
             def forward(self, hidden_states, *, forward_metadata, **kwargs):
-                q, k, v = self.query_key_value(hidden_states).chunk(3, dim=-1)
+                q, k, v = torch.tensor_split(self.query_key_value(hidden_states), 3, dim=-1)
                 return self.dense(self.attn(q, k, v, forward_metadata))
         """)
     ctx = make_ctx(filename="modeling_gpt_neox.py")
@@ -221,9 +221,7 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
         "does not return o_proj's output as is": BEFORE.replace(  # partial sums mixed with replicated values
             "return attn_output", "return attn_output + hidden_states"
         ),
-        "no `self.o_proj = nn.Linear(...)`": BEFORE.replace(
-            "self.o_proj = nn.Linear", "self.o_proj = Conv1D"
-        ),
+        "no `self.o_proj = nn.Linear(...)`": BEFORE.replace("self.o_proj = nn.Linear", "self.o_proj = Other"),
         "exactly one runtime `Attention(...)`": BEFORE.replace(
             "self.attn = Attention(", "self.attn = Other("
         ),
@@ -888,3 +886,62 @@ def test_projections_called_on_an_alias_of_the_same_input_fuse(run_rule, make_ct
     ).replace("self.v_proj(hidden_states)", "self.v_proj(current_states)")
     out = _sharded(run_rule, make_ctx, code)
     assert "q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states).split(" in out
+
+
+GPT2_BEFORE = dedent("""\
+    class GPT2Attention(nn.Module):
+        def __init__(self, config, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.embed_dim = config.hidden_size
+            self.head_dim = self.embed_dim // config.num_attention_heads
+            self.split_size = self.embed_dim
+            self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
+            self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim)
+
+        def forward(self, hidden_states, *, forward_metadata):
+            query_states, key_states, value_states = self.c_attn(hidden_states).split(self.split_size, dim=2)
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            return self.c_proj(attn_output)
+    """)
+
+
+def test_conv1d_projections_load_their_weights_transposed(run_rule, make_ctx):
+    # GPT-2: transformers' Conv1D(nf, nx) stores [in, out]; c_attn is [q; k; v] cut by `.split(n, dim)` on the call
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, GPT2_BEFORE, ctx)
+    assert (
+        "self.c_attn = QKVParallelLinear(self.embed_dim, self.head_dim, config.num_attention_heads, "
+        "config.num_attention_heads, bias=True, transposed_on_disk=True," in out
+    )
+    assert (
+        "self.c_proj = RowParallelLinear(self.embed_dim, self.embed_dim, bias=True, transposed_on_disk=True, "
+        "reduce_results=False," in out
+    )
+    assert (
+        "query_states, key_states, value_states = self.c_attn(hidden_states).split("
+        "self.c_attn.output_partition_sizes, dim=2)" in out
+    )
+    assert "Conv1D" not in out and ctx.fused == []
+    # GPT-1: the output bound first, split later
+    bound = GPT2_BEFORE.replace(
+        "        query_states, key_states, value_states = self.c_attn(hidden_states).split(self.split_size, dim=2)\n",
+        "        qkv = self.c_attn(hidden_states)\n"
+        "        query_states, key_states, value_states = qkv.split(self.split_size, dim=2)\n",
+    )
+    assert bound != GPT2_BEFORE
+    assert "= qkv.split(self.c_attn.output_partition_sizes, dim=2)" in _sharded(run_rule, make_ctx, bound)
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        "torch.split(self.c_attn(hidden_states), self.split_size, dim=2)",  # a function the rule does not read
+        "self.c_attn(hidden_states).split(self.split_size, dim=2)[:3]",  # not unpacked into three names
+    ],
+)
+def test_fused_conv1d_cut_otherwise_is_a_finding(run_rule, make_ctx, cut):
+    code = GPT2_BEFORE.replace("self.c_attn(hidden_states).split(self.split_size, dim=2)", cut)
+    assert "`self.c_attn` is q/k/v fused on disk, and forward" in _finding(
+        run_rule, make_ctx, code, "GPT2Attention"
+    )

@@ -192,3 +192,25 @@ def test_residual_added_inside_forward_is_added_to_the_sums(run_rule, make_ctx):
     assert "down_proj = self.tp_region.exit(self.down_proj(" in out
     assert "return down_proj + residual" in out
     assert run_rule(rule, out, make_ctx()) == out
+
+
+def test_conv1d_mlp_loads_its_weights_transposed(run_rule, make_ctx):
+    # GPT-2: transformers' Conv1D(nf, nx) is a linear nx -> nf with a bias, its weight stored [in, out]
+    code = PLAIN.replace(
+        "fc1 = nn.Linear(config.hidden_size, config.intermediate_size)",
+        "c_fc = Conv1D(config.intermediate_size, config.hidden_size)",
+    )
+    code = code.replace(
+        "fc2 = nn.Linear(config.intermediate_size, config.hidden_size)",
+        "c_proj = Conv1D(config.hidden_size, config.intermediate_size)",
+    )
+    code = code.replace("self.fc2(", "self.c_proj(").replace("self.fc1(", "self.c_fc(")
+    expected = PLAIN_AFTER.replace("bias=True,", "bias=True, transposed_on_disk=True,")
+    expected = expected.replace("fc1", "c_fc").replace("fc2", "c_proj")
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == expected
+    assert run_rule(rule, expected, make_ctx()) == expected
+    assert ctx.rewrites == [
+        "PhiMLP: c_fc -> ColumnParallelLinear (dense_tp_group)",
+        "PhiMLP: c_proj -> RowParallelLinear (dense_tp_group)",
+    ]

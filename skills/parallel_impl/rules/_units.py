@@ -19,7 +19,9 @@ from skills.migrator.cst_utils import (
     stmt,
 )
 
-LINEAR = frozenset({"nn.Linear", "torch.nn.Linear"})
+# transformers' Conv1D(nf, nx) is a linear layer nx -> nf that stores its weight [in, out]
+CONV1D = "Conv1D"
+LINEAR = frozenset({"nn.Linear", "torch.nn.Linear", CONV1D})
 EMBEDDING = frozenset({"nn.Embedding", "torch.nn.Embedding"})
 LINEAR_IMPORT = "runtime.layers.linear"
 PREFIX_IMPORT = ("runtime.layers.prefix", "join_prefix")
@@ -56,10 +58,22 @@ class LinearArgs:
     in_features: str
     out_features: str
     bias: str  # "True" when not passed, as nn.Linear defaults (the parallel layers default to False)
+    transposed: bool = False  # the checkpoint stores the weight [in, out] (Conv1D)
+
+    def layer_args(self, out_features: str | None = None) -> list[str]:
+        """A parallel layer's leading arguments: sizes, bias, and how the checkpoint lays the weight out."""
+        args = [self.in_features, out_features or self.out_features, f"bias={self.bias}"]
+        return args + ["transposed_on_disk=True"] * self.transposed
 
 
 def linear_args(call: cst.Call) -> LinearArgs | None:
-    """nn.Linear's arguments, None when it passes others (device, dtype) a parallel layer can't take."""
+    """nn.Linear's (or Conv1D's) arguments, None when it passes others (device, dtype) a parallel layer can't
+    take."""
+    if called_name(call) == CONV1D:
+        args = plain_args(call, ("nf", "nx"))
+        if args is None or len(args) != 2:
+            return None
+        return LinearArgs(args["nx"], args["nf"], "True", transposed=True)
     args = plain_args(call, ("in_features", "out_features", "bias"))
     if args is None or "in_features" not in args or "out_features" not in args:
         return None
@@ -364,10 +378,12 @@ def _elementwise_update(s: cst.BaseStatement, x: str) -> bool:
     return m.matches(s, update) and len(m.findall(s, m.Name(x))) == 2
 
 
-def _chunked(s: cst.BaseStatement, x: str, parts: int) -> tuple[str, str] | None:
-    """(targets, dim) of `a, b, c = x.chunk(parts, dim=d)` (or `x.chunk(parts, d)`)."""
-    chunk = m.Call(m.Attribute(m.Name(x), m.Name("chunk")), [m.Arg(m.Integer(str(parts))), m.Arg()])
-    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Tuple())], chunk)])
+def _chunked(s: cst.BaseStatement, x: m.BaseExpression, parts: int) -> tuple[str, str] | None:
+    """(targets, dim) of `a, b, c = x.chunk(parts, dim=d)` (or `x.chunk(parts, d)`), or of `a, b, c = x.split(n,
+    d)`: `parts` consecutive blocks of dim d whatever the sizes n (unpacking into as many names checks the count)."""
+    chunk = m.Call(m.Attribute(x, m.Name("chunk")), [m.Arg(m.Integer(str(parts))), m.Arg()])
+    cut = chunk | m.Call(m.Attribute(x, m.Name("split")), [m.Arg(keyword=None), m.Arg()])
+    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Tuple())], cut)])
     if not m.matches(s, line):
         return None
     assign = s.body[0]
@@ -381,28 +397,36 @@ def _chunked(s: cst.BaseStatement, x: str, parts: int) -> tuple[str, str] | None
 
 def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.FunctionDef | str:
     """forward cutting `x = self.<attr>(...)` into `parts` consecutive blocks of its last dim (`a = x[..., :p]`,
-    `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes, or `a, b, c = x.chunk(parts, dim)`,
-    equal blocks), maybe after element-wise updates of x, made to split it by the parallel layer's per-rank sizes
-    instead: `a, b, c = x.split(self.<attr>.output_partition_sizes, dim=-1)`. Locals only those bounds read go too.
-    Returns why not when the output is used any other way."""
+    `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes, or `a, b, c = x.chunk(parts, dim)` /
+    `x.split(n, dim)`, equal blocks, x maybe the call itself), maybe after element-wise updates of x, made to split
+    it by the parallel layer's per-rank sizes instead: `a, b, c = x.split(self.<attr>.output_partition_sizes,
+    dim=-1)`. Locals only those bounds read go too. Returns why not when the output is used any other way."""
     body = list(fwd.body.body)
+
+    def split(i: int, targets: str, dim: str) -> cst.FunctionDef:
+        receiver = code(body[i].body[0].value.func.value)
+        new = stmt(f"{targets} = {receiver}.split(self.{attr}.output_partition_sizes, dim={dim})\n")
+        body[i] = new.with_changes(leading_lines=body[i].leading_lines)
+        return fwd.with_changes(body=fwd.body.with_changes(body=body))
+
+    own = m.Call(m.Attribute(m.Name("self"), m.Name(attr)))
+    inline = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, own, parts))]
+    if len(inline) == 1 and self_refs(fwd, attr) == 1:  # `a, b, c = self.<attr>(h).split(n, dim=-1)`
+        return split(inline[0][0], *inline[0][1])
     bound = bound_call(body, attr)
     if bound is None or self_refs(fwd, attr) != 1:
         return f"forward does not bind `self.{attr}(...)`'s output to a name once"
-    x = bound[1]
-    updates = [s for s in body if _elementwise_update(s, x)]
-    uses = len(m.findall(fwd, m.Name(x))) - 1 - sum(len(m.findall(s, m.Name(x))) for s in updates)
-    chunks = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, x, parts))]
-    if len(chunks) == 1 and uses == 1:
-        (i, (targets, dim)), sizes = chunks[0], f"self.{attr}.output_partition_sizes"
-        body[i] = stmt(f"{targets} = {x}.split({sizes}, dim={dim})\n").with_changes(
-            leading_lines=body[i].leading_lines
-        )
-        return fwd.with_changes(body=fwd.body.with_changes(body=body))
+    at, x = bound
+    later = [s for s in body[at + 1 :] if not _elementwise_update(s, x)]
+    uses = sum(len(m.findall(s, m.Name(x))) for s in later)
+    rebound = any(x in assigned_names(s) for s in later)  # later reads would not be of the layer's output
+    chunks = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, m.Name(x), parts))]
+    if len(chunks) == 1 and uses == 1 and not rebound:
+        return split(chunks[0][0], *chunks[0][1])
     cuts = [(i, c) for i, s in enumerate(body) if (c := _block_slice(s, x))]
     bounds = [b for _, c in cuts for b in c[1:]]
     consecutive = bounds[:1] == [None] and bounds[-1:] == [None] and bounds[1:-1:2] == bounds[2:-1:2]
-    if len(cuts) != parts or uses != parts or not consecutive:
+    if len(cuts) != parts or uses != parts or not consecutive or rebound:
         return f"forward uses `self.{attr}`'s output other than as {parts} consecutive slices of its last dim"
     targets = ", ".join(c[0] for _, c in cuts)
     split = stmt(f"{targets} = {x}.split(self.{attr}.output_partition_sizes, dim=-1)\n")

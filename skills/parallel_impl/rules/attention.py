@@ -231,11 +231,13 @@ def _head_gates(
 
 
 def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple[int, cst.Call] | None:
-    """(the index of forward's top-level statement that calls the class's one runtime Attention, that call)."""
+    """(the index of forward's top-level statement that calls the class's one runtime Attention, or one of its
+    entry points such as `forward_heads_first`, that call)."""
     attention = list(self_layers(init, {"Attention"}))
     if fwd is None or len(attention) != 1:
         return None
-    attend = m.Call(m.Attribute(m.Name("self"), m.Name(attention[0])))
+    layer = m.Attribute(m.Name("self"), m.Name(attention[0]))
+    attend = m.Call(layer | m.Attribute(layer))
     for i, s in enumerate(fwd.body.body):
         if calls := m.findall(s, attend):
             return i, calls[0]
@@ -521,7 +523,7 @@ def _rewrite_per_head(
     def parallel(attr: str, ctor: str, group: str) -> cst.SimpleStatementLine:
         a = args[attr]
         plumbing = f'comm_manager=comm_manager, tp_group="{group}", prefix=join_prefix(prefix, "{attr}")'
-        call = cst.parse_expression(f"{ctor}({a.in_features}, {a.out_features}, bias={a.bias}, {plumbing})")
+        call = cst.parse_expression(f"{ctor}({', '.join(a.layer_args())}, {plumbing})")
         return linears[attr].line.deep_replace(linears[attr].call, call)
 
     call = attn.call
@@ -585,8 +587,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if None in args:
         return "a projection passes nn.Linear arguments other than in/out features and bias"
     q, o = args[0], args[-1]
-    if len({a.in_features for a in args[:-1]}) != 1 or len({a.bias for a in args[:-1]}) != 1:
-        return "q/k/v projections differ in input size or bias"
+    if len({(a.in_features, a.bias, a.transposed) for a in args[:-1]}) != 1:
+        return (
+            "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
+        )
     if fused:
         fwd = split_fused_output(fwd, fused, 3)
         if isinstance(fwd, str):
@@ -626,12 +630,16 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return new_fwd
 
     qkv = parallel_layer(
-        qkv_attr, "QKVParallelLinear", [q.in_features, *sizes, f"bias={q.bias}"], GROUP, first
+        qkv_attr,
+        "QKVParallelLinear",
+        [q.in_features, *sizes, f"bias={q.bias}", *["transposed_on_disk=True"] * q.transposed],
+        GROUP,
+        first,
     )
     o_proj = parallel_layer(
         out,
         "RowParallelLinear",
-        [o.in_features, o.out_features, f"bias={o.bias}", "reduce_results=False"],
+        [*o.layer_args(), "reduce_results=False"],
         GROUP,
         linears[out].line,
     )
@@ -644,7 +652,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
             parallel_layer(
                 g,
                 "ColumnParallelLinear",
-                [a.in_features, a.out_features, f"bias={a.bias}"],
+                a.layer_args(),
                 GROUP,
                 linears[g].line,
             )

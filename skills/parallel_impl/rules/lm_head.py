@@ -117,7 +117,7 @@ def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteConte
     ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.attr))]
     tied_parallel = [t for t in ties if t.split(".")[-1] in parallel]
     args = linear_args(head.call)
-    if len(tied_parallel) != len(ties) or args is None or not plumbed(init):
+    if len(tied_parallel) != len(ties) or args is None or args.transposed or not plumbed(init):
         if tied_parallel:  # a replicated head can't share a vocab-sharded weight
             ctx.unsupported(
                 cls.name.value,

@@ -117,9 +117,11 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         return None
     if len(columns) == 2:
         up = args["up_proj"]
-        if (first.in_features, first.bias) != (up.in_features, up.bias) or any(
-            self_refs(cls, a) != 2 for a in GATED
-        ):
+        if (first.in_features, first.bias, first.transposed) != (
+            up.in_features,
+            up.bias,
+            up.transposed,
+        ) or any(self_refs(cls, a) != 2 for a in GATED):
             return None
         fwd = fuse_calls(fwd, GATED, "gate_up_proj")
         if isinstance(fwd, str):
@@ -143,11 +145,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         return None
     changes = {id(linears[a].line): [] for a in columns[1:]}
     changes[id(linears[columns[0]].line)] = [
-        parallel_layer(
-            attr, ctor, [first.in_features, out, f"bias={first.bias}"], GROUP, linears[columns[0]].line
-        )
+        parallel_layer(attr, ctor, first.layer_args(out), GROUP, linears[columns[0]].line)
     ]
-    row_args = [down.in_features, down.out_features, f"bias={down.bias}", "reduce_results=False"]
+    row_args = [*down.layer_args(), "reduce_results=False"]
     changes[id(linears[row].line)] = [
         parallel_layer(row, "RowParallelLinear", row_args, GROUP, linears[row].line)
     ]
