@@ -571,7 +571,18 @@ def test_an_output_projection_role_keyed_by_its_owner_leaves_a_namesake_whole():
         attention_bias=False,
         pad_token_id=0,
     )
-    sharded = frozenset({"q_proj", "k_proj", "v_proj", "Wo"})
+    sharded = frozenset({"q_proj", "k_proj", "v_proj"})  # `Wo` would be a namesake built parallel elsewhere
     plan = make_plan(pc(2, 2, 1, 2, 2), cfg, torch.float32, sharded, {"attn.Wo": "o_proj"})
     attention = 2 * 4 * 64 * 64 * 4  # layers x (q, k, v, Wo) x fp32
     assert plan.total_param_bytes - plan.per_rank_param_bytes == attention // 2
+
+
+def test_a_namesake_of_an_owner_keyed_output_projection_built_parallel_is_sharded():
+    """GPT-2's attention and MLP both name a layer `c_proj`, and both are parallel: attention's by its role, the
+    MLP's (row-parallel, its bias whole) by its name."""
+    cfg = _tiny("gpt2", n_inner=128, n_positions=64)
+    sharded = frozenset({"c_attn", "c_fc", "c_proj"})
+    plan = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, sharded, {"attn.c_proj": "o_proj"})
+    attention = 64 * 3 * 64 + 3 * 64 + 64 * 64  # c_attn weight and bias, c_proj weight (its bias stays whole)
+    mlp = 64 * 128 + 128 + 128 * 64  # c_fc weight and bias, c_proj weight
+    assert plan.total_param_bytes - plan.per_rank_param_bytes == 2 * (attention + mlp) // 2 * 4

@@ -184,24 +184,27 @@ def _self_calls(tree: ast.AST, ctors: Collection[str] | None = None) -> dict[str
     return found
 
 
-def _parallel_attrs(text: str) -> dict[str, str]:
-    """x -> the class of each parallel layer `self.x` the code builds."""
-    return {a: call.func.id for a, call in _self_calls(ast.parse(text), _PARALLEL).items()}
+def _layers(
+    new_code: dict[str, str], fused: dict[str, tuple[str, ...]]
+) -> tuple[frozenset[str], dict[str, str]]:
+    """(the modules the rewritten code builds as parallel layers, their roles), for the plan.
 
-
-def _roles(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> dict[str, str]:
-    """attribute -> the role the plan counts it in, for layers the rewritten code builds under other names: the
-    vocabulary layers (BLOOM's `word_embeddings`, GPT-NeoX-Japanese's `embed_out`) and attention's output
-    projection (an OProjParallelLinear, or a RowParallelLinear of attn_tp_group), keyed `<owner>.<attr>` by the
-    attribute its class is built into (ModernBERT's `attn.Wo`, not its MLP's `Wo`), and the q / k / v parts of
-    `qkv_proj` (Llama's original `wq` / `wk` / `wv`)."""
+    Modules: attributes built as parallel layers, fused ones under their checkpoint names, and "experts" when
+    routed experts are split over moe_ep_group, "experts_tp" when also over moe_tp_group. Roles: attribute -> the
+    role the plan counts it in, for layers built under other names: the vocabulary layers (BLOOM's
+    `word_embeddings`, GPT-NeoX-Japanese's `embed_out`) and attention's output projection (an OProjParallelLinear,
+    or a RowParallelLinear of attn_tp_group), keyed `<owner>.<attr>` by the attribute its class is built into
+    (ModernBERT's `attn.Wo`, GPT-2's `attn.c_proj`): such a layer leaves its name to a namesake elsewhere, the
+    MLP's `Wo` (whole) or `c_proj` (a parallel layer of its own); and the q / k / v parts of `qkv_proj` (Llama's
+    original `wq` / `wk` / `wv`)."""
     kinds = {
         "VocabParallelEmbedding": "embed_tokens",
         "ParallelLMHead": "lm_head",
         "OProjParallelLinear": "o_proj",
     }
     qkv = zip(fused.get("qkv_proj", ()), ("q_proj", "k_proj", "v_proj"), strict=False)
-    found = {part: role for part, role in qkv if part != role}
+    roles = {part: role for part, role in qkv if part != role}
+    attrs = set()
     for text in new_code.values():
         tree = ast.parse(text)
         owners = {
@@ -217,20 +220,15 @@ def _roles(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> dict[
                     "o_proj" if call.func.id == "RowParallelLinear" and in_attention else None
                 )
                 if role == "o_proj" and cls.name in owners:
-                    found[f"{owners[cls.name]}.{attr}"] = role
-                elif role:
-                    found[attr] = role
-    return found
-
-
-def _sharded_modules(new_code: dict[str, str], fused: dict[str, tuple[str, ...]]) -> frozenset[str]:
-    """Attributes the rewritten code builds as parallel layers, fused ones under their checkpoint names, and
-    "experts" when routed experts are split over moe_ep_group, "experts_tp" when also over moe_tp_group."""
-    attrs = {a for text in new_code.values() for a in _parallel_attrs(text)}
+                    roles[f"{owners[cls.name]}.{attr}"] = role
+                    continue
+                attrs.add(attr)
+                if role:
+                    roles[attr] = role
     code = "".join(new_code.values())
     experts = {"experts"} if _EXPERTS in code else set()
     experts |= {"experts_tp"} if _EXPERTS_TP in code else set()
-    return frozenset({part for a in attrs for part in fused.get(a, (a,))} | experts)
+    return frozenset({part for a in attrs for part in fused.get(a, (a,))} | experts), roles
 
 
 def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> _Target:
@@ -250,8 +248,7 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
             f"skill parallelize cannot shard this model safely: {'; '.join(map(str, code.findings))}. Nothing "
             "was written; port these modules to the parallel layers by hand (see references/model_contract.md)."
         )
-    sharded = _sharded_modules(code.files, code.fused)
-    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, sharded, _roles(code.files, code.fused))
+    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, *_layers(code.files, code.fused))
     return _Target(
         model_dir,
         pc,

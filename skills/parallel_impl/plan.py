@@ -514,13 +514,11 @@ def make_plan(
 
     `sharded`: the modules the rewritten code builds as parallel layers (shared-expert MLPs follow the MLP names);
     the others are planned whole on every rank. `roles`: attribute -> embed_tokens / lm_head / o_proj for the
-    layers the rewritten code builds under other names."""
+    layers the rewritten code builds under other names; one keyed by its owner (`attn.Wo`) is not in `sharded`
+    under its own name, which then means a namesake elsewhere."""
     s = _shapes(hf_config)
     validate(pc, hf_config)
-    # the roles are those of parallel layers the code builds; one keyed by its owner (`attn.Wo`) leaves a
-    # namesake elsewhere (the MLP's `Wo`) as the plan finds it
-    owned = {key.rsplit(".", 1)[1] for key in roles if "." in key}
-    sharded = (sharded - owned) | frozenset(roles.values())
+    sharded |= frozenset(roles.values())
     shapes = _param_shapes(hf_config)
     modules = {_module(name, roles) for name in shapes}
     if "o_proj" not in modules or not (

@@ -6,6 +6,7 @@ from skills.migrator.rules.cache_keys import CacheKeys
 from skills.migrator.rules.causal_lm_entry import CausalLMEntry
 from skills.migrator.rules.checkpoint_branches import CheckpointBranches
 from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
+from skills.migrator.rules.constructor_defaults import ConstructorDefaults
 from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
 from skills.migrator.rules.drop_dropout import DropDropout
@@ -21,6 +22,7 @@ from skills.migrator.rules.runtime_attention import RuntimeAttention
 from skills.migrator.rules.stale_docs import StaleDocs
 from skills.migrator.rules.strip_hf_decorators import StripHFDecorators
 from skills.migrator.rules.tiled_kv_heads import TiledKVHeads
+from skills.migrator.rules.unread_modules import UnreadModules
 from skills.migrator.rules.unused_imports import UnusedImports
 from skills.migrator.rules.unused_parameters import UnusedParameters
 
@@ -42,6 +44,8 @@ MODELING_RULES = [
     PruneUnreachable,
     DropDropout,
     CheckpointBranches,
+    UnreadModules,
+    ConstructorDefaults,
     DeadCode,
     UnusedParameters,
     HonestSignatures,

@@ -9,7 +9,7 @@ from skills.migrator.cst_utils import called_name, class_choice, classes, method
 from skills.migrator.expert_params import expert_params
 from skills.migrator.rule import Rule
 
-WEIGHTED = {"nn.Linear", "Linear", "Attention", "nn.Embedding", "Embedding"}
+WEIGHTED = {"nn.Linear", "Linear", "Conv1D", "Attention", "nn.Embedding", "Embedding"}
 
 
 def plumbed_classes(module: cst.Module, entry: str) -> set[str]:

@@ -65,11 +65,18 @@ class _Env:
     """consts: removed parameters, whose reads become literals; facts: locals assigned a literal (after
     folding, as `use_cache = False`), known to branch tests only; given: names never None."""
 
-    def __init__(self, consts: dict[str, object], given: set[str], facts: dict[str, object] | None = None):
+    def __init__(
+        self,
+        consts: dict[str, object],
+        given: set[str],
+        facts: dict[str, object] | None = None,
+        drop_forwarding: bool = True,
+    ):
         self.consts, self.given, self.facts = consts, given, facts or {}
+        self.drop_forwarding = drop_forwarding  # `f(x=x)` of a removed x goes: f lost its parameter too
 
     def copy(self) -> "_Env":
-        return _Env(dict(self.consts), set(self.given), dict(self.facts))
+        return _Env(dict(self.consts), set(self.given), dict(self.facts), self.drop_forwarding)
 
     def forget(self, names: set[str]) -> None:
         for n in names:
@@ -133,6 +140,8 @@ class _Substitute(cst.CSTTransformer):
         self.env = env
 
     def leave_Call(self, original, updated):
+        if not self.env.drop_forwarding:
+            return updated
         args = [
             new
             for old, new in zip(original.args, updated.args, strict=True)
@@ -186,6 +195,12 @@ def _fold_block(body, env: _Env) -> list:
             env.facts.update(_if_facts(f) if isinstance(f, cst.If) else _literal_facts([f]))
         out.extend(folded)
     return out
+
+
+def fold_known(body, consts: dict[str, object]) -> list:
+    """body's statements with the names in consts read as those literals (arguments forwarding them too) and the
+    branches they decide folded."""
+    return _fold_block(body, _Env(dict(consts), set(), drop_forwarding=False))
 
 
 def _literal_facts(stmts) -> dict[str, object]:

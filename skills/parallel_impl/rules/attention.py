@@ -355,11 +355,12 @@ def _optional_linears(init: cst.FunctionDef) -> dict[str, Layer]:
 
 def _reads_global_size(fns: list[cst.FunctionDef], local: list[str]) -> str | None:
     """A whole-model head count or width that one of fns reads (names only, not docstrings), other than the head
-    counts `self.x` of local, which hold this rank's share, and a function's own parameters (what its callers
-    pass, checked where they call)."""
+    counts `self.x` of local, which hold this rank's share, a function's own parameters (what its callers pass,
+    checked where they call) and its locals (what they are computed from is checked here: GPT-2's `bsz,
+    num_heads, q_len, d = query.size()` reads the rank's own tensor)."""
     for fn in fns:
         fields = {id(a.attr): a for a in m.findall(fn, m.Attribute())}
-        given = set(param_names(fn))
+        given = set(param_names(fn)) | assigned_names(fn.body)
         for node in m.findall(fn, m.Name()):
             field = fields.get(id(node))
             mine = field is not None and m.matches(field.value, m.Name("self")) and node.value in local

@@ -1,0 +1,90 @@
+"""Submodules nothing calls go: GPT-2 builds a cross-attention block and its norm when
+`config.add_cross_attention` is set, which a causal LM never runs once the encoder's states are folded away
+(MG004). A checkpoint may still hold their weights, so the entry's `load_named_weights` skips the tensors under
+those attribute names (`ignored=`), as transformers leaves them unused. Only names that no module in use shares
+go, and only where the entry loads through `load_named_weights`."""
+
+import libcst as cst
+import libcst.matchers as m
+
+from skills.migrator.cst_utils import SELF_ASSIGN_CALL, SELF_ATTR, called_name, classes, code, method
+from skills.migrator.rule import Rule
+from skills.migrator.rules.dead_code import _DropIf, _unused_attrs
+
+LOAD = m.Call(m.Name("load_named_weights"))
+
+
+def _builds_module(call: cst.Call, local: set[str]) -> bool:
+    """A constructor call: an in-file class, or a CapWords class such as `nn.LayerNorm` or `Conv1D` (not a
+    tensor: `nn.Parameter`, `nn.Buffer`, which DeadCode weighs)."""
+    name = called_name(call)
+    leaf = name.split(".")[-1]
+    return name in local or (leaf[:1].isupper() and leaf not in ("Parameter", "Buffer"))
+
+
+def _unread_modules(module: cst.Module, entry: str) -> set[str]:
+    """The x of `self.x = <module>(...)` statements (anywhere in an __init__) that nothing reads, where every
+    assignment of a `self.x` in the file is such a statement and no string names x."""
+    local, unused = classes(module), _unused_attrs(module, entry)
+    named = {s.raw_value for s in m.findall(module, m.SimpleString())}  # `getattr(self, "x")`
+    writes: dict[str, int] = {}
+    doomed: dict[str, int] = {}
+    for name, cls in local.items():
+        for target in m.findall(cls, m.AssignTarget(SELF_ATTR)):
+            writes[target.target.attr.value] = writes.get(target.target.attr.value, 0) + 1
+        init = method(cls, "__init__")
+        for s in m.findall(init, SELF_ASSIGN_CALL) if init is not None else ():
+            attr = s.body[0].targets[0].target.attr.value
+            if attr in unused.get(name, set()) and _builds_module(s.body[0].value, set(local)):
+                doomed[attr] = doomed.get(attr, 0) + 1
+    return {attr for attr, n in doomed.items() if writes[attr] == n and attr not in named}
+
+
+class _Ignore(cst.CSTTransformer):
+    """`load_named_weights(..., ignored=[...])` with patterns added."""
+
+    def __init__(self, patterns: list[str]):
+        self.patterns = patterns
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if not m.matches(updated, LOAD):
+            return updated
+        given = next((a for a in updated.args if a.keyword and a.keyword.value == "ignored"), None)
+        old = [code(e.value) for e in given.value.elements] if given else []
+        value = cst.parse_expression(f"[{', '.join([*old, *self.patterns])}]")
+        if given is None:
+            return updated.with_changes(
+                args=[*updated.args, cst.Arg(value, keyword=cst.Name("ignored"), equal=_EQUAL)]
+            )
+        return updated.with_changes(
+            args=[a.with_changes(value=value) if a is given else a for a in updated.args]
+        )
+
+
+_EQUAL = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
+
+
+class UnreadModules(Rule):
+    ID = "MG024"
+    DESCRIPTION = "Submodules nothing calls go (cross-attention); the loader skips their checkpoint tensors."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        entry = classes(module).get(self.rewrite.entry_class)
+        loads = m.findall(entry, LOAD) if entry is not None else []
+        doomed = _unread_modules(module, self.rewrite.entry_class) if len(loads) == 1 else {}
+        if not doomed:
+            return module
+        module = module.visit(
+            _DropIf(
+                lambda s: m.matches(s, SELF_ASSIGN_CALL) and s.body[0].targets[0].target.attr.value in doomed
+            )
+        )
+        patterns = [f'r"(^|\\.){attr}\\."' for attr in sorted(doomed)]
+        return module.with_changes(
+            body=[
+                s.visit(_Ignore(patterns))
+                if m.matches(s, m.ClassDef(m.Name(self.rewrite.entry_class)))
+                else s
+                for s in module.body
+            ]
+        )
