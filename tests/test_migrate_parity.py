@@ -89,6 +89,19 @@ def test_falcon_with_alibi_matches_transformers(tmp_path_factory, tmp_path):
     assert_framework_run_matches(falcon, model_dir)
 
 
+def test_a_checkpoint_with_cross_attention_weights_loads_without_them_and_matches_transformers(
+    tmp_path_factory, tmp_path
+):
+    """GPT-2 saved with `add_cross_attention`: the block a causal LM never runs is not built (MG024), its tensors
+    are skipped on load, and `is_cross_attention` folds (MG025)."""
+    gpt2 = build_reference("gpt2", tmp_path_factory, add_cross_attention=True)
+    model_dir = migrate(gpt2, tmp_path, "--mode", "framework")
+    code = (model_dir / "models" / "modeling_gpt2.py").read_text()
+    assert "crossattention =" not in code and "is_cross_attention" not in code
+    assert r'r"(^|\.)crossattention\."' in code
+    assert_framework_run_matches(gpt2, model_dir)
+
+
 def test_a_looped_model_keeps_a_cache_per_loop_and_matches_transformers(tmp_path_factory, tmp_path):
     """Dory applies its recurrent layers once per loop, each loop on a cache layer of its own (`self.layer_idx +
     cache_offset`): the offset becomes the runtime layer's `cache_key`, which keeps a cache per key."""

@@ -90,3 +90,14 @@ def test_a_default_only_passed_on_stays(make_ctx):
                 self.rotary_emb = RotaryEmbedding(config)
         """)
     assert_noop(rule, code, make_ctx)
+
+
+def test_an_attribute_changed_later_keeps_its_reads(run_rule):
+    code = BEFORE.replace(
+        "        return self.c_attn(hidden_states)",
+        "        self.is_cross_attention |= True\n        return self.c_attn(hidden_states)",
+    )
+    out = run_rule(rule, code)
+    assert "def __init__(self, config, layer_idx=None," in out  # the parameter still folds where it is read
+    assert "self.is_cross_attention = False" in out and "if not self.is_cross_attention:" in out
+    assert "if self.is_cross_attention:" in out  # __init__'s branch reads the attribute, which is not known

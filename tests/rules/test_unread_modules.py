@@ -103,3 +103,22 @@ def test_modules_in_use_or_loaded_otherwise_stay(make_ctx):
     for code in cases:
         assert code != BEFORE
         assert_noop(rule, code, make_ctx)
+
+
+def test_an_unread_module_without_weights_goes_without_a_pattern(run_rule):
+    # Granite's rotary embedding once its layers take positions from the runtime: buffers only, none on disk
+    code = BEFORE.replace(
+        "class GPT2Block(nn.Module):",
+        "class RotaryEmbedding(nn.Module):\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__()\n"
+        '        self.register_buffer("inv_freq", make_inv_freq(config), persistent=False)\n\n\n'
+        "class GPT2Block(nn.Module):",
+    ).replace(
+        "        self.mlp = GPT2MLP(config)\n",
+        "        self.mlp = GPT2MLP(config)\n        self.rotary_emb = RotaryEmbedding(config)\n",
+    )
+    assert code.count("RotaryEmbedding(") == 2
+    out = run_rule(rule, code)
+    assert "self.rotary_emb" not in out and "rotary_emb\\." not in out
+    assert r'r"(^|\.)crossattention\.", r"(^|\.)ln_cross_attn\."]' in out

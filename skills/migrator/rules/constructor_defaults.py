@@ -60,6 +60,7 @@ def _aliases(init: cst.FunctionDef, cls: cst.ClassDef, consts: dict[str, object]
     """attr -> value for `self.attr = <parameter>` statements of __init__'s top level, the class's only
     assignment of that attribute."""
     writes = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
+    writes += [t.target.attr.value for t in m.findall(cls, m.AugAssign(SELF_ATTR) | m.AnnAssign(SELF_ATTR))]
     found = {}
     for s in init.body.body:
         if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(SELF_ATTR)], m.Name())])):

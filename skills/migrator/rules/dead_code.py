@@ -98,7 +98,7 @@ class _DeadLocals(cst.CSTTransformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         while True:
             dead = _dead_names(updated.body, self.functions)
-            new = updated.visit(_DropIf(partial(self._binds_only, dead=dead)))
+            new = updated.visit(DropStatements(partial(self._binds_only, dead=dead)))
             if new.deep_equals(updated):
                 return updated
             updated = new
@@ -126,7 +126,7 @@ _EMPTY_IF = m.If(
 )
 
 
-class _DropIf(cst.CSTTransformer):
+class DropStatements(cst.CSTTransformer):
     """Statements the predicate names go, with the comments above them; the next statement keeps its comments
     and takes the blank lines of the first one gone that had any, so the block reads as if they had never
     been there."""
@@ -186,7 +186,7 @@ def _attribute_reads(module: cst.Module) -> tuple[set[int], set[str]]:
     return stored, {a.attr.value for a in reads if not m.matches(a, SELF_ATTR)}
 
 
-def _unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
+def unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
     """Per class, the `self.x` attributes it assigns that nothing can read: not `self.x` in its family, not
     `<anything else>.x` anywhere (reads of the HF config's fields aside). The entry class keeps `config`."""
     local, hf_names = classes(module), transformers_names(module)
@@ -207,7 +207,7 @@ def _unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
     return unused
 
 
-class _DropAttrs(_DropIf):
+class _DropAttrs(DropStatements):
     """`self.x = <pure>` statements of the attributes unused[class] names."""
 
     def __init__(self, unused: dict[str, set[str]]):
@@ -332,7 +332,7 @@ class DeadCode(Rule):
         if any((dead := _uncalled_methods(module)).values()):  # what only they used goes with them
             module = prune_unreachable(module.visit(_DropMethods(dead)), self.rewrite.entry_class)
         while True:
-            new = module.visit(_DropAttrs(_unused_attrs(module, self.rewrite.entry_class)))
+            new = module.visit(_DropAttrs(unused_attrs(module, self.rewrite.entry_class)))
             if new.deep_equals(module):
                 break
             module = new

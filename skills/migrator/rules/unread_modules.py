@@ -1,15 +1,16 @@
 """Submodules nothing calls go: GPT-2 builds a cross-attention block and its norm when
 `config.add_cross_attention` is set, which a causal LM never runs once the encoder's states are folded away
 (MG004). A checkpoint may still hold their weights, so the entry's `load_named_weights` skips the tensors under
-those attribute names (`ignored=`), as transformers leaves them unused. Only names that no module in use shares
-go, and only where the entry loads through `load_named_weights`."""
+those attribute names (`ignored=`), as transformers leaves them unused; a module that holds none (a rotary
+embedding's buffers) needs no pattern. Only names that no module in use shares go, and only where the entry
+loads through `load_named_weights`."""
 
 import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import SELF_ASSIGN_CALL, SELF_ATTR, called_name, classes, code, method
 from skills.migrator.rule import Rule
-from skills.migrator.rules.dead_code import _DropIf, _unused_attrs
+from skills.migrator.rules.dead_code import DropStatements, unused_attrs
 
 LOAD = m.Call(m.Name("load_named_weights"))
 
@@ -22,13 +23,32 @@ def _builds_module(call: cst.Call, local: set[str]) -> bool:
     return name in local or (leaf[:1].isupper() and leaf not in ("Parameter", "Buffer"))
 
 
-def _unread_modules(module: cst.Module, entry: str) -> set[str]:
+def _may_hold_weights(
+    call: cst.Call, local: dict[str, cst.ClassDef], seen: frozenset[str] = frozenset()
+) -> bool:
+    """Whether the module call builds can hold checkpoint tensors: a layer from outside the file, or an in-file
+    class whose __init__ builds one or a parameter (a rotary embedding's buffers are not in the checkpoint)."""
+    name = called_name(call)
+    if name not in local:
+        return True
+    init = method(local[name], "__init__")
+    calls = m.findall(init, m.Call()) if init is not None and name not in seen else []
+    return any(
+        called_name(c).split(".")[-1] == "Parameter"
+        or (_builds_module(c, set(local)) and _may_hold_weights(c, local, seen | {name}))
+        for c in calls
+    )
+
+
+def _unread_modules(module: cst.Module, entry: str) -> tuple[set[str], set[str]]:
     """The x of `self.x = <module>(...)` statements (anywhere in an __init__) that nothing reads, where every
-    assignment of a `self.x` in the file is such a statement and no string names x."""
-    local, unused = classes(module), _unused_attrs(module, entry)
+    assignment of a `self.x` in the file is such a statement and no string names x; and those of them that may
+    hold checkpoint tensors."""
+    local, unused = classes(module), unused_attrs(module, entry)
     named = {s.raw_value for s in m.findall(module, m.SimpleString())}  # `getattr(self, "x")`
     writes: dict[str, int] = {}
     doomed: dict[str, int] = {}
+    weighted: set[str] = set()
     for name, cls in local.items():
         for target in m.findall(cls, m.AssignTarget(SELF_ATTR)):
             writes[target.target.attr.value] = writes.get(target.target.attr.value, 0) + 1
@@ -37,7 +57,10 @@ def _unread_modules(module: cst.Module, entry: str) -> set[str]:
             attr = s.body[0].targets[0].target.attr.value
             if attr in unused.get(name, set()) and _builds_module(s.body[0].value, set(local)):
                 doomed[attr] = doomed.get(attr, 0) + 1
-    return {attr for attr, n in doomed.items() if writes[attr] == n and attr not in named}
+                if _may_hold_weights(s.body[0].value, local):
+                    weighted.add(attr)
+    gone = {attr for attr, n in doomed.items() if writes[attr] == n and attr not in named}
+    return gone, gone & weighted
 
 
 class _Ignore(cst.CSTTransformer):
@@ -71,15 +94,17 @@ class UnreadModules(Rule):
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         entry = classes(module).get(self.rewrite.entry_class)
         loads = m.findall(entry, LOAD) if entry is not None else []
-        doomed = _unread_modules(module, self.rewrite.entry_class) if len(loads) == 1 else {}
+        doomed, weighted = _unread_modules(module, self.rewrite.entry_class) if len(loads) == 1 else ((), ())
         if not doomed:
             return module
         module = module.visit(
-            _DropIf(
+            DropStatements(
                 lambda s: m.matches(s, SELF_ASSIGN_CALL) and s.body[0].targets[0].target.attr.value in doomed
             )
         )
-        patterns = [f'r"(^|\\.){attr}\\."' for attr in sorted(doomed)]
+        patterns = [f'r"(^|\\.){attr}\\."' for attr in sorted(weighted)]
+        if not patterns:
+            return module
         return module.with_changes(
             body=[
                 s.visit(_Ignore(patterns))
