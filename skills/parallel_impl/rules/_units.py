@@ -403,7 +403,7 @@ def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.Funct
     dim=-1)`. Locals only those bounds read go too. Returns why not when the output is used any other way."""
     body = list(fwd.body.body)
 
-    def split(i: int, targets: str, dim: str) -> cst.FunctionDef:
+    def split_at(i: int, targets: str, dim: str) -> cst.FunctionDef:
         receiver = code(body[i].body[0].value.func.value)
         new = stmt(f"{targets} = {receiver}.split(self.{attr}.output_partition_sizes, dim={dim})\n")
         body[i] = new.with_changes(leading_lines=body[i].leading_lines)
@@ -412,7 +412,7 @@ def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.Funct
     own = m.Call(m.Attribute(m.Name("self"), m.Name(attr)))
     inline = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, own, parts))]
     if len(inline) == 1 and self_refs(fwd, attr) == 1:  # `a, b, c = self.<attr>(h).split(n, dim=-1)`
-        return split(inline[0][0], *inline[0][1])
+        return split_at(inline[0][0], *inline[0][1])
     bound = bound_call(body, attr)
     if bound is None or self_refs(fwd, attr) != 1:
         return f"forward does not bind `self.{attr}(...)`'s output to a name once"
@@ -422,7 +422,7 @@ def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.Funct
     rebound = any(x in assigned_names(s) for s in later)  # later reads would not be of the layer's output
     chunks = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, m.Name(x), parts))]
     if len(chunks) == 1 and uses == 1 and not rebound:
-        return split(chunks[0][0], *chunks[0][1])
+        return split_at(chunks[0][0], *chunks[0][1])
     cuts = [(i, c) for i, s in enumerate(body) if (c := _block_slice(s, x))]
     bounds = [b for _, c in cuts for b in c[1:]]
     consecutive = bounds[:1] == [None] and bounds[-1:] == [None] and bounds[1:-1:2] == bounds[2:-1:2]
