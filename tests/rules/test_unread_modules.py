@@ -14,7 +14,9 @@ BEFORE = dedent("""\
             super().__init__()
             self.attn = GPT2Attention(config, infer_config=infer_config)
             if config.add_cross_attention:
-                self.crossattention = GPT2Attention(config, is_cross_attention=True, infer_config=infer_config)
+                self.crossattention = GPT2Attention(
+                    config, is_cross_attention=True, prefix=join_prefix(prefix, "crossattention")
+                )
                 self.ln_cross_attn = nn.LayerNorm(config.hidden_size)
             self.mlp = GPT2MLP(config)
 
@@ -95,7 +97,7 @@ def test_modules_in_use_or_loaded_otherwise_stay(make_ctx):
             'self.mlp(self.attn(hidden_states, **kwargs)) + getattr(self, "crossattention")(getattr(self, "ln_cross_attn")(hidden_states))',
         ),
         BEFORE.replace(
-            "GPT2Attention(config, is_cross_attention=True", "make_attention(config, is_cross_attention=True"
+            "self.crossattention = GPT2Attention(", "self.crossattention = make_attention("
         ).replace(
             "nn.LayerNorm(config.hidden_size)", "build_norm(config.hidden_size)"
         ),  # factories: not known modules

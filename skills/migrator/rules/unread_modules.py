@@ -42,10 +42,17 @@ def _may_hold_weights(
 
 def _unread_modules(module: cst.Module, entry: str) -> tuple[set[str], set[str]]:
     """The x of `self.x = <module>(...)` statements (anywhere in an __init__) that nothing reads, where every
-    assignment of a `self.x` in the file is such a statement and no string names x; and those of them that may
-    hold checkpoint tensors."""
+    assignment of a `self.x` in the file is such a statement and no string names x (but the checkpoint prefix the
+    plumbing gives it, `join_prefix(prefix, "x")`); and those of them that may hold checkpoint tensors."""
     local, unused = classes(module), unused_attrs(module, entry)
-    named = {s.raw_value for s in m.findall(module, m.SimpleString())}  # `getattr(self, "x")`
+    prefixes = {
+        id(s)
+        for c in m.findall(module, m.Call(m.Name("join_prefix")))
+        for s in m.findall(c, m.SimpleString())
+    }
+    named = {
+        s.raw_value for s in m.findall(module, m.SimpleString()) if id(s) not in prefixes
+    }  # getattr(self, "x")
     writes: dict[str, int] = {}
     doomed: dict[str, int] = {}
     weighted: set[str] = set()
