@@ -48,3 +48,33 @@ def test_other_embeddings_untouched(run_rule, make_ctx):
         ctx = make_ctx()
         assert run_rule(rule, code, ctx) == code
         assert ctx.rewrites == ctx.findings == []
+
+
+POSITIONS = BEFORE + (
+    "\n"
+    "    def forward(self, input_ids, position_ids, **kwargs):\n"
+    "        hidden_states = self.embed_tokens(input_ids) + self.embed_positions(position_ids)\n"
+    "        return self.layers(hidden_states, self.rotary_emb(hidden_states, position_ids), **kwargs)\n"
+)
+
+
+def test_a_position_table_looks_up_this_ranks_chunk_of_the_positions(run_rule, make_ctx):
+    # GPT-2's wpe: under attention DP a rank holds its chunk of the tokens, as own_chunk gives the entry's ids;
+    # rotary embeddings, read inside attention over the whole sequence, keep every position
+    ctx = make_ctx()
+    out = run_rule(rule, POSITIONS, ctx)
+    assert "self.embed_tokens(input_ids) + self.embed_positions(own_chunk(position_ids))" in out
+    assert "self.rotary_emb(hidden_states, position_ids)" in out
+    assert "from runtime.layers.token_layout import own_chunk" in out
+    assert ctx.rewrites[-1] == "LlamaModel: self.embed_positions looks up this rank's chunk of position_ids"
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.rewrites == []
+
+
+def test_positions_computed_in_forward_are_left_as_they_are(run_rule, make_ctx):
+    code = POSITIONS.replace(
+        "        hidden_states = self.embed_tokens",
+        "        position_ids = position_ids + 2\n        hidden_states = self.embed_tokens",
+    )
+    assert code != POSITIONS
+    assert "self.embed_positions(position_ids)" in run_rule(rule, code, make_ctx())

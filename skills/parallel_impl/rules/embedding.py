@@ -1,15 +1,20 @@
 """Token embeddings (`nn.Embedding` whose size mentions `vocab_size`) are sharded by vocab rows in
 embed_tp_group: VocabParallelEmbedding. padding_idx only matters for training and is dropped (with the
 local that held it, when nothing else reads it). Other
-embeddings, and those of classes without the migrated plumbing, stay replicated (still correct)."""
+embeddings, and those of classes without the migrated plumbing, stay replicated (still correct).
+
+A learned position table looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`) looks up
+this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows join the token
+embeddings, which a rank holds only its chunk of when the step's token layout is sharded (attention DP)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import libcst as cst
+import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, method
+from skills.migrator.cst_utils import assigned_names, classes, code, method, param_names
 from skills.migrator.rule import Rule
 from skills.migrator.rules.dead_code import drop_dead_locals
 from skills.parallel_impl.rules._units import (
@@ -19,6 +24,7 @@ from skills.parallel_impl.rules._units import (
     parallel_layer,
     plain_args,
     plumbed,
+    replace_by_id,
     replace_classes,
     replace_methods,
     self_layers,
@@ -28,7 +34,37 @@ if TYPE_CHECKING:
     from skills.parallel_impl.rewrite import ParallelRewriteContext
 
 GROUP = "embed_tp_group"
+POSITIONS = "position_ids"  # the runtime contract's name for each token's position
 ARGS = ("num_embeddings", "embedding_dim", "padding_idx")
+
+
+def _is_vocab(args: dict[str, str] | None) -> bool:
+    return bool(args) and "vocab_size" in args.get("num_embeddings", "") and "embedding_dim" in args
+
+
+def _chunked_positions(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | None:
+    """cls with its position tables looked up on this rank's chunk of forward's `position_ids`, None if none."""
+    init, fwd = method(cls, "__init__"), method(cls, "forward")
+    if (
+        init is None
+        or fwd is None
+        or POSITIONS not in param_names(fwd)
+        or POSITIONS in assigned_names(fwd.body)
+    ):
+        return None
+    tables = [
+        a for a, layer in self_layers(init, EMBEDDING).items() if not _is_vocab(plain_args(layer.call, ARGS))
+    ]
+    lookup = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, tables))), [m.Arg(m.Name(POSITIONS))])
+    calls = m.findall(fwd, lookup) if tables else []
+    if not calls:
+        return None
+    chunked = cst.parse_expression(f"own_chunk({POSITIONS})")
+    new = {id(c): c.with_changes(args=[c.args[0].with_changes(value=chunked)]) for c in calls}
+    ctx.rewrites += [
+        f"{cls.name.value}: {code(c.func)} looks up this rank's chunk of {POSITIONS}" for c in calls
+    ]
+    return replace_methods(cls, {"forward": replace_by_id(fwd, new)})
 
 
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | None:
@@ -38,7 +74,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | N
     changes = {}
     for attr, layer in self_layers(init, EMBEDDING).items():
         args = plain_args(layer.call, ARGS)
-        if args and "vocab_size" in args.get("num_embeddings", "") and "embedding_dim" in args:
+        if _is_vocab(args):
             changes[id(layer.line)] = [
                 parallel_layer(
                     attr,
@@ -63,7 +99,15 @@ class ShardEmbedding(Rule):
             for name, cls in classes(module).items()
             if (result := _rewrite(cls, ctx)) is not None
         }
-        if not new:
-            return module
-        self.add_needed_imports([("runtime.layers.embedding", "VocabParallelEmbedding"), PREFIX_IMPORT])
-        return replace_classes(module, new)
+        if new:
+            self.add_needed_imports([("runtime.layers.embedding", "VocabParallelEmbedding"), PREFIX_IMPORT])
+            module = replace_classes(module, new)
+        positions = {
+            name: result
+            for name, cls in classes(module).items()
+            if (result := _chunked_positions(cls, ctx)) is not None
+        }
+        if positions:
+            self.add_needed_imports([("runtime.layers.token_layout", "own_chunk")])
+            module = replace_classes(module, positions)
+        return module
