@@ -50,7 +50,9 @@ OTHER_ARCHS = [
     ("cohere", "tp2"),
     ("beam", "tp2"),  # an output gate per head channel and a gate bias per head
     ("gemma3n_text", "tp2"),  # k / v built only in layers that do not reuse another layer's keys
-    ("gpt2", "tp2"),  # Conv1D weights stored [in, out], q/k/v fused on disk cut by .split(n)
+    # Conv1D weights stored [in, out], q/k/v fused on disk cut by .split(n), learned positions under attention DP
+    ("gpt2", "tp2_dp2_dense_tp4"),
+    pytest.param("gpt2", "tp2", marks=pytest.mark.slow),
     pytest.param("laguna", "tp2", marks=pytest.mark.slow),  # a gate per head sized through a local
     pytest.param(
         "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow
