@@ -78,3 +78,17 @@ def test_positions_computed_in_forward_are_left_as_they_are(run_rule, make_ctx):
     )
     assert code != POSITIONS
     assert "self.embed_positions(position_ids)" in run_rule(rule, code, make_ctx())
+
+
+def test_a_position_table_of_an_in_file_embedding_class_looked_up_by_keyword_too(run_rule, make_ctx):
+    # OPT: `class OPTLearnedPositionalEmbedding(nn.Embedding)` adds an offset; called `position_ids=position_ids`
+    code = (
+        "class OPTLearnedPositionalEmbedding(nn.Embedding):\n"
+        "    def forward(self, position_ids):\n"
+        "        return super().forward(position_ids + 2)\n\n\n"
+        + POSITIONS.replace(
+            "nn.Embedding(config.max_position_embeddings",
+            "OPTLearnedPositionalEmbedding(config.max_position_embeddings",
+        ).replace("self.embed_positions(position_ids)", "self.embed_positions(position_ids=position_ids)")
+    )
+    assert "self.embed_positions(position_ids=own_chunk(position_ids))" in run_rule(rule, code, make_ctx())

@@ -3,7 +3,8 @@ embed_tp_group: VocabParallelEmbedding. padding_idx only matters for training an
 local that held it, when nothing else reads it). Other
 embeddings, and those of classes without the migrated plumbing, stay replicated (still correct).
 
-A learned position table looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`) looks up
+A learned position table (an `nn.Embedding`, or an in-file subclass of it: OPT's and BioGPT's add an offset)
+looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`) looks up
 this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows join the token
 embeddings, which a rank holds only its chunk of when the step's token layout is sharded (attention DP)."""
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, classes, code, method, param_names
+from skills.migrator.cst_utils import assigned_names, classes, code, dotted, method, param_names
 from skills.migrator.rule import Rule
 from skills.migrator.rules.dead_code import drop_dead_locals
 from skills.parallel_impl.rules._units import (
@@ -42,8 +43,11 @@ def _is_vocab(args: dict[str, str] | None) -> bool:
     return bool(args) and "vocab_size" in args.get("num_embeddings", "") and "embedding_dim" in args
 
 
-def _chunked_positions(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | None:
-    """cls with its position tables looked up on this rank's chunk of forward's `position_ids`, None if none."""
+def _chunked_positions(
+    cls: cst.ClassDef, ctx: ParallelRewriteContext, kinds: frozenset[str]
+) -> cst.ClassDef | None:
+    """cls with its position tables (built by one of kinds: nn.Embedding or an in-file subclass of it, OPT's
+    offset table) looked up on this rank's chunk of forward's `position_ids`, None if none."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     if (
         init is None
@@ -53,7 +57,7 @@ def _chunked_positions(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.Cl
     ):
         return None
     tables = [
-        a for a, layer in self_layers(init, EMBEDDING).items() if not _is_vocab(plain_args(layer.call, ARGS))
+        a for a, layer in self_layers(init, kinds).items() if not _is_vocab(plain_args(layer.call, ARGS))
     ]
     lookup = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, tables))), [m.Arg(m.Name(POSITIONS))])
     calls = m.findall(fwd, lookup) if tables else []
@@ -102,10 +106,14 @@ class ShardEmbedding(Rule):
         if new:
             self.add_needed_imports([("runtime.layers.embedding", "VocabParallelEmbedding"), PREFIX_IMPORT])
             module = replace_classes(module, new)
+        local = classes(module)
+        tables = EMBEDDING | {
+            n for n, c in local.items() if any(dotted(b.value) in EMBEDDING for b in c.bases)
+        }
         positions = {
             name: result
-            for name, cls in classes(module).items()
-            if (result := _chunked_positions(cls, ctx)) is not None
+            for name, cls in local.items()
+            if (result := _chunked_positions(cls, ctx, tables)) is not None
         }
         if positions:
             self.add_needed_imports([("runtime.layers.token_layout", "own_chunk")])
