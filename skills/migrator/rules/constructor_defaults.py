@@ -115,14 +115,15 @@ def _folded(cls: cst.ClassDef, consts: dict[str, object]) -> cst.ClassDef:
         params=without_dangling_comma(kept, init.params.params),
         kwonly_params=[p for p in init.params.kwonly_params if p.name.value not in consts],
     )
+    reads = m.OneOf(*(m.Attribute(m.Name("self"), m.Name(a)) for a in attrs)) if attrs else None
     body = []
     for s in cls.body.body:
-        if isinstance(s, cst.FunctionDef):
-            read = s.body.visit(_ReadAttrs(attrs)) if attrs else s.body
-            values = consts if s is init else {}
-            s = s.with_changes(body=read.with_changes(body=fold_known(read.body, values)))
-            if s.name.value == "__init__":
-                s = s.with_changes(params=params)
+        if s is init:
+            read = s.body.visit(_ReadAttrs(attrs))
+            s = s.with_changes(params=params, body=read.with_changes(body=fold_known(read.body, consts)))
+        elif isinstance(s, cst.FunctionDef) and reads is not None and m.findall(s, reads):
+            read = s.body.visit(_ReadAttrs(attrs))
+            s = s.with_changes(body=read.with_changes(body=fold_known(read.body, {})))
         body.append(s)
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
