@@ -145,7 +145,7 @@ class _TransposedSlice:
     def __getitem__(self, index: Any) -> torch.Tensor:
         if index is Ellipsis:
             return self.stored[...].t()
-        rows, cols = (*index, slice(None), slice(None))[:2]
+        rows, cols = (*(index if isinstance(index, tuple) else (index,)), slice(None), slice(None))[:2]
         return self.stored[cols, rows].t()
 
 

@@ -124,3 +124,20 @@ def test_an_unread_module_without_weights_goes_without_a_pattern(run_rule):
     out = run_rule(rule, code)
     assert "self.rotary_emb" not in out and "rotary_emb\\." not in out
     assert r'r"(^|\.)crossattention\.", r"(^|\.)ln_cross_attn\."]' in out
+
+
+def test_a_module_built_only_in_a_branch_the_defaults_fold_away_needs_no_pattern(run_rule):
+    # GPT-2's q_attn: built when is_cross_attention, which only the dropped cross-attention block passed True
+    attention = (
+        "class GPT2Attention(nn.Module):\n"
+        '    def __init__(self, config, is_cross_attention=False, infer_config=None, prefix=""):\n'
+        "        super().__init__()\n"
+        "        if is_cross_attention:\n"
+        "            self.q_attn = Conv1D(config.hidden_size, config.hidden_size)\n"
+        "        self.c_attn = Conv1D(3 * config.hidden_size, config.hidden_size)\n\n"
+        "    def forward(self, hidden_states):\n"
+        "        return self.c_attn(hidden_states)\n\n\n"
+    )
+    out = run_rule(rule, attention + BEFORE)
+    assert "crossattention\\." in out and "q_attn\\." not in out
+    assert "self.q_attn = Conv1D" not in out  # unread, it goes all the same

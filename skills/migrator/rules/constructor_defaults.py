@@ -128,19 +128,22 @@ def _folded(cls: cst.ClassDef, consts: dict[str, object]) -> cst.ClassDef:
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
+def fold_defaults(module: cst.Module) -> cst.Module:
+    """module with the constructor parameters no call passes folded to their defaults (the rule's work)."""
+    found = _never_passed(module)
+    if not found:
+        return module
+    return module.with_changes(
+        body=[
+            _folded(s, found[s.name.value]) if isinstance(s, cst.ClassDef) and s.name.value in found else s
+            for s in module.body
+        ]
+    )
+
+
 class ConstructorDefaults(Rule):
     ID = "MG025"
     DESCRIPTION = "Constructor parameters no call passes take their literal defaults; branches on them fold."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        found = _never_passed(module)
-        if not found:
-            return module
-        return module.with_changes(
-            body=[
-                _folded(s, found[s.name.value])
-                if isinstance(s, cst.ClassDef) and s.name.value in found
-                else s
-                for s in module.body
-            ]
-        )
+        return fold_defaults(module)

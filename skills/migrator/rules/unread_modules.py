@@ -2,14 +2,18 @@
 `config.add_cross_attention` is set, which a causal LM never runs once the encoder's states are folded away
 (MG004). A checkpoint may still hold their weights, so the entry's `load_named_weights` skips the tensors under
 those attribute names (`ignored=`), as transformers leaves them unused; a module that holds none (a rotary
-embedding's buffers) needs no pattern. Only names that no module in use shares go, and only where the entry
+embedding's buffers) needs no pattern, nor one built only in a branch that MG025 folds away once the others
+are gone (GPT-2's `q_attn`, built when `is_cross_attention`). Only names that no module in use shares go, and only where the entry
 loads through `load_named_weights`."""
+
+from collections.abc import Collection
 
 import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import SELF_ASSIGN_CALL, SELF_ATTR, called_name, classes, code, method
 from skills.migrator.rule import Rule
+from skills.migrator.rules.constructor_defaults import fold_defaults
 from skills.migrator.rules.dead_code import DropStatements, unused_attrs
 
 LOAD = m.Call(m.Name("load_named_weights"))
@@ -94,6 +98,19 @@ class _Ignore(cst.CSTTransformer):
 _EQUAL = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
 
 
+def _without(module: cst.Module, attrs: Collection[str]) -> cst.Module:
+    """module without the `self.x = <call>` statements of attrs."""
+    return module.visit(
+        DropStatements(
+            lambda s: m.matches(s, SELF_ASSIGN_CALL) and s.body[0].targets[0].target.attr.value in attrs
+        )
+    )
+
+
+def _built(module: cst.Module, attr: str) -> bool:
+    return bool(m.findall(module, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))))
+
+
 class UnreadModules(Rule):
     ID = "MG024"
     DESCRIPTION = "Submodules nothing calls go (cross-attention); the loader skips their checkpoint tensors."
@@ -104,12 +121,13 @@ class UnreadModules(Rule):
         doomed, weighted = _unread_modules(module, self.rewrite.entry_class) if len(loads) == 1 else ((), ())
         if not doomed:
             return module
-        module = module.visit(
-            DropStatements(
-                lambda s: m.matches(s, SELF_ASSIGN_CALL) and s.body[0].targets[0].target.attr.value in doomed
-            )
-        )
-        patterns = [f'r"(^|\\.){attr}\\."' for attr in sorted(weighted)]
+        # a module built only in a branch that goes once the others do needs no pattern (GPT-2's `q_attn`, built
+        # when `is_cross_attention`, which MG025 folds to False once the cross-attention block is gone)
+        on_disk = [
+            a for a in sorted(weighted) if _built(fold_defaults(_without(module, set(doomed) - {a})), a)
+        ]
+        module = _without(module, doomed)
+        patterns = [f'r"(^|\\.){attr}\\."' for attr in on_disk]
         if not patterns:
             return module
         return module.with_changes(
