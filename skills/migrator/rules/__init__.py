@@ -14,6 +14,7 @@ from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
 from skills.migrator.rules.hand_written_attention import HandWrittenAttention
 from skills.migrator.rules.honest_signatures import HonestSignatures
 from skills.migrator.rules.latent_kv_cache import LatentKVCache
+from skills.migrator.rules.list_outputs import ListOutputs
 from skills.migrator.rules.model_outputs import ModelOutputs
 from skills.migrator.rules.module_bases import ModuleBases
 from skills.migrator.rules.prune_unreachable import PruneUnreachable
@@ -46,6 +47,7 @@ MODELING_RULES = [
     CheckpointBranches,
     UnreadModules,
     ConstructorDefaults,
+    ListOutputs,
     DeadCode,
     UnusedParameters,
     HonestSignatures,
