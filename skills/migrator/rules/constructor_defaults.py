@@ -6,6 +6,8 @@ branch tests it, the parameter goes; its reads, and the reads of an attribute `_
 classes whose every construction this file shows (the name used nowhere else, no splatted arguments), without
 in-file bases or subclasses, whose methods all see the same attribute."""
 
+from collections.abc import Collection
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -28,18 +30,13 @@ def _default(param: cst.Param) -> object:
 def _never_passed(module: cst.Module) -> dict[str, dict[str, object]]:
     """class -> {parameter: literal default} of its __init__ parameters no constructor call binds."""
     local, sites = classes(module), call_sites(module)
-    subclassed = {b for bases in in_file_bases(local).values() for b in bases}
+    bases = in_file_bases(local)
+    subclassed = set().union(*bases.values())
     found = {}
     for name, where in sites.items():
         init = method(local[name], "__init__")
         calls = where.constructed
-        if (
-            init is None
-            or where.name_escapes
-            or not calls
-            or in_file_bases(local)[name]
-            or name in subclassed
-        ):
+        if init is None or where.name_escapes or not calls or bases[name] or name in subclassed:
             continue
         if any(a.star for c in calls for a in c.args):
             continue
@@ -56,17 +53,17 @@ def _never_passed(module: cst.Module) -> dict[str, dict[str, object]]:
     return found
 
 
-def _aliases(init: cst.FunctionDef, cls: cst.ClassDef, consts: dict[str, object]) -> dict[str, object]:
-    """attr -> value for `self.attr = <parameter>` statements of __init__'s top level, the class's only
-    assignment of that attribute."""
+def _aliases(cls: cst.ClassDef, params: Collection[str]) -> dict[str, str]:
+    """attr -> parameter for `self.attr = <parameter>` statements of __init__'s top level (params), the class's
+    only assignment of that attribute."""
     writes = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
     writes += [t.target.attr.value for t in m.findall(cls, m.AugAssign(SELF_ATTR) | m.AnnAssign(SELF_ATTR))]
     found = {}
-    for s in init.body.body:
+    for s in method(cls, "__init__").body.body:
         if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(SELF_ATTR)], m.Name())])):
             attr, value = s.body[0].targets[0].target.attr.value, s.body[0].value.value
-            if value in consts and writes.count(attr) == 1:
-                found[attr] = consts[value]
+            if value in params and writes.count(attr) == 1:
+                found[attr] = value
     return found
 
 
@@ -92,24 +89,16 @@ class _ReadAttrs(cst.CSTTransformer):
 def _deciding(cls: cst.ClassDef, consts: dict[str, object]) -> dict[str, object]:
     """The parameters of consts that a branch of the class tests, directly or through an attribute set to them:
     those whose folding removes code (a default only passed on, `device=None`, stays)."""
-    aliases = _aliases(method(cls, "__init__"), cls, consts)
     tests = [node.test for node in m.findall(cls, m.If() | m.IfExp() | m.While())]
     read = {n.value for t in tests for n in m.findall(t, m.Name())}
     read |= {a.attr.value for t in tests for a in m.findall(t, SELF_ATTR)}
-    init = method(cls, "__init__")
-    by_param = {
-        s.body[0].value.value: s.body[0].targets[0].target.attr.value
-        for s in init.body.body
-        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(SELF_ATTR)], m.Name())]))
-    }
-    return {
-        p: v for p, v in consts.items() if p in read or (by_param.get(p) in aliases and by_param[p] in read)
-    }
+    read |= {p for a, p in _aliases(cls, consts).items() if a in read}
+    return {p: v for p, v in consts.items() if p in read}
 
 
 def _folded(cls: cst.ClassDef, consts: dict[str, object]) -> cst.ClassDef:
     init = method(cls, "__init__")
-    attrs = _aliases(init, cls, consts)
+    attrs = {a: consts[p] for a, p in _aliases(cls, consts).items()}
     kept = [p for p in init.params.params if p.name.value not in consts]
     params = init.params.with_changes(
         params=without_dangling_comma(kept, init.params.params),

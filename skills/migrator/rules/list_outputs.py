@@ -13,6 +13,7 @@ from skills.migrator.cst_utils import assigned_names, classes, method
 from skills.migrator.rule import Rule
 
 ONE = m.List([m.Element(~m.StarredElement())])  # `[e]`
+BOUND_TO_ONE = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], ONE)])  # `x = [e]`
 EMPTY = m.List([])
 
 
@@ -32,17 +33,16 @@ def _only_indexed(nodes: list[cst.CSTNode], x: str) -> bool:
 
 
 class _Unwrap(cst.CSTTransformer):
-    """`x[0]` -> `x`, `x[1:]` -> `[]` for x in names; `l + []` -> `l`."""
+    """`x[0]` -> `x`, `x[1:]` -> `[]`; `l + []` -> `l`."""
 
-    def __init__(self, names: set[str]):
-        self.names = names
+    def __init__(self, x: str):
+        self.x = x
 
     def leave_Subscript(self, original: cst.Subscript, updated: cst.Subscript) -> cst.BaseExpression:
-        for x in self.names:
-            if m.matches(updated, _head(x)):
-                return updated.value
-            if m.matches(updated, _tail(x)):
-                return cst.List([])
+        if m.matches(updated, _head(self.x)):
+            return updated.value
+        if m.matches(updated, _tail(self.x)):
+            return cst.List([])
         return updated
 
     def leave_BinaryOperation(self, original, updated) -> cst.BaseExpression:
@@ -56,14 +56,14 @@ def _wrapped_locals(fn: cst.FunctionDef) -> cst.FunctionDef:
     when e is x itself), and those reads unwrapped."""
     body = list(fn.body.body)
     for i, s in enumerate(body):
-        if not m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], ONE)])):
+        if not m.matches(s, BOUND_TO_ONE):
             continue
         x, e = s.body[0].targets[0].target.value, s.body[0].value.elements[0].value
         later = body[i + 1 :]
         if any(x in assigned_names(t) for t in later) or not _only_indexed(later, x):
             continue
         kept = [] if m.matches(e, m.Name(x)) else [s.with_changes(body=[s.body[0].with_changes(value=e)])]
-        new = [*body[:i], *kept, *(t.visit(_Unwrap({x})) for t in later)]
+        new = [*body[:i], *kept, *(t.visit(_Unwrap(x)) for t in later)]
         return _wrapped_locals(fn.with_changes(body=fn.body.with_changes(body=new)))
     return fn
 
@@ -74,7 +74,7 @@ def _returned_list(fwd: cst.FunctionDef) -> list[cst.SimpleStatementLine] | None
     returns = m.findall(fwd, m.Return())
     bound = {}
     for s in fwd.body.body:
-        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], ONE)])):
+        if m.matches(s, BOUND_TO_ONE):
             bound[s.body[0].targets[0].target.value] = s
     found = []
     for r in returns:
@@ -115,7 +115,7 @@ class _Apply(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if id(original) in self.callers:
-            return updated.with_changes(body=updated.body.visit(_Unwrap({self.callers[id(original)]})))
+            return updated.with_changes(body=updated.body.visit(_Unwrap(self.callers[id(original)])))
         return updated
 
     def leave_Return(self, original: cst.Return, updated: cst.Return) -> cst.Return:

@@ -2,9 +2,9 @@
 `config.add_cross_attention` is set, which a causal LM never runs once the encoder's states are folded away
 (MG004). A checkpoint may still hold their weights, so the entry's `load_named_weights` skips the tensors under
 those attribute names (`ignored=`), as transformers leaves them unused; a module that holds none (a rotary
-embedding's buffers) needs no pattern, nor one built only in a branch that MG025 folds away once the others
-are gone (GPT-2's `q_attn`, built when `is_cross_attention`). Only names that no module in use shares go, and only where the entry
-loads through `load_named_weights`."""
+embedding's buffers) needs no pattern, nor one built only in a branch that MG025 folds away once the others are
+gone (GPT-2's `q_attn`, built when `is_cross_attention`). Only names that no module in use shares go, and only
+where the entry loads through `load_named_weights`."""
 
 from collections.abc import Collection
 
