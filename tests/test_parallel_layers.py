@@ -19,7 +19,7 @@ from runtime.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from runtime.layers.head_shard import gather_heads, shard_heads
+from runtime.layers.head_shard import gather_heads, local_heads, local_width, shard_heads
 
 
 class FakeTP:
@@ -394,3 +394,11 @@ def test_per_head_parameter_keeps_this_ranks_heads():
     assert shard_heads(whole, None, "attn_tp_group") is whole and shard_heads(None, FakeTP(2, 0), "g") is None
     with pytest.raises(ConfigError, match="6 heads is not divisible by attn_tp_group \\(4\\)"):
         shard_heads(nn.Parameter(torch.empty(6)), FakeTP(4, 0), "attn_tp_group")
+
+
+def test_a_ranks_heads_and_their_width_are_even_shares():
+    assert local_heads(8, FakeTP(4, 1), "attn_tp_group") == 2
+    assert local_width(8 * 16, FakeTP(4, 1), "attn_tp_group") == 2 * 16
+    assert local_width(8 * 16, None, "attn_tp_group") == 8 * 16  # unsharded without a comm manager
+    with pytest.raises(ConfigError, match="6 channels of the attention output are not divisible .* \\(4\\)"):
+        local_width(6, FakeTP(4, 0), "attn_tp_group")

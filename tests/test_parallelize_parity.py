@@ -53,6 +53,9 @@ OTHER_ARCHS = [
     # Conv1D weights stored [in, out], q/k/v fused on disk cut by .split(n), learned positions under attention DP
     ("gpt2", "tp2_dp2_dense_tp4"),
     pytest.param("gpt2", "tp2", marks=pytest.mark.slow),
+    # attention built from plain sizes, reshaped to `self.embed_dim` for its output projection; a sinusoidal
+    # position table added to the embeddings under attention DP
+    ("xglm", "tp2_dp2_dense_tp4"),
     pytest.param("laguna", "tp2", marks=pytest.mark.slow),  # a gate per head sized through a local
     pytest.param(
         "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow

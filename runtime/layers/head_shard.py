@@ -22,9 +22,19 @@ T = TypeVar("T")
 def local_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
     """The heads of ``total`` one rank of ``tp_group`` computes: the contiguous share its column-parallel
     projections produce."""
+    return _even_share(total, "attention heads", comm_manager, tp_group)
+
+
+def local_width(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
+    """The width of one rank's heads side by side, ``total`` being all heads': the attention output a rank holds
+    before its row-parallel output projection."""
+    return _even_share(total, "channels of the attention output", comm_manager, tp_group)
+
+
+def _even_share(total: int, what: str, comm_manager: CommManager | None, tp_group: str) -> int:
     size = tp_info(comm_manager, tp_group)[0]
     if total % size:
-        raise ConfigError(f"{total} attention heads are not divisible by the size of {tp_group} ({size})")
+        raise ConfigError(f"{total} {what} are not divisible by the size of {tp_group} ({size})")
     return total // size
 
 

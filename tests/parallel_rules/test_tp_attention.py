@@ -945,3 +945,42 @@ def test_fused_conv1d_cut_otherwise_is_a_finding(run_rule, make_ctx, cut):
     assert "`self.c_attn` is q/k/v fused on disk, and forward" in _finding(
         run_rule, make_ctx, code, "GPT2Attention"
     )
+
+
+WIDTH_READ = BEFORE.replace(
+    "        # projections\n", "        self.embed_dim = config.num_attention_heads * self.head_dim\n"
+).replace(
+    "        attn_output = self.o_proj(attn_output.reshape(*hidden_shape[:-2], -1))\n",
+    "        attn_output = attn_output.transpose(1, 2)\n"
+    "        attn_output = self.o_proj(attn_output.reshape(*hidden_shape[:-2], self.embed_dim))\n",
+)
+
+
+def test_output_width_read_between_attention_and_output_projection_becomes_this_ranks(run_rule, make_ctx):
+    # XGLM reshapes the attention output to `self.embed_dim` for its output projection: a rank holds its heads'
+    # share of that width
+    out = _sharded(run_rule, make_ctx, WIDTH_READ)
+    assert (
+        '        self.embed_dim = local_width(self.embed_dim, comm_manager, "attn_tp_group")\n'
+        '        self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)\n'
+    ) in out
+    assert "from runtime.layers.head_shard import local_width" in out
+    assert "reshape(*hidden_shape[:-2], self.embed_dim))" in out  # forward unchanged
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        # the input's width, read before attention
+        (
+            "        hidden_shape = (",
+            "        assert hidden_states.shape[-1] == self.embed_dim\n        hidden_shape = (",
+        ),
+        # the output projection's width, read after it
+        ("        return attn_output\n", "        return attn_output.view(-1, self.embed_dim)\n"),
+    ],
+)
+def test_a_width_read_outside_the_attention_output_is_a_finding(run_rule, make_ctx, read):
+    code = WIDTH_READ.replace(*read)
+    assert code != WIDTH_READ
+    assert "whole model's `embed_dim`" in _finding(run_rule, make_ctx, code)

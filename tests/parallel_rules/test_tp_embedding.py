@@ -92,3 +92,48 @@ def test_a_position_table_of_an_in_file_embedding_class_looked_up_by_keyword_too
         ).replace("self.embed_positions(position_ids)", "self.embed_positions(position_ids=position_ids)")
     )
     assert "self.embed_positions(position_ids=own_chunk(position_ids))" in run_rule(rule, code, make_ctx())
+
+
+SINUSOIDAL = (
+    "class XGLMSinusoidalPositionalEmbedding(nn.Module):\n"
+    "    def forward(self, position_ids, cache_length=0):\n"
+    "        return self.weights.index_select(0, position_ids.view(-1) + 2)\n\n\n"
+    + POSITIONS.replace(
+        "nn.Embedding(config.max_position_embeddings, config.hidden_size)",
+        "XGLMSinusoidalPositionalEmbedding(config.max_position_embeddings, config.hidden_size)",
+    )
+)
+
+
+def test_an_in_file_position_module_whose_rows_join_the_embeddings_looks_up_this_ranks_chunk(
+    run_rule, make_ctx
+):
+    # XGLM's sinusoidal table, called positionally with a second argument, directly or through a name
+    code = SINUSOIDAL.replace(
+        "self.embed_positions(position_ids)", "self.embed_positions(position_ids, 0).to(x)"
+    )
+    out = run_rule(rule, code, make_ctx())
+    assert "self.embed_tokens(input_ids) + self.embed_positions(own_chunk(position_ids), 0).to(x)" in out
+    assert "self.rotary_emb(hidden_states, position_ids)" in out
+    bound = SINUSOIDAL.replace(
+        "        hidden_states = self.embed_tokens(input_ids) + self.embed_positions(position_ids)\n",
+        "        positions = self.embed_positions(position_ids)\n"
+        "        hidden_states = positions + self.embed_tokens(input_ids)\n",
+    )
+    out = run_rule(rule, bound, make_ctx())
+    assert "positions = self.embed_positions(own_chunk(position_ids))" in out
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.rewrites == []
+
+
+def test_an_in_file_position_module_whose_output_is_not_added_keeps_every_position(run_rule, make_ctx):
+    # CodeGen's rotary table, `self.embed_positions(position_ids)` -> (sin, cos), is read inside attention over
+    # the whole sequence
+    code = SINUSOIDAL.replace(
+        "        hidden_states = self.embed_tokens(input_ids) + self.embed_positions(position_ids)\n",
+        "        hidden_states = self.embed_tokens(input_ids)\n"
+        "        sin_cos = self.embed_positions(position_ids)\n",
+    )
+    ctx = make_ctx()
+    assert "self.embed_positions(position_ids)" in run_rule(rule, code, ctx)
+    assert not any("chunk" in r for r in ctx.rewrites)

@@ -318,3 +318,29 @@ def test_a_choice_between_plumbed_classes_is_plumbed_like_a_direct_call(run_rule
         'comm_manager=comm_manager, prefix=join_prefix(prefix, "self"))' in out
     )
     assert run_rule(rule, out) == out
+
+
+def test_a_module_built_from_plain_sizes_is_plumbed_too(run_rule):
+    # XGLM's `XGLMAttention(embed_dim, num_heads, bias=True)` takes no config; parallelize needs its comm_manager
+    code = dedent("""\
+        class XGLMAttention(nn.Module):
+            def __init__(self, embed_dim, num_heads, bias=True):
+                super().__init__()
+                self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+
+        class XGLMForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.self_attn = XGLMAttention(embed_dim=config.d_model, num_heads=config.attention_heads)
+        """)
+    out = run_rule(rule, code, entry_class="XGLMForCausalLM")
+    assert (
+        "def __init__(self, embed_dim, num_heads, bias=True, infer_config: InferenceConfig = None, "
+        'comm_manager: CommManager | None = None, prefix: str = ""):'
+    ) in out
+    assert (
+        "XGLMAttention(embed_dim=config.d_model, num_heads=config.attention_heads, infer_config=infer_config, "
+        'comm_manager=comm_manager, prefix=join_prefix(prefix, "self_attn"))'
+    ) in out
+    assert run_rule(rule, out, entry_class="XGLMForCausalLM") == out

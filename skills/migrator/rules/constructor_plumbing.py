@@ -1,6 +1,6 @@
-"""Constructors take the runtime contract `(config, ..., infer_config, comm_manager, prefix)` and pass
-it down to every in-file module that holds weights (layers, or parameters stacked per expert), with `prefix`
-naming the child's path."""
+"""Constructors of every in-file module that holds weights (layers, or parameters stacked per expert), whether
+built from the config or from plain sizes (XGLM's `XGLMAttention(embed_dim, num_heads)`), take the runtime
+contract `(..., infer_config, comm_manager, prefix)` and pass it down, with `prefix` naming the child's path."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -22,8 +22,7 @@ def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
             if init is None:
                 continue
             callees = {called_name(c) for c in m.findall(init, m.Call())}
-            weighted = callees & (WEIGHTED | plumbed) or expert_params(init)
-            if weighted and "config" in param_names(init):
+            if callees & (WEIGHTED | plumbed) or expert_params(init):
                 grown.add(name)
         if grown == plumbed:
             return plumbed

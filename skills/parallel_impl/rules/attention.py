@@ -69,6 +69,8 @@ OUT = ("o_proj", "out_proj", "dense")
 FUSED_ON_DISK = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv")
 # head counts as configs and attention classes name them
 HEADS = ("num_attention_heads", "num_key_value_heads", "num_heads", "num_kv_heads")
+# widths of all heads side by side, as attention classes name them
+WIDTHS = ("embed_dim", "hidden_size", "all_head_size")
 # forward code that would mean whole-model head counts / widths, which a rank no longer has
 GLOBAL_SIZES = re.compile(rf"\b({'|'.join(HEADS)}|n_heads|n_head|hidden_size|embed_dim|all_head_size)\b")
 
@@ -102,9 +104,38 @@ def _set_once(init: cst.FunctionDef, attr: str) -> bool:
 
 
 def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatementLine]:
-    """`self.x = <this rank's share of x>` for each head count x: share[x], or local_heads of it."""
-    default = f'local_heads(self.{{}}, comm_manager, "{GROUP}")'
-    return [stmt(f"self.{a} = {share.get(a) or default.format(a)}\n") for a in attrs]
+    """`self.x = <this rank's share of x>` for each head count or output width x: share[x], else local_heads
+    of a head count, local_width of a width."""
+    lines = []
+    for a in attrs:
+        helper = "local_width" if a in WIDTHS else "local_heads"
+        value = share.get(a) or f'{helper}(self.{a}, comm_manager, "{GROUP}")'
+        lines.append(stmt(f"self.{a} = {value}\n"))
+    return lines
+
+
+def _output_widths(
+    methods: list[cst.FunctionDef], init: cst.FunctionDef, fwd: cst.FunctionDef, out: str
+) -> list[str]:
+    """The widths `self.x` (WIDTHS, set once in __init__) that the methods other than __init__ read only in
+    forward between its runtime Attention call and its output projection's input: the width of the attention
+    output, to which XGLM's `attn_output.reshape(bsz, tgt_len, self.embed_dim)` brings the heads, and of which a
+    rank holds its heads' share."""
+    found = _attention_call(init, fwd)
+    body = fwd.body.body
+    out_call = m.Call(m.Attribute(m.Name("self"), m.Name(out)))
+    last = next((i for i, s in enumerate(body) if m.findall(s, out_call)), None)
+    if found is None or last is None or last <= found[0]:
+        return []
+    read = m.Attribute(m.Name("self"), m.Name())
+    between = [*body[found[0] + 1 : last], *(a for c in m.findall(body[last], out_call) for a in c.args)]
+    inside = {id(n) for s in between for n in m.findall(s, read)}
+    widths = []
+    for attr in WIDTHS:
+        reads = [n for f in methods for n in m.findall(f, m.Attribute(m.Name("self"), m.Name(attr)))]
+        if reads and all(id(n) in inside for n in reads) and _set_once(init, attr):
+            widths.append(attr)
+    return widths
 
 
 def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> str | None:
@@ -618,7 +649,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     methods = [fwd if f.name.value == "forward" else f for f in _methods(cls)]  # forward as cut above
-    local = _head_attrs(methods, init)
+    local = _head_attrs(methods, init) + _output_widths(methods, init, fwd, out)
     if found := _reads_global_size(methods, local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
     new_fwd = fwd if fused else fuse_calls(fwd, names, "qkv_proj")
@@ -713,7 +744,10 @@ def _shard_alibi(call: cst.Call) -> cst.Call:
 def _qkv_shares(init: cst.FunctionDef, attrs: list[str], qkv: str, sizes: list[str]) -> dict[str, str]:
     """head count x -> `self.<qkv>.num_heads` / `.num_kv_heads` when __init__ sets x to what QKVParallelLinear was
     given as the query / key heads (a rank holds one replica of a key head when they are fewer than its ranks)."""
-    given = {sizes[1]: f"self.{qkv}.num_heads", sizes[2]: f"self.{qkv}.num_kv_heads"}
+    given = {
+        sizes[2]: f"self.{qkv}.num_kv_heads",
+        sizes[1]: f"self.{qkv}.num_heads",
+    }  # equal counts: num_heads
     shares = {}
     for a in attrs:
         (line,) = [
@@ -768,7 +802,7 @@ class ShardAttention(Rule):
         ]
         used += [
             ("runtime.layers.head_shard", h)
-            for h in ("local_heads", "local_share", "shard_heads", "gather_heads")
+            for h in ("local_heads", "local_width", "local_share", "shard_heads", "gather_heads")
         ]
         used += [("runtime.layers.oproj", "OProjParallelLinear")]
         self.add_needed_imports([(src, name) for src, name in used if re.search(rf"\b{name}\(", text)])

@@ -4,8 +4,8 @@ local that held it, when nothing else reads it). Other
 embeddings, and those of classes without the migrated plumbing, stay replicated (still correct).
 
 A learned position table (an `nn.Embedding`, or an in-file subclass of it: OPT's and BioGPT's add an offset)
-looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`) looks up
-this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows join the token
+looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`), or another in-file module looked up
+so whose rows forward adds to others (XGLM's sinusoidal table), looks up this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows join the token
 embeddings, which a rank holds only its chunk of when the step's token layout is sharded (attention DP)."""
 
 from __future__ import annotations
@@ -43,11 +43,31 @@ def _is_vocab(args: dict[str, str] | None) -> bool:
     return bool(args) and "vocab_size" in args.get("num_embeddings", "") and "embedding_dim" in args
 
 
+def _joins_sum(fwd: cst.FunctionDef, call: cst.Call) -> bool:
+    """call's result is an operand of a `+` in fwd, directly or through the name it is bound to."""
+    bound = {
+        t.target.value
+        for a in m.findall(fwd, m.Assign())
+        if any(c is call for c in m.findall(a.value, m.Call()))
+        for t in a.targets
+        if isinstance(t.target, cst.Name)
+    }
+    for op in m.findall(fwd, m.BinaryOperation(operator=m.Add())):
+        for side in (op.left, op.right):
+            if any(c is call for c in m.findall(side, m.Call())) or bound & {
+                n.value for n in m.findall(side, m.Name())
+            }:
+                return True
+    return False
+
+
 def _chunked_positions(
-    cls: cst.ClassDef, ctx: ParallelRewriteContext, kinds: frozenset[str]
+    cls: cst.ClassDef, ctx: ParallelRewriteContext, kinds: frozenset[str], modules: frozenset[str]
 ) -> cst.ClassDef | None:
-    """cls with its position tables (built by one of kinds: nn.Embedding or an in-file subclass of it, OPT's
-    offset table) looked up on this rank's chunk of forward's `position_ids`, None if none."""
+    """cls with its position tables looked up on this rank's chunk of forward's `position_ids`, None if none:
+    those built by one of kinds (nn.Embedding or an in-file subclass of it, OPT's offset table), and those built
+    by another in-file module of modules whose rows forward adds to others (XGLM's sinusoidal table), unlike
+    rotary embeddings, whose cos / sin attention reads over the whole sequence."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     if (
         init is None
@@ -59,12 +79,19 @@ def _chunked_positions(
     tables = [
         a for a, layer in self_layers(init, kinds).items() if not _is_vocab(plain_args(layer.call, ARGS))
     ]
-    lookup = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, tables))), [m.Arg(m.Name(POSITIONS))])
-    calls = m.findall(fwd, lookup) if tables else []
+    others = [a for a in self_layers(init, modules) if a not in tables]
+    calls = []
+    for attrs, summed in ((tables, False), (others, True)):
+        by_position = m.Call(
+            m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, attrs))),
+            [m.Arg(m.Name(POSITIONS)), m.ZeroOrMore()],
+        )
+        found = m.findall(fwd, by_position) if attrs else []
+        calls += [c for c in found if not summed or _joins_sum(fwd, c)]
     if not calls:
         return None
     chunked = cst.parse_expression(f"own_chunk({POSITIONS})")
-    new = {id(c): c.with_changes(args=[c.args[0].with_changes(value=chunked)]) for c in calls}
+    new = {id(c): c.with_changes(args=[c.args[0].with_changes(value=chunked), *c.args[1:]]) for c in calls}
     ctx.rewrites += [
         f"{cls.name.value}: {code(c.func)} looks up this rank's chunk of {POSITIONS}" for c in calls
     ]
@@ -113,7 +140,7 @@ class ShardEmbedding(Rule):
         positions = {
             name: result
             for name, cls in local.items()
-            if (result := _chunked_positions(cls, ctx, tables)) is not None
+            if (result := _chunked_positions(cls, ctx, tables, frozenset(local))) is not None
         }
         if positions:
             self.add_needed_imports([("runtime.layers.token_layout", "own_chunk")])
