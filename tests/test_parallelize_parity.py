@@ -56,6 +56,8 @@ OTHER_ARCHS = [
     # attention built from plain sizes, reshaped to `self.embed_dim` for its output projection; a sinusoidal
     # position table added to the embeddings under attention DP
     ("xglm", "tp2_dp2_dense_tp4"),
+    # attention whose q / k / v inputs are one (MG027), a sinusoidal position buffer indexed by the positions
+    pytest.param("ctrl", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
     pytest.param("laguna", "tp2", marks=pytest.mark.slow),  # a gate per head sized through a local
     pytest.param(
         "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow

@@ -137,3 +137,29 @@ def test_an_in_file_position_module_whose_output_is_not_added_keeps_every_positi
     ctx = make_ctx()
     assert "self.embed_positions(position_ids)" in run_rule(rule, code, ctx)
     assert not any("chunk" in r for r in ctx.rewrites)
+
+
+def test_a_position_buffer_indexed_by_the_positions_and_added_looks_up_this_ranks_chunk(run_rule, make_ctx):
+    # CTRL's sinusoidal buffer: `pos_embeds = self.pos_encoding[position_ids, :]`, then summed with the tokens'
+    code = POSITIONS.replace(
+        "        hidden_states = self.embed_tokens(input_ids) + self.embed_positions(position_ids)\n",
+        "        pos_embeds = self.pos_encoding[position_ids, :]\n"
+        "        hidden_states = self.embed_tokens(input_ids) + pos_embeds + 0\n",
+    )
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert "pos_embeds = self.pos_encoding[own_chunk(position_ids), :]" in out
+    assert ctx.rewrites[-1] == "LlamaModel: self.pos_encoding looks up this rank's chunk of position_ids"
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.rewrites == []
+
+
+def test_rows_multiplied_before_they_are_added_keep_every_position(run_rule, make_ctx):
+    # CodeGen-style rotary: `sincos = self.embed_positions[position_ids]`, applied as q * cos + rotate(q) * sin
+    code = POSITIONS.replace(
+        "        hidden_states = self.embed_tokens(input_ids) + self.embed_positions(position_ids)\n",
+        "        cos = self.cos_cached[position_ids]\n"
+        "        hidden_states = self.embed_tokens(input_ids) * cos + self.embed_tokens(input_ids)\n",
+    )
+    out = run_rule(rule, code, make_ctx())
+    assert "self.cos_cached[position_ids]" in out and "own_chunk" not in out

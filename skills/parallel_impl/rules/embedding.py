@@ -5,7 +5,8 @@ embeddings, and those of classes without the migrated plumbing, stay replicated 
 
 A learned position table (an `nn.Embedding`, or an in-file subclass of it: OPT's and BioGPT's add an offset)
 looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`), or another in-file module looked up
-so whose rows forward adds to others (XGLM's sinusoidal table), looks up this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows join the token
+so, or a tensor indexed so, whose rows forward adds to others (XGLM's sinusoidal module, CTRL's sinusoidal
+buffer), looks up this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows join the token
 embeddings, which a rank holds only its chunk of when the step's token layout is sharded (attention DP)."""
 
 from __future__ import annotations
@@ -43,31 +44,32 @@ def _is_vocab(args: dict[str, str] | None) -> bool:
     return bool(args) and "vocab_size" in args.get("num_embeddings", "") and "embedding_dim" in args
 
 
-def _joins_sum(fwd: cst.FunctionDef, call: cst.Call) -> bool:
-    """call's result is an operand of a `+` in fwd, directly or through the name it is bound to."""
-    bound = {
-        t.target.value
-        for a in m.findall(fwd, m.Assign())
-        if any(c is call for c in m.findall(a.value, m.Call()))
-        for t in a.targets
-        if isinstance(t.target, cst.Name)
-    }
-    for op in m.findall(fwd, m.BinaryOperation(operator=m.Add())):
-        for side in (op.left, op.right):
-            if any(c is call for c in m.findall(side, m.Call())) or bound & {
-                n.value for n in m.findall(side, m.Name())
-            }:
-                return True
-    return False
+def _joins_sum(fwd: cst.FunctionDef, lookup: cst.BaseExpression) -> bool:
+    """lookup's rows are an operand of a `+` in fwd as they are (`.to(...)` aside), directly or through the name
+    it is bound to; not when multiplied first, as rotary cos / sin are."""
+    bound: set[str] = set()
+
+    def carried(node: cst.BaseExpression) -> bool:
+        while node is not lookup and isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
+            node = node.func.value  # `rows.to(device)`
+        return node is lookup or (isinstance(node, cst.Name) and node.value in bound)
+
+    for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name())])):
+        if carried(a.value):
+            bound.add(a.targets[0].target.value)
+    return any(
+        carried(op.left) or carried(op.right) for op in m.findall(fwd, m.BinaryOperation(operator=m.Add()))
+    )
 
 
 def _chunked_positions(
     cls: cst.ClassDef, ctx: ParallelRewriteContext, kinds: frozenset[str], modules: frozenset[str]
 ) -> cst.ClassDef | None:
     """cls with its position tables looked up on this rank's chunk of forward's `position_ids`, None if none:
-    those built by one of kinds (nn.Embedding or an in-file subclass of it, OPT's offset table), and those built
-    by another in-file module of modules whose rows forward adds to others (XGLM's sinusoidal table), unlike
-    rotary embeddings, whose cos / sin attention reads over the whole sequence."""
+    those built by one of kinds (nn.Embedding or an in-file subclass of it, OPT's offset table) whatever forward
+    does with their rows; those built by another in-file module of modules (XGLM's sinusoidal table) or held as a
+    tensor indexed by the positions (CTRL's `self.pos_encoding[position_ids, :]`) when forward adds their rows to
+    others, unlike rotary embeddings, whose cos / sin attention reads over the whole sequence."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     if (
         init is None
@@ -80,20 +82,31 @@ def _chunked_positions(
         a for a, layer in self_layers(init, kinds).items() if not _is_vocab(plain_args(layer.call, ARGS))
     ]
     others = [a for a in self_layers(init, modules) if a not in tables]
-    calls = []
-    for attrs, summed in ((tables, False), (others, True)):
-        by_position = m.Call(
-            m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, attrs))),
-            [m.Arg(m.Name(POSITIONS)), m.ZeroOrMore()],
-        )
-        found = m.findall(fwd, by_position) if attrs else []
-        calls += [c for c in found if not summed or _joins_sum(fwd, c)]
-    if not calls:
+    positions = m.Name(POSITIONS)
+    by_table = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, tables))), [m.Arg(positions)])
+    by_module = m.Call(
+        m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, others))), [m.Arg(positions), m.ZeroOrMore()]
+    )
+    indexed = m.Subscript(
+        m.Attribute(m.Name("self"), m.Name()), [m.SubscriptElement(m.Index(positions)), m.ZeroOrMore()]
+    )
+    summed = m.OneOf(indexed, by_module) if others else indexed
+    lookups = m.findall(fwd, by_table) if tables else []
+    lookups += [x for x in m.findall(fwd, summed) if _joins_sum(fwd, x)]
+    if not lookups:
         return None
     chunked = cst.parse_expression(f"own_chunk({POSITIONS})")
-    new = {id(c): c.with_changes(args=[c.args[0].with_changes(value=chunked), *c.args[1:]]) for c in calls}
+    new = {}
+    for x in lookups:
+        if isinstance(x, cst.Call):
+            new[id(x)] = x.with_changes(args=[x.args[0].with_changes(value=chunked), *x.args[1:]])
+        else:
+            first = x.slice[0].with_changes(slice=cst.Index(chunked))
+            new[id(x)] = x.with_changes(slice=[first, *x.slice[1:]])
     ctx.rewrites += [
-        f"{cls.name.value}: {code(c.func)} looks up this rank's chunk of {POSITIONS}" for c in calls
+        f"{cls.name.value}: {code(x.value if isinstance(x, cst.Subscript) else x.func)} looks up this rank's "
+        f"chunk of {POSITIONS}"
+        for x in lookups
     ]
     return replace_methods(cls, {"forward": replace_by_id(fwd, new)})
 
