@@ -525,6 +525,18 @@ def test_experts_counted_from_their_stacked_weights_when_the_config_names_them_o
     assert whole.per_rank_param_bytes - split.per_rank_param_bytes == experts * 3 // 4
 
 
+def test_a_plan_builds_the_meta_model_once_per_config(monkeypatch):
+    # the expert count, validation and the bytes all read shapes off it (DeepSeek-V3's build takes ~1.6 s)
+    from skills.parallel_impl import plan
+
+    builds, build = [], plan._built_shapes
+    monkeypatch.setattr(plan, "_built_shapes", lambda c: builds.append(c) or build(c))
+    aria = _tiny("aria_text", num_key_value_heads=2, intermediate_size=32, moe_num_experts=4, moe_topk=2)
+    make_plan(pc(4, 2, 1, 2, 4, moe_tp_size=1), aria, torch.bfloat16, SHARDABLE | {"experts"})
+    make_plan(pc(4, 2, 1, 2, 4, moe_tp_size=4), aria, torch.bfloat16, SHARDABLE | {"experts"})
+    assert builds == [aria]
+
+
 def test_a_gate_inside_attention_follows_the_attention_tp_size():
     """AFMoE's `self_attn.gate_proj` is split by heads with q_proj (attn_tp), not like the MLP's gate_proj."""
     afmoe = _tiny(
