@@ -14,7 +14,7 @@ from runtime.errors import ConfigError
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
-from skills.parallel_impl.plan import SHARDABLE, format_plan, make_plan, validate
+from skills.parallel_impl.plan import COLUMN_QKV, SHARDABLE, format_plan, make_plan, validate
 
 BF16 = torch.bfloat16.itemsize
 
@@ -598,3 +598,32 @@ def test_a_namesake_of_an_owner_keyed_output_projection_built_parallel_is_sharde
     attention = 64 * 3 * 64 + 3 * 64 + 64 * 64  # c_attn weight and bias, c_proj weight (its bias stays whole)
     mlp = 64 * 128 + 128 + 128 * 64  # c_fc weight and bias, c_proj weight
     assert plan.total_param_bytes - plan.per_rank_param_bytes == 2 * (attention + mlp) // 2 * 4
+    # the steps name the model's own layers and the layers the rules build
+    assert plan.rewrites[:2] == [
+        (
+            "c_attn (q, k and v blocks fused on disk) -> QKVParallelLinear (attn_tp=2: 2 of 4 heads and 2 of 4 kv heads "
+            "per rank) on attn_tp_group"
+        ),
+        "c_proj -> RowParallelLinear (attn_tp=2) on attn_tp_group",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sharded", "step"),
+    [
+        # GPT-NeoX's query_key_value interleaves q, k and v per head: split by whole heads
+        (
+            {"query_key_value", COLUMN_QKV},
+            (
+                "query_key_value (q, k and v interleaved per head on disk) -> "
+                "ColumnParallelLinear by whole heads"
+            ),
+        ),
+        # Gemma 3n-style k / v built only in some layers: a layer each
+        ({"q_proj", "k_proj", "v_proj", COLUMN_QKV}, "q_proj/k_proj/v_proj -> ColumnParallelLinear each"),
+    ],
+)
+def test_q_k_v_split_by_whole_heads_are_named_so(sharded, step):
+    cfg = _tiny("gpt_neox" if "query_key_value" in sharded else "llama", intermediate_size=128)
+    plan = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, frozenset(sharded | {"o_proj", "dense"}))
+    assert plan.rewrites[0].startswith(step + " (attn_tp=2")

@@ -29,9 +29,10 @@ from runtime.layers.attention import cache_info_of
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
-from skills.parallel_impl.plan import Plan, make_plan, validate
+from skills.parallel_impl.plan import COLUMN_QKV, Plan, make_plan, validate
 from skills.parallel_impl.rewrite import rewrite_sources
 from skills.parallel_impl.rules import PARALLEL_RULES
+from skills.parallel_impl.rules.attention import FUSED_ON_DISK, QKV
 from skills.parallel_impl.scenario import scenario_yaml
 
 PRISTINE = Path("agentic") / "migrated_models"
@@ -196,7 +197,8 @@ def _layers(
     or a RowParallelLinear of attn_tp_group), keyed `<owner>.<attr>` by the attribute its class is built into
     (ModernBERT's `attn.Wo`, GPT-2's `attn.c_proj`): such a layer leaves its name to a namesake elsewhere, the
     MLP's `Wo` (whole) or `c_proj` (a parallel layer of its own); and the q / k / v parts of `qkv_proj` (Llama's
-    original `wq` / `wk` / `wv`)."""
+    original `wq` / `wk` / `wv`). COLUMN_QKV among the modules when q / k / v are
+    ColumnParallelLinear split by whole heads."""
     kinds = {
         "VocabParallelEmbedding": "embed_tokens",
         "ParallelLMHead": "lm_head",
@@ -223,6 +225,8 @@ def _layers(
                     roles[f"{owners[cls.name]}.{attr}"] = role
                     continue
                 attrs.add(attr)
+                if in_attention and call.func.id == "ColumnParallelLinear" and attr in (*QKV, *FUSED_ON_DISK):
+                    attrs.add(COLUMN_QKV)
                 if role:
                     roles[attr] = role
     code = "".join(new_code.values())

@@ -28,6 +28,10 @@ from runtime.errors import ConfigError, UserError
 from runtime.layers.token_layout import needs_sharded_layout
 from skills.parallel_impl.rules.attention import FUSED_ON_DISK, OUT
 
+# in `sharded`: q / k / v built as ColumnParallelLinear split by whole heads, not QKVParallelLinear (a layer each
+# when k / v are built only in some layers, Gemma 3n's; one when fused on disk per head, GPT-NeoX's)
+COLUMN_QKV = "qkv_by_heads"
+
 VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
 _WORLD_SPLITS = (
     "attn_tp_size",
@@ -367,9 +371,10 @@ def _held(
 
 
 def _rewrites(
-    pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozenset[str]
+    pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozenset[str], names: Mapping[str, set[str]]
 ) -> tuple[list[str], dict[str, int]]:
-    """The steps, in the seed's order, and the size of each comm group they use."""
+    """The steps, in the seed's order, and the size of each comm group they use; names: module -> the
+    attributes the model code holds it in (GPT-2's o_proj is `c_proj`)."""
     w, a, tp = pc.world_size, pc.attn_tp_size, _tp_sizes(pc)
     e, lm, d = tp["embed_tokens"], tp["lm_head"], tp["down_proj"]
     steps: list[str] = []
@@ -394,18 +399,29 @@ def _rewrites(
             f"rank){on('attn_tp_group', a)}; the low-rank projections of q and of the shared latent stay replicated"
         )
     else:
+        fused = sorted(modules & sharded & set(FUSED_ON_DISK))
+        by_heads = COLUMN_QKV in sharded
+        if fused and by_heads:
+            qkv = (
+                f"{fused[0]} (q, k and v interleaved per head on disk) -> ColumnParallelLinear by whole heads"
+            )
+        elif fused:
+            qkv = f"{fused[0]} (q, k and v blocks fused on disk) -> QKVParallelLinear"
+        else:
+            parts = "/".join("/".join(sorted(names.get(p, {p}))) for p in ("q_proj", "k_proj", "v_proj"))
+            qkv = f"{parts} -> {'ColumnParallelLinear each' if by_heads else 'QKVParallelLinear'}"
         steps.append(
-            f"q_proj/k_proj/v_proj -> QKVParallelLinear (attn_tp={a}: {h // a} of {h} heads and {kv_note} "
-            f"per rank){on('attn_tp_group', a)}"
+            f"{qkv} (attn_tp={a}: {h // a} of {h} heads and {kv_note} per rank){on('attn_tp_group', a)}"
         )
+    o_name = "/".join(sorted(names.get("o_proj", {"o_proj"})))
     if _own_oproj(pc):
         o = pc.o_proj_tp_size
         steps.append(
-            f"o_proj -> OProjParallelLinear (o_proj_tp={o}: {h // o} of {h} heads' columns per rank; the tokens of "
+            f"{o_name} -> OProjParallelLinear (o_proj_tp={o}: {h // o} of {h} heads' columns per rank; the tokens of "
             f"{o} attention-DP ranks gathered in, the partial sums reduce-scattered back){on('oproj_tp_group', o)}"
         )
     else:
-        steps.append(f"o_proj -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
+        steps.append(f"{o_name} -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
     if a > 1:
         steps.append(
             f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
@@ -543,7 +559,10 @@ def make_plan(
             f"{s.model_type} has neither q_proj / k_proj / v_proj, a fused qkv projection nor multi-head "
             "latent attention, with o_proj; skill parallelize shards these attention layouts only."
         )
-    steps, sizes = _rewrites(pc, s, modules, sharded)
+    names: dict[str, set[str]] = {}
+    for name in shapes:
+        names.setdefault(_module(name, roles), set()).add(_attr(name))
+    steps, sizes = _rewrites(pc, s, modules, sharded, names)
     w = pc.world_size
     ep_stride = {"moe_ep_group": pc.moe_tp_size}  # ranks sharing a moe_tp index
     groups = [GroupSpec(name, w // n, n, ep_stride.get(name, 1)) for name, n in sizes.items()]
