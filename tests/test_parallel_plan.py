@@ -299,14 +299,20 @@ def test_latent_attention_splits_its_per_head_projections_only():
     )
 
 
-def test_o_proj_in_its_own_group_needs_latent_attention_and_attention_dp():
+def test_o_proj_in_its_own_group_needs_latent_attention_and_whole_attention_groups():
     assert "applies to MLA models only" in rejected(pc(2, 1, o_proj_tp_size=2), llama())
-    message = rejected(pc(4, 2, 2, 2, 2, o_proj_tp_size=4), deepseek_v3())
+    message = rejected(pc(4, 4, 4, 4, 4, o_proj_tp_size=2), deepseek_v3())
     assert (
-        "needs attention DP (attn_tp_size 1" in message
-        and "valid o_proj_tp_size values for world_size 4: 1, 2" in message
+        "must be a multiple of it" in message
+        and "valid o_proj_tp_size values for world_size 4: 1, 4" in message
     )
     validate(pc(4, 1, 4, 4, 4, o_proj_tp_size=4), deepseek_v3())
+    # attention TP 2 x DP 2, o_proj over all 4 ranks: each gathers the outputs of 2 attention DP ranks
+    both = make_plan(pc(4, 2, 4, 4, 4, o_proj_tp_size=4), deepseek_v3(), torch.bfloat16, SHARDABLE)
+    assert any(
+        r.startswith("o_proj -> OProjParallelLinear (o_proj_tp=4: 1 of 4 heads") for r in both.rewrites
+    )
+    assert any("the tokens of 2 attention-DP ranks gathered in" in r for r in both.rewrites)
     plan = make_plan(pc(2, 1, 2, 2, 2, o_proj_tp_size=2), deepseek_v3(), torch.bfloat16, SHARDABLE)
     assert any(g.name == "oproj_tp_group" and g.group_size == 2 for g in plan.groups)
     assert any(

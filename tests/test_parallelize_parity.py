@@ -271,22 +271,30 @@ def test_moe_from_convert_weights_output(moe_models, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "sizes",
-    [(2, 1, 2, 2, 2), pytest.param((4, 1, 2, 4, 4), marks=pytest.mark.slow)],
-    ids=["w2_dp2_oproj_tp2", "w4_dp4_oproj_tp2"],
+    ("sizes", "oproj"),
+    [
+        ((2, 1, 2, 2, 2), 2),
+        pytest.param((4, 1, 2, 4, 4), 2, marks=pytest.mark.slow),
+        ((4, 2, 4, 4, 4), 4),  # attention TP 2 x DP 2: o_proj gathers both attention TP groups' outputs
+    ],
+    ids=["w2_dp2_oproj_tp2", "w4_dp4_oproj_tp2", "w4_attn_tp2_dp2_oproj_tp4"],
 )
-def test_latent_attention_with_o_proj_in_its_own_group(moe_models, sizes, tmp_path):
-    """DeepSeek-V3 with attention DP and o_proj_tp_size 2 (oproj_tp_group): transformers' tokens, each rank
-    holding half of every o_proj, fewer bytes than with o_proj whole; its KV cache holds the latents (kv_lora_rank
-    32 + qk_rope_head_dim 16 per token and layer), not 4 heads of keys (32) and values (16)."""
+def test_latent_attention_with_o_proj_in_its_own_group(moe_models, sizes, oproj, tmp_path):
+    """DeepSeek-V3 with attention DP and an o_proj TP size of its own (oproj_tp_group): transformers' tokens, each
+    rank holding its share of every o_proj, fewer bytes than with o_proj in attn_tp_group; its KV cache holds the
+    latents (kv_lora_rank 32 + qk_rope_head_dim 16 per token and layer), not 4 heads of keys (32) and values
+    (16)."""
     reference, model_dir = moe_models("deepseek_v3")
-    config = parallel_yaml(tmp_path / "p.yaml", *sizes, o_proj_tp_size=2)
+    config = parallel_yaml(tmp_path / "p.yaml", *sizes, o_proj_tp_size=oproj)
     proc = parallelize(model_dir, config, "--json", "--force")
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
-    assert {"name": "oproj_tp_group", "group_num": sizes[0] // 2, "group_size": 2, "stride": 1} in done[
-        "groups"
-    ]
+    assert {
+        "name": "oproj_tp_group",
+        "group_num": sizes[0] // oproj,
+        "group_size": oproj,
+        "stride": 1,
+    } in done["groups"]
     out = run(model_dir, Path(done["yaml"]))
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
     assert out["param_bytes_per_rank"] == [done["per_rank_param_bytes"]] * sizes[0]

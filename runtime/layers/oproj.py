@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from runtime.config.comm_manager import OPROJ_GROUP
 from runtime.layers.comm import all_gather, reduce_scatter
@@ -18,9 +19,11 @@ if TYPE_CHECKING:
 
 class OProjParallelLinear(RowParallelLinear):
     """o_proj split by input columns (whole heads). Without a registered ``tp_group`` it is attention's
-    RowParallelLinear in attn_tp_group, whose partial sums the attention's TPRegion reduces. With one, attention
-    runs data-parallel (attn_tp_size 1: each rank holds every head of its own tokens): the layer gathers its
-    group's tokens, multiplies its block of head columns and reduce-scatters the sums back to each rank's rows."""
+    RowParallelLinear in attn_tp_group, whose partial sums the attention's TPRegion reduces. With one (its size a
+    multiple of attn_tp_size, its ranks whole attention TP groups, as the consecutive layout makes them), attention
+    runs data-parallel across it: each rank holds its attention TP share of the heads for all tokens of its DP
+    rank. The layer gathers its group's attention outputs, takes its block of head columns for every token of the
+    group, multiplies, and reduce-scatters the sums back to each rank's chunk of rows."""
 
     def __init__(
         self,
@@ -52,10 +55,20 @@ class OProjParallelLinear(RowParallelLinear):
         if not self.gathers_tokens:
             return super().forward(x)
         layout = current_layout()
-        assert layout.sharded and layout.attn_tp_size == 1, "oproj_tp_group needs attention DP in lock-step"
-        tokens = all_gather(pad_rows(x, layout.rows), self.group, dim=-2)
-        out, finish = self.quant_method.apply_partial(
-            self, tokens.narrow(-1, self.shard.src_start, self.shard.size)
+        assert layout.sharded, "oproj_tp_group needs attention DP in lock-step"
+        a, o = layout.attn_tp_size, self.tp_size
+        # [o, R, W / a] by group rank (DP-major, then attention TP rank): every DP rank's tokens, padded alike
+        parts = all_gather(pad_rows(x, layout.rows * a), self.group, dim=-2).unflatten(-2, (o, -1))
+        # the attention TP rank holding this rank's block of heads, and the block's place among its heads
+        holder, at = divmod(self.tp_rank, o // a)
+        mine = parts.unflatten(-3, (o // a, a)).select(-3, holder)  # [DP ranks, R, W / a]
+        tokens = mine.narrow(-1, at * self.shard.size, self.shard.size).flatten(-3, -2)
+        out, finish = self.quant_method.apply_partial(self, tokens)
+        out = reduce_scatter(finish(out), self.group, dim=-2)  # this rank's rows of its DP rank, summed
+        out = out if self.bias is None else out + self.bias
+        if a == 1:
+            return out
+        # the attention's TPRegion reduce-scatters over attn_tp_group: one rank of it holds each chunk of rows
+        return F.pad(
+            out, (0, 0, layout.attn_tp_rank * layout.rows, (a - 1 - layout.attn_tp_rank) * layout.rows)
         )
-        out = reduce_scatter(finish(out), self.group, dim=-2)
-        return out if self.bias is None else out + self.bias

@@ -170,9 +170,9 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
     else:
         need(
             "o_proj_tp_size",
-            lambda t: t in (1, a) or a == 1,
-            f"an o_proj TP size other than attn_tp_size ({a}) needs attention DP (attn_tp_size 1: o_proj gathers "
-            "whole heads of its group's tokens)",
+            lambda t: t in (1, a) or t % a == 0,
+            f"an o_proj TP size other than attn_tp_size ({a}) must be a multiple of it (its group gathers the "
+            "attention outputs of whole attention TP groups, across attention DP ranks)",
         )
         need(
             "o_proj_tp_size",
@@ -418,7 +418,8 @@ def _rewrites(
         o = pc.o_proj_tp_size
         steps.append(
             f"{o_name} -> OProjParallelLinear (o_proj_tp={o}: {h // o} of {h} heads' columns per rank; the tokens of "
-            f"{o} attention-DP ranks gathered in, the partial sums reduce-scattered back){on('oproj_tp_group', o)}"
+            f"{o // a} attention-DP ranks gathered in, the partial sums reduce-scattered back)"
+            f"{on('oproj_tp_group', o)}"
         )
     else:
         steps.append(f"{o_name} -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
