@@ -633,3 +633,13 @@ def test_q_k_v_split_by_whole_heads_are_named_so(sharded, step):
     cfg = _tiny("gpt_neox" if "query_key_value" in sharded else "llama", intermediate_size=128)
     plan = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, frozenset(sharded | {"o_proj", "dense"}))
     assert plan.rewrites[0].startswith(step + " (attn_tp=2")
+
+
+def test_key_heads_are_read_off_the_key_weights():
+    # GPT-BigCode's multi_query config says nothing of key heads when one sets num_key_value_heads regardless
+    sharded, roles = frozenset({"c_attn", "c_proj", "c_fc"}), {"attn.c_proj": "o_proj"}
+    mqa = _tiny("gpt_bigcode", multi_query=True, num_key_value_heads=4, n_inner=128)
+    plan = make_plan(pc(2, 2, 2, 2, 2), mqa, torch.float32, sharded, roles)
+    assert "1 kv head (each of the 1 replicated on 2 ranks)" in plan.rewrites[0]
+    mha = _tiny("gpt_bigcode", multi_query=False, n_inner=128)
+    assert "2 of 4 kv heads" in make_plan(pc(2, 2, 2, 2, 2), mha, torch.float32, sharded, roles).rewrites[0]

@@ -58,6 +58,8 @@ OTHER_ARCHS = [
     ("xglm", "tp2_dp2_dense_tp4"),
     # attention whose q / k / v inputs are one (MG027), a sinusoidal position buffer indexed by the positions
     pytest.param("ctrl", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+    # multi-query [q; k; v] given a head axis before its split, the per-head layout's `else:` guarded
+    pytest.param("gpt_bigcode", "tp2", marks=pytest.mark.slow),
     pytest.param("laguna", "tp2", marks=pytest.mark.slow),  # a gate per head sized through a local
     pytest.param(
         "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow

@@ -109,7 +109,7 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
         cfg.model_type,
         cfg.hidden_size,
         cfg.num_attention_heads,
-        getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        _kv_heads(hf_config),
         intermediate,
         cfg.vocab_size,
         experts,
@@ -118,6 +118,28 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
         bool(getattr(cfg, "kv_lora_rank", None)),
         bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
+
+
+def _kv_heads(hf_config: PretrainedConfig) -> int:
+    """Key heads, read off the attention's key weights where the head size is one number: `k_proj`'s rows, or
+    the key block of a q/k/v projection fused on disk (`[q; k; v]`, either way round: Conv1D stores it `[in,
+    out]`). A multi-query config such as GPT-BigCode's says `multi_query`; its `num_key_value_heads` follows
+    that flag unless a config sets it too. Else the config's count, else one per query head."""
+    cfg = hf_config.get_text_config()
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    try:
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    except RuntimeError:  # a size per layer (Gemma 4): the config's count
+        head_dim = None
+    for name, shape in _param_shapes(hf_config).items() if head_dim else ():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        if _attr(name) == "k_proj":
+            return shape[0] // head_dim
+        if _attr(name) in FUSED_ON_DISK:
+            rows = shape[0] if shape[1] == hidden else shape[1]
+            return (rows // head_dim - heads) // 2
+    return getattr(cfg, "num_key_value_heads", None) or heads
 
 
 def _widths(widths: tuple[int, ...]) -> str:

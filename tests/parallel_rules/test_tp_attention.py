@@ -984,3 +984,36 @@ def test_a_width_read_outside_the_attention_output_is_a_finding(run_rule, make_c
     code = WIDTH_READ.replace(*read)
     assert code != WIDTH_READ
     assert "whole model's `embed_dim`" in _finding(run_rule, make_ctx, code)
+
+
+BIGCODE = dedent("""\
+    class GPTBigCodeAttention(nn.Module):
+        def __init__(self, config, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.embed_dim = config.hidden_size
+            self.head_dim = self.embed_dim // config.num_attention_heads
+            self.kv_dim = self.head_dim
+            self.c_attn = nn.Linear(self.embed_dim, self.embed_dim + 2 * self.kv_dim)
+            self.c_proj = nn.Linear(self.embed_dim, self.embed_dim)
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, num_kv_heads=1)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            query, key, value = (
+                self.c_attn(hidden_states)
+                .unsqueeze(1)
+                .split((self.embed_dim, self.kv_dim, self.kv_dim), dim=3)
+            )
+            attn_output = self.attn(query, key, value, forward_metadata)
+            return self.c_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
+    """)
+
+
+def test_a_fused_output_given_a_head_axis_then_split_in_blocks_is_split_per_rank(run_rule, make_ctx):
+    # GPT-BigCode's multi-query layout: [q; k; v] blocks, one key head (replicated on every rank under TP)
+    out = _sharded(run_rule, make_ctx, BIGCODE)
+    assert (
+        "            self.c_attn(hidden_states)\n"
+        "            .unsqueeze(1)\n"
+        "            .split(self.c_attn.output_partition_sizes, dim=3)\n"
+    ) in out
+    assert "QKVParallelLinear(self.embed_dim, self.head_dim, config.num_attention_heads, 1, bias=True" in out

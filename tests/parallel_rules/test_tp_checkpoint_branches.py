@@ -5,8 +5,8 @@ untaken ones and a rewrite without the checkpoint's config are left alone."""
 from functools import partial
 from textwrap import dedent
 
-from codemod_harness import assert_codemod, assert_noop
-from transformers import CohereConfig, FalconConfig
+from codemod_harness import assert_codemod, assert_noop, run_codemod
+from transformers import CohereConfig, FalconConfig, GPTBigCodeConfig
 
 from skills.parallel_impl.rules.checkpoint_branches import GuardUntakenBranches as rule
 
@@ -94,3 +94,51 @@ def test_an_untaken_branch_without_per_head_modules_stays_general(make_ctx):
                     self.lm_head.weight = self.model.embed_tokens.weight
         """)
     assert_noop(rule, code, partial(make_ctx, checkpoint_config=CohereConfig(tie_word_embeddings=False)))
+
+
+# GPT-BigCode: the fused q/k/v cut one way under multi_query, per head otherwise; its attention takes `config`
+# unannotated, passed by a block built from the annotated config.
+BIGCODE = dedent("""\
+    class GPTBigCodeAttention(nn.Module):
+        def __init__(self, config, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.multi_query = config.multi_query
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            if self.multi_query:
+                q, k, v = self.c_attn(hidden_states).unsqueeze(1).split((64, 16, 16), dim=3)
+            else:
+                q, k, v = self.c_attn(hidden_states).view(1, 2, 4, 48).split(3 * [16], dim=3)
+            return self.attn(q, k, v, forward_metadata)
+
+
+    class GPTBigCodeBlock(nn.Module):
+        def __init__(self, config: GPTBigCodeConfig, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.attn = GPTBigCodeAttention(config, infer_config=infer_config)
+    """)
+
+
+def test_an_untaken_else_cutting_a_fused_projection_becomes_a_guard(make_ctx):
+    after = BIGCODE.replace(
+        "        if self.multi_query:\n"
+        "            q, k, v = self.c_attn(hidden_states).unsqueeze(1).split((64, 16, 16), dim=3)\n"
+        "        else:\n"
+        "            q, k, v = self.c_attn(hidden_states).view(1, 2, 4, 48).split(3 * [16], dim=3)\n",
+        "        if not self.multi_query:\n"
+        + _guard("not self.multi_query")
+        + "        q, k, v = self.c_attn(hidden_states).unsqueeze(1).split((64, 16, 16), dim=3)\n",
+    )
+    assert after != BIGCODE
+    config = GPTBigCodeConfig(multi_query=True)
+    assert_codemod(rule, BIGCODE, after, partial(make_ctx, checkpoint_config=config))
+    # the per-head branch taken: the `if` body is the untaken branch, guarded as before
+    out = run_codemod(rule, BIGCODE, make_ctx(checkpoint_config=GPTBigCodeConfig(multi_query=False)))
+    assert "if self.multi_query:\n" + _guard("self.multi_query") in out
+
+
+def test_a_class_given_something_else_than_the_config_keeps_its_branches(make_ctx):
+    code = BIGCODE.replace(
+        "GPTBigCodeAttention(config, infer_config", "GPTBigCodeAttention(other, infer_config"
+    )
+    assert_noop(rule, code, partial(make_ctx, checkpoint_config=GPTBigCodeConfig(multi_query=True)))

@@ -140,3 +140,18 @@ def test_an_untaken_branch_reading_a_layer_weight_becomes_a_guard(make_ctx):
         rule, WEIGHT_READ, guarded, partial(make_ctx, checkpoint_config=LlamaConfig(pretraining_tp=1))
     )
     assert_noop(rule, WEIGHT_READ, partial(make_ctx, checkpoint_config=LlamaConfig(pretraining_tp=2)))
+
+
+def test_a_class_given_the_config_unannotated_by_a_class_built_from_it_is_read_too(make_ctx):
+    # the class takes `config` without an annotation; its one builder passes its own annotated `config`
+    code = WEIGHT_READ.replace("config: LlamaConfig", "config") + dedent("""\
+
+
+        class BloomBlock(nn.Module):
+            def __init__(self, config: LlamaConfig):
+                super().__init__()
+                self.self_attention = BloomAttention(config)
+        """)
+    config = partial(make_ctx, checkpoint_config=LlamaConfig(pretraining_tp=1))
+    assert "raise NotImplementedError" in run_codemod(rule, code, config())
+    assert_noop(rule, code.replace("BloomAttention(config)", "BloomAttention(config.text_config)"), config)

@@ -15,6 +15,7 @@ import libcst as cst
 import libcst.matchers as m
 from transformers import PretrainedConfig
 
+from skills.migrator.call_sites import binding, call_sites
 from skills.migrator.cst_utils import SELF_ATTR, assigned_names, classes, dotted, method, names_in
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
@@ -59,11 +60,46 @@ def _self_attrs(cls: cst.ClassDef, init: cst.FunctionDef, config: PretrainedConf
     return ns
 
 
-def _config_param(init: cst.FunctionDef, config: PretrainedConfig) -> bool:
-    """__init__ takes `config: <the checkpoint's config class>` and never rebinds it."""
-    param = next((p for p in init.params.params if p.name.value == "config"), None)
-    annotation = dotted(param.annotation.annotation) if param and param.annotation else ""
-    return annotation.split(".")[-1] == type(config).__name__ and "config" not in assigned_names(init.body)
+def _config_classes(module: cst.Module, config: PretrainedConfig) -> set[str]:
+    """The classes whose __init__ takes the checkpoint's config as `config` and never rebinds it: annotated
+    `config: <its class>`, or unannotated and built only by such classes, each passing its own `config`
+    (GPT-BigCode's attention, built `GPTBigCodeAttention(config, ...)` by its block)."""
+    local, sites = classes(module), call_sites(module)
+    inits = {name: init for name, cls in local.items() if (init := method(cls, "__init__")) is not None}
+    params = {}
+    for name, init in inits.items():
+        param = next((p for p in init.params.params if p.name.value == "config"), None)
+        if param is not None and "config" not in assigned_names(init.body):
+            params[name] = param
+    found = {
+        name
+        for name, p in params.items()
+        if p.annotation and dotted(p.annotation.annotation).split(".")[-1] == type(config).__name__
+    }
+    while True:
+        grown = set(found)
+        for name, param in params.items():
+            where = sites[name]
+            if name in found or param.annotation or where.name_escapes or not where.constructed:
+                continue
+            passed = [binding(c, inits[name], param) for c in where.constructed]
+            builders = [_owner(module, c) for c in where.constructed]
+            if all(a is not None and m.matches(a.value, m.Name("config")) for a in passed) and all(
+                b in found for b in builders
+            ):
+                grown.add(name)
+        if grown == found:
+            return found
+        found = grown
+
+
+def _owner(module: cst.Module, call: cst.Call) -> str | None:
+    """The class whose __init__ holds call."""
+    for name, cls in classes(module).items():
+        init = method(cls, "__init__")
+        if init is not None and any(c is call for c in m.findall(init, m.Call())):
+            return name
+    return None
 
 
 def _guard(test: cst.BaseExpression, text: GuardText) -> cst.BaseStatement:
@@ -100,8 +136,11 @@ def keeps_transformers_alive(hf_names: set[str]) -> Wanted:
 class _Fold(cst.CSTTransformer):
     """In one class: the untaken config branches `wanted` picks become guards."""
 
-    def __init__(self, cls: cst.ClassDef, scopes: dict[str, dict], wanted: Wanted, text: GuardText) -> None:
+    def __init__(
+        self, cls: cst.ClassDef, scopes: dict[str, dict], wanted: Wanted, text: GuardText, elses: bool
+    ) -> None:
         self.cls, self.scopes, self.wanted, self.text, self.function = cls, scopes, wanted, text, []
+        self.elses = elses  # also an untaken `else:` after a taken test
         self.elifs: set[int] = set()  # an `elif` is its parent's orelse: it cannot become several statements
 
     def visit_If(self, node: cst.If) -> None:
@@ -119,10 +158,10 @@ class _Fold(cst.CSTTransformer):
         scope = self.scopes.get(self.function[0]) if len(self.function) == 1 else None
         if scope is None or is_guard(updated.body) or not _config_only(updated.test, set(scope)):
             return updated
-        if not self.wanted(self.cls, original):
-            return updated
         ok, value = _evaluate(updated.test, scope)
-        if not ok or value:
+        if ok and value and self.elses and isinstance(updated.orelse, cst.Else):
+            return self._guard_else(original, updated)
+        if not ok or value or not self.wanted(self.cls, original):
             return updated
         guarded = cst.IndentedBlock([_guard(updated.test, self.text)])
         if id(original) in self.elifs:  # `elif <test>: raise ...`, the rest of the chain after it as it was
@@ -134,6 +173,20 @@ class _Fold(cst.CSTTransformer):
         if isinstance(rest, cst.If):
             return cst.FlattenSentinel([guard, rest])
         return guard
+
+    def _guard_else(self, original: cst.If, updated: cst.If):
+        """`if <test>: A else: B`, test true and B wanted: `if not <test>: raise ...` then A."""
+        untaken = original.with_changes(body=original.orelse.body, orelse=None)
+        if id(original) in self.elifs or not self.wanted(self.cls, untaken):
+            return updated
+        test = updated.test
+        if not isinstance(test, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
+            test = test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        negated = cst.UnaryOperation(cst.Not(), test)
+        guard = updated.with_changes(
+            test=negated, body=cst.IndentedBlock([_guard(negated, self.text)]), orelse=None
+        )
+        return cst.FlattenSentinel([guard, *updated.body.body])
 
 
 def _pins_rope_type(cls: cst.ClassDef) -> bool:
@@ -168,21 +221,24 @@ def guard_untaken_branches(
     wanted: Wanted,
     text: GuardText = GUARD,
     then: Callable[[cst.ClassDef], cst.ClassDef] = lambda cls: cls,
+    elses: bool = False,
 ) -> cst.Module:
     """module with the untaken config branches of each class built from config that `wanted` picks turned into
-    guards, `then` applied to each such class after. Without a config (no checkpoint), module as it is."""
+    guards (elses: an `else:` after a test the config makes true too), `then` applied to each such class after.
+    Without a config (no checkpoint), module as it is."""
     if config is None:
         return module
     replaced = {}
+    built_from_config = _config_classes(module, config)
     for name, cls in classes(module).items():
         init = method(cls, "__init__")
-        if init is None or not _config_param(init, config):
+        if init is None or name not in built_from_config:
             continue
         attrs = _self_attrs(cls, init, config)
         methods = [s for s in cls.body.body if isinstance(s, cst.FunctionDef)]
         scopes = {fn.name.value: {"self": attrs} for fn in methods}
         scopes["__init__"] = {"self": attrs, "config": config}
-        new = then(cls.visit(_Fold(cls, scopes, wanted, text)))
+        new = then(cls.visit(_Fold(cls, scopes, wanted, text, elses)))
         if not new.deep_equals(cls):
             replaced[name] = new
     if not replaced:

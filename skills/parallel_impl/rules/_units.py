@@ -398,18 +398,25 @@ def _chunked(s: cst.BaseStatement, x: m.BaseExpression, parts: int) -> tuple[str
 def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.FunctionDef | str:
     """forward cutting `x = self.<attr>(...)` into `parts` consecutive blocks of its last dim (`a = x[..., :p]`,
     `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes, or `a, b, c = x.chunk(parts, dim)` /
-    `x.split(n, dim)`, equal blocks, x maybe the call itself), maybe after element-wise updates of x, made to split
+    `x.split(n, dim)`, equal blocks, x maybe the call itself, or it given a leading axis by `.unsqueeze(k)`), maybe after element-wise updates of x, made to split
     it by the parallel layer's per-rank sizes instead: `a, b, c = x.split(self.<attr>.output_partition_sizes,
     dim=-1)`. Locals only those bounds read go too. Returns why not when the output is used any other way."""
     body = list(fwd.body.body)
 
     def split_at(i: int, targets: str, dim: str) -> cst.FunctionDef:
-        receiver = code(body[i].body[0].value.func.value)
-        new = stmt(f"{targets} = {receiver}.split(self.{attr}.output_partition_sizes, dim={dim})\n")
-        body[i] = new.with_changes(leading_lines=body[i].leading_lines)
+        """`targets = <receiver>.chunk(n, dim)` / `.split(n, dim)` -> `.split(<per-rank sizes>, dim)`, the
+        receiver kept as written (it may span lines inside parentheses)."""
+        assign = body[i].body[0]
+        args = cst.parse_expression(f"x.split(self.{attr}.output_partition_sizes, dim={dim})").args
+        func = assign.value.func.with_changes(attr=cst.Name("split"))
+        split = assign.value.with_changes(func=func, args=args)
+        target = cst.AssignTarget(cst.parse_expression(targets))
+        body[i] = body[i].with_changes(body=[assign.with_changes(targets=[target], value=split)])
         return fwd.with_changes(body=fwd.body.with_changes(body=body))
 
     own = m.Call(m.Attribute(m.Name("self"), m.Name(attr)))
+    # GPT-BigCode adds a head axis first: `self.c_attn(h).unsqueeze(1).split((q, kv, kv), dim=3)`
+    own |= m.Call(m.Attribute(own, m.Name("unsqueeze")), [m.Arg(m.Integer())])
     inline = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, own, parts))]
     if len(inline) == 1 and self_refs(fwd, attr) == 1:  # `a, b, c = self.<attr>(h).split(n, dim=-1)`
         return split_at(inline[0][0], *inline[0][1])

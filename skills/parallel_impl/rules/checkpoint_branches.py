@@ -1,7 +1,8 @@
 """Before any layer is sharded, a config branch the checkpoint never takes becomes a guard when the parallel rules
 would otherwise have to shard what it builds (the migrator's MG018 keeps such branches general): one whose body
 builds a module or parameter sized by the head counts (Cohere's and StableLM's per-head q / k norms, off under
-`use_qk_norm` / `qk_layernorm`), and one that uses an attribute only such a branch sets. What the checkpoint never
+`use_qk_norm` / `qk_layernorm`), one that uses an attribute only such a branch sets, and one that cuts a q/k/v
+projection fused on disk (GPT-BigCode's per-head layout, in the `else:` of `if self.multi_query:`). What the checkpoint never
 builds needs no sharding, and the parallel code refuses a checkpoint that takes the branch instead of running it
 with whole layers. Other untaken branches (a weight tie under `tie_word_embeddings`) stay general."""
 
@@ -11,7 +12,7 @@ import libcst.matchers as m
 from skills.migrator.cst_utils import method
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
-from skills.parallel_impl.rules.attention import builds_from_heads
+from skills.parallel_impl.rules.attention import FUSED_ON_DISK, builds_from_heads
 
 GUARD = (
     "parallelized for a checkpoint where `{test}` is false; ",
@@ -31,9 +32,14 @@ def _per_head_attrs(cls: cst.ClassDef) -> set[str]:
     return {t.target.attr.value for b in branches for t in m.findall(b.body, m.AssignTarget(SELF_ATTR))}
 
 
+def _cuts_fused_qkv(node: cst.CSTNode) -> bool:
+    """node calls a q/k/v projection fused on disk (its output cut one way in this branch, another elsewhere)."""
+    return bool(m.findall(node, m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))))
+
+
 def _needs_guard(cls: cst.ClassDef, branch: cst.If) -> bool:
     used = {a.attr.value for a in m.findall(branch.body, SELF_ATTR)}
-    return _builds_per_head(branch.body) or bool(used & _per_head_attrs(cls))
+    return _builds_per_head(branch.body) or bool(used & _per_head_attrs(cls)) or _cuts_fused_qkv(branch.body)
 
 
 class GuardUntakenBranches(Rule):
@@ -41,4 +47,4 @@ class GuardUntakenBranches(Rule):
     DESCRIPTION = "Untaken config branches that build per-head modules (or use them) become guards."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        return guard_untaken_branches(module, self.rewrite.checkpoint_config, _needs_guard, GUARD)
+        return guard_untaken_branches(module, self.rewrite.checkpoint_config, _needs_guard, GUARD, elses=True)
