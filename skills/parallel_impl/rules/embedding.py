@@ -6,8 +6,9 @@ embeddings, and those of classes without the migrated plumbing, stay replicated 
 A learned position table (an `nn.Embedding`, or an in-file subclass of it: OPT's and BioGPT's add an offset)
 looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`), or another in-file module looked up
 so, or a tensor indexed so, whose rows forward adds to others (XGLM's sinusoidal module, CTRL's sinusoidal
-buffer), looks up this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows join the token
-embeddings, which a rank holds only its chunk of when the step's token layout is sharded (attention DP)."""
+buffer), looks up this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows
+join the token embeddings, which a rank holds only its chunk of when the step's token layout is sharded
+(attention DP)."""
 
 from __future__ import annotations
 
