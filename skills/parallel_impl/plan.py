@@ -574,7 +574,10 @@ def make_plan(
     validate(pc, hf_config)
     sharded |= frozenset(roles.values())
     shapes = _param_shapes(hf_config)
-    modules = {_module(name, roles) for name in shapes}
+    names: dict[str, set[str]] = {}  # module -> the attributes the model code holds it in
+    for name in shapes:
+        names.setdefault(_module(name, roles), set()).add(_attr(name))
+    modules = set(names)
     if "o_proj" not in modules or not (
         s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK}
     ):
@@ -582,9 +585,6 @@ def make_plan(
             f"{s.model_type} has neither q_proj / k_proj / v_proj, a fused qkv projection nor multi-head "
             "latent attention, with o_proj; skill parallelize shards these attention layouts only."
         )
-    names: dict[str, set[str]] = {}
-    for name in shapes:
-        names.setdefault(_module(name, roles), set()).add(_attr(name))
     steps, sizes = _rewrites(pc, s, modules, sharded, names)
     w = pc.world_size
     ep_stride = {"moe_ep_group": pc.moe_tp_size}  # ranks sharing a moe_tp index

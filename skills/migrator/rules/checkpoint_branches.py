@@ -76,30 +76,19 @@ def _config_classes(module: cst.Module, config: PretrainedConfig) -> set[str]:
         for name, p in params.items()
         if p.annotation and dotted(p.annotation.annotation).split(".")[-1] == type(config).__name__
     }
-    while True:
-        grown = set(found)
-        for name, param in params.items():
-            where = sites[name]
-            if name in found or param.annotation or where.name_escapes or not where.constructed:
-                continue
-            passed = [binding(c, inits[name], param) for c in where.constructed]
-            builders = [_owner(module, c) for c in where.constructed]
-            if all(a is not None and m.matches(a.value, m.Name("config")) for a in passed) and all(
-                b in found for b in builders
-            ):
-                grown.add(name)
-        if grown == found:
-            return found
-        found = grown
-
-
-def _owner(module: cst.Module, call: cst.Call) -> str | None:
-    """The class whose __init__ holds call."""
-    for name, cls in classes(module).items():
-        init = method(cls, "__init__")
-        if init is not None and any(c is call for c in m.findall(init, m.Call())):
-            return name
-    return None
+    # each constructor call -> the class whose __init__ makes it
+    owner = {id(c): name for name, init in inits.items() for c in m.findall(init, m.Call())}
+    candidates = {}  # unannotated: the builders of those built only with `config`
+    for name, param in params.items():
+        where = sites[name]
+        if param.annotation or where.name_escapes or not where.constructed:
+            continue
+        passed = [binding(c, inits[name], param) for c in where.constructed]
+        if all(a is not None and m.matches(a.value, m.Name("config")) for a in passed):
+            candidates[name] = {owner.get(id(c)) for c in where.constructed}
+    while grown := {n for n, builders in candidates.items() if n not in found and builders <= found}:
+        found |= grown
+    return found
 
 
 def _guard(test: cst.BaseExpression, text: GuardText) -> cst.BaseStatement:

@@ -48,11 +48,13 @@ class _Merge(cst.CSTTransformer):
     """One class's forward takes its shared parameters as one, and its calls pass that once."""
 
     def __init__(self, fwd: cst.FunctionDef, group: list[cst.Param], calls: list[cst.Call]):
-        self.fwd, self.calls = fwd, {id(c): c for c in calls}
+        self.fwd = fwd
         taken = {p.name.value for p in named_params(fwd)} - {p.name.value for p in group}
         self.name = MERGED if MERGED not in taken | free_names(fwd.body) else group[0].name.value
         self.kept, self.dropped = group[0], {p.name.value for p in group[1:]}
-        self.args = {c: {id(binding(call, fwd, p)) for p in group[1:]} for c, call in self.calls.items()}
+        self.args = {
+            id(call): {id(binding(call, fwd, p)) for p in group[1:]} for call in calls
+        }  # the dropped
         self.kept_args = {id(binding(call, fwd, group[0])) for call in calls}
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:

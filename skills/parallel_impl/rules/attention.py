@@ -744,10 +744,8 @@ def _shard_alibi(call: cst.Call) -> cst.Call:
 def _qkv_shares(init: cst.FunctionDef, attrs: list[str], qkv: str, sizes: list[str]) -> dict[str, str]:
     """head count x -> `self.<qkv>.num_heads` / `.num_kv_heads` when __init__ sets x to what QKVParallelLinear was
     given as the query / key heads (a rank holds one replica of a key head when they are fewer than its ranks)."""
-    given = {
-        sizes[2]: f"self.{qkv}.num_kv_heads",
-        sizes[1]: f"self.{qkv}.num_heads",
-    }  # equal counts: num_heads
+    # the query heads last: when __init__ gives both counts as one value, x is the query heads' share
+    given = {sizes[2]: f"self.{qkv}.num_kv_heads", sizes[1]: f"self.{qkv}.num_heads"}
     shares = {}
     for a in attrs:
         (line,) = [
