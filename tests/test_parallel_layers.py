@@ -19,7 +19,7 @@ from runtime.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from runtime.layers.head_shard import gather_heads, local_heads, local_width, shard_heads
+from runtime.layers.head_shard import gather_heads, local_heads, local_width, shard_heads, whole_blocks
 
 
 class FakeTP:
@@ -402,3 +402,14 @@ def test_a_ranks_heads_and_their_width_are_even_shares():
     assert local_width(8 * 16, None, "attn_tp_group") == 8 * 16  # unsharded without a comm manager
     with pytest.raises(ConfigError, match="6 channels of the attention output are not divisible .* \\(4\\)"):
         local_width(6, FakeTP(4, 0), "attn_tp_group")
+
+
+def test_a_ranks_rows_of_a_projection_viewed_in_blocks_are_whole_blocks():
+    # CodeGen: 3 x 64 rows in 4 blocks of 48 (mp_num 4): 1, 2 or 4 ranks take whole blocks, 8 would cut them
+    for size in (1, 2, 4):
+        whole_blocks(3 * 64, 48, FakeTP(size, 0), "attn_tp_group")
+    whole_blocks(3 * 64, 48, None, "attn_tp_group")
+    with pytest.raises(
+        ConfigError, match="192 output channels are 4 blocks of 48 .* choose a size that divides 4"
+    ):
+        whole_blocks(3 * 64, 48, FakeTP(8, 0), "attn_tp_group")

@@ -60,6 +60,8 @@ OTHER_ARCHS = [
     pytest.param("ctrl", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
     # multi-query [q; k; v] given a head axis before its split, the per-head layout's `else:` guarded
     pytest.param("gpt_bigcode", "tp2", marks=pytest.mark.slow),
+    # q, v and k in blocks of a quarter of the heads each (mp_num 4), a block width from the whole model's width
+    pytest.param("codegen", "tp2", marks=pytest.mark.slow),
     pytest.param("laguna", "tp2", marks=pytest.mark.slow),  # a gate per head sized through a local
     pytest.param(
         "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow

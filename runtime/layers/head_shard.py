@@ -31,6 +31,19 @@ def local_width(total: int, comm_manager: CommManager | None, tp_group: str) -> 
     return _even_share(total, "channels of the attention output", comm_manager, tp_group)
 
 
+def whole_blocks(rows: int, block: int, comm_manager: CommManager | None, tp_group: str) -> None:
+    """Refuse a ``tp_group`` whose ranks' contiguous shares of a fused projection's ``rows`` output channels would
+    cut one of the blocks of ``block`` channels its forward views them in (CodeGen's ``qkv_proj``, q, v and k of
+    a quarter of the heads per block): a rank needs whole blocks."""
+    size = tp_info(comm_manager, tp_group)[0]
+    if rows % (block * size):
+        raise ConfigError(
+            f"a projection's {rows} output channels are {rows // block} blocks of {block} (each with its own q, k "
+            f"and v), which {size} ranks of {tp_group} cannot share evenly: choose a size that divides "
+            f"{rows // block}"
+        )
+
+
 def _even_share(total: int, what: str, comm_manager: CommManager | None, tp_group: str) -> int:
     size = tp_info(comm_manager, tp_group)[0]
     if total % size:

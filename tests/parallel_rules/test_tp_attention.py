@@ -182,6 +182,7 @@ def test_qkv_interleaved_per_head_on_disk_is_split_by_whole_heads(run_rule, make
     )
     assert 'num_heads=local_heads(config.num_attention_heads, comm_manager, "attn_tp_group")' in out
     assert "qkv = self.query_key_value(hidden_states).view(hidden_shape).transpose(1, 2)" in out
+    assert "whole_blocks" not in out  # blocks of one head each: local_heads checks they divide evenly
     again = make_ctx()
     assert run_rule(rule, out, again) == out and again.findings == []
 
@@ -1017,3 +1018,60 @@ def test_a_fused_output_given_a_head_axis_then_split_in_blocks_is_split_per_rank
         "            .split(self.c_attn.output_partition_sizes, dim=3)\n"
     ) in out
     assert "QKVParallelLinear(self.embed_dim, self.head_dim, config.num_attention_heads, 1, bias=True" in out
+
+
+CODEGEN = dedent("""\
+    class CodeGenAttention(nn.Module):
+        def __init__(self, config, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.embed_dim = config.hidden_size
+            self.head_dim = self.embed_dim // config.num_attention_heads
+            self.out_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=False)
+            self.qkv_proj = nn.Linear(self.embed_dim, self.embed_dim * 3, bias=False)
+            self.mp_num = 4
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, self.head_dim)
+            local_dim = self.embed_dim // self.mp_num
+            qkv = self.qkv_proj(hidden_states).view(*input_shape, -1, 3 * local_dim)
+            query, value, key = qkv.split(local_dim, dim=-1)
+            attn_output = self.attn(query.reshape(hidden_shape), key.reshape(hidden_shape), value, forward_metadata)
+            return self.out_proj(attn_output.reshape(*input_shape, -1))
+    """)
+
+
+def test_qkv_in_blocks_of_a_fixed_width_is_split_by_whole_blocks(run_rule, make_ctx):
+    # CodeGen lays qkv_proj out in mp_num blocks, each q, v and k of a quarter of the heads, and views its output
+    # per block: the block width stays the whole model's, and a rank's contiguous rows must be whole blocks
+    ctx = make_ctx()
+    out = run_rule(rule, CODEGEN, ctx)
+    assert ctx.findings == [] and ctx.rewrites[0].startswith(
+        "CodeGenAttention: qkv_proj -> ColumnParallelLinear"
+    )
+    assert (
+        "        self.qkv_proj = ColumnParallelLinear(self.embed_dim, self.embed_dim * 3, bias=False, "
+        'comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "qkv_proj"))\n'
+    ) in out
+    assert (
+        '        whole_blocks(self.embed_dim * 3, 3 * (self.embed_dim // self.mp_num), comm_manager, "attn_tp_group")\n'
+    ) in out
+    assert "from runtime.layers.head_shard import local_heads, whole_blocks" in out
+    assert "        local_dim = self.embed_dim // self.mp_num\n" in out  # forward unchanged
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.findings == []
+
+
+def test_blocks_whose_width_depends_on_the_input_are_a_finding(run_rule, make_ctx):
+    code = CODEGEN.replace(
+        "local_dim = self.embed_dim // self.mp_num", "local_dim = hidden_states.shape[-1] // 4"
+    )
+    assert code != CODEGEN
+    assert "depends on the input" in _finding(run_rule, make_ctx, code, "CodeGenAttention")
+
+
+def test_a_whole_model_width_read_beside_the_blocks_is_a_finding(run_rule, make_ctx):
+    code = CODEGEN.replace("reshape(*input_shape, -1))", "reshape(*input_shape, self.embed_dim))")
+    assert code != CODEGEN
+    assert "whole model's `embed_dim`" in _finding(run_rule, make_ctx, code, "CodeGenAttention")

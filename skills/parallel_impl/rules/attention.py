@@ -384,15 +384,21 @@ def _optional_linears(init: cst.FunctionDef) -> dict[str, Layer]:
     return {a: layer for a, layer in found.items() if seen.count(a) == 1}
 
 
-def _reads_global_size(fns: list[cst.FunctionDef], local: list[str]) -> str | None:
+def _reads_global_size(
+    fns: list[cst.FunctionDef], local: list[str], blocks: Sequence[cst.CSTNode] = ()
+) -> str | None:
     """A whole-model head count or width that one of fns reads (names only, not docstrings), other than the head
     counts `self.x` of local, which hold this rank's share, a function's own parameters (what its callers pass,
-    checked where they call) and its locals (what they are computed from is checked here: GPT-2's `bsz,
-    num_heads, q_len, d = query.size()` reads the rank's own tensor)."""
+    checked where they call), its locals (what they are computed from is checked here: GPT-2's `bsz,
+    num_heads, q_len, d = query.size()` reads the rank's own tensor) and what the nodes of blocks read (the width
+    of the blocks a fused projection is laid out in on disk)."""
+    fixed = {id(n) for b in blocks for n in m.findall(b, m.Name())}
     for fn in fns:
         fields = {id(a.attr): a for a in m.findall(fn, m.Attribute())}
         given = set(param_names(fn)) | assigned_names(fn.body)
         for node in m.findall(fn, m.Name()):
+            if id(node) in fixed:
+                continue
             field = fields.get(id(node))
             mine = field is not None and m.matches(field.value, m.Name("self")) and node.value in local
             if (
@@ -473,14 +479,17 @@ def _shape_dims(scope: cst.FunctionDef, view: cst.Call) -> list[cst.BaseExpressi
     return [None if a.star else a.value for a in view.args]
 
 
-def _viewed_per_head(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]) -> bool:
-    """Whether the output of `self.<attr>(...)` is first shaped [..., G, *block] with G inferred (-1) or one of the
-    head counts `self.x` of heads (which hold a rank's share), and a block of more than one head's width (two dims
-    or a multiple of one): its rows are then whole heads (or groups of them), each with its own q, k and v (GPT-NeoX's
-    `query_key_value`), and a rank's contiguous share of the rows is its heads'."""
+def _viewed_per_head(
+    cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]
+) -> tuple[cst.FunctionDef, cst.BaseExpression, list[cst.BaseExpression]] | None:
+    """(the method that views it, the group dim, the block dims) when the output of `self.<attr>(...)` is first shaped [..., G, *block] with G
+    inferred (-1) or one of the head counts `self.x` of heads (which hold a rank's share), and a block of more than
+    one head's width (two dims or a multiple of one): its rows are then whole heads (or groups of them), each with
+    its own q, k and v (GPT-NeoX's `query_key_value`, CodeGen's `qkv_proj` in blocks of 3 x embed_dim / mp_num), and
+    a rank's contiguous share of the rows is its heads'."""
     project = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
     if self_refs(cls, attr) != 2 or not m.findall(fwd, project):
-        return False
+        return None
     direct = m.findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view") | m.Name("reshape"))))
     bound = bound_call(fwd.body.body, attr)
     found = (fwd, direct[0]) if direct else bound and _first_view(cls, fwd, bound[1], bound[0])
@@ -488,17 +497,68 @@ def _viewed_per_head(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: 
     group = m.OneOf(MINUS_ONE, *(m.Attribute(m.Name("self"), m.Name(h)) for h in heads))
     at = next((i for i, d in enumerate(shape or []) if d is not None and m.matches(d, group)), None)
     if at is None:
-        return False
+        return None
     before, block = shape[:at], shape[at + 1 :]
     multiple = m.BinaryOperation(m.Integer(), m.Multiply()) | m.BinaryOperation(
         operator=m.Multiply(), right=m.Integer()
     )
     wide = len(block) > 1 or (len(block) == 1 and block[0] is not None and m.matches(block[0], multiple))
-    return (
+    if (
         wide
         and not any(d is None or m.matches(d, MINUS_ONE) or HEAD_COUNTS.search(code(d)) for d in block)
         and not any(d is not None and m.matches(d, m.Integer() | MINUS_ONE) for d in before)
-    )
+    ):
+        return found[0], shape[at], block
+    return None
+
+
+def _block_width(
+    fwd: cst.FunctionDef, block: list[cst.BaseExpression]
+) -> tuple[cst.BaseExpression, list[cst.BaseStatement]] | None:
+    """(the block's width with forward's locals written out, the top-level lines of forward that bind them), or
+    None when it reads a parameter or a local bound more than once: the width of the row blocks a fused projection
+    is laid out in is fixed by the checkpoint, so what it is computed from stays whole-model."""
+    values = local_values(fwd)
+    lines = {
+        s.body[0].targets[0].target.value: s
+        for s in fwd.body.body
+        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])]))
+    }
+    width = cst.parse_expression(code(block[0]) if len(block) == 1 else " * ".join(map(_operand, block)))
+    used: list[cst.BaseStatement] = []
+    for _ in range(len(values) + 1):
+        names = {n.value for n in m.findall(width, m.Name()) if not _is_field(width, n)} - {"self"}
+        local = names & set(values)
+        if names & (set(param_names(fwd)) | assigned_names(fwd.body)) - local:
+            return None
+        if not local:
+            return width, used
+        width = width.visit(_Substitute({n: values[n] for n in local}))
+        used += [lines[n] for n in sorted(local)]
+    return None
+
+
+def _operand(e: cst.BaseExpression) -> str:
+    """e's source, parenthesized unless it is a name, attribute, call or number."""
+    atomic = isinstance(e, (cst.Name, cst.Attribute, cst.Call, cst.Integer, cst.Subscript))
+    return code(e) if atomic else f"({code(e)})"
+
+
+def _is_field(root: cst.CSTNode, name: cst.Name) -> bool:
+    """Whether name is the attribute part of an `x.name` within root."""
+    return any(a.attr is name for a in m.findall(root, m.Attribute()))
+
+
+class _Substitute(cst.CSTTransformer):
+    def __init__(self, values: dict[str, cst.BaseExpression]) -> None:
+        self.values = values
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
+        return updated.with_changes(attr=original.attr)  # `self.x`'s x is not a local
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
+        value = self.values.get(original.value)
+        return updated if value is None else cst.parse_expression(_operand(value))
 
 
 def _in_region(fwd: cst.FunctionDef, out: str) -> cst.FunctionDef | str:
@@ -516,10 +576,12 @@ def _rewrite_per_head(
     init: cst.FunctionDef,
     fwd: cst.FunctionDef,
     per_head: list[str] | None = None,
+    viewed: tuple[cst.FunctionDef, cst.BaseExpression, list[cst.BaseExpression]] | None = None,
 ) -> cst.ClassDef | str:
     """Attention whose projections are not q/k/v blocks: each projection whose rows are whole heads (multi-head
     latent attention's, whose output size counts the heads; ``per_head``: a fused projection whose output forward
-    views per head) becomes a ColumnParallelLinear (split contiguously), the output projection an
+    views per head, ``viewed`` as _viewed_per_head found it) becomes a ColumnParallelLinear (split contiguously), the
+    output projection an
     OProjParallelLinear (row-parallel in attn_tp_group, or in oproj_tp_group over attention-DP ranks), the low-rank
     ones stay replicated, and `Attention` gets this rank's heads."""
     linears = _optional_linears(init)
@@ -545,8 +607,18 @@ def _rewrite_per_head(
     skip = [linears[a].line for a in (*per_head, out)] + [attn.line]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
-    local = _head_attrs(_methods(cls), init)
-    if found := _reads_global_size(_methods(cls), local):
+    local, blocks, guard = _head_attrs(_methods(cls), init), [], []
+    if viewed:
+        scope, groups, block = viewed
+        width = _block_width(scope, block)
+        if m.matches(groups, MINUS_ONE) and width is None:
+            return f"the width of the blocks `self.{per_head[0]}`'s output is viewed in depends on the input"
+        if m.matches(groups, MINUS_ONE) and GLOBAL_SIZES.search(code(width[0])):
+            # blocks of several heads, a fraction of the whole width: checked to be whole when the layer is built
+            rows = args[per_head[0]].out_features
+            guard = [stmt(f'whole_blocks({rows}, {code(width[0])}, comm_manager, "{GROUP}")\n')]
+        blocks = [*block, *(width[1] if width else [])]
+    if found := _reads_global_size(_methods(cls), local, blocks):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
     new_fwd = _in_region(fwd, out)
     if isinstance(new_fwd, str):
@@ -569,7 +641,7 @@ def _rewrite_per_head(
         id(attn.line): attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)]),
     }
     new_init = edit_body(
-        replace_by_id(init, changes), {}, [*_localized(local, {}), region(GROUP, whole_sequence=True)]
+        replace_by_id(init, changes), {}, [*guard, *_localized(local, {}), region(GROUP, whole_sequence=True)]
     )
     name, replicated = cls.name.value, [a for a in linears if a not in (*per_head, out)]
     ctx.rewrites += [
@@ -600,11 +672,12 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     attention = list(self_layers(init, {"Attention"}).values())
     out = _out_proj(init, fwd, linears)
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
-    if fused and fwd is not None and _viewed_per_head(cls, fwd, fused, _head_attrs(_methods(cls), init)):
+    viewed = fused and fwd is not None and _viewed_per_head(cls, fwd, fused, _head_attrs(_methods(cls), init))
+    if viewed:
         counts = [(arg(a.call, 0, "num_heads"), arg(a.call, 3, "num_kv_heads")) for a in attention]
         if any(kv is not None and (q is None or code(kv.value) != code(q.value)) for q, kv in counts):
             return f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
-        return _rewrite_per_head(cls, ctx, init, fwd, [fused])
+        return _rewrite_per_head(cls, ctx, init, fwd, [fused], viewed)
     projections = (fused,) if fused else names
     missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
     if missing:
@@ -800,7 +873,14 @@ class ShardAttention(Rule):
         ]
         used += [
             ("runtime.layers.head_shard", h)
-            for h in ("local_heads", "local_width", "local_share", "shard_heads", "gather_heads")
+            for h in (
+                "local_heads",
+                "local_width",
+                "local_share",
+                "shard_heads",
+                "gather_heads",
+                "whole_blocks",
+            )
         ]
         used += [("runtime.layers.oproj", "OProjParallelLinear")]
         self.add_needed_imports([(src, name) for src, name in used if re.search(rf"\b{name}\(", text)])
