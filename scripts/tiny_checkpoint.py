@@ -71,6 +71,12 @@ _ARCH: dict[str, dict] = {
     "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # its layer pattern, for 2 layers
     "zaya": {"num_experts_per_tok": 1},  # the only top-k its config accepts
+    # sub-configs: the attention reads `rope_theta` and clamps q/k/v by `clip_qkv`, which DBRX checkpoints set and
+    # the defaults leave unset; 4 small experts, 2 per token
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
     # a layer in each section: input, recurrent (looped), output
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_output_layers": 1},
 }
@@ -177,6 +183,13 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
         k for k in params if isinstance(p := getattr(type(defaults), k, None), property) and not p.fset
     }
     params = {k: v for k, v in params.items() if k not in derived}  # e.g. Falcon computes head_dim
+    # under the names the config's fields have (an alias's value wins, as it does when the config applies it after
+    # building): a config that reads a field while it is built (DBRX sizes its ffn_config by `d_model`) would
+    # otherwise see the default
+    aliases = getattr(type(defaults), "attribute_map", {})
+    params = {k: v for k, v in params.items() if k not in aliases} | {
+        aliases[k]: v for k, v in params.items() if k in aliases
+    }
     if model_type == "gemma3_text" and "layer_types" not in overrides:
         # Alternate so that both attention kinds appear from 2 layers on.
         params["layer_types"] = [

@@ -113,3 +113,12 @@ def test_sizes_named_apart_are_shrunk_by_their_names() -> None:
     inkling = tiny_config("inkling2_text")
     assert (inkling.unpadded_vocab_size, inkling.swa_head_dim) == (512, 16)
     assert tiny_config("bert").type_vocab_size == 2
+
+
+def test_sizes_are_passed_under_the_configs_own_field_names() -> None:
+    """DBRX names the width `d_model` (`hidden_size` is an alias applied after building) and sizes its FFN
+    sub-config from it while building: the tiny width reaches the sub-config; GPT-2's aliases work as before."""
+    dbrx = tiny_config("dbrx")
+    assert dbrx.d_model == dbrx.hidden_size == dbrx.ffn_config.hidden_size == 64
+    gpt2 = tiny_config("gpt2")
+    assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head) == (64, 2, 4)
