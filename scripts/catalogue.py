@@ -86,6 +86,10 @@ def out_of_scope(model_type: str) -> str | None:
     declared = sorted(k for k in vars(config) if MODALITY.search(k) and k.endswith("_config"))
     if declared:
         return f"multimodal: the causal LM wraps {', '.join(declared)} (unset in the defaults)"
+    # no tower of its own: the model embeds image patches itself (Fuyu's linear patch embedding)
+    inputs = sorted(k for k, v in vars(config).items() if MODALITY.search(k) and not isinstance(v, dict))
+    if inputs:
+        return f"multimodal: the causal LM takes non-text inputs ({', '.join(inputs)})"
     fields = sorted(k for k in vars(config) if STATE_FIELDS.search(k))
     layers = sorted(
         {str(t) for t in getattr(config, "layer_types", None) or () if NON_ATTENTION_LAYERS.search(str(t))}

@@ -78,3 +78,12 @@ def test_a_multimodal_wrapper_is_out_of_scope_even_with_its_towers_unset():
         "gemma4"
     )
     assert catalogue.out_of_scope("gemma4_text") is None
+
+
+def test_a_model_that_embeds_image_inputs_itself_is_out_of_scope():
+    """Fuyu has no vision tower: its config sizes the image patches its causal LM embeds; a text model's does not."""
+    assert (
+        catalogue.out_of_scope("fuyu")
+        == "multimodal: the causal LM takes non-text inputs (image_size, image_token_id)"
+    )
+    assert catalogue.out_of_scope("persimmon") is None  # Fuyu's language model
