@@ -77,6 +77,9 @@ _ARCH: dict[str, dict] = {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
     },
+    # transformers' recurrent step sizes the state by the value heads' width: q/k heads as wide (the defaults'
+    # 0.5 fails its own shape check on a first decode step)
+    "xlstm": {"qk_dim_factor": 1.0},
     # a layer in each section: input, recurrent (looped), output
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_output_layers": 1},
 }
