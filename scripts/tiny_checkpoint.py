@@ -163,6 +163,19 @@ def _named_sizes(defaults: PretrainedConfig) -> dict[str, int]:
     return found
 
 
+def _not_settable(defaults: PretrainedConfig, name: str, value) -> bool:
+    """Whether the config computes `name` (a property without a setter: Falcon's head_dim) or refuses it (XLNet has
+    no sequence length limit to set)."""
+    prop = getattr(type(defaults), name, None)
+    if not isinstance(prop, property):
+        return False
+    try:
+        prop.fset(copy.copy(defaults), value)
+    except (TypeError, NotImplementedError):  # TypeError: no setter
+        return True
+    return False
+
+
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     """A tiny config for llama / mistral / qwen2 / qwen3 / gemma3_text; MoE types get 4 small experts."""
     fixed = {**_ARCH.get(model_type, {}), **overrides}  # what the arch's entry or the caller sets wins
@@ -182,9 +195,7 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     params.update(fixed)
     if _is_set(defaults, "kv_lora_rank") and "num_key_value_heads" not in fixed:
         params["num_key_value_heads"] = params["num_attention_heads"]  # MLA: a key head per query head
-    derived = {
-        k for k in params if isinstance(p := getattr(type(defaults), k, None), property) and not p.fset
-    }
+    derived = {k for k, v in params.items() if _not_settable(defaults, k, v)}
     params = {k: v for k, v in params.items() if k not in derived}  # e.g. Falcon computes head_dim
     # under the names the config's fields have (an alias's value wins, as it does when the config applies it after
     # building): a config that reads a field while it is built (DBRX sizes its ffn_config by `d_model`) would

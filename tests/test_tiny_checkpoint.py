@@ -122,3 +122,10 @@ def test_sizes_are_passed_under_the_configs_own_field_names() -> None:
     assert dbrx.d_model == dbrx.hidden_size == dbrx.ffn_config.hidden_size == 64
     gpt2 = tiny_config("gpt2")
     assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head) == (64, 2, 4)
+
+
+def test_sizes_a_config_computes_or_refuses_are_left_to_it() -> None:
+    """XLNet refuses a sequence length limit (its setter raises), Falcon computes head_dim: neither is passed."""
+    assert tiny_config("xlnet").d_model == 64
+    falcon = tiny_config("falcon")
+    assert falcon.head_dim == falcon.hidden_size // falcon.num_attention_heads
