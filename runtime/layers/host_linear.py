@@ -2,7 +2,10 @@
 
 Where oneDNN prepacks 16-bit weights (AVX-512 or AVX-NE-CONVERT), they are reordered once, after loading:
 ``F.linear`` on a CPU bf16 weight re-lays the weight out on every call, and oneDNN's prepacked form skips that
-(measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). From
+(measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). They are laid
+out for long inputs where that costs one-row products nothing on this host (``pack_rows``, timed once per
+process): a layout for one row can make long prefills much slower (2.9x for one weight shape on a Xeon with
+AMX). From
 ``FLOAT32_ROWS`` rows on (long prefills) the product may run in float32 instead, where that is measurably
 faster on this host (``float32_pays``, timed once per process), since which path wins differs between hosts:
 on an Intel Xeon with AVX512_BF16 MKL's float32 GEMM did about 290 GFLOP/s against oneDNN bf16's 170 (a
@@ -17,6 +20,7 @@ converted each call). float32 models stay on ``F.linear`` (MKL is at the memory 
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,8 @@ from runtime.kernels import KERNEL_ROWS, host_linear_kernel
 
 FLOAT32_ROWS = 1024
 FLOAT32_MARGIN = 1.25  # float32 must be this much faster: a close call keeps one path for every row count
+PACK_ROWS = 4096  # the long-input layout of packed weights (prefill), where it costs one-row products nothing
+ONE_ROW_TOLERANCE = 1.05
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -39,8 +45,43 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] in oneDNN's blocked layout (where ``onednn_packs`` its dtype)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    """``weight`` [out, in] in oneDNN's blocked layout (where ``onednn_packs`` its dtype), laid out for
+    ``pack_rows`` rows."""
+    return _reorder(weight, pack_rows(weight.dtype))
+
+
+def _reorder(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+@functools.cache
+def pack_rows(dtype: torch.dtype) -> int:
+    """The rows oneDNN lays packed ``dtype`` weights out for (its reorder's batch-size hint): PACK_ROWS, unless
+    that layout makes one-row products (decode) more than ONE_ROW_TOLERANCE times slower than the one-row layout,
+    timed once per process with its threads on eight [1024, 1024] weights (16 MB, beyond the L2 cache, as a
+    decode step's weights are). On a Xeon with AMX the one-row layout made 4096-row products of a [960, 576]
+    weight 2.9x slower (5.05 against 1.75 ms), with one-row products no faster."""
+    values = torch.Generator().manual_seed(0)  # leaves the global RNG as it was
+    weights = [torch.randn(1024, 1024, generator=values).to(dtype) for _ in range(8)]
+    x = torch.randn(1, 1024, generator=values).to(dtype)
+
+    def one_row_time(rows: int) -> float:
+        packed = [_reorder(w, rows) for w in weights]
+        return _best_time(_onednn_product, x, packed)
+
+    return PACK_ROWS if one_row_time(PACK_ROWS) <= ONE_ROW_TOLERANCE * one_row_time(1) else 1
+
+
+def _best_time(product: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """The shortest of three passes of ``product`` over ``weights``, after one warm-up pass (oneDNN picks its
+    kernel on first use)."""
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        for weight in weights:
+            product(x, weight, None)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
 
 
 def _float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -65,18 +106,8 @@ def float32_pays(dtype: torch.dtype) -> bool:
     process on a [1024, 1024] weight with this process's threads (about 0.1 s)."""
     values = torch.Generator().manual_seed(0)  # leaves the global RNG as it was
     x = torch.randn(FLOAT32_ROWS, 1024, generator=values).to(dtype)
-    packed = pack_weight(torch.randn(1024, 1024, generator=values).to(dtype))
-
-    def best(product) -> float:
-        product(x, packed, None)  # warm-up: oneDNN picks its kernel on first use
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            product(x, packed, None)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(_float32_product) * FLOAT32_MARGIN < best(_onednn_product)
+    packed = [pack_weight(torch.randn(1024, 1024, generator=values).to(dtype))]
+    return _best_time(_float32_product, x, packed) * FLOAT32_MARGIN < _best_time(_onednn_product, x, packed)
 
 
 def packed_linear(
