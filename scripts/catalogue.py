@@ -8,15 +8,17 @@ checkpoint and checked against transformers on the same weights.
 Writing into docs/ also regenerates the README's architecture list (between its coverage markers).
 
 Per type: out-of-scope architectures are named first (encoder-decoder, masked-LM encoders, multimodal
-wrappers, state-space / hybrid layers); otherwise a tiny config (the config class's own attribute names,
+wrappers, drafters that ignore the token ids, state-space / hybrid layers); otherwise a tiny config (the config class's own attribute names,
 through its attribute_map) and a seed whose greedy steps keep a top-1 margin of 0.01 are built, then
 `skill migrate --no-run` and `skill verify` (greedy tokens and the top-5 log-probabilities of every step,
 prefill included, fp32) run in subprocesses. A clean refusal is REFUSED with the migrator's message; a
 traceback anywhere is CRASH. Takes about half a minute per type on 2 CPU cores."""
 
 import argparse
+import ast
 import copy
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -70,8 +72,20 @@ class Entry:
     seconds: float = 0.0
 
 
+def _reads_token_ids(model_type: str) -> bool:
+    """Whether the causal-LM class's forward reads the `input_ids` it takes (a drafter fed another model's hidden
+    states and keys / values keeps the parameter and ignores it: Gemma 4's assistants)."""
+    forward = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]).forward
+    fn = ast.parse(textwrap.dedent(inspect.getsource(forward))).body[0]
+    params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+    loads = (n for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+    return "input_ids" not in params or any(n.id == "input_ids" for n in loads)
+
+
 def out_of_scope(model_type: str) -> str | None:
     """Why this type is outside what a decoder-only text runtime converts, or None."""
+    if not _reads_token_ids(model_type):
+        return "not a text model on its own: its forward ignores input_ids (a drafter fed another model's states)"
     config = AutoConfig.for_model(model_type)
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder"

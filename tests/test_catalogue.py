@@ -87,3 +87,11 @@ def test_a_model_that_embeds_image_inputs_itself_is_out_of_scope():
         == "multimodal: the causal LM takes non-text inputs (image_size, image_token_id)"
     )
     assert catalogue.out_of_scope("persimmon") is None  # Fuyu's language model
+
+
+def test_a_drafter_that_ignores_the_token_ids_is_out_of_scope():
+    """Gemma 4's assistants take input_ids only to ignore them (they read the target model's states); every other
+    causal LM reads them."""
+    for drafter in ("gemma4_assistant", "gemma4_unified_assistant"):
+        assert "forward ignores input_ids" in catalogue.out_of_scope(drafter)
+    assert catalogue._reads_token_ids("gemma4_text") and catalogue._reads_token_ids("llama")
