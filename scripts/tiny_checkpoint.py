@@ -60,6 +60,15 @@ _TINY = {
     "vocab_size": 512,
     "max_position_embeddings": 512,
 }
+# one of several transformers a model sizes in a sub-config of its own (BLT)
+_SMALL_PART = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "vocab_size": 512,
+}
 # Per-arch extras; tie_word_embeddings follows each arch's own default, stated explicitly.
 _ARCH: dict[str, dict] = {
     "llama": {"tie_word_embeddings": False},
@@ -76,6 +85,20 @@ _ARCH: dict[str, dict] = {
     "dbrx": {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # BLT's four transformers (entropy patcher, local encoder and decoder, global) are sized in sub-configs, all
+    # at the tiny width and byte vocabulary, and its n-gram hash table by its own count
+    "blt": {
+        "encoder_hash_byte_group_vocab": 512,
+        **{
+            part: {**_SMALL_PART, **extra}
+            for part, extra in {
+                "patcher_config": {"head_dim": 16},
+                "encoder_config": {"hidden_size_global": 64},
+                "decoder_config": {"hidden_size_global": 64, "head_dim": 16},
+                "global_config": {"head_dim": 16},
+            }.items()
+        },
     },
     # transformers' recurrent step sizes the state by the value heads' width: q/k heads as wide (the defaults'
     # 0.5 fails its own shape check on a first decode step)

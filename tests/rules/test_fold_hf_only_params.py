@@ -592,3 +592,62 @@ def test_a_conditional_whose_sides_fold_to_the_same_value_is_that_value(run_rule
                 return self.self(hidden_states, mask)
         """)
     assert "        mask = None\n" in run_rule(rule, code)
+
+
+HIERARCHICAL = dedent("""\
+    class GlobalTransformer(nn.Module):
+        def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None):
+            if inputs_embeds is None:
+                inputs_embeds = self.embed(input_ids)
+            return self.layers(inputs_embeds, position_ids)
+
+    class LlamaModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.global_transformer = GlobalTransformer(config)
+
+        def forward(self, input_ids, position_ids=None, inputs_embeds=None, attention_mask=None):
+            patches = self.encoder(input_ids)
+            return self.global_transformer(inputs_embeds=patches, attention_mask=attention_mask, position_ids=position_ids)
+
+    class LlamaForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = LlamaModel(config)
+
+        def forward(self, input_ids, inputs_embeds=None):
+            return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds)
+    """)
+
+
+def test_embeddings_computed_for_a_module_are_refused_not_folded_away(run_rule, make_ctx):
+    # BLT feeds its global transformer the local encoder's patch states as `inputs_embeds`: folding the parameter
+    # away would leave it nothing to compute on
+    ctx = make_ctx()
+    run_rule(rule, HIERARCHICAL, ctx)
+    assert [(f.scope, f.what) for f in ctx.findings] == [
+        (
+            "GlobalTransformer",
+            (
+                "its forward is passed `inputs_embeds=patches`, computed at run time; the runtime feeds a causal LM "
+                "token ids only and folds `inputs_embeds` away, which would lose that input"
+            ),
+        )
+    ]
+
+
+def test_embeddings_forwarded_from_the_callers_own_parameter_fold_away(run_rule, make_ctx):
+    # the caller's own `inputs_embeds` (None under the runtime contract) is what a causal LM passes down
+    code = HIERARCHICAL.replace("inputs_embeds=patches", "inputs_embeds=inputs_embeds")
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert "return self.global_transformer(position_ids=position_ids)" in out
+    assert run_rule(rule, out) == out
+
+
+def test_embeddings_computed_in_a_class_the_entry_does_not_reach_are_not_a_finding(run_rule, make_ctx):
+    # a vision head in the same file (Aria's projector) is pruned later; only the entry's classes count
+    ctx = make_ctx(entry_class="GlobalTransformer")
+    run_rule(rule, HIERARCHICAL, ctx)
+    assert ctx.findings == []

@@ -16,11 +16,13 @@ from skills.migrator.call_sites import binding, call_sites, named_params
 from skills.migrator.cst_utils import (
     assigned_names,
     classes,
+    code,
     free_names,
     method,
     with_args,
     without_dangling_comma,
 )
+from skills.migrator.reachability import reachable
 from skills.migrator.rule import Rule
 
 HF_ONLY: dict[str, object] = {
@@ -46,6 +48,8 @@ HF_ONLY: dict[str, object] = {
 }
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
 ENCODER = {"encoder_hidden_states", "encoder_attention_mask", "key_value_states"}
+# inputs a module computes on, not masks or flags: a value computed for them is an input the model would lose
+INPUTS = {"inputs_embeds", "encoder_hidden_states", "key_value_states"}
 # what folding an encoder's states to None leaves in a function that needs them (cross-attention itself)
 ON_NONE = (
     m.Attribute(value=m.Name("None"))
@@ -330,6 +334,26 @@ def _bound_to_hf_only(module: cst.Module) -> set[int]:
     return doomed
 
 
+def _inputs_fed_at_run_time(module: cst.Module, entry_class: str) -> list[tuple[str, str, str]]:
+    """(class, parameter, argument) for each in-file call, in a class the entry class reaches, that binds an input
+    parameter of its forward (`inputs_embeds`, an encoder's states) to a value computed at run time rather than
+    forwarding the caller's own HF-only parameter: folding the parameter away would lose that input (BLT's
+    global transformer is fed the local encoder's patch states as `inputs_embeds`)."""
+    kept = [module.body[i] for i in reachable(module, {entry_class})]
+    made = {id(c) for s in kept for c in m.findall(s, m.Call())}  # the calls the migrated model makes
+    local, fed = classes(module), []
+    forwarded = m.OneOf(*map(m.Name, HF_ONLY))
+    for name, where in call_sites(module).items():
+        forward = method(local[name], "forward")
+        for param in named_params(forward) if forward is not None else ():
+            if param.name.value in INPUTS:
+                for call in (c for c in where.called if id(c) in made):
+                    arg = binding(call, forward, param)
+                    if arg is not None and not _is_literal(arg.value) and not m.matches(arg.value, forwarded):
+                        fed.append((name, param.name.value, code(arg.value)))
+    return fed
+
+
 def _is_literal(e: cst.BaseExpression) -> bool:
     return isinstance(e, cst.Integer) or m.matches(e, m.Name("None") | m.Name("True") | m.Name("False"))
 
@@ -408,6 +432,13 @@ class FoldHFOnlyParams(Rule):
                         f"state kept in the cache besides keys and values (`{'`, `'.join(found)}`); the runtime "
                         "caches per-token keys and values only",
                     )
+        for name, param, value in _inputs_fed_at_run_time(module, self.rewrite.entry_class):
+            self.rewrite.unsupported(
+                name,
+                0,
+                f"its forward is passed `{param}={value}`, computed at run time; the runtime feeds a causal LM "
+                f"token ids only and folds `{param}` away, which would lose that input",
+            )
         kept, helper_args = _helper_bindings(module)
         past = _past_lengths(module)
         if doomed := _bound_to_hf_only(module) | helper_args:
