@@ -7,7 +7,9 @@ runtime contract, so branches on them (and flags tested on them, `is_cross_atten
 None`) are folded away, call arguments forwarding them are dropped, and
 `**kwargs: Unpack[...]` loses its annotation. A module that keeps its own state in the cache (calls a method of
 `cache.layers[i]`, or of the cache other than `update`) is refused: folding its cache away would silently
-forget that state between steps, and the runtime caches only keys and values."""
+forget that state between steps, and the runtime caches only keys and values. So is a module whose input parameter
+(`inputs_embeds`, an encoder's states) a call the model makes passes a value computed at run time (BLT feeds its
+global transformer the local encoder's patch states): folding it would lose that input."""
 
 import libcst as cst
 import libcst.matchers as m

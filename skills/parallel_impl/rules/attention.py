@@ -482,11 +482,11 @@ def _shape_dims(scope: cst.FunctionDef, view: cst.Call) -> list[cst.BaseExpressi
 def _viewed_per_head(
     cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]
 ) -> tuple[cst.FunctionDef, cst.BaseExpression, list[cst.BaseExpression]] | None:
-    """(the method that views it, the group dim, the block dims) when the output of `self.<attr>(...)` is first shaped [..., G, *block] with G
-    inferred (-1) or one of the head counts `self.x` of heads (which hold a rank's share), and a block of more than
-    one head's width (two dims or a multiple of one): its rows are then whole heads (or groups of them), each with
-    its own q, k and v (GPT-NeoX's `query_key_value`, CodeGen's `qkv_proj` in blocks of 3 x embed_dim / mp_num), and
-    a rank's contiguous share of the rows is its heads'."""
+    """(the method that views it, G, the block dims) when the output of `self.<attr>(...)` is first shaped
+    [..., G, *block] with G inferred (-1) or one of the head counts `self.x` of heads (which hold a rank's share),
+    and a block of more than one head's width (two dims or a multiple of one): its rows are then whole heads (or
+    groups of them), each with its own q, k and v (GPT-NeoX's `query_key_value`, CodeGen's `qkv_proj` in blocks of
+    3 x embed_dim / mp_num), and a rank's contiguous share of the rows is its heads'."""
     project = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
     if self_refs(cls, attr) != 2 or not m.findall(fwd, project):
         return None
@@ -580,10 +580,9 @@ def _rewrite_per_head(
 ) -> cst.ClassDef | str:
     """Attention whose projections are not q/k/v blocks: each projection whose rows are whole heads (multi-head
     latent attention's, whose output size counts the heads; ``per_head``: a fused projection whose output forward
-    views per head, ``viewed`` as _viewed_per_head found it) becomes a ColumnParallelLinear (split contiguously), the
-    output projection an
-    OProjParallelLinear (row-parallel in attn_tp_group, or in oproj_tp_group over attention-DP ranks), the low-rank
-    ones stay replicated, and `Attention` gets this rank's heads."""
+    views per head, ``viewed`` as _viewed_per_head found it) becomes a ColumnParallelLinear (split contiguously),
+    the output projection an OProjParallelLinear (row-parallel in attn_tp_group, or in oproj_tp_group over
+    attention-DP ranks), the low-rank ones stay replicated, and `Attention` gets this rank's heads."""
     linears = _optional_linears(init)
     attention = list(self_layers(init, {"Attention"}).values())
     out = _out_proj(init, fwd, linears)
