@@ -322,6 +322,13 @@ def test_blocks_called_in_an_enumerate_loop_lose_the_positional_arguments_too(ru
     assert "hidden_states = block(hidden_states, None, position_ids=position_ids)" in out
 
 
+def _findings(run_rule, make_ctx, code: str, **ctx_overrides) -> list[tuple[str, str]]:
+    """(scope, what) of each finding the rule makes on code."""
+    ctx = make_ctx(**ctx_overrides)
+    run_rule(rule, code, ctx)
+    return [(f.scope, f.what) for f in ctx.findings]
+
+
 def test_state_kept_in_a_cache_layer_is_refused_not_folded_away(run_rule, make_ctx):
     # DeepSeek-V4's compressors keep their pending windows in their cache layer between steps.
     code = dedent("""\
@@ -333,9 +340,7 @@ def test_state_kept_in_a_cache_layer_is_refused_not_folded_away(run_rule, make_c
                     kv = cache_layer.store_windows(kv)
                 return kv
         """)
-    ctx = make_ctx()
-    run_rule(rule, code, ctx)
-    assert [(f.scope, f.what) for f in ctx.findings] == [
+    assert _findings(run_rule, make_ctx, code) == [
         (
             "Compressor",
             (
@@ -623,9 +628,7 @@ HIERARCHICAL = dedent("""\
 def test_embeddings_computed_for_a_module_are_refused_not_folded_away(run_rule, make_ctx):
     # BLT feeds its global transformer the local encoder's patch states as `inputs_embeds`: folding the parameter
     # away would leave it nothing to compute on
-    ctx = make_ctx()
-    run_rule(rule, HIERARCHICAL, ctx)
-    assert [(f.scope, f.what) for f in ctx.findings] == [
+    assert _findings(run_rule, make_ctx, HIERARCHICAL) == [
         (
             "GlobalTransformer",
             (
@@ -648,6 +651,4 @@ def test_embeddings_forwarded_from_the_callers_own_parameter_fold_away(run_rule,
 
 def test_embeddings_computed_in_a_class_the_entry_does_not_reach_are_not_a_finding(run_rule, make_ctx):
     # a vision head in the same file (Aria's projector) is pruned later; only the entry's classes count
-    ctx = make_ctx(entry_class="GlobalTransformer")
-    run_rule(rule, HIERARCHICAL, ctx)
-    assert ctx.findings == []
+    assert _findings(run_rule, make_ctx, HIERARCHICAL, entry_class="GlobalTransformer") == []
