@@ -8,10 +8,10 @@ checkpoint and checked against transformers on the same weights.
 Writing into docs/ also regenerates the README's architecture list (between its coverage markers).
 
 Per type: out-of-scope architectures are named first (encoder-decoder, masked-LM encoders, multimodal
-wrappers, drafters that ignore the token ids, state-space / hybrid layers); otherwise a tiny config (the config class's own attribute names,
-through its attribute_map) and a seed whose greedy steps keep a top-1 margin of 0.01 are built, then
-`skill migrate --no-run` and `skill verify` (greedy tokens and the top-5 log-probabilities of every step,
-prefill included, fp32) run in subprocesses. A clean refusal is REFUSED with the migrator's message; a
+wrappers, drafters that ignore the token ids, state-space / hybrid layers); otherwise a tiny config (the config
+class's own attribute names, through its attribute_map) and a seed whose greedy steps keep a top-1 margin of 0.01
+are built, then `skill migrate --no-run` and `skill verify` (greedy tokens and the top-5 log-probabilities of
+every step, prefill included, fp32) run in subprocesses. A clean refusal is REFUSED with the migrator's message; a
 traceback anywhere is CRASH. Takes about half a minute per type on 2 CPU cores."""
 
 import argparse

@@ -5,9 +5,9 @@ Where oneDNN prepacks 16-bit weights (AVX-512 or AVX-NE-CONVERT), they are reord
 (measured on the bench's decode1: the GEMV work drops by about a third, results bit-identical). They are laid
 out for long inputs where that costs one-row products nothing on this host (``pack_rows``, timed once per
 process): a layout for one row can make long prefills much slower (2.9x for one weight shape on a Xeon with
-AMX). From
-``FLOAT32_ROWS`` rows on (long prefills) the product may run in float32 instead, where that is measurably
-faster on this host (``float32_pays``, timed once per process), since which path wins differs between hosts:
+AMX). From ``FLOAT32_ROWS`` rows on (long prefills) the product may run in float32 instead, where that is
+measurably faster on this host (``float32_pays``, timed once per process), since which path wins differs between
+hosts:
 on an Intel Xeon with AVX512_BF16 MKL's float32 GEMM did about 290 GFLOP/s against oneDNN bf16's 170 (a
 4096-row prefill GEMM: 90 -> 69 ms in float32); on an AMD EPYC with AVX512_BF16 float32 does 120-150 GFLOP/s
 and oneDNN bf16 330-380.

@@ -52,9 +52,8 @@ class _Merge(cst.CSTTransformer):
         taken = {p.name.value for p in named_params(fwd)} - {p.name.value for p in group}
         self.name = MERGED if MERGED not in taken | free_names(fwd.body) else group[0].name.value
         self.kept, self.dropped = group[0], {p.name.value for p in group[1:]}
-        self.args = {
-            id(call): {id(binding(call, fwd, p)) for p in group[1:]} for call in calls
-        }  # the dropped
+        # each call -> the arguments it binds to the dropped parameters
+        self.args = {id(call): {id(binding(call, fwd, p)) for p in group[1:]} for call in calls}
         self.kept_args = {id(binding(call, fwd, group[0])) for call in calls}
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:

@@ -400,7 +400,8 @@ def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.Funct
     `b = x[..., p:q]`, `c = x[..., q:]`, whose bounds are whole-model sizes, or `a, b, c = x.chunk(parts, dim)` /
     `x.split(n, dim)`, equal blocks, x maybe the call itself, or it given a leading axis by `.unsqueeze(k)`), maybe
     after element-wise updates of x, made to split it by the parallel layer's per-rank sizes instead: `a, b, c =
-    x.split(self.<attr>.output_partition_sizes, dim=-1)`. Locals only those bounds read go too. Returns why not when the output is used any other way."""
+    x.split(self.<attr>.output_partition_sizes, dim=-1)`. Locals only those bounds read go too. Returns why not
+    when the output is used any other way."""
     body = list(fwd.body.body)
 
     def split_at(i: int, targets: str, dim: str) -> cst.FunctionDef:

@@ -514,18 +514,13 @@ def _viewed_per_head(
 
 def _block_width(
     fwd: cst.FunctionDef, block: list[cst.BaseExpression]
-) -> tuple[cst.BaseExpression, list[cst.BaseStatement]] | None:
-    """(the block's width with forward's locals written out, the top-level lines of forward that bind them), or
-    None when it reads a parameter or a local bound more than once: the width of the row blocks a fused projection
-    is laid out in is fixed by the checkpoint, so what it is computed from stays whole-model."""
+) -> tuple[cst.BaseExpression, list[cst.BaseExpression]] | None:
+    """(the block's width with forward's locals written out, the values forward binds them to), or None when it
+    reads a parameter or a local bound more than once: the width of the row blocks a fused projection is laid out
+    in is fixed by the checkpoint, so what it is computed from stays whole-model."""
     values = local_values(fwd)
-    lines = {
-        s.body[0].targets[0].target.value: s
-        for s in fwd.body.body
-        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])]))
-    }
     width = cst.parse_expression(code(block[0]) if len(block) == 1 else " * ".join(map(_operand, block)))
-    used: list[cst.BaseStatement] = []
+    used: list[cst.BaseExpression] = []
     for _ in range(len(values) + 1):
         names = {n.value for n in m.findall(width, m.Name()) if not _is_field(width, n)} - {"self"}
         local = names & set(values)
@@ -534,7 +529,7 @@ def _block_width(
         if not local:
             return width, used
         width = width.visit(_Substitute({n: values[n] for n in local}))
-        used += [lines[n] for n in sorted(local)]
+        used += [values[n] for n in sorted(local)]
     return None
 
 

@@ -4,7 +4,8 @@ builds a module or parameter sized by the head counts (Cohere's and StableLM's p
 `use_qk_norm` / `qk_layernorm`), one that uses an attribute only such a branch sets, and one that cuts a q/k/v
 projection fused on disk (GPT-BigCode's per-head layout, in the `else:` of `if self.multi_query:`). What the
 checkpoint never builds needs no sharding, and the parallel code refuses a checkpoint that takes the branch
-instead of running it with whole layers. Other untaken branches (a weight tie under `tie_word_embeddings`) stay general."""
+instead of running it with whole layers. Other untaken branches (a weight tie under `tie_word_embeddings`) stay
+general."""
 
 import libcst as cst
 import libcst.matchers as m
