@@ -1,8 +1,11 @@
 """fold_hf_only_params: HF-only parameters leave every signature; branches on their known values fold."""
 
+from functools import partial
 from textwrap import dedent, indent
 
 import pytest
+from codemod_harness import assert_codemod, run_codemod
+from transformers import TrOCRConfig
 
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams as rule
 
@@ -495,6 +498,87 @@ def test_a_past_length_feeding_a_module_without_positions_is_refused(run_rule, m
         assert refused == []
     else:
         assert refused[0].startswith("the past length `cache_length` read from the cache feeds a module")
+
+
+POSITIONS_FROM_LENGTH = dedent("""\
+    class LearnedPositions(nn.Embedding):
+        def forward(self, input_ids, past_length=0, position_ids=None):
+            if position_ids is None:
+                position_ids = torch.arange(past_length, past_length + input_ids.shape[1])[None]
+            else:
+                position_ids = position_ids.unsqueeze(0)
+            return super().forward(position_ids + 2)
+
+
+    class CountedPositions(nn.Module):
+        def forward(self, input_ids, past_length=0):
+            return self.table[(input_ids != 1).cumsum(1) + past_length]
+
+
+    class Decoder(PreTrainedModel):
+        def __init__(self, config: TrOCRConfig):
+            super().__init__(config)
+            if config.use_learned_position_embeddings:
+                self.embed_positions = LearnedPositions(config.max_position_embeddings, config.hidden_size)
+            else:
+                self.embed_positions = CountedPositions(config.max_position_embeddings, config.hidden_size)
+
+        def forward(self, input_ids, cache=None, **kwargs):
+            past_length = cache.get_seq_length() if cache is not None else 0
+            if self.config.use_learned_position_embeddings:
+                positions = self.embed_positions(input_ids, past_length=past_length)
+            else:
+                positions = self.embed_positions(input_ids, past_length)
+            return self.layers(self.embed_tokens(input_ids) + positions, **kwargs)
+    """)
+
+
+GUARD = "'migrated for a checkpoint where `not {}config.use_learned_position_embeddings` is false; '"
+POSITIONS_GIVEN = POSITIONS_FROM_LENGTH[: POSITIONS_FROM_LENGTH.index("class Decoder")] + dedent(f"""\
+    class Decoder(PreTrainedModel):
+        def __init__(self, config: TrOCRConfig):
+            super().__init__(config)
+            if not config.use_learned_position_embeddings:
+                raise NotImplementedError({GUARD.format("")}
+                    'run `skill migrate` on this checkpoint')
+            self.embed_positions = LearnedPositions(config.max_position_embeddings, config.hidden_size)
+
+        def forward(self, input_ids, position_ids=None, **kwargs):
+            past_length = 0
+            if not self.config.use_learned_position_embeddings:
+                raise NotImplementedError({GUARD.format("self.")}
+                    'run `skill migrate` on this checkpoint')
+            positions = self.embed_positions(input_ids, position_ids=position_ids[0])
+            return self.layers(self.embed_tokens(input_ids) + positions, **kwargs)
+    """)
+
+
+def test_a_past_length_feeding_a_module_that_takes_positions_becomes_them(make_ctx):
+    # TrOCR's learned embedding computes arange(past, past + n) only when it is given no positions; the runtime
+    # gives each token's. Its sinusoidal one counts non-pad tokens: the branch building it, untaken by this
+    # checkpoint, becomes a guard, and the positions go to the embedding the checkpoint has (one row: it adds
+    # the batch dimension itself).
+    learned = partial(make_ctx, checkpoint_config=TrOCRConfig(use_learned_position_embeddings=True))
+    assert_codemod(rule, POSITIONS_FROM_LENGTH, POSITIONS_GIVEN, learned)
+
+
+def test_a_checkpoint_whose_module_computes_positions_otherwise_is_refused(make_ctx):
+    ctx = make_ctx(checkpoint_config=TrOCRConfig(use_learned_position_embeddings=False))
+    run_codemod(rule, POSITIONS_FROM_LENGTH, ctx)
+    assert [f.what.split(";")[0] for f in ctx.findings] == [
+        (
+            "the past length `past_length` read from the cache feeds a module (positions computed from it) "
+            "that does not take `position_ids`, which the runtime passes instead"
+        )
+    ]
+
+
+def test_a_module_reading_the_past_length_beside_given_positions_keeps_the_refusal(make_ctx):
+    # the length is read whether or not positions are given: they cannot stand in for it
+    code = POSITIONS_FROM_LENGTH.replace("position_ids + 2", "position_ids + 2 + past_length")
+    ctx = make_ctx(checkpoint_config=TrOCRConfig(use_learned_position_embeddings=True))
+    out = run_codemod(rule, code, ctx)
+    assert "position_ids=position_ids" not in out and len(ctx.findings) == 1
 
 
 def test_return_dict_folds_to_the_hidden_states_form(run_rule):

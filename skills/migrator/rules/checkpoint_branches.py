@@ -26,6 +26,9 @@ DYNAMIC_ROPE = ("dynamic", "longrope")
 LAYER_WEIGHT = m.Attribute(m.Attribute(m.Name("self"), m.Name()), m.Name("weight") | m.Name("bias"))
 GUARD = ("migrated for a checkpoint where `{test}` is false; ", "run `skill migrate` on this checkpoint")
 GuardText = tuple[str, str]
+SUPER_INIT_CONFIG = m.Call(
+    m.Attribute(m.Call(m.Name("super")), m.Name("__init__")), [m.Arg(m.Name("config"))]
+)
 
 
 def _config_only(e: cst.BaseExpression, allowed: set[str]) -> bool:
@@ -47,10 +50,13 @@ def _evaluate(e: cst.BaseExpression, scope: dict) -> tuple[bool, object]:
 
 
 def _self_attrs(cls: cst.ClassDef, init: cst.FunctionDef, config: PretrainedConfig) -> SimpleNamespace:
-    """`self.a = <expr of config>` in __init__, for the attributes the class assigns exactly once."""
+    """`self.a = <expr of config>` in __init__, for the attributes the class assigns exactly once, and
+    `self.config` of a class whose `super().__init__(config)` is PreTrainedModel's (before MG008 spells it out)."""
     targets = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
     targets += [a.target.attr.value for a in m.findall(cls, m.AugAssign(target=SELF_ATTR))]
     ns = SimpleNamespace()
+    if "config" not in targets and m.findall(init.body, SUPER_INIT_CONFIG):
+        ns.config = config
     for a in m.findall(init.body, m.Assign(targets=[m.AssignTarget(SELF_ATTR)])):
         name = a.targets[0].target.attr.value
         if targets.count(name) == 1 and _config_only(a.value, {"config", "self"}):

@@ -24,6 +24,7 @@ from skills.migrator.cst_utils import (
     with_args,
     without_dangling_comma,
 )
+from skills.migrator.past_positions import fed_past_length, pass_positions
 from skills.migrator.reachability import reachable
 from skills.migrator.rule import Rule
 
@@ -441,8 +442,9 @@ class FoldHFOnlyParams(Rule):
                 f"its forward is passed `{param}={value}`, computed at run time; the runtime feeds a causal LM "
                 f"token ids only and folds `{param}` away, which would lose that input",
             )
-        kept, helper_args = _helper_bindings(module)
         past = _past_lengths(module)
+        module = pass_positions(module, self.rewrite.checkpoint_config, past)
+        kept, helper_args = _helper_bindings(module)
         if doomed := _bound_to_hf_only(module) | helper_args:
             module = module.visit(_DropArgs(doomed))
         module = module.visit(_Fold(kept))
@@ -454,16 +456,15 @@ class FoldHFOnlyParams(Rule):
         (TrOCR's positional embedding computes them from it), every step's positions would restart at 0."""
         for name, cls in classes(module).items():
             for fn in m.findall(cls.body, m.FunctionDef()):
-                for length in past.get((name, fn.name.value), set()):
-                    calls = m.findall(fn, m.Call(func=m.Attribute(value=m.Name("self"))))
-                    if any(length in (read := free_names(c)) and "position_ids" not in read for c in calls):
-                        self.rewrite.unsupported(
-                            name,
-                            0,
-                            f"the past length `{length}` read from the cache feeds a module (positions computed "
-                            "from it); the runtime passes each token's position in `position_ids` instead",
-                        )
-                        return
+                if calls := fed_past_length(fn, lengths := past.get((name, fn.name.value), set())):
+                    length = min(free_names(calls[0]) & lengths)
+                    self.rewrite.unsupported(
+                        name,
+                        0,
+                        f"the past length `{length}` read from the cache feeds a module (positions computed "
+                        "from it) that does not take `position_ids`, which the runtime passes instead",
+                    )
+                    return
 
 
 def _past_lengths(module: cst.Module) -> dict[tuple, set[str]]:

@@ -1,0 +1,124 @@
+"""Positions a module computes from the past length HF reads off its cache, given to it instead (MG004): a call
+passing that length to a module whose forward also takes `position_ids`, and reads the length only when none are
+given (TrOCR's learned positional embedding, `arange(cache_length, cache_length + seq_len)`), passes the
+positions the runtime gives each token; the calling function takes them as a parameter if it did not. A config
+branch the checkpoint does not take that builds or calls such a module first becomes a guard, so a checkpoint
+whose module computes them otherwise (TrOCR's sinusoidal embedding counts non-pad tokens) is still refused."""
+
+import libcst as cst
+import libcst.matchers as m
+from transformers import PretrainedConfig
+
+from skills.migrator.call_sites import binding, named_params
+from skills.migrator.cst_utils import appended, classes, free_names, method, param_names, with_args
+from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
+
+SELF_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()))
+POSITIONS = m.Name("position_ids")
+WITHOUT_POSITIONS = m.If(test=m.Comparison(POSITIONS, [m.ComparisonTarget(m.Is(), m.Name("None"))]))
+# forward adds the batch dimension to the positions it is given itself: it takes one row
+ADDS_BATCH = m.Assign(
+    [m.AssignTarget(POSITIONS)],
+    m.Call(m.Attribute(POSITIONS, m.Name("unsqueeze")), [m.Arg(m.Integer("0"))])
+    | m.Subscript(POSITIONS, [m.SubscriptElement(m.Index(m.Name("None")))]),
+)
+Lengths = dict[tuple[str, str], set[str]]
+
+
+def fed_past_length(fn: cst.FunctionDef, lengths: set[str]) -> list[cst.Call]:
+    """fn's `self.<module>(...)` calls with an argument reading a past length and none reading positions."""
+    return [
+        c
+        for c in m.findall(fn, SELF_CALL)
+        if (read := free_names(c)) & lengths and "position_ids" not in read
+    ]
+
+
+def _built(init: cst.FunctionDef | None, attr: str) -> list[str]:
+    """The classes `self.<attr> = C(...)` lines of init build."""
+    target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))
+    return [a.value.func.value for a in m.findall(init, m.Assign([target], m.Call(m.Name())))] if init else []
+
+
+def _length_args(call: cst.Call, lengths: set[str]) -> list[cst.Arg]:
+    return [a for a in call.args if free_names(a.value) & lengths]
+
+
+def _takes_positions(call: cst.Call, callee: cst.ClassDef | None, lengths: set[str]) -> bool:
+    """callee's forward takes `position_ids` and reads what call passes it the length as only when none are given."""
+    fwd = method(callee, "forward") if callee is not None else None
+    if fwd is None or "position_ids" not in param_names(fwd):
+        return False
+    bound = {id(a): p.name.value for p in named_params(fwd) if (a := binding(call, fwd, p)) is not None}
+    positional = [a for a in call.args if a.keyword is None]
+    for arg in _length_args(call, lengths):
+        name = bound.get(id(arg))
+        if name is None or (arg.keyword is None and arg is not positional[-1]):
+            return False  # an argument after it would shift once it goes
+        reads = len(m.findall(fwd.body, m.Name(name)))
+        inside = sum(len(m.findall(i.body, m.Name(name))) for i in m.findall(fwd.body, WITHOUT_POSITIONS))
+        if reads != inside:
+            return False
+    return True
+
+
+def _fed_attrs(cls: cst.ClassDef, lengths: set[str]) -> set[str]:
+    fns = [f for f in cls.body.body if isinstance(f, cst.FunctionDef)]
+    return {c.func.attr.value for f in fns for c in fed_past_length(f, lengths)}
+
+
+def _guard_untaken(module: cst.Module, config: PretrainedConfig | None, lengths: Lengths) -> cst.Module:
+    """Untaken config branches that build or call a module fed a past length become guards."""
+    fed = {
+        name: _fed_attrs(cls, set().union(*(v for (c, _), v in lengths.items() if c == name)))
+        for name, cls in classes(module).items()
+    }
+
+    def wanted(cls: cst.ClassDef, branch: cst.If) -> bool:
+        attrs = fed.get(cls.name.value, set())
+        calls = m.findall(branch.body, SELF_CALL)
+        built = m.findall(branch.body, m.AssignTarget(m.Attribute(m.Name("self"), m.Name())))
+        return any(c.func.attr.value in attrs for c in calls) or any(
+            t.target.attr.value in attrs for t in built
+        )
+
+    return guard_untaken_branches(module, config, wanted, elses=True)
+
+
+class _PassPositions(cst.CSTTransformer):
+    def __init__(self, module: cst.Module, lengths: Lengths):
+        self.local, self.lengths, self.cls = classes(module), lengths, None
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.cls = node
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        lengths = self.lengths.get((self.cls.name.value, original.name.value), set()) if self.cls else set()
+        init = method(self.cls, "__init__") if self.cls else None
+        changed = {}
+        for call in fed_past_length(updated, lengths):
+            callees = [self.local.get(c) for c in _built(init, call.func.attr.value)]
+            if callees and all(_takes_positions(call, c, lengths) for c in callees):
+                row = all(m.findall(method(c, "forward"), ADDS_BATCH) for c in callees)
+                dropped = {id(a) for a in _length_args(call, lengths)}
+                kept = [a for a in call.args if id(a) not in dropped]
+                changed[call] = appended(
+                    with_args(call, kept), "position_ids", "position_ids[0]" if row else "position_ids"
+                )
+        if not changed:
+            return updated
+        for old, new in changed.items():
+            updated = updated.deep_replace(old, new)
+        if "position_ids" not in param_names(updated):
+            param = cst.parse_expression("lambda position_ids=None: 0").params.params[0]
+            updated = updated.with_changes(
+                params=updated.params.with_changes(params=[*updated.params.params, param])
+            )
+        return updated
+
+
+def pass_positions(module: cst.Module, config: PretrainedConfig | None, lengths: Lengths) -> cst.Module:
+    """module with the untaken branches around modules fed a past length guarded, and the positions passed to
+    those that take them instead of the length."""
+    module = _guard_untaken(module, config, lengths)
+    return module.visit(_PassPositions(module, lengths))
