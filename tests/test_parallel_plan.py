@@ -14,6 +14,7 @@ from runtime.errors import ConfigError
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
+from skills.parallel_impl.pipeline import _unloaded
 from skills.parallel_impl.plan import COLUMN_QKV, SHARDABLE, format_plan, make_plan, validate
 
 BF16 = torch.bfloat16.itemsize
@@ -643,3 +644,30 @@ def test_key_heads_are_read_off_the_key_weights():
     assert "1 kv head (each of the 1 replicated on 2 ranks)" in plan.rewrites[0]
     mha = _tiny("gpt_bigcode", multi_query=False, n_inner=128)
     assert "2 of 4 kv heads" in make_plan(pc(2, 2, 2, 2, 2), mha, torch.float32, sharded, roles).rewrites[0]
+
+
+def test_parameters_the_model_skips_loading_are_held_by_no_rank():
+    """TrOCR's cross-attention (the migrated decoder runs without an encoder) is built by transformers but skipped
+    by the model's `load_named_weights(..., ignored=[...])`: planned on no rank, sharded or not."""
+    cfg = AutoConfig.for_model(
+        "trocr", d_model=64, decoder_attention_heads=4, vocab_size=512, decoder_layers=2, decoder_ffn_dim=128
+    )
+    sharded = frozenset({"q_proj", "k_proj", "v_proj", "out_proj"})
+    whole = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, sharded)
+    unloaded = (r"(^|\.)encoder_attn\.", r"(^|\.)encoder_attn_layer_norm\.")
+    plan = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, sharded, unloaded=unloaded)
+    cross = (
+        2 * (4 * 64 * 64 + 4 * 64 + 2 * 64) * 4
+    )  # layers x (q, k, v, o weights and biases, its norm) x fp32
+    assert whole.total_param_bytes - plan.total_param_bytes == cross
+    cross_per_rank = (
+        2 * (4 * 64 * 64 // 2 + 3 * 64 // 2 + 64 + 2 * 64) * 4
+    )  # heads split, o's bias and norm whole
+    assert whole.per_rank_param_bytes - plan.per_rank_param_bytes == cross_per_rank
+
+
+def test_only_the_patterns_of_modules_the_migrated_model_does_not_build_are_unloaded():
+    """MG024's `(^|\\.)<attr>\\.` name modules no part of the model uses; transformers' own (GPT-2's `attn.bias`,
+    searched, also matches `c_attn.bias`) are left to the loader, which skips them only where nothing takes them."""
+    code = 'load_named_weights(self, weights, ignored=["attn.bias", r"(^|\\.)crossattention\\.", r"(^|\\.)ln_cross\\."])\n'
+    assert _unloaded({"modeling_gpt2.py": code}) == (r"(^|\.)crossattention\.", r"(^|\.)ln_cross\.")

@@ -185,6 +185,25 @@ def _self_calls(tree: ast.AST, ctors: Collection[str] | None = None) -> dict[str
     return found
 
 
+# a pattern MG024 gives `load_named_weights(..., ignored=[...])`: `(^|\.)crossattention\.`
+UNREAD_MODULE = re.compile(r"\(\^\|\\\.\)\w+\\\.")
+
+
+def _unloaded(new_code: dict[str, str]) -> tuple[str, ...]:
+    """The modules transformers builds that the migrated model does not (TrOCR's cross-attention), which no rank
+    holds: MG024's patterns among those `load_named_weights(..., ignored=[...])` skips, which name no module in
+    use (transformers' own, such as GPT-2's `attn.bias`, may match a parameter the model does take)."""
+    found = []
+    for text in new_code.values():
+        for call in ast.walk(ast.parse(text)):
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "load_named_weights":
+                lists = [
+                    k.value for k in call.keywords if k.arg == "ignored" and isinstance(k.value, ast.List)
+                ]
+                found += [e.value for v in lists for e in v.elts if isinstance(e, ast.Constant)]
+    return tuple(p for p in found if isinstance(p, str) and UNREAD_MODULE.fullmatch(p))
+
+
 def _layers(
     new_code: dict[str, str], fused: dict[str, tuple[str, ...]]
 ) -> tuple[frozenset[str], dict[str, str]]:
@@ -252,7 +271,8 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
             f"skill parallelize cannot shard this model safely: {'; '.join(map(str, code.findings))}. Nothing "
             "was written; port these modules to the parallel layers by hand (see references/model_contract.md)."
         )
-    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, *_layers(code.files, code.fused))
+    sharded, roles = _layers(code.files, code.fused)
+    plan = make_plan(pc, hf_config, config.model_config.torch_dtype, sharded, roles, _unloaded(code.files))
     return _Target(
         model_dir,
         pc,

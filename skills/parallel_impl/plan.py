@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -563,17 +564,19 @@ def make_plan(
     dtype: torch.dtype,
     sharded: frozenset[str] = SHARDABLE,
     roles: Mapping[str, str] = MappingProxyType({}),
+    unloaded: Collection[str] = (),
 ) -> Plan:
     """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank.
 
     `sharded`: the modules the rewritten code builds as parallel layers (shared-expert MLPs follow the MLP names);
     the others are planned whole on every rank. `roles`: attribute -> embed_tokens / lm_head / o_proj for the
     layers the rewritten code builds under other names; one keyed by its owner (`attn.Wo`) is not in `sharded`
-    under its own name, which then means a namesake elsewhere."""
+    under its own name, which then means a namesake elsewhere. `unloaded`: patterns (re.search) of the
+    parameters the model skips loading and does not build."""
     s = _shapes(hf_config)
     validate(pc, hf_config)
     sharded |= frozenset(roles.values())
-    shapes = _param_shapes(hf_config)
+    shapes = {n: v for n, v in _param_shapes(hf_config).items() if not any(re.search(p, n) for p in unloaded)}
     names: dict[str, set[str]] = {}  # module -> the attributes the model code holds it in
     for name in shapes:
         names.setdefault(_module(name, roles), set()).add(_attr(name))

@@ -1075,3 +1075,49 @@ def test_a_whole_model_width_read_beside_the_blocks_is_a_finding(run_rule, make_
     code = CODEGEN.replace("reshape(*input_shape, -1))", "reshape(*input_shape, self.embed_dim))")
     assert code != CODEGEN
     assert "whole model's `embed_dim`" in _finding(run_rule, make_ctx, code, "CodeGenAttention")
+
+
+# BART-style attention (TrOCR's), as migrated: key / value widths folded to the model width through locals, and
+# the attention output reshaped to the width forward reads off its input.
+BART = dedent("""\
+    class TrOCRAttention(nn.Module):
+        def __init__(self, config, embed_dim, num_heads, bias=True, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            kdim = embed_dim
+            vdim = embed_dim
+            self.num_heads = num_heads
+            self.head_dim = embed_dim // num_heads
+            self.k_proj = nn.Linear(kdim, embed_dim, bias=bias)
+            self.v_proj = nn.Linear(vdim, embed_dim, bias=bias)
+            self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+            self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+            self.attn = Attention(num_heads=num_heads, head_dim=self.head_dim, scale=1.0)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            bsz, tgt_len, embed_dim = hidden_states.size()
+            query_states = self.q_proj(hidden_states).view(bsz, tgt_len, self.num_heads, self.head_dim)
+            key_states = self.k_proj(hidden_states).view(bsz, -1, self.num_heads, self.head_dim)
+            value_states = self.v_proj(hidden_states).view(bsz, -1, self.num_heads, self.head_dim)
+            attn_output = self.attn(query_states, key_states, value_states, forward_metadata)
+            attn_output = attn_output.reshape(bsz, tgt_len, embed_dim)
+            return self.out_proj(attn_output)
+    """)
+
+
+def test_key_value_widths_through_locals_and_the_input_width_of_the_output_shard_by_heads(run_rule, make_ctx):
+    out = _sharded(run_rule, make_ctx, BART)
+    assert "kdim" not in out and "vdim" not in out  # folded into the one projection, then unused
+    assert (
+        "self.qkv_proj = QKVParallelLinear(embed_dim, self.head_dim, num_heads, num_heads, bias=bias" in out
+    )
+    assert "attn_output = attn_output.reshape(bsz, tgt_len, -1)\n" in out  # a rank holds its heads' share
+
+
+def test_the_input_width_read_otherwise_after_attention_is_a_finding(run_rule, make_ctx):
+    code = BART.replace(
+        "        return self.out_proj(attn_output)\n",
+        "        return self.out_proj(attn_output) * embed_dim\n",
+    )
+    assert "sizes the attention output by its input's width `embed_dim`" in _finding(
+        run_rule, make_ctx, code, "TrOCRAttention"
+    )

@@ -94,6 +94,18 @@ def test_a_position_table_of_an_in_file_embedding_class_looked_up_by_keyword_too
     assert "self.embed_positions(position_ids=own_chunk(position_ids))" in run_rule(rule, code, make_ctx())
 
 
+def test_a_position_table_given_one_row_of_the_positions_after_other_arguments_looks_up_this_ranks_chunk(
+    run_rule, make_ctx
+):
+    # TrOCR's learned table, as MG004 passes it the positions: `self.embed_positions(input, position_ids=...[0])`
+    code = POSITIONS.replace(
+        "self.embed_positions(position_ids)", "self.embed_positions(input_ids, position_ids=position_ids[0])"
+    )
+    out = run_rule(rule, code, make_ctx())
+    assert "self.embed_positions(input_ids, position_ids=own_chunk(position_ids)[0])" in out
+    assert run_rule(rule, out, make_ctx()) == out
+
+
 SINUSOIDAL = (
     "class XGLMSinusoidalPositionalEmbedding(nn.Module):\n"
     "    def forward(self, position_ids, cache_length=0):\n"

@@ -138,6 +138,56 @@ def _output_widths(
     return widths
 
 
+def _input_width(fwd: cst.FunctionDef) -> str | None:
+    """The local forward unpacks its hidden-states input's width into: `embed_dim` of BART-style attention's
+    `bsz, tgt_len, embed_dim = hidden_states.size()`."""
+    params = [p.name.value for p in fwd.params.params if p.name.value != "self"]
+    size = m.Call(m.Attribute(m.Name(params[0]), m.Name("size")), []) if params else None
+    shape = m.Attribute(m.Name(params[0]), m.Name("shape")) if params else None
+    unpack = m.Assign([m.AssignTarget(m.Tuple([m.AtLeastN(m.Element(m.Name()), n=2)]))], size | shape)
+    found = (
+        [a for s in fwd.body.body if m.matches(s, m.SimpleStatementLine([unpack])) for a in s.body]
+        if params
+        else []
+    )
+    return found[0].targets[0].target.elements[-1].value.value if len(found) == 1 else None
+
+
+def _rank_width(init: cst.FunctionDef, fwd: cst.FunctionDef) -> cst.FunctionDef | str:
+    """forward with the input's width (see _input_width) that sizes the attention output (read after the runtime
+    Attention call) left for reshape / view to infer, `-1`: a rank's output holds only its heads' share of it."""
+    width, found = _input_width(fwd), _attention_call(init, fwd)
+    if width is None or found is None:
+        return fwd
+    after = fwd.body.body[found[0] :]
+    reads = [n for s in after for n in m.findall(s, m.Name(width))]
+    if not reads:
+        return fwd
+    resize = m.Call(m.Attribute(attr=m.Name("reshape") | m.Name("view")))
+    calls = [
+        c
+        for s in after
+        for c in m.findall(s, resize)
+        if any(m.matches(a.value, m.Name(width)) for a in c.args)
+    ]
+    inferred = m.UnaryOperation(m.Minus(), m.Integer("1"))
+    direct = {id(a.value) for c in calls for a in c.args if m.matches(a.value, m.Name(width))}
+    if {id(n) for n in reads} != direct or any(
+        sum(m.matches(a.value, m.Name(width) | inferred) for a in c.args) != 1 for c in calls
+    ):
+        return f"forward sizes the attention output by its input's width `{width}`, which a rank holds a share of"
+    minus_one = cst.parse_expression("-1")
+    changes = {
+        c: c.with_changes(
+            args=[a.with_changes(value=minus_one) if id(a.value) in direct else a for a in c.args]
+        )
+        for c in calls
+    }
+    for old, new in changes.items():
+        fwd = fwd.deep_replace(old, new)
+    return fwd
+
+
 def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> str | None:
     """Source of the first other line of __init__ (in a block too) that builds a module / parameter from the head
     counts, also through a local set from them (`g_proj_dim = self.num_heads`); an exception it raises is
@@ -649,6 +699,18 @@ def _rewrite_per_head(
     return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
 
 
+def _aliases(init: cst.FunctionDef) -> dict[str, str]:
+    """Locals of init bound once, to another name: `kdim = embed_dim` -> {"kdim": "embed_dim"}."""
+    alias = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], m.Name())])
+    once = [s for s in init.body.body if m.matches(s, alias)]
+    bound = [n for s in init.body.body for n in assigned_names(s)]
+    return {
+        s.body[0].targets[0].target.value: s.body[0].value.value
+        for s in once
+        if bound.count(s.body[0].targets[0].target.value) == 1
+    }
+
+
 def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | str:
     """The sharded class, or why it can't be sharded."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
@@ -686,7 +748,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if None in args:
         return "a projection passes nn.Linear arguments other than in/out features and bias"
     q, o = args[0], args[-1]
-    if len({(a.in_features, a.bias, a.transposed) for a in args[:-1]}) != 1:
+    same = _aliases(
+        init
+    )  # `kdim = embed_dim`: BART-style attention's key / value widths, folded for self-attention
+    if len({(same.get(a.in_features, a.in_features), a.bias, a.transposed) for a in args[:-1]}) != 1:
         return (
             "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
         )
@@ -720,6 +785,9 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if found := _reads_global_size(methods, local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
     new_fwd = fwd if fused else fuse_calls(fwd, names, "qkv_proj")
+    if isinstance(new_fwd, str):
+        return new_fwd
+    new_fwd = _rank_width(init, new_fwd)
     if isinstance(new_fwd, str):
         return new_fwd
     if any(self_refs(cls, a) != 2 for a in projections):
@@ -777,7 +845,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         },
         [*_localized(local, _qkv_shares(init, local, qkv_attr, sizes)), region(GROUP, whole_sequence=True)],
     )
-    new_init = drop_unused_locals(new_init, free_names(linears[projections[0]].call))
+    new_init = drop_unused_locals(new_init, {n for a in projections for n in free_names(linears[a].call)})
     name = cls.name.value
     applied = {"q": f"{names[0]}'s output", "k": f"{names[1]}'s output", "o": f"{out}'s input"}
     ctx.rewrites += [

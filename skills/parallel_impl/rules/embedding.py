@@ -4,7 +4,8 @@ local that held it, when nothing else reads it). Other
 embeddings, and those of classes without the migrated plumbing, stay replicated (still correct).
 
 A learned position table (an `nn.Embedding`, or an in-file subclass of it: OPT's and BioGPT's add an offset)
-looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`), or another in-file module looked up
+looked up with forward's `position_ids` (GPT-2's `self.wpe(position_ids)`, TrOCR's `self.embed_positions(input,
+position_ids=position_ids[0])`), or another in-file module looked up
 so, or a tensor indexed so, whose rows forward adds to others (XGLM's sinusoidal module, CTRL's sinusoidal
 buffer), looks up this rank's chunk of them, `own_chunk(position_ids)`, as the entry does the input ids: its rows
 join the token embeddings, which a rank holds only its chunk of when the step's token layout is sharded
@@ -84,7 +85,10 @@ def _chunked_positions(
     ]
     others = [a for a in self_layers(init, modules) if a not in tables]
     positions = m.Name(POSITIONS)
-    by_table = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, tables))), [m.Arg(positions)])
+    given = m.Arg(positions | m.Subscript(positions))  # `position_ids=position_ids[0]` too (TrOCR's, one row)
+    by_table = m.Call(
+        m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, tables))), [m.ZeroOrMore(), given, m.ZeroOrMore()]
+    )
     by_module = m.Call(
         m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, others))), [m.Arg(positions), m.ZeroOrMore()]
     )
@@ -100,7 +104,12 @@ def _chunked_positions(
     new = {}
     for x in lookups:
         if isinstance(x, cst.Call):
-            new[id(x)] = x.with_changes(args=[x.args[0].with_changes(value=chunked), *x.args[1:]])
+            i = next(i for i, a in enumerate(x.args) if m.matches(a, given))
+            value = x.args[i].value
+            value = chunked if isinstance(value, cst.Name) else value.with_changes(value=chunked)
+            new[id(x)] = x.with_changes(
+                args=[*x.args[:i], x.args[i].with_changes(value=value), *x.args[i + 1 :]]
+            )
         else:
             first = x.slice[0].with_changes(slice=cst.Index(chunked))
             new[id(x)] = x.with_changes(slice=[first, *x.slice[1:]])
