@@ -9,7 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 from transformers import PretrainedConfig
 
-from skills.migrator.call_sites import binding, named_params
+from skills.migrator.call_sites import binding, call_sites, named_params
 from skills.migrator.cst_utils import appended, classes, free_names, method, param_names, with_args
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
 
@@ -88,6 +88,7 @@ def _guard_untaken(module: cst.Module, config: PretrainedConfig | None, lengths:
 class _PassPositions(cst.CSTTransformer):
     def __init__(self, module: cst.Module, lengths: Lengths):
         self.local, self.lengths, self.cls = classes(module), lengths, None
+        self.callees: set[str] = set()  # the classes now given positions
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.cls = node
@@ -97,8 +98,10 @@ class _PassPositions(cst.CSTTransformer):
         init = method(self.cls, "__init__") if self.cls else None
         changed = {}
         for call in fed_past_length(updated, lengths):
-            callees = [self.local.get(c) for c in _built(init, call.func.attr.value)]
+            names = _built(init, call.func.attr.value)
+            callees = [self.local.get(c) for c in names]
             if callees and all(_takes_positions(call, c, lengths) for c in callees):
+                self.callees.update(names)
                 row = all(m.findall(method(c, "forward"), ADDS_BATCH) for c in callees)
                 dropped = {id(a) for a in _length_args(call, lengths)}
                 kept = [a for a in call.args if id(a) not in dropped]
@@ -117,8 +120,40 @@ class _PassPositions(cst.CSTTransformer):
         return updated
 
 
+def _given_positions(module: cst.Module, changed: set[str]) -> cst.Module:
+    """module with `if position_ids is None: ... else: B` in the forward of each class of changed, which every
+    call now passes positions, folded to B (the past length it read there is then unread)."""
+    sites, local = call_sites(module), classes(module)
+    new = {}
+    for name in changed:
+        fwd = method(local[name], "forward")
+        param = next(p for p in named_params(fwd) if p.name.value == "position_ids")
+        if sites[name].instances_escape or not all(binding(c, fwd, param) for c in sites[name].called):
+            continue
+        folded = {
+            i: list(i.orelse.body.body) if isinstance(i.orelse, cst.Else) else []
+            for i in m.findall(fwd, WITHOUT_POSITIONS)
+        }
+        new[name] = local[name].deep_replace(fwd, fwd.visit(_Unfold(folded)))
+    return module.with_changes(
+        body=[new.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
+    )
+
+
+class _Unfold(cst.CSTTransformer):
+    def __init__(self, folded: dict[cst.If, list[cst.BaseStatement]]):
+        self.folded = folded
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        if original not in self.folded:
+            return updated
+        return cst.FlattenSentinel(self.folded[original]) if self.folded[original] else cst.RemoveFromParent()
+
+
 def pass_positions(module: cst.Module, config: PretrainedConfig | None, lengths: Lengths) -> cst.Module:
-    """module with the untaken branches around modules fed a past length guarded, and the positions passed to
-    those that take them instead of the length."""
+    """module with the untaken branches around modules fed a past length guarded, the positions passed to those
+    that take them instead of the length, and their branch computing positions from it folded away."""
     module = _guard_untaken(module, config, lengths)
-    return module.visit(_PassPositions(module, lengths))
+    passing = _PassPositions(module, lengths)
+    module = module.visit(passing)
+    return _given_positions(module, passing.callees)

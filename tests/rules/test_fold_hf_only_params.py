@@ -534,7 +534,14 @@ POSITIONS_FROM_LENGTH = dedent("""\
 
 
 GUARD = "'migrated for a checkpoint where `not {}config.use_learned_position_embeddings` is false; '"
-POSITIONS_GIVEN = POSITIONS_FROM_LENGTH[: POSITIONS_FROM_LENGTH.index("class Decoder")] + dedent(f"""\
+POSITIONS_GIVEN = POSITIONS_FROM_LENGTH[: POSITIONS_FROM_LENGTH.index("class Decoder")].replace(
+    """        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + input_ids.shape[1])[None]
+        else:
+            position_ids = position_ids.unsqueeze(0)
+""",
+    "        position_ids = position_ids.unsqueeze(0)\n",  # every call gives them now
+) + dedent(f"""\
     class Decoder(PreTrainedModel):
         def __init__(self, config: TrOCRConfig):
             super().__init__(config)
