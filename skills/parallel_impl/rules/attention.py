@@ -748,9 +748,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if None in args:
         return "a projection passes nn.Linear arguments other than in/out features and bias"
     q, o = args[0], args[-1]
-    same = _aliases(
-        init
-    )  # `kdim = embed_dim`: BART-style attention's key / value widths, folded for self-attention
+    # `kdim = embed_dim`: BART-style attention's key / value widths, folded for self-attention
+    same = _aliases(init)
     if len({(same.get(a.in_features, a.in_features), a.bias, a.transposed) for a in args[:-1]}) != 1:
         return (
             "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
