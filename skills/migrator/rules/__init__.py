@@ -17,6 +17,7 @@ from skills.migrator.rules.latent_kv_cache import LatentKVCache
 from skills.migrator.rules.list_outputs import ListOutputs
 from skills.migrator.rules.model_outputs import ModelOutputs
 from skills.migrator.rules.module_bases import ModuleBases
+from skills.migrator.rules.plain_linear_subclasses import PlainLinearSubclasses
 from skills.migrator.rules.prune_unreachable import PruneUnreachable
 from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
 from skills.migrator.rules.runtime_attention import RuntimeAttention
@@ -31,6 +32,7 @@ from skills.migrator.rules.unused_parameters import UnusedParameters
 MODELING_RULES = [
     AbsoluteImports,
     StripHFDecorators,
+    PlainLinearSubclasses,
     RemoveMaskMachinery,
     CacheKeys,
     FoldHFOnlyParams,
