@@ -32,7 +32,6 @@ from skills.migrator.rules.unused_parameters import UnusedParameters
 MODELING_RULES = [
     AbsoluteImports,
     StripHFDecorators,
-    PlainLinearSubclasses,
     RemoveMaskMachinery,
     CacheKeys,
     FoldHFOnlyParams,
@@ -46,6 +45,7 @@ MODELING_RULES = [
     ModuleBases,
     ConstructorPlumbing,
     PruneUnreachable,
+    PlainLinearSubclasses,
     DropDropout,
     CheckpointBranches,
     UnreadModules,
