@@ -63,9 +63,9 @@ CHAIN = dedent("""\
     """)
 
 
-def _guard(test: str) -> str:
+def _guard(test: str, value: str = "false") -> str:
     return (
-        f"            raise NotImplementedError('parallelized for a checkpoint where `{test}` is false; '\n"
+        f"            raise NotImplementedError('parallelized for a checkpoint where `{test}` is {value}; '\n"
         "                'run `skill migrate` and `skill parallelize` on this checkpoint')\n"
     )
 
@@ -126,7 +126,7 @@ def test_an_untaken_else_cutting_a_fused_projection_becomes_a_guard(make_ctx):
         "        else:\n"
         "            q, k, v = self.c_attn(hidden_states).view(1, 2, 4, 48).split(3 * [16], dim=3)\n",
         "        if not self.multi_query:\n"
-        + _guard("not self.multi_query")
+        + _guard("self.multi_query", "true")  # an untaken `else:` names the test the checkpoint makes true
         + "        q, k, v = self.c_attn(hidden_states).unsqueeze(1).split((64, 16, 16), dim=3)\n",
     )
     assert after != BIGCODE

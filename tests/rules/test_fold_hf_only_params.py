@@ -533,7 +533,7 @@ POSITIONS_FROM_LENGTH = dedent("""\
     """)
 
 
-GUARD = "'migrated for a checkpoint where `not {}config.use_learned_position_embeddings` is false; '"
+GUARD = "'migrated for a checkpoint where `{}config.use_learned_position_embeddings` is true; '"
 POSITIONS_GIVEN = POSITIONS_FROM_LENGTH[: POSITIONS_FROM_LENGTH.index("class Decoder")].replace(
     """        if position_ids is None:
             position_ids = torch.arange(past_length, past_length + input_ids.shape[1])[None]

@@ -97,9 +97,13 @@ def _config_classes(module: cst.Module, config: PretrainedConfig) -> set[str]:
     return found
 
 
-def _guard(test: cst.BaseExpression, text: GuardText) -> cst.BaseStatement:
+def _guard(test: cst.BaseExpression, text: GuardText, negated: bool = False) -> cst.BaseStatement:
+    """`raise NotImplementedError(...)` naming test as false (negated: `not <test>`, named as true)."""
+    what, how = text
+    if negated:
+        test, what = test.expression, what.replace("` is false", "` is true")
     what, how = (
-        cst.SimpleString(repr(part.format(test=cst.Module([]).code_for_node(test)))) for part in text
+        cst.SimpleString(repr(part.format(test=cst.Module([]).code_for_node(test)))) for part in (what, how)
     )
     message = cst.ConcatenatedString(
         what,
@@ -179,7 +183,7 @@ class _Fold(cst.CSTTransformer):
             test = test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
         negated = cst.UnaryOperation(cst.Not(), test)
         guard = updated.with_changes(
-            test=negated, body=cst.IndentedBlock([_guard(negated, self.text)]), orelse=None
+            test=negated, body=cst.IndentedBlock([_guard(negated, self.text, negated=True)]), orelse=None
         )
         return cst.FlattenSentinel([guard, *updated.body.body])
 
