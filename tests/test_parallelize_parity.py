@@ -66,6 +66,9 @@ OTHER_ARCHS = [
     # BART-style attention (k / v widths through locals, output reshaped to the input's width), a learned position
     # table given the runtime's positions by MG004, cross-attention built by transformers but not migrated
     pytest.param("trocr", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+    # multi-query [q heads; k; v] viewed in a helper whose other layouts are guarded, rotary and ALiBi Attention
+    # layers on one cache, FalconLinear migrated to nn.Linear (MG028)
+    pytest.param("falcon", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
     pytest.param(
         "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow
     ),  # the output projection `Wo`

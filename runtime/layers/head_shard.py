@@ -25,6 +25,15 @@ def local_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> 
     return _even_share(total, "attention heads", comm_manager, tp_group)
 
 
+def local_kv_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
+    """The key heads of ``total`` one rank of ``tp_group`` holds: its share, or one replica when there are fewer
+    key heads than ranks (as QKVParallelLinear lays them out)."""
+    size = tp_info(comm_manager, tp_group)[0]
+    if total < size and size % total == 0:
+        return 1
+    return _even_share(total, "key heads", comm_manager, tp_group)
+
+
 def local_width(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
     """The width of one rank's heads side by side, ``total`` being all heads': the attention output a rank holds
     before its row-parallel output projection."""

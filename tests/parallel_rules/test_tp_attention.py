@@ -223,8 +223,12 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
             "return attn_output", "return attn_output + hidden_states"
         ),
         "no `self.o_proj = nn.Linear(...)`": BEFORE.replace("self.o_proj = nn.Linear", "self.o_proj = Other"),
-        "exactly one runtime `Attention(...)`": BEFORE.replace(
+        "builds no runtime `Attention(...)` layer": BEFORE.replace(
             "self.attn = Attention(", "self.attn = Other("
+        ),
+        "several with different head counts": BEFORE.replace(
+            "        self.attn = Attention(",
+            "        self.attn_2 = Attention(num_heads=2, head_dim=64)\n        self.attn = Attention(",
         ),
         "built before q_proj": BEFORE.replace(
             "        # projections\n", "        self.attn = Attention(num_heads=8, head_dim=64, scale=1.0)\n"
@@ -1121,3 +1125,65 @@ def test_the_input_width_read_otherwise_after_attention_is_a_finding(run_rule, m
     assert "sizes the attention output by its input's width `embed_dim`" in _finding(
         run_rule, make_ctx, code, "TrOCRAttention"
     )
+
+
+# Falcon's attention as PR008 leaves it for a multi-query checkpoint: [q heads; one key head; one value head] on
+# disk, viewed in a helper (the other layouts guarded), a rotary and an ALiBi Attention on one cache.
+FALCON = dedent("""\
+    class FalconAttention(nn.Module):
+        def __init__(self, config, layer_idx=None, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.num_heads = config.num_attention_heads
+            self.head_dim = config.hidden_size // self.num_heads
+            if config.multi_query:
+                qkv_out_dim = config.hidden_size + 2 * self.head_dim
+            else:
+                qkv_out_dim = 3 * config.hidden_size
+            self.query_key_value = nn.Linear(config.hidden_size, qkv_out_dim, bias=config.bias)
+            self.multi_query = config.multi_query
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
+            self.num_kv_heads = config.num_kv_heads if not self.multi_query else 1
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, num_kv_heads=self.num_kv_heads, scale=1.0)
+            self.attn_2 = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, num_kv_heads=self.num_kv_heads, scale=1.0, alibi_slopes=alibi_slopes(config.num_attention_heads), cache_of=self.attn)
+
+        def _split_heads(self, fused_qkv):
+            if not self.multi_query:
+                raise NotImplementedError("parallelized for a checkpoint where `not self.multi_query` is false")
+            else:
+                batch_size, seq_length, _ = fused_qkv.shape
+                fused_qkv = fused_qkv.view(batch_size, seq_length, self.num_heads + 2, self.head_dim)
+                return fused_qkv[..., :-2, :], fused_qkv[..., [-2], :], fused_qkv[..., [-1], :]
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            fused_qkv = self.query_key_value(hidden_states)
+            (query_layer, key_layer, value_layer) = self._split_heads(fused_qkv)
+            key_layer = key_layer.reshape(*key_layer.shape[:-2], self.num_kv_heads, self.head_dim)
+            attn_output = self.attn(query_layer, key_layer, value_layer, forward_metadata)
+            attn_output = self.dense(attn_output.reshape(*hidden_states.shape[:-1], -1))
+            return attn_output
+    """)
+
+
+def test_a_multi_query_projection_viewed_in_a_helper_keeps_its_key_head_whole_on_every_rank(
+    run_rule, make_ctx
+):
+    out = _sharded(run_rule, make_ctx, FALCON)
+    assert "qkv_out_dim" not in out  # bound per layout for the whole model's layer, now unused
+    assert (
+        "self.query_key_value = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, 1,"
+        in out
+    )
+    # both runtime Attention layers take this rank's heads (the ALiBi one its heads' slopes); kv heads replicated
+    assert out.count("num_heads=self.query_key_value.num_heads") == 2
+    assert 'local_share(alibi_slopes(config.num_attention_heads), comm_manager, "attn_tp_group")' in out
+    assert 'self.num_kv_heads = local_kv_heads(self.num_kv_heads, comm_manager, "attn_tp_group")' in out
+    assert "self.num_heads + 2, self.head_dim)" in out  # the helper reads this rank's heads, unchanged
+
+
+def test_a_multi_query_view_read_by_its_width_is_split_otherwise(run_rule, make_ctx):
+    # the fused output read other than by its shape before the view: not known to be whole heads
+    code = FALCON.replace(
+        "            batch_size, seq_length, _ = fused_qkv.shape\n",
+        "            batch_size, seq_length, _ = fused_qkv.shape\n            fused_qkv[..., :64].sum()\n",
+    )
+    assert "is q/k/v fused on disk" in _finding(run_rule, make_ctx, code, "FalconAttention")

@@ -142,3 +142,51 @@ def test_a_class_given_something_else_than_the_config_keeps_its_branches(make_ct
         "GPTBigCodeAttention(config, infer_config", "GPTBigCodeAttention(other, infer_config"
     )
     assert_noop(rule, code, partial(make_ctx, checkpoint_config=GPTBigCodeConfig(multi_query=True)))
+
+
+# Falcon: forward passes `query_key_value`'s output to a helper that cuts it one way per layout, and calls its
+# ALiBi Attention (a second runtime Attention on the same cache) only under `config.alibi`.
+FALCON = dedent("""\
+    class FalconAttention(nn.Module):
+        def __init__(self, config: FalconConfig, layer_idx=None, infer_config=None, comm_manager=None, prefix=""):
+            super().__init__()
+            self.new_decoder_architecture = config.new_decoder_architecture
+            self.multi_query = config.multi_query
+            self.use_alibi = config.alibi
+            self.attn = Attention(num_heads=4, head_dim=16)
+            self.attn_2 = Attention(num_heads=4, head_dim=16, alibi_slopes=[1.0] * 4, cache_of=self.attn)
+
+        def _split_heads(self, fused_qkv):
+            if self.new_decoder_architecture:
+                return fused_qkv.view(1, 1, -1, 4, 16)
+            elif not self.multi_query:
+                return fused_qkv.view(1, 1, 4, 3, 16)
+            else:
+                return fused_qkv.view(1, 1, 6, 16)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            fused_qkv = self.query_key_value(hidden_states)
+            q, k, v = self._split_heads(fused_qkv)
+            if not self.use_alibi:
+                out = self.attn(q, k, v, forward_metadata)
+            else:
+                out = self.attn_2(q, k, v, forward_metadata)
+            return self.dense(out)
+    """)
+
+
+def test_layouts_a_helper_cuts_and_another_attention_s_branch_untaken_become_guards(make_ctx):
+    config = FalconConfig(new_decoder_architecture=False, multi_query=True, alibi=False)
+    out = run_codemod(rule, FALCON, make_ctx(checkpoint_config=config))
+    assert "if self.new_decoder_architecture:\n" + _guard("self.new_decoder_architecture") in out
+    assert "        if not self.multi_query:\n" + _guard("not self.multi_query") in out
+    # the layout the checkpoint has
+    assert "        else:\n            return fused_qkv.view(1, 1, 6, 16)" in out
+    # `if not x: A else: B`, x false: `if x: raise ...`, then A
+    after = (
+        "        if self.use_alibi:\n"
+        + _guard("self.use_alibi")
+        + "        out = self.attn(q, k, v, forward_metadata)\n"
+    )
+    assert after in out and "self.attn_2(q" not in out
+    assert run_codemod(rule, out, make_ctx(checkpoint_config=config)) == out

@@ -1,5 +1,6 @@
 """plain_linear_subclasses: an nn.Linear subclass whose forward only recomputes the linear map is nn.Linear."""
 
+from functools import partial
 from textwrap import dedent
 
 import pytest
@@ -39,11 +40,22 @@ AFTER = dedent("""\
     """)
 
 
-def test_a_linear_recomputed_by_hand_becomes_nn_linear(make_ctx):
-    assert_codemod(rule, BEFORE, AFTER, make_ctx)
+@pytest.fixture
+def falcon_ctx(make_ctx):
+    return partial(make_ctx, entry_class="FalconAttention")
 
 
-def test_the_product_returned_directly_and_a_docstring_are_the_same_map(make_ctx):
+def test_a_linear_recomputed_by_hand_becomes_nn_linear(falcon_ctx):
+    assert_codemod(rule, BEFORE, AFTER, falcon_ctx)
+
+
+def test_a_name_used_only_by_code_the_entry_no_longer_reaches_does_not_count(falcon_ctx):
+    # FalconPreTrainedModel's weight initialiser tests isinstance(module, FalconLinear); no class derives it now
+    unreached = "\n\nclass FalconPreTrainedModel(nn.Module):\n    def _init_weights(self, module):\n        return isinstance(module, FalconLinear)\n"
+    assert_codemod(rule, BEFORE + unreached, AFTER + unreached, falcon_ctx)
+
+
+def test_the_product_returned_directly_and_a_docstring_are_the_same_map(falcon_ctx):
     code = BEFORE.replace(
         """        hidden_states = input @ self.weight.T
         if self.bias is None:
@@ -57,7 +69,7 @@ def test_the_product_returned_directly_and_a_docstring_are_the_same_map(make_ctx
 ''',
     )
     assert code != BEFORE
-    assert_codemod(rule, code, AFTER, make_ctx)
+    assert_codemod(rule, code, AFTER, falcon_ctx)
 
 
 @pytest.mark.parametrize(
@@ -66,14 +78,20 @@ def test_the_product_returned_directly_and_a_docstring_are_the_same_map(make_ctx
         ("input @ self.weight.T\n", "input @ self.weight.T * 2\n"),  # a scaled product
         ("return hidden_states + self.bias", "return hidden_states - self.bias"),
         ("        if self.bias is None:\n            return hidden_states\n", ""),  # bias always added
-        ("class FalconAttention", "assert issubclass(FalconLinear, nn.Linear)\n\n\nclass FalconAttention"),
+        (  # the name used otherwise by the code the entry reaches
+            "        self.dense = FalconLinear(config.hidden_size, config.hidden_size, bias=config.bias)\n",
+            (
+                "        self.dense = FalconLinear(config.hidden_size, config.hidden_size, bias=config.bias)\n"
+                "        assert isinstance(self.dense, FalconLinear)\n"
+            ),
+        ),
         (
             "        return hidden_states + self.bias\n",
             "        return hidden_states + self.bias\n\n    def extra_repr(self):\n        return 'falcon'\n",
         ),
     ],
 )
-def test_anything_else_stays(make_ctx, change):
+def test_anything_else_stays(falcon_ctx, change):
     code = BEFORE.replace(*change)
     assert code != BEFORE
-    assert_noop(rule, code, make_ctx)
+    assert_noop(rule, code, falcon_ctx)

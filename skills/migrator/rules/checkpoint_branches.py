@@ -101,7 +101,7 @@ def _guard(test: cst.BaseExpression, text: GuardText, negated: bool = False) -> 
     """`raise NotImplementedError(...)` naming test as false (negated: `not <test>`, named as true)."""
     what, how = text
     if negated:
-        test, what = test.expression, what.replace("` is false", "` is true")
+        test, what = test.expression.with_changes(lpar=[], rpar=[]), what.replace("` is false", "` is true")
     what, how = (
         cst.SimpleString(repr(part.format(test=cst.Module([]).code_for_node(test)))) for part in (what, how)
     )
@@ -179,12 +179,15 @@ class _Fold(cst.CSTTransformer):
         if id(original) in self.elifs or not self.wanted(self.cls, untaken):
             return updated
         test = updated.test
-        if not isinstance(test, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
-            test = test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-        negated = cst.UnaryOperation(cst.Not(), test)
-        guard = updated.with_changes(
-            test=negated, body=cst.IndentedBlock([_guard(negated, self.text, negated=True)]), orelse=None
-        )
+        if m.matches(test, m.UnaryOperation(m.Not())):  # `if not x: A else: B`: `if x: raise ...`
+            negated = test.expression.with_changes(lpar=[], rpar=[])
+            raised = _guard(negated, self.text)
+        else:
+            if not isinstance(test, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
+                test = test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+            negated = cst.UnaryOperation(cst.Not(), test)
+            raised = _guard(negated, self.text, negated=True)
+        guard = updated.with_changes(test=negated, body=cst.IndentedBlock([raised]), orelse=None)
         return cst.FlattenSentinel([guard, *updated.body.body])
 
 

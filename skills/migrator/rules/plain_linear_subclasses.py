@@ -6,8 +6,8 @@ their names and layout. A subclass that computes anything else, or has other met
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.call_sites import call_sites
 from skills.migrator.cst_utils import classes, dotted
+from skills.migrator.reachability import reachable
 from skills.migrator.rule import Rule
 
 WEIGHT, BIAS = (m.Attribute(m.Name("self"), m.Name(n)) for n in ("weight", "bias"))
@@ -58,11 +58,25 @@ def _plain_linear(forward: cst.FunctionDef) -> bool:
     )
 
 
-def _plain_linear_classes(module: cst.Module) -> set[str]:
+def _only_constructed(module: cst.Module, name: str, entry: str) -> bool:
+    """name is used only in constructor calls by the code the entry class reaches (an `isinstance` in a weight
+    initialiser of a base class it no longer derives from does not count)."""
+    kept = [module.body[i] for i in reachable(module, {entry})]
+    uses = [
+        n
+        for s in kept
+        for n in m.findall(s, m.Name(name))
+        if not (isinstance(s, cst.ClassDef) and n is s.name)
+    ]
+    calls = {id(c.func) for s in kept for c in m.findall(s, m.Call(m.Name(name)))}
+    return all(id(n) in calls for n in uses)
+
+
+def _plain_linear_classes(module: cst.Module, entry: str) -> set[str]:
     """The classes to replace: those only constructed by name (not subclassed, nor tested with isinstance)."""
-    found, sites = set(), call_sites(module)
+    found = set()
     for name, cls in classes(module).items():
-        if sites[name].name_escapes:
+        if not _only_constructed(module, name, entry):
             continue
         methods = [s for s in cls.body.body if not m.matches(s, DOCSTRING)]
         linear = [dotted(b.value) for b in cls.bases] in (["nn.Linear"], ["torch.nn.Linear"])
@@ -87,7 +101,7 @@ class PlainLinearSubclasses(Rule):
     DESCRIPTION = "An nn.Linear subclass that only recomputes the linear map by hand is nn.Linear."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        names = _plain_linear_classes(module)
+        names = _plain_linear_classes(module, self.rewrite.entry_class)
         if not names:
             return module
         body = [s for s in module.body if not (isinstance(s, cst.ClassDef) and s.name.value in names)]

@@ -447,15 +447,26 @@ def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.Funct
 
 
 def drop_unused_locals(fn: cst.FunctionDef, names: Iterable[str]) -> cst.FunctionDef:
-    """fn without the top-level `name = ...` of each of names that nothing reads any more."""
+    """fn without the top-level `name = ...` of each of names that nothing reads any more, nor a top-level `if`
+    chain whose branches do nothing but bind it (Falcon's `qkv_out_dim` per layout)."""
     body = list(fn.body.body)
     for name in names:
         binding = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])
         binders = [s for s in body if name in assigned_names(s)]
         if (
             len(binders) == 1
-            and m.matches(binders[0], binding)
-            and len(m.findall(cst.Module(body), m.Name(name))) == 1
+            and (m.matches(binders[0], binding) or _only_binds(binders[0], binding))
+            and len(m.findall(cst.Module(body), m.Name(name)))
+            == len(m.findall(binders[0], m.AssignTarget(m.Name(name))))
         ):
             body = [s for s in body if s is not binders[0]]
     return fn.with_changes(body=fn.body.with_changes(body=body))
+
+
+def _only_binds(s: cst.BaseStatement, binding: m.BaseMatcherNode) -> bool:
+    """s is an if / elif / else chain each branch of which is one statement matching binding, its tests pure."""
+    while isinstance(s, cst.If):
+        if len(s.body.body) != 1 or not m.matches(s.body.body[0], binding) or m.findall(s.test, m.Call()):
+            return False
+        s = s.orelse
+    return s is None or (len(s.body.body) == 1 and m.matches(s.body.body[0], binding))

@@ -29,6 +29,7 @@ from skills.migrator.cst_utils import (
     stmt,
 )
 from skills.migrator.rule import Rule
+from skills.migrator.rules.checkpoint_branches import is_guard
 from skills.parallel_impl.rules._units import (
     LINEAR,
     LINEAR_IMPORT,
@@ -108,7 +109,7 @@ def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatem
     of a head count, local_width of a width."""
     lines = []
     for a in attrs:
-        helper = "local_width" if a in WIDTHS else "local_heads"
+        helper = "local_width" if a in WIDTHS else "local_kv_heads" if a in KV_HEADS else "local_heads"
         value = share.get(a) or f'{helper}(self.{a}, comm_manager, "{GROUP}")'
         lines.append(stmt(f"self.{a} = {value}\n"))
     return lines
@@ -311,13 +312,19 @@ def _head_gates(
     return found
 
 
+def _head_args(call: cst.Call) -> tuple[str | None, ...]:
+    """The head counts and head size an `Attention(...)` call passes, as code."""
+    given = (arg(call, 0, "num_heads"), arg(call, 1, "head_dim"), arg(call, 3, "num_kv_heads"))
+    return tuple(code(a.value) if a is not None else None for a in given)
+
+
 def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple[int, cst.Call] | None:
-    """(the index of forward's top-level statement that calls the class's one runtime Attention, or one of its
-    entry points such as `forward_heads_first`, that call)."""
+    """(the index of forward's first top-level statement that calls one of the class's runtime Attention layers, or
+    one of their entry points such as `forward_heads_first`, that call)."""
     attention = list(self_layers(init, {"Attention"}))
-    if fwd is None or len(attention) != 1:
+    if fwd is None or not attention:
         return None
-    layer = m.Attribute(m.Name("self"), m.Name(attention[0]))
+    layer = m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, attention)))
     attend = m.Call(layer | m.Attribute(layer))
     for i, s in enumerate(fwd.body.body):
         if calls := m.findall(s, attend):
@@ -562,6 +569,53 @@ def _viewed_per_head(
     return None
 
 
+def _unguarded(body: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
+    """body's statements without its guards (`if <test>: raise ...`), the `else:` after one read as following it."""
+    found = []
+    for s in body:
+        if isinstance(s, cst.If) and is_guard(s.body):
+            rest = s.orelse
+            found += _unguarded([rest] if isinstance(rest, cst.If) else rest.body.body) if rest else []
+        else:
+            found.append(s)
+    return found
+
+
+def _viewed_multi_query(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]) -> bool:
+    """The output of `self.<attr>(...)`, bound once in forward, is read (there or in the one method it is passed
+    to) only by its shape and one `.view(..., self.<h> + 2, <head size>)`, h one of the head counts of heads: its
+    rows are [q heads; one key head; one value head] (Falcon's multi-query `query_key_value`), which is how
+    QKVParallelLinear lays out a rank's share (the key and value heads replicated), so forward, given this
+    rank's `self.<h>`, needs no change. Guarded branches (a `raise` only) do not count."""
+    bound = bound_call(fwd.body.body, attr)
+    if bound is None or self_refs(cls, attr) != 2:
+        return False
+    scope, name = fwd, bound[1]
+    passed = m.Call(m.Attribute(m.Name("self"), m.Name()), [m.Arg(m.Name(name))])
+    if calls := m.findall(fwd, passed):
+        helper = method(cls, calls[0].func.attr.value)
+        params = [p.name.value for p in helper.params.params[1:]] if helper else []
+        if len(calls) != 1 or len(params) != 1 or len(m.findall(fwd, m.Name(name))) != 2:
+            return False
+        scope, name = helper, params[0]
+    live = _unguarded(scope.body.body)
+    view = m.Call(m.Attribute(m.Name(name), m.Name("view") | m.Name("reshape")))
+    at = next((i for i, s in enumerate(live) if m.findall(s, view)), None)
+    if at is None:
+        return False
+    upto, rebound = live[: at + 1], bool(m.findall(live[at], m.AssignTarget(m.Name(name))))
+    reads = sum(len(m.findall(s, m.Name(name))) for s in upto) - rebound
+    shape = sum(len(m.findall(s, m.Attribute(m.Name(name), m.OneOf(*map(m.Name, SHAPE_READ))))) for s in upto)
+    later = 0 if rebound else sum(len(m.findall(s, m.Name(name))) for s in live[at + 1 :])
+    if reads != shape + 1 or later:  # read by its shape, then viewed, and its unviewed value not read after
+        return False
+    dims = _shape_dims(scope, m.findall(live[at], view)[0]) or []
+    row = m.BinaryOperation(
+        m.OneOf(*(m.Attribute(m.Name("self"), m.Name(h)) for h in heads)), m.Add(), m.Integer("2")
+    )
+    return len(dims) >= 2 and dims[-2] is not None and bool(heads) and m.matches(dims[-2], row)
+
+
 def _block_width(
     fwd: cst.FunctionDef, block: list[cst.BaseExpression]
 ) -> tuple[cst.BaseExpression, list[cst.BaseExpression]] | None:
@@ -738,8 +792,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
     if missing:
         return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
-    if len(attention) != 1:
-        return "__init__ does not build exactly one runtime `Attention(...)` layer"
+    if len({_head_args(a.call) for a in attention}) != 1:
+        return "__init__ builds no runtime `Attention(...)` layer, or several with different head counts"
     if fwd is None:
         return "no forward"
     if not plumbed(init):
@@ -754,7 +808,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return (
             "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
         )
-    if fused:
+    multi_query = bool(fused) and _viewed_multi_query(cls, fwd, fused, _head_attrs(_methods(cls), init))
+    if fused and not multi_query:
         fwd = split_fused_output(fwd, fused, 3)
         if isinstance(fwd, str):
             return f"`self.{fused}` is q/k/v fused on disk, and {fwd}"
@@ -768,14 +823,16 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if heads is None or head_dim is None:
         return "the Attention call does not pass num_heads and head_dim"
     sizes = [code(a.value) for a in (head_dim, heads, kv_heads or heads)]
-    if init.body.body.index(attn.line) < init.body.body.index(first):
+    if multi_query:
+        sizes[2] = "1"  # the one key head its rows hold, whatever the Attention call computes it from
+    if any(init.body.body.index(a.line) < init.body.body.index(first) for a in attention):
         return f"the Attention layer is built before {projections[0]}, whose per-rank head counts it takes"
-    if _computed_later(init, sizes, first, attn.line):
+    if any(_computed_later(init, sizes, first, a.line) for a in attention):
         return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _per_head_params(cls, init, fwd, sizes[1])
     all_heads = {} if fused else _all_head_modules(init, fwd, cls, projections[:2], out)
     gates = _head_gates(cls, init, linears, (*projections, out), sizes[1])
-    skip = [linears[a].line for a in (*projections, out, *gates)] + [attn.line]
+    skip = [linears[a].line for a in (*projections, out, *gates)] + [a.line for a in attention]
     skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
@@ -809,9 +866,11 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         GROUP,
         linears[out].line,
     )
-    call = _set_kwarg(attn.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
-    call = _shard_alibi(_set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads"))
-    attn_line = attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)])
+    attn_lines = {}  # every runtime Attention gets this rank's heads (Falcon's rotary and ALiBi ones, one cache)
+    for a in attention:
+        call = _set_kwarg(a.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
+        call = _shard_alibi(_set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads"))
+        attn_lines[id(a.line)] = [a.line.with_changes(body=[a.line.body[0].with_changes(value=call)])]
     sink_lines = {id(s): [_wrapped(s, "shard_heads")] for s in init.body.body if id(s) in sinks}
     gate_lines = {
         id(linears[g].line): [
@@ -837,7 +896,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
             **{id(linears[a].line): [] for a in projections},
             id(first): [qkv],
             id(linears[out].line): [o_proj],
-            id(attn.line): [attn_line],
+            **attn_lines,
             **sink_lines,
             **gate_lines,
             **all_head_lines,
@@ -936,6 +995,7 @@ class ShardAttention(Rule):
             ("runtime.layers.head_shard", h)
             for h in (
                 "local_heads",
+                "local_kv_heads",
                 "local_width",
                 "local_share",
                 "shard_heads",

@@ -13,6 +13,7 @@ import libcst.matchers as m
 from skills.migrator.cst_utils import method
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
+from skills.parallel_impl.rules._units import self_layers
 from skills.parallel_impl.rules.attention import FUSED_ON_DISK, builds_from_heads
 
 GUARD = (
@@ -38,9 +39,57 @@ def _cuts_fused_qkv(node: cst.CSTNode) -> bool:
     return bool(m.findall(node, m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))))
 
 
+def _fused_helper_params(cls: cst.ClassDef) -> set[str]:
+    """`<method>.<param>` of each method of cls that forward passes a fused q/k/v projection's output (Falcon's
+    `self._split_heads(fused_qkv)`, which cuts it one way per layout)."""
+    fwd = method(cls, "forward")
+    fused = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))
+    holders = (
+        {a.targets[0].target.value for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name())], fused))}
+        if fwd
+        else set()
+    )
+    found = set()
+    for call in m.findall(fwd, m.Call(SELF_ATTR)) if fwd else ():
+        helper = method(cls, call.func.attr.value)
+        for at, a in enumerate(call.args if helper else ()):
+            if m.matches(a.value, m.OneOf(*map(m.Name, holders))) if holders else False:
+                params = [p.name.value for p in helper.params.params[1:]]
+                name = a.keyword.value if a.keyword else params[at] if at < len(params) else None
+                found |= {f"{helper.name.value}.{name}"} if name else set()
+    return found
+
+
+def _other_attention(cls: cst.ClassDef) -> set[str]:
+    """The runtime `Attention` layers of a class that builds more than one (Falcon's rotary and ALiBi ones)."""
+    init = method(cls, "__init__")
+    built = self_layers(init, {"Attention"}) if init else {}
+    return set(built) if len(built) > 1 else set()
+
+
 def _needs_guard(cls: cst.ClassDef, branch: cst.If) -> bool:
+    """branch builds per-head modules or uses them, cuts a fused q/k/v projection's output (in forward, or in a
+    method forward passes it to), or calls one of several runtime Attention layers."""
     used = {a.attr.value for a in m.findall(branch.body, SELF_ATTR)}
-    return _builds_per_head(branch.body) or bool(used & _per_head_attrs(cls)) or _cuts_fused_qkv(branch.body)
+    helper = next(
+        (
+            f
+            for f in m.findall(cls, m.FunctionDef())
+            if m.findall(f, m.If()) and any(i is branch for i in m.findall(f, m.If()))
+        ),
+        None,
+    )
+    cut = helper is not None and any(
+        f"{helper.name.value}.{n.value}" in _fused_helper_params(cls)
+        for n in m.findall(branch.body, m.Name())
+    )
+    return (
+        _builds_per_head(branch.body)
+        or bool(used & _per_head_attrs(cls))
+        or _cuts_fused_qkv(branch.body)
+        or cut
+        or bool(used & _other_attention(cls))
+    )
 
 
 class GuardUntakenBranches(Rule):
