@@ -226,6 +226,11 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
         "builds no runtime `Attention(...)` layer": BEFORE.replace(
             "self.attn = Attention(", "self.attn = Other("
         ),
+        "forward runs 2 runtime Attention layers": BEFORE.replace(  # DiffLlama's two softmaxes over one q / k
+            "        self.attn = Attention(",
+            "        self.attn_2 = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, "
+            "num_kv_heads=config.num_key_value_heads)\n        self.attn = Attention(",
+        ).replace("attn_output = self.attn(", "attn_output = self.attn_2(*attn_inputs) - self.attn("),
         "several with different head counts": BEFORE.replace(
             "        self.attn = Attention(",
             "        self.attn_2 = Attention(num_heads=2, head_dim=64)\n        self.attn = Attention(",
@@ -1187,3 +1192,38 @@ def test_a_multi_query_view_read_by_its_width_is_split_otherwise(run_rule, make_
         "            batch_size, seq_length, _ = fused_qkv.shape\n            fused_qkv[..., :64].sum()\n",
     )
     assert "is q/k/v fused on disk" in _finding(run_rule, make_ctx, code, "FalconAttention")
+
+
+# Falcon's grouped layout (new_decoder_architecture) as PR008 leaves it: blocks of a key head's query heads, its key
+# and its value, viewed with the heads per key head, the key broadcast to every query head.
+FALCON_GROUPED = FALCON.replace(
+    """        if not self.multi_query:
+            raise NotImplementedError("parallelized for a checkpoint where `not self.multi_query` is false")
+        else:
+            batch_size, seq_length, _ = fused_qkv.shape
+            fused_qkv = fused_qkv.view(batch_size, seq_length, self.num_heads + 2, self.head_dim)
+            return fused_qkv[..., :-2, :], fused_qkv[..., [-2], :], fused_qkv[..., [-1], :]
+""",
+    """        if not self.new_decoder_architecture:
+            raise NotImplementedError("parallelized for a checkpoint where `self.new_decoder_architecture` is true")
+        batch, seq_len, _ = fused_qkv.shape
+        qkv = fused_qkv.view(batch, seq_len, -1, self.num_heads // self.num_kv_heads + 2, self.head_dim)
+        query = qkv[:, :, :, :-2]
+        key = torch.broadcast_to(qkv[:, :, :, [-2]], query.shape)
+        value = torch.broadcast_to(qkv[:, :, :, [-1]], query.shape)
+        return query.flatten(2, 3), key.flatten(2, 3), value.flatten(2, 3)
+""",
+).replace("num_kv_heads=self.num_kv_heads", "num_kv_heads=config.num_attention_heads")
+
+
+def test_a_fused_projection_in_groups_per_key_head_is_split_by_whole_groups(run_rule, make_ctx):
+    assert FALCON_GROUPED != FALCON
+    out = _sharded(run_rule, make_ctx, FALCON_GROUPED)
+    assert "self.query_key_value = ColumnParallelLinear(config.hidden_size, qkv_out_dim," in out
+    # the heads per key head are the same on every rank holding whole groups, which __init__ checks
+    assert (
+        'whole_blocks(qkv_out_dim, (self.num_heads // self.num_kv_heads + 2) * self.head_dim, comm_manager, "attn_tp_group")'
+        in out
+    )
+    assert out.count('num_heads=local_heads(config.num_attention_heads, comm_manager, "attn_tp_group")') == 2
+    assert 'self.num_kv_heads = local_kv_heads(self.num_kv_heads, comm_manager, "attn_tp_group")' in out

@@ -190,3 +190,26 @@ def test_layouts_a_helper_cuts_and_another_attention_s_branch_untaken_become_gua
     )
     assert after in out and "self.attn_2(q" not in out
     assert run_codemod(rule, out, make_ctx(checkpoint_config=config)) == out
+
+
+def test_an_elif_left_alone_by_guarding_the_tests_before_it_is_an_if_like_any_other(make_ctx):
+    # falcon-rw (per head): the grouped arm is guarded, the per-head `elif` is taken, so the multi-query `else:`
+    # after it is guarded too, leaving one layout
+    config = FalconConfig(new_decoder_architecture=False, multi_query=False, alibi=False)
+    out = run_codemod(rule, FALCON, make_ctx(checkpoint_config=config))
+    assert "        if self.multi_query:\n" + _guard("self.multi_query") in out
+    assert "view(1, 1, 6, 16)" not in out and "        return fused_qkv.view(1, 1, 4, 3, 16)\n" in out
+    assert run_codemod(rule, out, make_ctx(checkpoint_config=config)) == out
+
+
+def test_a_taken_if_followed_by_elif_arms_guards_them_all(make_ctx):
+    config = FalconConfig(new_decoder_architecture=True, alibi=False)
+    out = run_codemod(rule, FALCON, make_ctx(checkpoint_config=config))
+    guard = _guard("self.new_decoder_architecture", "true")
+    assert (
+        "        if not self.new_decoder_architecture:\n"
+        + guard
+        + "        return fused_qkv.view(1, 1, -1, 4, 16)\n"
+        in out
+    )
+    assert "multi_query" not in out.split("def _split_heads")[1].split("def forward")[0]

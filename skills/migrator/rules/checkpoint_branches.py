@@ -158,7 +158,7 @@ class _Fold(cst.CSTTransformer):
         if scope is None or is_guard(updated.body) or not _config_only(updated.test, set(scope)):
             return updated
         ok, value = _evaluate(updated.test, scope)
-        if ok and value and self.elses and isinstance(updated.orelse, cst.Else):
+        if ok and value and self.elses and updated.orelse is not None:
             return self._guard_else(original, updated)
         if not ok or value or not self.wanted(self.cls, original):
             return updated
@@ -169,14 +169,23 @@ class _Fold(cst.CSTTransformer):
         rest = updated.orelse
         if isinstance(rest, cst.Else):
             return cst.FlattenSentinel([guard, *rest.body.body])
-        if isinstance(rest, cst.If):
-            return cst.FlattenSentinel([guard, rest])
+        if isinstance(rest, cst.If):  # the `elif` now starts a chain of its own, taken or not like any `if`
+            ok, value = _evaluate(rest.test, scope)
+            taken = ok and value and self.elses and rest.orelse is not None and not is_guard(rest.body)
+            after = self._guard_else(rest, rest, standalone=True) if taken else rest
+            return cst.FlattenSentinel(
+                [guard, *(after.nodes if isinstance(after, cst.FlattenSentinel) else [after])]
+            )
         return guard
 
-    def _guard_else(self, original: cst.If, updated: cst.If):
-        """`if <test>: A else: B`, test true and B wanted: `if not <test>: raise ...` then A."""
-        untaken = original.with_changes(body=original.orelse.body, orelse=None)
-        if id(original) in self.elifs or not self.wanted(self.cls, untaken):
+    def _guard_else(self, original: cst.If, updated: cst.If, standalone: bool = False):
+        """`if <test>: A else: B` (or `elif ...`), test true and what follows A wanted: `if not <test>: raise ...`
+        then A. An `elif` is left as it is unless it now stands alone (its chain's earlier tests guarded)."""
+        rest = original.orelse
+        untaken = original.with_changes(
+            body=rest.body if isinstance(rest, cst.Else) else cst.IndentedBlock([rest]), orelse=None
+        )
+        if (id(original) in self.elifs and not standalone) or not self.wanted(self.cls, untaken):
             return updated
         test = updated.test
         if m.matches(test, m.UnaryOperation(m.Not())):  # `if not x: A else: B`: `if x: raise ...`

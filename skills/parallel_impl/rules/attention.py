@@ -4,7 +4,8 @@ the runtime `Attention` gets the per-rank head counts (which also size this rank
 parameter it receives as `sinks=`, or broadcasts along the head axis, keeps this rank's heads (`shard_heads`);
 another linear whose output counts the query heads (an output gate per head or per head channel) is split by
 heads like q_proj; a module applied to all heads' q or k projection output (OLMo2's q_norm / k_norm) runs on
-every head (`gather_heads`).
+every head (`gather_heads`). Every runtime `Attention` a class builds with the same head counts gets them (Falcon's
+rotary and ALiBi layers on one cache), provided forward runs only one.
 
 Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
 
@@ -80,6 +81,14 @@ GLOBAL_SIZES = re.compile(rf"\b({'|'.join(HEADS)}|n_heads|n_head|hidden_size|emb
 HEAD_COUNTS = re.compile(rf"\b({'|'.join(HEADS)})\b")
 QUERY_HEADS = ("num_attention_heads", "num_heads", "n_heads", "n_head")
 KV_HEADS = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads"}
+# heads per key head, plus its key and value (Falcon's grouped `self.num_heads // self.num_kv_heads + 2`): the same on
+# every rank whose rows are whole groups, which __init__ then checks (whole_blocks)
+_PER_KEY_HEAD = m.BinaryOperation(
+    m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, QUERY_HEADS))),
+    m.FloorDivide(),
+    m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, KV_HEADS))),
+)
+PER_GROUP = _PER_KEY_HEAD | m.BinaryOperation(_PER_KEY_HEAD, m.Add(), m.Integer())
 # head counts a method other than __init__ may read as `self.<attr>`: they size the activations a rank holds
 HEAD_ATTRS = re.compile("|".join((*HEADS, "n_heads", "n_head")))
 
@@ -316,6 +325,23 @@ def _head_args(call: cst.Call) -> tuple[str | None, ...]:
     """The head counts and head size an `Attention(...)` call passes, as code."""
     given = (arg(call, 0, "num_heads"), arg(call, 1, "head_dim"), arg(call, 3, "num_kv_heads"))
     return tuple(code(a.value) if a is not None else None for a in given)
+
+
+def _attention_layers_refused(attention: list[Layer], fwd: cst.FunctionDef) -> str | None:
+    """Why the runtime Attention layers cannot all take a rank's heads: none, several with different head counts,
+    or several that forward runs (DiffLlama's two softmaxes over one q / k pair head h with h + H/2, which a rank's
+    contiguous share would split)."""
+    if len({_head_args(a.call) for a in attention}) != 1:
+        return "__init__ builds no runtime `Attention(...)` layer, or several with different head counts"
+    if len(run := [a.attr for a in attention if m.findall(fwd, _calls_layer(a.attr))]) > 1:
+        return f"forward runs {len(run)} runtime Attention layers (`{'`, `'.join(run)}`), whose heads it may combine"
+    return None
+
+
+def _calls_layer(attr: str) -> m.Call:
+    """A call of `self.<attr>` or of one of its entry points (`self.attn.forward_heads_first(...)`)."""
+    layer = m.Attribute(m.Name("self"), m.Name(attr))
+    return m.Call(layer | m.Attribute(layer))
 
 
 def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple[int, cst.Call] | None:
@@ -562,7 +588,12 @@ def _viewed_per_head(
     wide = len(block) > 1 or (len(block) == 1 and block[0] is not None and m.matches(block[0], multiple))
     if (
         wide
-        and not any(d is None or m.matches(d, MINUS_ONE) or HEAD_COUNTS.search(code(d)) for d in block)
+        and not any(
+            d is None
+            or m.matches(d, MINUS_ONE)
+            or (HEAD_COUNTS.search(code(d)) and not m.matches(d, PER_GROUP))
+            for d in block
+        )
         and not any(d is not None and m.matches(d, m.Integer() | MINUS_ONE) for d in before)
     ):
         return found[0], shape[at], block
@@ -687,8 +718,8 @@ def _rewrite_per_head(
     out = _out_proj(init, fwd, linears)
     if out is None:
         return "no `self.o_proj = nn.Linear(...)` in __init__"
-    if len(attention) != 1:
-        return "__init__ does not build exactly one runtime `Attention(...)` layer"
+    if why := _attention_layers_refused(attention, fwd):
+        return why
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
     per_head = per_head or [
@@ -702,7 +733,7 @@ def _rewrite_per_head(
     attn = attention[0]
     if arg(attn.call, 0, "num_heads") is None:
         return "the Attention call does not pass num_heads"
-    skip = [linears[a].line for a in (*per_head, out)] + [attn.line]
+    skip = [linears[a].line for a in (*per_head, out)] + [a.line for a in attention]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     local, blocks, guard = _head_attrs(_methods(cls), init), [], []
@@ -728,16 +759,20 @@ def _rewrite_per_head(
         call = cst.parse_expression(f"{ctor}({', '.join(a.layer_args())}, {plumbing})")
         return linears[attr].line.deep_replace(linears[attr].call, call)
 
-    call = attn.call
-    for pos, name in ((0, "num_heads"), (3, "num_kv_heads")):
-        if (given := arg(call, pos, name)) is not None:
-            call = _set_kwarg(call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")')
-    call = _shard_alibi(call)
     changes = {
         **{id(linears[a].line): parallel(a, "ColumnParallelLinear", GROUP) for a in per_head},
         id(linears[out].line): parallel(out, "OProjParallelLinear", OPROJ_GROUP),
-        id(attn.line): attn.line.with_changes(body=[attn.line.body[0].with_changes(value=call)]),
     }
+    for layer in attention:
+        call = layer.call
+        for pos, name in ((0, "num_heads"), (3, "num_kv_heads")):
+            if (given := arg(call, pos, name)) is not None:
+                call = _set_kwarg(
+                    call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")'
+                )
+        changes[id(layer.line)] = layer.line.with_changes(
+            body=[layer.line.body[0].with_changes(value=_shard_alibi(call))]
+        )
     new_init = edit_body(
         replace_by_id(init, changes), {}, [*guard, *_localized(local, {}), region(GROUP, whole_sequence=True)]
     )
@@ -785,17 +820,20 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     viewed = fused and fwd is not None and _viewed_per_head(cls, fwd, fused, _head_attrs(_methods(cls), init))
     if viewed:
         counts = [(arg(a.call, 0, "num_heads"), arg(a.call, 3, "num_kv_heads")) for a in attention]
-        if any(kv is not None and (q is None or code(kv.value) != code(q.value)) for q, kv in counts):
+        grouped = any(d is not None and m.matches(d, PER_GROUP) for d in viewed[2])  # whole groups per rank
+        if not grouped and any(
+            kv is not None and (q is None or code(kv.value) != code(q.value)) for q, kv in counts
+        ):
             return f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
         return _rewrite_per_head(cls, ctx, init, fwd, [fused], viewed)
     projections = (fused,) if fused else names
     missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
     if missing:
         return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
-    if len({_head_args(a.call) for a in attention}) != 1:
-        return "__init__ builds no runtime `Attention(...)` layer, or several with different head counts"
     if fwd is None:
         return "no forward"
+    if why := _attention_layers_refused(attention, fwd):
+        return why
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
     args = [linear_args(linears[a].call) for a in (*projections, out)]

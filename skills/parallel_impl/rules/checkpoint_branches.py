@@ -2,8 +2,10 @@
 would otherwise have to shard what it builds (the migrator's MG018 keeps such branches general): one whose body
 builds a module or parameter sized by the head counts (Cohere's and StableLM's per-head q / k norms, off under
 `use_qk_norm` / `qk_layernorm`), one that uses an attribute only such a branch sets, and one that cuts a q/k/v
-projection fused on disk (GPT-BigCode's per-head layout, in the `else:` of `if self.multi_query:`). What the
-checkpoint never builds needs no sharding, and the parallel code refuses a checkpoint that takes the branch
+projection fused on disk (GPT-BigCode's per-head layout, in the `else:` of `if self.multi_query:`), in forward or
+in a method forward hands its output to (Falcon's `_split_heads`, a layout per branch), and one that calls one of
+several runtime Attention layers (Falcon's ALiBi attention beside its rotary one). What the checkpoint never builds
+needs no sharding, and the parallel code refuses a checkpoint that takes the branch
 instead of running it with whole layers. Other untaken branches (a weight tie under `tie_word_embeddings`) stay
 general."""
 
@@ -39,24 +41,22 @@ def _cuts_fused_qkv(node: cst.CSTNode) -> bool:
     return bool(m.findall(node, m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))))
 
 
-def _fused_helper_params(cls: cst.ClassDef) -> set[str]:
-    """`<method>.<param>` of each method of cls that forward passes a fused q/k/v projection's output (Falcon's
-    `self._split_heads(fused_qkv)`, which cuts it one way per layout)."""
+def _fused_output_names(cls: cst.ClassDef) -> set[str]:
+    """The names forward binds a fused q/k/v projection's output to, and the parameters of the methods it passes
+    them to (Falcon's `self._split_heads(fused_qkv)`, which cuts it one way per layout). Guarding an untaken branch
+    that reads one of them more than needed costs nothing: the checkpoint never runs it."""
     fwd = method(cls, "forward")
+    if fwd is None:
+        return set()
     fused = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))
-    holders = (
-        {a.targets[0].target.value for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name())], fused))}
-        if fwd
-        else set()
-    )
-    found = set()
-    for call in m.findall(fwd, m.Call(SELF_ATTR)) if fwd else ():
+    found = {a.targets[0].target.value for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name())], fused))}
+    held = m.OneOf(*map(m.Name, found)) if found else None
+    for call in m.findall(fwd, m.Call(SELF_ATTR)) if held else ():
         helper = method(cls, call.func.attr.value)
-        for at, a in enumerate(call.args if helper else ()):
-            if m.matches(a.value, m.OneOf(*map(m.Name, holders))) if holders else False:
-                params = [p.name.value for p in helper.params.params[1:]]
-                name = a.keyword.value if a.keyword else params[at] if at < len(params) else None
-                found |= {f"{helper.name.value}.{name}"} if name else set()
+        params = [p.name.value for p in helper.params.params[1:]] if helper else []
+        for at, a in enumerate(call.args):
+            if m.matches(a.value, held) and (a.keyword or at < len(params)):
+                found.add(a.keyword.value if a.keyword else params[at])
     return found
 
 
@@ -71,23 +71,12 @@ def _needs_guard(cls: cst.ClassDef, branch: cst.If) -> bool:
     """branch builds per-head modules or uses them, cuts a fused q/k/v projection's output (in forward, or in a
     method forward passes it to), or calls one of several runtime Attention layers."""
     used = {a.attr.value for a in m.findall(branch.body, SELF_ATTR)}
-    helper = next(
-        (
-            f
-            for f in m.findall(cls, m.FunctionDef())
-            if m.findall(f, m.If()) and any(i is branch for i in m.findall(f, m.If()))
-        ),
-        None,
-    )
-    cut = helper is not None and any(
-        f"{helper.name.value}.{n.value}" in _fused_helper_params(cls)
-        for n in m.findall(branch.body, m.Name())
-    )
+    output = _fused_output_names(cls)
     return (
         _builds_per_head(branch.body)
         or bool(used & _per_head_attrs(cls))
         or _cuts_fused_qkv(branch.body)
-        or cut
+        or bool(output and m.findall(branch.body, m.OneOf(*map(m.Name, output))))
         or bool(used & _other_attention(cls))
     )
 
