@@ -19,7 +19,15 @@ from runtime.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from runtime.layers.head_shard import gather_heads, local_heads, local_width, shard_heads, whole_blocks
+from runtime.layers.head_shard import (
+    gather_heads,
+    interleaved_heads,
+    local_heads,
+    local_kv_heads,
+    local_width,
+    shard_heads,
+    whole_blocks,
+)
 
 
 class FakeTP:
@@ -402,6 +410,22 @@ def test_a_ranks_heads_and_their_width_are_even_shares():
     assert local_width(8 * 16, None, "attn_tp_group") == 8 * 16  # unsharded without a comm manager
     with pytest.raises(ConfigError, match="6 channels of the attention output are not divisible .* \\(4\\)"):
         local_width(6, FakeTP(4, 0), "attn_tp_group")
+
+
+def test_key_heads_fewer_than_ranks_are_replicated_one_per_rank():
+    assert [local_kv_heads(8, FakeTP(n, 0), "attn_tp_group") for n in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert [local_kv_heads(1, FakeTP(n, 0), "attn_tp_group") for n in (1, 2, 4)] == [1, 1, 1]
+    assert local_kv_heads(2, FakeTP(4, 0), "attn_tp_group") == 1
+    with pytest.raises(ConfigError, match="3 key heads are not divisible"):
+        local_kv_heads(3, FakeTP(2, 0), "attn_tp_group")
+
+
+def test_q_k_v_interleaved_per_head_need_a_key_head_per_query_head():
+    interleaved_heads(8, 8)
+    with pytest.raises(
+        ConfigError, match="interleaved per head, but this model has 2 key heads for 8 query heads"
+    ):
+        interleaved_heads(8, 2)
 
 
 def test_a_ranks_rows_of_a_projection_viewed_in_blocks_are_whole_blocks():

@@ -34,6 +34,16 @@ def local_kv_heads(total: int, comm_manager: CommManager | None, tp_group: str) 
     return _even_share(total, "key heads", comm_manager, tp_group)
 
 
+def interleaved_heads(query_heads: int, key_heads: int) -> None:
+    """Refuse a model whose q, k and v are interleaved per head on disk with fewer key heads than query heads: a
+    rank's contiguous rows would not be its heads' (the rewrite assumed one key head per query head)."""
+    if key_heads != query_heads:
+        raise ConfigError(
+            f"q, k and v are interleaved per head, but this model has {key_heads} key heads for {query_heads} "
+            "query heads: its fused projection cannot be split by heads; run it without attention TP"
+        )
+
+
 def local_width(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
     """The width of one rank's heads side by side, ``total`` being all heads': the attention output a rank holds
     before its row-parallel output projection."""

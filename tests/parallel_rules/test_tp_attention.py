@@ -4,6 +4,7 @@ around forward; attention that can't be sharded is a finding."""
 from textwrap import dedent
 
 import pytest
+from transformers import LlamaConfig
 
 from skills.parallel_impl.rewrite import parallelize_source
 from skills.parallel_impl.rules.attention import ShardAttention as rule
@@ -191,6 +192,23 @@ def test_qkv_interleaved_per_head_with_fewer_key_heads_is_a_finding(run_rule, ma
     code = NEOX_BEFORE.replace("scale=1.0)", "scale=1.0, num_kv_heads=2)")
     what = _finding(run_rule, make_ctx, code, "GPTNeoXAttention")
     assert "interleaves q, k and v per head, with fewer key heads than query heads" in what
+
+
+@pytest.mark.parametrize("kv_heads, identical", [(4, True), (2, False)])
+def test_key_heads_written_otherwise_are_read_off_the_checkpoint(run_rule, make_ctx, kv_heads, identical):
+    # Falcon's per-head layout gives its Attention `self.num_kv_heads`, set from the config: equal to the query
+    # heads in this checkpoint, so the rows split by heads, and __init__ checks it for whatever config it is given
+    code = NEOX_BEFORE.replace(
+        "        self.attn = Attention(",
+        "        self.num_kv_heads = config.num_key_value_heads\n        self.attn = Attention(",
+    ).replace("scale=1.0)", "scale=1.0, num_kv_heads=self.num_kv_heads)")
+    assert "self.num_kv_heads = config" in code
+    ctx = make_ctx(checkpoint_config=LlamaConfig(num_attention_heads=4, num_key_value_heads=kv_heads))
+    out = run_rule(rule, code, ctx)
+    if identical:
+        assert "interleaved_heads(config.num_attention_heads, self.num_kv_heads)\n" in out
+    else:
+        assert out == code and "fewer key heads than query heads" in ctx.findings[0].what
 
 
 def _finding(run_rule, make_ctx, code: str, scope: str = "LlamaAttention") -> str:

@@ -66,6 +66,17 @@ def _self_attrs(cls: cst.ClassDef, init: cst.FunctionDef, config: PretrainedConf
     return ns
 
 
+def checkpoint_value(
+    cls: cst.ClassDef, e: cst.BaseExpression, config: PretrainedConfig | None
+) -> tuple[bool, object]:
+    """(whether it could be, the value of) e, an expression of the checkpoint's config and of attributes __init__
+    sets once from it, as __init__ computes it for this checkpoint."""
+    init = method(cls, "__init__")
+    if config is None or init is None or not _config_only(e, {"config", "self"}):
+        return False, None
+    return _evaluate(e, {"config": config, "self": _self_attrs(cls, init, config)})
+
+
 def _config_classes(module: cst.Module, config: PretrainedConfig) -> set[str]:
     """The classes whose __init__ takes the checkpoint's config as `config` and never rebinds it: annotated
     `config: <its class>`, or unannotated and built only by such classes, each passing its own `config`

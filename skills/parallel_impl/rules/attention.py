@@ -30,7 +30,7 @@ from skills.migrator.cst_utils import (
     stmt,
 )
 from skills.migrator.rule import Rule
-from skills.migrator.rules.checkpoint_branches import is_guard
+from skills.migrator.rules.checkpoint_branches import checkpoint_value, is_guard
 from skills.parallel_impl.rules._units import (
     LINEAR,
     LINEAR_IMPORT,
@@ -707,6 +707,7 @@ def _rewrite_per_head(
     fwd: cst.FunctionDef,
     per_head: list[str] | None = None,
     viewed: tuple[cst.FunctionDef, cst.BaseExpression, list[cst.BaseExpression]] | None = None,
+    checks: Sequence[cst.SimpleStatementLine] = (),
 ) -> cst.ClassDef | str:
     """Attention whose projections are not q/k/v blocks: each projection whose rows are whole heads (multi-head
     latent attention's, whose output size counts the heads; ``per_head``: a fused projection whose output forward
@@ -736,7 +737,7 @@ def _rewrite_per_head(
     skip = [linears[a].line for a in (*per_head, out)] + [a.line for a in attention]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
-    local, blocks, guard = _head_attrs(_methods(cls), init), [], []
+    local, blocks, guard = _head_attrs(_methods(cls), init), [], list(checks)
     if viewed:
         scope, groups, block = viewed
         width = _block_width(scope, block)
@@ -745,7 +746,7 @@ def _rewrite_per_head(
         if m.matches(groups, MINUS_ONE) and GLOBAL_SIZES.search(code(width[0])):
             # blocks of several heads, a fraction of the whole width: checked to be whole when the layer is built
             rows = args[per_head[0]].out_features
-            guard = [stmt(f'whole_blocks({rows}, {code(width[0])}, comm_manager, "{GROUP}")\n')]
+            guard += [stmt(f'whole_blocks({rows}, {code(width[0])}, comm_manager, "{GROUP}")\n')]
         blocks = [*block, *(width[1] if width else [])]
     if found := _reads_global_size(_methods(cls), local, blocks):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
@@ -821,11 +822,18 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if viewed:
         counts = [(arg(a.call, 0, "num_heads"), arg(a.call, 3, "num_kv_heads")) for a in attention]
         grouped = any(d is not None and m.matches(d, PER_GROUP) for d in viewed[2])  # whole groups per rank
-        if not grouped and any(
-            kv is not None and (q is None or code(kv.value) != code(q.value)) for q, kv in counts
-        ):
-            return f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
-        return _rewrite_per_head(cls, ctx, init, fwd, [fused], viewed)
+        differ = {
+            (q, kv) for q, kv in counts if kv is not None and (q is None or code(kv.value) != code(q.value))
+        }
+        checks = []  # counts written differently that this checkpoint makes equal (Falcon's per-head layout)
+        for q, kv in differ if not grouped else ():
+            same = [checkpoint_value(cls, a.value, ctx.checkpoint_config) for a in (q, kv) if a is not None]
+            if len(same) != 2 or not all(ok for ok, _ in same) or same[0][1] != same[1][1]:
+                return (
+                    f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
+                )
+            checks.append(stmt(f"interleaved_heads({code(q.value)}, {code(kv.value)})\n"))
+        return _rewrite_per_head(cls, ctx, init, fwd, [fused], viewed, checks)
     projections = (fused,) if fused else names
     missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
     if missing:
@@ -1039,6 +1047,7 @@ class ShardAttention(Rule):
                 "shard_heads",
                 "gather_heads",
                 "whole_blocks",
+                "interleaved_heads",
             )
         ]
         used += [("runtime.layers.oproj", "OProjParallelLinear")]
