@@ -93,6 +93,10 @@ class _PassPositions(cst.CSTTransformer):
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.cls = node
 
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        self.cls = None
+        return updated
+
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         lengths = self.lengths.get((self.cls.name.value, original.name.value), set()) if self.cls else set()
         init = method(self.cls, "__init__") if self.cls else None
@@ -131,7 +135,7 @@ def _given_positions(module: cst.Module, changed: set[str]) -> cst.Module:
         if sites[name].instances_escape or not all(binding(c, fwd, param) for c in sites[name].called):
             continue
         folded = {
-            i: list(i.orelse.body.body) if isinstance(i.orelse, cst.Else) else []
+            id(i): list(i.orelse.body.body) if isinstance(i.orelse, cst.Else) else []
             for i in m.findall(fwd, WITHOUT_POSITIONS)
         }
         new[name] = local[name].deep_replace(fwd, fwd.visit(_Unfold(folded)))
@@ -141,13 +145,16 @@ def _given_positions(module: cst.Module, changed: set[str]) -> cst.Module:
 
 
 class _Unfold(cst.CSTTransformer):
-    def __init__(self, folded: dict[cst.If, list[cst.BaseStatement]]):
+    """Each `if` of folded (by id) replaced by its statements (none: removed)."""
+
+    def __init__(self, folded: dict[int, list[cst.BaseStatement]]):
         self.folded = folded
 
     def leave_If(self, original: cst.If, updated: cst.If):
-        if original not in self.folded:
+        if id(original) not in self.folded:
             return updated
-        return cst.FlattenSentinel(self.folded[original]) if self.folded[original] else cst.RemoveFromParent()
+        kept = self.folded[id(original)]
+        return cst.FlattenSentinel(kept) if kept else cst.RemoveFromParent()
 
 
 def pass_positions(module: cst.Module, config: PretrainedConfig | None, lengths: Lengths) -> cst.Module:

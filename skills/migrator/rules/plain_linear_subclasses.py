@@ -24,8 +24,9 @@ def _product(e: cst.BaseExpression, x: str) -> bool:
     return m.matches(e, m.BinaryOperation(m.Name(x), m.MatrixMultiply(), TRANSPOSED))
 
 
-def _returned(s: cst.BaseStatement) -> cst.BaseExpression | None:
-    return s.body[0].value if m.matches(s, m.SimpleStatementLine([m.Return()])) else None
+def _returns(s: cst.BaseStatement, value: m.BaseMatcherNode) -> bool:
+    """s is `return <value>`."""
+    return m.matches(s, m.SimpleStatementLine([m.Return(value)]))
 
 
 def _plain_linear(forward: cst.FunctionDef) -> bool:
@@ -51,11 +52,7 @@ def _plain_linear(forward: cst.FunctionDef) -> bool:
         return False
     branch = body[0].body.body
     with_bias = m.BinaryOperation(local, m.Add(), BIAS) | m.BinaryOperation(BIAS, m.Add(), local)
-    return (
-        len(branch) == 1
-        and m.matches(_returned(branch[0]), local)
-        and m.matches(_returned(body[1]), with_bias)
-    )
+    return len(branch) == 1 and _returns(branch[0], local) and _returns(body[1], with_bias)
 
 
 def _only_constructed(module: cst.Module, name: str, entry: str) -> bool:
