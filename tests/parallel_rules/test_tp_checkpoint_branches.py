@@ -180,8 +180,8 @@ def test_layouts_a_helper_cuts_and_another_attention_s_branch_untaken_become_gua
     out = run_codemod(rule, FALCON, make_ctx(checkpoint_config=config))
     assert "if self.new_decoder_architecture:\n" + _guard("self.new_decoder_architecture") in out
     assert "        if not self.multi_query:\n" + _guard("not self.multi_query") in out
-    # the layout the checkpoint has
-    assert "        else:\n            return fused_qkv.view(1, 1, 6, 16)" in out
+    # the layout the checkpoint has, after the guards
+    assert _guard("not self.multi_query") + "        return fused_qkv.view(1, 1, 6, 16)\n" in out
     # `if not x: A else: B`, x false: `if x: raise ...`, then A
     after = (
         "        if self.use_alibi:\n"

@@ -184,6 +184,8 @@ class _Fold(cst.CSTTransformer):
             ok, value = _evaluate(rest.test, scope)
             taken = ok and value and self.elses and rest.orelse is not None and not is_guard(rest.body)
             after = self._guard_else(rest, rest, standalone=True) if taken else rest
+            if isinstance(after, cst.If) and is_guard(after.body) and isinstance(after.orelse, cst.Else):
+                after = cst.FlattenSentinel([after.with_changes(orelse=None), *after.orelse.body.body])
             return cst.FlattenSentinel(
                 [guard, *(after.nodes if isinstance(after, cst.FlattenSentinel) else [after])]
             )
