@@ -91,3 +91,67 @@ def test_docstrings_that_describe_the_file_untouched(make_ctx):
                 return "x"
         ''')
     assert_noop(rule, code, make_ctx)
+
+
+# TrOCR's decoder forward once MG004 has taken its HF-only parameters: its docstring still described them.
+ARGS_BEFORE = dedent('''\
+    class TrOCRDecoder(nn.Module):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            r"""
+            Args:
+                input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
+                    Indices of input sequence tokens in the vocabulary.
+
+                    [What are input IDs?](../glossary#input-ids)
+                attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
+                    Mask to avoid performing attention on padding token indices.
+                cache (`Cache`, *optional*):
+                    Contains pre-computed hidden-states.
+
+            Returns:
+                The hidden states.
+            """
+            return self.layers(input_ids, **kwargs)
+
+        def step(self, hidden_states):
+            """One step.
+
+            Args:
+                cache: the cache, now gone.
+            """
+            return hidden_states
+    ''')
+
+ARGS_AFTER = dedent('''\
+    class TrOCRDecoder(nn.Module):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            r"""
+            Args:
+                input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
+                    Indices of input sequence tokens in the vocabulary.
+
+                    [What are input IDs?](../glossary#input-ids)
+
+            Returns:
+                The hidden states.
+            """
+            return self.layers(input_ids, **kwargs)
+
+        def step(self, hidden_states):
+            """One step.
+            """
+            return hidden_states
+    ''')
+
+
+def test_arguments_a_function_no_longer_takes_leave_its_docstring(make_ctx):
+    assert_codemod(rule, ARGS_BEFORE, ARGS_AFTER, make_ctx)
+
+
+def test_arguments_it_takes_stay_whatever_their_markup(make_ctx):
+    code = ARGS_BEFORE.replace("def step(self, hidden_states):", "def step(self, hidden_states, cache=None):")
+    code = code.replace(
+        "(self, input_ids=None, position_ids=None, **kwargs)",
+        "(self, input_ids, attention_mask, cache, **kwargs)",
+    )
+    assert_noop(rule, code, make_ctx)

@@ -1,6 +1,7 @@
 """Docstrings stop describing what the migrated file no longer has: a `>>>` usage example that imports or
-builds names this file does not define (`LlamaModel(configuration)` from transformers) is removed, a
-docstring left empty goes, and HF doc-builder cross-references (`` [`~transformers.PreTrainedConfig`] ``)
+builds names this file does not define (`LlamaModel(configuration)` from transformers) is removed, so is an entry of
+a function's `Args:` section naming a parameter it no longer takes (`attention_mask`, `cache` once MG004 took them),
+a docstring left empty goes, and HF doc-builder cross-references (`` [`~transformers.PreTrainedConfig`] ``)
 become plain code spans. Licence headers and comments are untouched."""
 
 import ast
@@ -9,6 +10,7 @@ import re
 
 import libcst as cst
 
+from skills.migrator.cst_utils import param_names
 from skills.migrator.reachability import top_level_names
 from skills.migrator.rule import VisitorRule
 
@@ -35,6 +37,47 @@ def _example_names(block: str) -> set[str]:
     return names | (read - bound - set(dir(builtins)))
 
 
+_ARGS = re.compile(r"^([ \t]*)Args:[ \t]*$")
+_ENTRY = re.compile(r"^([ \t]*)\*{0,2}(\w+)\s*(?:\(|:)")
+
+
+def _without_gone_args(text: str, params: set[str]) -> str:
+    """text with the entries of its `Args:` section that name no parameter of the function dropped (an entry: a
+    `name (...):` or `name:` line at the section's first indentation, and the deeper or blank lines under it), and
+    the header too once nothing is left under it."""
+    lines, out, i = text.split("\n"), [], 0
+    while i < len(lines):
+        header = _ARGS.match(lines[i])
+        if not header:
+            out.append(lines[i])
+            i += 1
+            continue
+        indent, section, i = len(header.group(1)), [], i + 1
+        while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > indent):
+            section.append(lines[i])
+            i += 1
+        first = next((line for line in section if line.strip()), "")
+        depth = len(first) - len(first.lstrip())
+        kept, keep = [], True
+        for line in section:
+            entry = _ENTRY.match(line)
+            if entry and len(entry.group(1)) == depth:
+                keep = entry.group(2) in params
+            if keep:
+                kept.append(line)
+        tail = []  # the blank lines that end the section (the closing quotes' indentation) stay
+        while section and not section[-1].strip():
+            tail.insert(0, section.pop())
+        while kept and not kept[-1].strip():
+            kept.pop()
+        if kept:
+            out += [header.group(0), *kept]
+        elif len(out) > 1 and not out[-1].strip():
+            out.pop()  # the blank line before a section that is gone
+        out += tail
+    return "\n".join(out)
+
+
 def _xref(match: re.Match) -> str:
     short, target = match.groups()
     return f"`{target.rsplit('.', 1)[-1] if short else target}`"
@@ -43,7 +86,7 @@ def _xref(match: re.Match) -> str:
 class StaleDocs(VisitorRule):
     ID = "MG016"
     DESCRIPTION = (
-        "Docstring examples of names the file no longer has go; HF doc cross-references become code."
+        "Docstring examples and Args entries the file no longer has go; HF doc cross-references become code."
     )
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -69,7 +112,7 @@ class StaleDocs(VisitorRule):
             kept = re.sub(r"(\n[ \t]*)+(\n[ \t]*)$", r"\2", kept)  # no blank lines left before the quotes
         return _XREF.sub(_xref, kept)
 
-    def _body(self, updated):
+    def _body(self, updated, params: set[str] | None = None):
         body = (
             list(updated.body.body)
             if isinstance(updated, (cst.ClassDef, cst.FunctionDef))
@@ -79,7 +122,7 @@ class StaleDocs(VisitorRule):
         if not (m_doc := self._docstring(first)):
             return updated
         prefix, quote, text = m_doc
-        cleaned = self._clean(text)
+        cleaned = self._clean(text if params is None else _without_gone_args(text, params))
         if cleaned == text:
             return updated
         if not cleaned.strip() and len(body) > 1:
@@ -105,4 +148,6 @@ class StaleDocs(VisitorRule):
         return self._body(updated)
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
-        return self._body(updated)
+        p = updated.params
+        star = [x.name.value for x in (p.star_arg, p.star_kwarg) if isinstance(x, cst.Param)]
+        return self._body(updated, {*param_names(updated), *star})
