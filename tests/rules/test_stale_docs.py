@@ -122,26 +122,21 @@ ARGS_BEFORE = dedent('''\
             return hidden_states
     ''')
 
-ARGS_AFTER = dedent('''\
-    class TrOCRDecoder(nn.Module):
-        def forward(self, input_ids=None, position_ids=None, **kwargs):
-            r"""
-            Args:
-                input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
-                    Indices of input sequence tokens in the vocabulary.
+ARGS_AFTER = ARGS_BEFORE.replace(
+    """            attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
+                Mask to avoid performing attention on padding token indices.
+            cache (`Cache`, *optional*):
+                Contains pre-computed hidden-states.
+""",
+    "",
+).replace(
+    """
 
-                    [What are input IDs?](../glossary#input-ids)
-
-            Returns:
-                The hidden states.
-            """
-            return self.layers(input_ids, **kwargs)
-
-        def step(self, hidden_states):
-            """One step.
-            """
-            return hidden_states
-    ''')
+        Args:
+            cache: the cache, now gone.
+""",
+    "\n",
+)
 
 
 def test_arguments_a_function_no_longer_takes_leave_its_docstring(make_ctx):
