@@ -29,6 +29,11 @@ def binding(call: cst.Call, fn: cst.FunctionDef, param: cst.Param) -> cst.Arg | 
     return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
 
 
+def bound_parameter(call: cst.Call, fn: cst.FunctionDef, arg: cst.Arg) -> str | None:
+    """The name of fn's parameter that arg of call binds (None: none, a splat or a keyword fn lacks)."""
+    return next((p.name.value for p in named_params(fn) if binding(call, fn, p) is arg), None)
+
+
 @dataclass
 class Sites:
     """Where a class is built and where its instances are called, and whether that is all of their uses."""

@@ -24,7 +24,7 @@ BUILTINS = {"getattr": getattr, "len": len}
 # The RoPE types transformers' dynamic_rope_update acts on ("dynamic" in the type, or "longrope").
 DYNAMIC_ROPE = ("dynamic", "longrope")
 LAYER_WEIGHT = m.Attribute(m.Attribute(m.Name("self"), m.Name()), m.Name("weight") | m.Name("bias"))
-GUARD = ("migrated for a checkpoint where `{test}` is false; ", "run `skill migrate` on this checkpoint")
+GUARD = ("migrated for a checkpoint where `{test}` is {value}; ", "run `skill migrate` on this checkpoint")
 GuardText = tuple[str, str]
 SUPER_INIT_CONFIG = m.Call(
     m.Attribute(m.Call(m.Name("super")), m.Name("__init__")), [m.Arg(m.Name("config"))]
@@ -108,14 +108,10 @@ def _config_classes(module: cst.Module, config: PretrainedConfig) -> set[str]:
     return found
 
 
-def _guard(test: cst.BaseExpression, text: GuardText, negated: bool = False) -> cst.BaseStatement:
-    """`raise NotImplementedError(...)` naming test as false (negated: `not <test>`, named as true)."""
-    what, how = text
-    if negated:
-        test, what = test.expression.with_changes(lpar=[], rpar=[]), what.replace("` is false", "` is true")
-    what, how = (
-        cst.SimpleString(repr(part.format(test=cst.Module([]).code_for_node(test)))) for part in (what, how)
-    )
+def _guard(test: cst.BaseExpression, text: GuardText, value: str = "false") -> cst.BaseStatement:
+    """`raise NotImplementedError(...)` naming the checkpoint's value of test."""
+    shown = cst.Module([]).code_for_node(test)
+    what, how = (cst.SimpleString(repr(part.format(test=shown, value=value))) for part in text)
     message = cst.ConcatenatedString(
         what,
         how,
@@ -208,7 +204,7 @@ class _Fold(cst.CSTTransformer):
             if not isinstance(test, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
                 test = test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             negated = cst.UnaryOperation(cst.Not(), test)
-            raised = _guard(negated, self.text, negated=True)
+            raised = _guard(test.with_changes(lpar=[], rpar=[]), self.text, "true")
         guard = updated.with_changes(test=negated, body=cst.IndentedBlock([raised]), orelse=None)
         return cst.FlattenSentinel([guard, *updated.body.body])
 

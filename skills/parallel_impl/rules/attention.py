@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.call_sites import bound_parameter
 from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
@@ -152,14 +153,12 @@ def _input_width(fwd: cst.FunctionDef) -> str | None:
     """The local forward unpacks its hidden-states input's width into: `embed_dim` of BART-style attention's
     `bsz, tgt_len, embed_dim = hidden_states.size()`."""
     params = [p.name.value for p in fwd.params.params if p.name.value != "self"]
-    size = m.Call(m.Attribute(m.Name(params[0]), m.Name("size")), []) if params else None
-    shape = m.Attribute(m.Name(params[0]), m.Name("shape")) if params else None
-    unpack = m.Assign([m.AssignTarget(m.Tuple([m.AtLeastN(m.Element(m.Name()), n=2)]))], size | shape)
-    found = (
-        [a for s in fwd.body.body if m.matches(s, m.SimpleStatementLine([unpack])) for a in s.body]
-        if params
-        else []
-    )
+    if not params:
+        return None
+    hidden = m.Name(params[0])
+    size = m.Call(m.Attribute(hidden, m.Name("size")), []) | m.Attribute(hidden, m.Name("shape"))
+    unpack = m.Assign([m.AssignTarget(m.Tuple([m.AtLeastN(m.Element(m.Name()), n=2)]))], size)
+    found = [a for s in fwd.body.body if m.matches(s, m.SimpleStatementLine([unpack])) for a in s.body]
     return found[0].targets[0].target.elements[-1].value.value if len(found) == 1 else None
 
 
@@ -338,9 +337,9 @@ def _attention_layers_refused(attention: list[Layer], fwd: cst.FunctionDef) -> s
     return None
 
 
-def _calls_layer(attr: str) -> m.Call:
-    """A call of `self.<attr>` or of one of its entry points (`self.attn.forward_heads_first(...)`)."""
-    layer = m.Attribute(m.Name("self"), m.Name(attr))
+def _calls_layer(*attrs: str) -> m.Call:
+    """A call of `self.<attr>`, one of attrs, or of one of its entry points (`self.attn.forward_heads_first(...)`)."""
+    layer = m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, attrs)))
     return m.Call(layer | m.Attribute(layer))
 
 
@@ -350,8 +349,7 @@ def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple
     attention = list(self_layers(init, {"Attention"}))
     if fwd is None or not attention:
         return None
-    layer = m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, attention)))
-    attend = m.Call(layer | m.Attribute(layer))
+    attend = _calls_layer(*attention)
     for i, s in enumerate(fwd.body.body):
         if calls := m.findall(s, attend):
             return i, calls[0]
@@ -507,9 +505,10 @@ def _first_view(
 ) -> tuple[cst.FunctionDef, cst.Call] | None:
     """(its method, the `.view(...)` / `.reshape(...)` call) that first shapes the tensor `name` holds from
     statement `after` of scope on, when nothing but its `.shape` / `.size()` reads it before (following it into one
-    method of cls it is passed to) and its unshaped value is not read after."""
-    body = scope.body.body
-    for i, s in enumerate(body[after + 1 :], after + 1):
+    method of cls it is passed to) and its unshaped value is not read after. Guards (`if <test>: raise ...`) do
+    not count, and the `else:` after one is read as following it."""
+    body = _unguarded(scope.body.body[after + 1 :])
+    for i, s in enumerate(body):
         reads = len(m.findall(s, m.Name(name))) - len(m.findall(s, m.AssignTarget(m.Name(name))))
         shape_reads = m.findall(s, m.Attribute(m.Name(name), m.OneOf(*map(m.Name, SHAPE_READ))))
         if reads == len(shape_reads):
@@ -529,10 +528,8 @@ def _first_view(
         helper = method(cls, calls[0].func.attr.value) if calls else None
         if helper is None or helper is scope:
             return None
-        at = next(k for k, a in enumerate(calls[0].args) if m.matches(a.value, m.Name(name)))
-        given = calls[0].args[at]
-        params = [p.name.value for p in helper.params.params[1:]]
-        param = given.keyword.value if given.keyword else params[at] if at < len(params) else None
+        given = next(a for a in calls[0].args if m.matches(a.value, m.Name(name)))
+        param = bound_parameter(calls[0], helper, given)
         return None if param is None else _first_view(cls, helper, param, -1)
     return None
 
@@ -562,6 +559,20 @@ def _shape_dims(scope: cst.FunctionDef, view: cst.Call) -> list[cst.BaseExpressi
     return [None if a.star else a.value for a in view.args]
 
 
+def _first_shape(
+    cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str
+) -> tuple[cst.FunctionDef, list[cst.BaseExpression | None] | None] | None:
+    """(the method that first views the output of `self.<attr>(...)`, called once in forward, the dims it gives):
+    a view of the call itself, or _first_view's of the name forward binds it to."""
+    project = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
+    if self_refs(cls, attr) != 2 or not m.findall(fwd, project):
+        return None
+    direct = m.findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view") | m.Name("reshape"))))
+    bound = bound_call(fwd.body.body, attr)
+    found = (fwd, direct[0]) if direct else bound and _first_view(cls, fwd, bound[1], bound[0])
+    return (found[0], _shape_dims(*found)) if found else None
+
+
 def _viewed_per_head(
     cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]
 ) -> tuple[cst.FunctionDef, cst.BaseExpression, list[cst.BaseExpression]] | None:
@@ -570,13 +581,8 @@ def _viewed_per_head(
     and a block of more than one head's width (two dims or a multiple of one): its rows are then whole heads (or
     groups of them), each with its own q, k and v (GPT-NeoX's `query_key_value`, CodeGen's `qkv_proj` in blocks of
     3 x embed_dim / mp_num), and a rank's contiguous share of the rows is its heads'."""
-    project = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
-    if self_refs(cls, attr) != 2 or not m.findall(fwd, project):
-        return None
-    direct = m.findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view") | m.Name("reshape"))))
-    bound = bound_call(fwd.body.body, attr)
-    found = (fwd, direct[0]) if direct else bound and _first_view(cls, fwd, bound[1], bound[0])
-    shape = _shape_dims(*found) if found else None
+    found = _first_shape(cls, fwd, attr)
+    shape = found[1] if found else None
     group = m.OneOf(MINUS_ONE, *(m.Attribute(m.Name("self"), m.Name(h)) for h in heads))
     at = next((i for i, d in enumerate(shape or []) if d is not None and m.matches(d, group)), None)
     if at is None:
@@ -613,38 +619,18 @@ def _unguarded(body: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
 
 
 def _viewed_multi_query(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]) -> bool:
-    """The output of `self.<attr>(...)`, bound once in forward, is read (there or in the one method it is passed
-    to) only by its shape and one `.view(..., self.<h> + 2, <head size>)`, h one of the head counts of heads: its
-    rows are [q heads; one key head; one value head] (Falcon's multi-query `query_key_value`), which is how
-    QKVParallelLinear lays out a rank's share (the key and value heads replicated), so forward, given this
-    rank's `self.<h>`, needs no change. Guarded branches (a `raise` only) do not count."""
-    bound = bound_call(fwd.body.body, attr)
-    if bound is None or self_refs(cls, attr) != 2:
+    """The output of `self.<attr>(...)` is first shaped (see _first_shape) `[..., self.<h> + 2, <head size>]`, h one
+    of the head counts of heads: its rows are [q heads; one key head; one value head] (Falcon's multi-query
+    `query_key_value`), which is how QKVParallelLinear lays out a rank's share (the key and value heads
+    replicated), so forward, given this rank's `self.<h>`, needs no change."""
+    found = _first_shape(cls, fwd, attr)
+    dims = (found[1] or []) if found else []
+    if not heads or len(dims) < 2 or dims[-2] is None:
         return False
-    scope, name = fwd, bound[1]
-    passed = m.Call(m.Attribute(m.Name("self"), m.Name()), [m.Arg(m.Name(name))])
-    if calls := m.findall(fwd, passed):
-        helper = method(cls, calls[0].func.attr.value)
-        params = [p.name.value for p in helper.params.params[1:]] if helper else []
-        if len(calls) != 1 or len(params) != 1 or len(m.findall(fwd, m.Name(name))) != 2:
-            return False
-        scope, name = helper, params[0]
-    live = _unguarded(scope.body.body)
-    view = m.Call(m.Attribute(m.Name(name), m.Name("view") | m.Name("reshape")))
-    at = next((i for i, s in enumerate(live) if m.findall(s, view)), None)
-    if at is None:
-        return False
-    upto, rebound = live[: at + 1], bool(m.findall(live[at], m.AssignTarget(m.Name(name))))
-    reads = sum(len(m.findall(s, m.Name(name))) for s in upto) - rebound
-    shape = sum(len(m.findall(s, m.Attribute(m.Name(name), m.OneOf(*map(m.Name, SHAPE_READ))))) for s in upto)
-    later = 0 if rebound else sum(len(m.findall(s, m.Name(name))) for s in live[at + 1 :])
-    if reads != shape + 1 or later:  # read by its shape, then viewed, and its unviewed value not read after
-        return False
-    dims = _shape_dims(scope, m.findall(live[at], view)[0]) or []
     row = m.BinaryOperation(
         m.OneOf(*(m.Attribute(m.Name("self"), m.Name(h)) for h in heads)), m.Add(), m.Integer("2")
     )
-    return len(dims) >= 2 and dims[-2] is not None and bool(heads) and m.matches(dims[-2], row)
+    return m.matches(dims[-2], row)
 
 
 def _block_width(
@@ -818,7 +804,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     attention = list(self_layers(init, {"Attention"}).values())
     out = _out_proj(init, fwd, linears)
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
-    viewed = fused and fwd is not None and _viewed_per_head(cls, fwd, fused, _head_attrs(_methods(cls), init))
+    head_attrs = _head_attrs(_methods(cls), init)
+    viewed = fused and fwd is not None and _viewed_per_head(cls, fwd, fused, head_attrs)
     if viewed:
         counts = [(arg(a.call, 0, "num_heads"), arg(a.call, 3, "num_kv_heads")) for a in attention]
         grouped = any(d is not None and m.matches(d, PER_GROUP) for d in viewed[2])  # whole groups per rank
@@ -854,7 +841,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return (
             "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
         )
-    multi_query = bool(fused) and _viewed_multi_query(cls, fwd, fused, _head_attrs(_methods(cls), init))
+    multi_query = bool(fused) and _viewed_multi_query(cls, fwd, fused, head_attrs)
     if fused and not multi_query:
         fwd = split_fused_output(fwd, fused, 3)
         if isinstance(fwd, str):

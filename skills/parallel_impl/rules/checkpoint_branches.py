@@ -12,6 +12,7 @@ general."""
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.call_sites import bound_parameter
 from skills.migrator.cst_utils import method
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
@@ -19,7 +20,7 @@ from skills.parallel_impl.rules._units import self_layers
 from skills.parallel_impl.rules.attention import FUSED_ON_DISK, builds_from_heads
 
 GUARD = (
-    "parallelized for a checkpoint where `{test}` is false; ",
+    "parallelized for a checkpoint where `{test}` is {value}; ",
     "run `skill migrate` and `skill parallelize` on this checkpoint",
 )
 SELF_ATTR = m.Attribute(m.Name("self"), m.Name())
@@ -53,10 +54,8 @@ def _fused_output_names(cls: cst.ClassDef) -> set[str]:
     held = m.OneOf(*map(m.Name, found)) if found else None
     for call in m.findall(fwd, m.Call(SELF_ATTR)) if held else ():
         helper = method(cls, call.func.attr.value)
-        params = [p.name.value for p in helper.params.params[1:]] if helper else []
-        for at, a in enumerate(call.args):
-            if m.matches(a.value, held) and (a.keyword or at < len(params)):
-                found.add(a.keyword.value if a.keyword else params[at])
+        given = [a for a in call.args if m.matches(a.value, held)] if helper else []
+        found |= {p for a in given if (p := bound_parameter(call, helper, a))}
     return found
 
 
