@@ -14,8 +14,8 @@ from runtime.errors import ConfigError
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
-from skills.parallel_impl.pipeline import _unloaded
-from skills.parallel_impl.plan import COLUMN_QKV, SHARDABLE, format_plan, make_plan, validate
+from skills.parallel_impl.pipeline import _layers, _unloaded
+from skills.parallel_impl.plan import COLUMN_QKV, SHARDABLE, _module, format_plan, make_plan, validate
 
 BF16 = torch.bfloat16.itemsize
 
@@ -671,3 +671,74 @@ def test_only_the_patterns_of_modules_the_migrated_model_does_not_build_are_unlo
     searched, also matches `c_attn.bias`) are left to the loader, which skips them only where nothing takes them."""
     code = 'load_named_weights(self, weights, ignored=["attn.bias", r"(^|\\.)crossattention\\.", r"(^|\\.)ln_cross\\."])\n'
     assert _unloaded({"modeling_gpt2.py": code}) == (r"(^|\.)crossattention\.", r"(^|\.)ln_cross\.")
+
+
+BERT_SPLIT = """
+class SelfOutput(nn.Module):
+    def __init__(self, config, comm_manager, prefix):
+        self.dense = RowParallelLinear(64, 64, tp_group="attn_tp_group")
+
+class Intermediate(nn.Module):
+    def __init__(self, config, comm_manager, prefix):
+        self.dense = ColumnParallelLinear(64, 128, tp_group="dense_tp_group")
+
+class Output(nn.Module):
+    def __init__(self, config, comm_manager, prefix):
+        self.dense = RowParallelLinear(128, 64, tp_group="dense_tp_group")
+
+class Attention(nn.Module):
+    def __init__(self, config, comm_manager, prefix):
+        self.output = SelfOutput(config, comm_manager, prefix)
+
+class Layer(nn.Module):
+    def __init__(self, config, comm_manager, prefix):
+        self.attention = Attention(config, comm_manager, prefix)
+        self.intermediate = Intermediate(config, comm_manager, prefix)
+        self.output = Output(config, comm_manager, prefix)
+
+class LMHead(nn.Module):
+    def __init__(self, config, comm_manager, prefix):
+        self.decoder = ParallelLMHead(512, 64, bias=True, tp_group="lmhead_tp_group")
+
+class Decoder(nn.Module):
+    def __init__(self, config, comm_manager, prefix):
+        self.lm_head = LMHead(config, comm_manager, prefix)
+"""
+
+
+def test_roles_of_layers_named_alike_are_keyed_by_as_much_of_their_path_as_tells_them_apart():
+    """BERT's attention output (`attention.output.dense`) and its MLP's down projection (`output.dense`) end alike;
+    the MLP's layers, named `dense`, take the MLP's roles."""
+    sharded, roles = _layers({"modeling_bert.py": BERT_SPLIT}, {})
+    assert roles == {
+        "attention.output.dense": "o_proj",
+        "intermediate.dense": "up_proj",
+        "output.dense": "down_proj",
+        "lm_head.decoder": "lm_head",
+    }
+    assert "dense" not in sharded
+    name = "bert.encoder.layer.0.{}.weight"
+    assert [_module(name.format(p), roles) for p in ("attention.output.dense", "output.dense")] == [
+        "o_proj",
+        "down_proj",
+    ]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_head_built_in_a_module_of_its_own_holds_the_modules_bias_only_when_tied_to_it(tied):
+    """BertGeneration's `lm_head.bias`: transformers lists it in place of the head's bias when tied, beside it
+    (whole, unused) otherwise."""
+    cfg = _tiny("bert-generation", intermediate_size=128, tie_word_embeddings=tied)
+    sharded, roles = _layers({"modeling_bert_generation.py": BERT_SPLIT}, {})
+    sharded |= {"qkv_proj", "query", "key", "value", "word_embeddings"}
+    roles |= {"query": "q_proj", "key": "k_proj", "value": "v_proj", "word_embeddings": "embed_tokens"}
+    plan = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, sharded, roles)
+    # every layer is split in two but the biases added after a sum and the norms
+    whole = (
+        2 * (64 + 64 + 2 * 64 + 2 * 64) + 2 * 64 + 512 * 64
+    )  # layers x (o, down biases, norms), embeddings
+    unused = 0 if tied else 512  # the module's own bias, whole
+    assert (
+        plan.per_rank_param_bytes
+        == ((plan.total_param_bytes // 4 - whole - unused) // 2 + whole + unused) * 4
+    )

@@ -72,6 +72,10 @@ OTHER_ARCHS = [
     pytest.param(
         "modernbert-decoder", "tp2_dp2_dense_tp4", marks=pytest.mark.slow
     ),  # the output projection `Wo`
+    # BERT-style attention and MLP, each split over two modules (the output projections in the siblings their
+    # outputs are handed to, which add the residual and normalise), the LM head inside a module of its own, its
+    # weight tied to the embedding and its bias to the module's
+    ("bert-generation", "tp2_dp2_dense_tp4"),
 ]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {

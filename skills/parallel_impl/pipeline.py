@@ -29,7 +29,7 @@ from runtime.layers.attention import cache_info_of
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
-from skills.parallel_impl.plan import COLUMN_QKV, Plan, make_plan, validate
+from skills.parallel_impl.plan import COLUMN_QKV, MLP_LAYERS, Plan, make_plan, validate
 from skills.parallel_impl.rewrite import rewrite_sources
 from skills.parallel_impl.rules import PARALLEL_RULES
 from skills.parallel_impl.rules.attention import FUSED_ON_DISK, QKV
@@ -212,12 +212,12 @@ def _layers(
     Modules: attributes built as parallel layers, fused ones under their checkpoint names, and "experts" when
     routed experts are split over moe_ep_group, "experts_tp" when also over moe_tp_group. Roles: attribute -> the
     role the plan counts it in, for layers built under other names: the vocabulary layers (BLOOM's
-    `word_embeddings`, GPT-NeoX-Japanese's `embed_out`) and attention's output projection (an OProjParallelLinear,
-    or a RowParallelLinear of attn_tp_group), keyed `<owner>.<attr>` by the attribute its class is built into
-    (ModernBERT's `attn.Wo`, GPT-2's `attn.c_proj`): such a layer leaves its name to a namesake elsewhere, the
-    MLP's `Wo` (whole) or `c_proj` (a parallel layer of its own); and the q / k / v parts of `qkv_proj` (Llama's
-    original `wq` / `wk` / `wv`). COLUMN_QKV among the modules when q / k / v are
-    ColumnParallelLinear split by whole heads."""
+    `word_embeddings`, GPT-NeoX-Japanese's `embed_out`), attention's output projection (an OProjParallelLinear,
+    or a RowParallelLinear of attn_tp_group) and an MLP's layers named otherwise (BERT's `intermediate.dense` and
+    `output.dense`), keyed by the attributes that lead to the layer, as few as tell it from a namesake in another
+    role (ModernBERT's `attn.Wo` beside the MLP's whole `Wo`, BERT's `attention.output.dense` beside the MLP's
+    `output.dense`); and the q / k / v parts of `qkv_proj` (Llama's original `wq` / `wk` / `wv`). COLUMN_QKV
+    among the modules when q / k / v are ColumnParallelLinear split by whole heads."""
     kinds = {
         "VocabParallelEmbedding": "embed_tokens",
         "ParallelLMHead": "lm_head",
@@ -225,33 +225,75 @@ def _layers(
     }
     qkv = zip(fused.get("qkv_proj", ()), ("q_proj", "k_proj", "v_proj"), strict=False)
     roles = {part: role for part, role in qkv if part != role}
-    attrs = set()
+    attrs, owned = set(), []
     for text in new_code.values():
         tree = ast.parse(text)
-        owners = {
-            call.func.id: owner
-            for owner, call in _self_calls(tree).items()
-            if isinstance(call.func, ast.Name)
-        }
+        path = _attribute_paths(tree)
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             for attr, call in _self_calls(cls, _PARALLEL).items():
                 group = next((k.value for k in call.keywords if k.arg == "tp_group"), None)
-                in_attention = isinstance(group, ast.Constant) and group.value == "attn_tp_group"
-                role = kinds.get(call.func.id) or (
-                    "o_proj" if call.func.id == "RowParallelLinear" and in_attention else None
-                )
-                if role == "o_proj" and cls.name in owners:
-                    roles[f"{owners[cls.name]}.{attr}"] = role
+                group = group.value if isinstance(group, ast.Constant) else None
+                role = kinds.get(call.func.id) or _linear_role(call.func.id, group, attr)
+                if role in ("o_proj", "lm_head", *_MLP_ROLES.values()) and cls.name in path:
+                    owned.append(((*path[cls.name], attr), role))
                     continue
                 attrs.add(attr)
+                in_attention = group == "attn_tp_group"
                 if in_attention and call.func.id == "ColumnParallelLinear" and attr in (*QKV, *FUSED_ON_DISK):
                     attrs.add(COLUMN_QKV)
                 if role:
                     roles[attr] = role
+    roles |= _distinct_keys(owned)
     code = "".join(new_code.values())
     experts = {"experts"} if _EXPERTS in code else set()
     experts |= {"experts_tp"} if _EXPERTS_TP in code else set()
     return frozenset({part for a in attrs for part in fused.get(a, (a,))} | experts), roles
+
+
+_MLP_ROLES = {"ColumnParallelLinear": "up_proj", "RowParallelLinear": "down_proj"}
+
+
+def _linear_role(ctor: str, group: str | None, attr: str) -> str | None:
+    """o_proj for a RowParallelLinear of attn_tp_group; up_proj / down_proj for a column / row layer of
+    dense_tp_group whose name does not say so (BERT's `dense`)."""
+    if ctor == "RowParallelLinear" and group == "attn_tp_group":
+        return "o_proj"
+    if group == "dense_tp_group" and attr not in MLP_LAYERS:
+        return _MLP_ROLES.get(ctor)
+    return None
+
+
+def _attribute_paths(tree: ast.AST) -> dict[str, tuple[str, ...]]:
+    """class -> the attributes leading to a module of it from the outermost class building it as `self.x =
+    Class(...)` (`("attention", "output")` for BERT's SelfOutput); a class built in several places takes the
+    last."""
+    parent = {}
+    for owner in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for attr, call in _self_calls(owner).items():
+            if isinstance(call.func, ast.Name):
+                parent[call.func.id] = (owner.name, attr)
+    paths = {}
+    for cls in parent:
+        path, at, seen = [], cls, set()
+        while at in parent and at not in seen:
+            seen.add(at)
+            at, attr = parent[at]
+            path.insert(0, attr)
+        paths[cls] = tuple(path)
+    return paths
+
+
+def _distinct_keys(owned: list[tuple[tuple[str, ...], str]]) -> dict[str, str]:
+    """`owner.attr` -> role for each (attribute path, role), with more of the path where a namesake in another
+    role ends the same way."""
+    keys = {}
+    for path, role in owned:
+        for k in range(min(2, len(path)), len(path) + 1):
+            tail = path[-k:]
+            if all(r == role or other[-k:] != tail for other, r in owned):
+                break
+        keys[".".join(tail)] = role
+    return keys
 
 
 def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> _Target:

@@ -33,6 +33,8 @@ from skills.parallel_impl.rules.attention import FUSED_ON_DISK, OUT
 # when k / v are built only in some layers, Gemma 3n's; one when fused on disk per head, GPT-NeoX's)
 COLUMN_QKV = "qkv_by_heads"
 
+# the role of parameters every rank holds whole, whatever their names say
+WHOLE = "whole"
 VOCAB_PAD = 64  # VocabParallelEmbedding's pad_to
 _WORLD_SPLITS = (
     "attn_tp_size",
@@ -47,7 +49,7 @@ _WORLD_SPLITS = (
 # MLP projections the mlp rule shards over dense_tp_group: column (output split) then row (input split)
 _MLP_COLUMN = ("gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h", "gate_up_proj")
 _MLP_ROW = ("down_proj", "fc2", "c_proj", "dense_4h_to_h")
-_MLP = (*_MLP_COLUMN, *_MLP_ROW)
+MLP_LAYERS = (*_MLP_COLUMN, *_MLP_ROW)
 _ROW = ("o_proj", *_MLP_ROW, "shared_down_proj")  # input split: the bias stays whole
 
 
@@ -326,15 +328,18 @@ def _module(name: str, roles: Mapping[str, str]) -> str:
     if "experts" in parts:
         return "experts"
     leaf = _attr(name)
-    owned = ".".join(parts[-3:-1])  # `attn.Wo`: a role the layer has in the module that owns it
-    if owned in roles or leaf in roles:
-        return roles.get(owned) or roles[leaf]
+    # `attn.Wo`, `attention.output.dense`: a role the layer has where it is built, the longest path naming it
+    owned = next((k for i in range(len(parts) - 1) if (k := ".".join(parts[i:-1])) in roles), leaf)
+    if owned in roles:
+        return roles[owned]
     in_attention = len(parts) > 2 and "att" in parts[-3]
     if leaf in OUT and in_attention:  # GPT-NeoX's `attention.dense`
         return "o_proj"
     if leaf in _MLP_COLUMN and in_attention:  # AFMoE's output gate: split by heads with q_proj, not the MLP
         return f"attention_{leaf}"
-    return f"shared_{leaf}" if leaf in _MLP and any(p.startswith("shared_expert") for p in parts) else leaf
+    return (
+        f"shared_{leaf}" if leaf in MLP_LAYERS and any(p.startswith("shared_expert") for p in parts) else leaf
+    )
 
 
 def _own_oproj(pc: ParallelConfig) -> bool:
@@ -350,7 +355,7 @@ def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
         "k_proj": a,
         "v_proj": a,
         "o_proj": pc.o_proj_tp_size if _own_oproj(pc) else a,
-        **dict.fromkeys(_MLP, d),
+        **dict.fromkeys(MLP_LAYERS, d),
         "shared_gate_proj": d,
         "shared_up_proj": d,
         "shared_down_proj": d,
@@ -370,6 +375,8 @@ def _held(
 ) -> int:
     """Elements of parameter `name` one rank holds after the rewrites; modules not rewritten are replicated."""
     numel, module = math.prod(shape), _module(name, roles)
+    if module == WHOLE:
+        return numel
     if module == "experts":  # stacked [num_experts, ...]: each rank of moe_ep_group its block
         if "experts" not in sharded or shape[0] != s.experts:
             return numel
@@ -451,14 +458,14 @@ def _rewrites(
             f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
             "kv heads per rank"
         )
-    whole = sorted((modules & {*_MLP, "embed_tokens", "lm_head"}) - sharded)
+    whole = sorted((modules & {*MLP_LAYERS, "embed_tokens", "lm_head"}) - sharded)
     if whole:
         steps.append(
             f"{'/'.join(whole)} stay replicated: the migrated code does not build them as plain "
             "nn.Linear / nn.Embedding layers the rules shard"
         )
     modules = modules - set(whole)
-    dense = bool(modules & set(_MLP))
+    dense = bool(modules & set(MLP_LAYERS))
     if dense:
         i = s.intermediate
         column = [m for m in _MLP_COLUMN if m in modules]
@@ -555,7 +562,7 @@ def _rewrites(
     return steps, groups
 
 
-SHARDABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", *_MLP, "embed_tokens", "lm_head"})
+SHARDABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", *MLP_LAYERS, "embed_tokens", "lm_head"})
 
 
 def make_plan(
@@ -577,6 +584,7 @@ def make_plan(
     validate(pc, hf_config)
     sharded |= frozenset(roles.values())
     shapes = {n: v for n, v in _param_shapes(hf_config).items() if not any(re.search(p, n) for p in unloaded)}
+    roles = {**roles, **_head_holders(roles, shapes)}
     names: dict[str, set[str]] = {}  # module -> the attributes the model code holds it in
     for name in shapes:
         names.setdefault(_module(name, roles), set()).add(_attr(name))
@@ -596,6 +604,21 @@ def make_plan(
     held = sum(_held(name, shape, pc, s, tp, sharded, roles) for name, shape in shapes.items())
     total = sum(math.prod(shape) for shape in shapes.values())
     return Plan(w, groups, steps, held * dtype.itemsize, total * dtype.itemsize)
+
+
+def _head_holders(roles: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """The module an LM head is built in (`lm_head` of BertGeneration's `lm_head.decoder`) -> the head's role when
+    transformers lists the module's bias in place of the head's (tied to it), else WHOLE."""
+    holders = {}
+    for key, role in roles.items():
+        holder = key.rpartition(".")[0]
+        if role == "lm_head" and holder:
+            biases = [n for n in shapes if n == f"{holder}.bias" or n.endswith(f".{holder}.bias")]
+            tied = bool(biases) and not any(
+                f"{n.removesuffix('.bias')}.{key.rpartition('.')[2]}.bias" in shapes for n in biases
+            )
+            holders[holder] = role if tied else WHOLE
+    return holders
 
 
 def _mib(n: int) -> str:

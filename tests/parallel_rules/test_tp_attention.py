@@ -1245,3 +1245,122 @@ def test_a_fused_projection_in_groups_per_key_head_is_split_by_whole_groups(run_
     )
     assert out.count('num_heads=local_heads(config.num_attention_heads, comm_manager, "attn_tp_group")') == 2
     assert 'self.num_kv_heads = local_kv_heads(self.num_kv_heads, comm_manager, "attn_tp_group")' in out
+
+
+# BERT's attention, as migrated: the output projection lives in a sibling module its parent hands the heads' output
+# to (SelfOutput), which sums it with the residual and normalises.
+BERT_ATTENTION = dedent("""\
+    class BertSelfAttention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.attention_head_size = config.hidden_size // config.num_attention_heads
+            self.query = nn.Linear(config.hidden_size, config.hidden_size)
+            self.key = nn.Linear(config.hidden_size, config.hidden_size)
+            self.value = nn.Linear(config.hidden_size, config.hidden_size)
+            self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.attention_head_size)
+
+        def forward(self, hidden_states, *, forward_metadata, **kwargs):
+            hidden_shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+            query_layer = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+            key_layer = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+            value_layer = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+            attn_output = self.attn(query_layer, key_layer, value_layer, forward_metadata)
+            return attn_output.reshape(*hidden_states.shape[:-1], -1)
+
+
+    class BertSelfOutput(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+            self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+        def forward(self, hidden_states, input_tensor):
+            hidden_states = self.dense(hidden_states)
+            return self.LayerNorm(hidden_states + input_tensor)
+
+
+    class BertAttention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            attention_class = BertSelfAttention
+            self.self = attention_class(config, infer_config, comm_manager, join_prefix(prefix, "self"))
+            self.output = BertSelfOutput(config, infer_config, comm_manager, join_prefix(prefix, "output"))
+
+        def forward(self, hidden_states, **kwargs):
+            attention_output = self.self(hidden_states, **kwargs)
+            attention_output = self.output(attention_output, hidden_states)
+            return attention_output
+    """)
+
+
+def test_output_projection_in_the_module_the_output_is_handed_to(run_rule, make_ctx):
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, BERT_ATTENTION, ctx)
+    # the attention enters the unit and returns its heads' share; SelfOutput sums the partial products right after
+    # its projection, before the residual and the norm
+    assert out == IMPORTS + BERT_ATTENTION.replace(
+        """        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.attention_head_size)
+""",
+        """        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.attention_head_size, config.num_attention_heads, config.num_attention_heads, bias=True, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "qkv_proj"))
+        self.attn = Attention(num_heads=self.qkv_proj.num_heads, head_dim=self.attention_head_size, num_kv_heads=self.qkv_proj.num_kv_heads)
+        self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
+""",
+    ).replace(
+        """        hidden_shape = (""",
+        """        hidden_states = self.tp_region.enter(hidden_states)
+        hidden_shape = (""",
+    ).replace(
+        """        query_layer = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_layer = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_layer = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+""",
+        """        query_out, key_out, value_out = self.qkv_proj(hidden_states).split(self.qkv_proj.output_partition_sizes, dim=-1)
+        query_layer = query_out.view(hidden_shape).transpose(1, 2)
+        key_layer = key_out.view(hidden_shape).transpose(1, 2)
+        value_layer = value_out.view(hidden_shape).transpose(1, 2)
+""",
+    ).replace(
+        """        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+""",
+        """        self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=True, reduce_results=False, comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "dense"))
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.tp_region = TPRegion(comm_manager, "attn_tp_group", whole_sequence=True)
+""",
+    ).replace(
+        "        hidden_states = self.dense(hidden_states)\n",
+        "        hidden_states = self.tp_region.exit(self.dense(hidden_states))\n",
+    )
+    assert ctx.rewrites == [
+        "BertSelfAttention: query/key/value -> QKVParallelLinear qkv_proj (attn_tp_group)",
+        (
+            "BertSelfOutput: dense, the output projection BertSelfAttention's output is handed to, -> "
+            "RowParallelLinear (attn_tp_group, summed in the TPRegion of BertSelfOutput)"
+        ),
+    ]
+
+
+def test_output_projection_elsewhere_that_cannot_take_partial_heads_is_a_finding(run_rule, make_ctx):
+    cases = [
+        # the parent reads the heads' output again: a rank holds only its share of it
+        BERT_ATTENTION.replace(
+            "self.output(attention_output, hidden_states)",
+            "self.output(attention_output, hidden_states) + attention_output",
+        ),
+        # SelfOutput normalises before its projection
+        BERT_ATTENTION.replace("self.dense(hidden_states)", "self.dense(self.LayerNorm(hidden_states))"),
+        # a module mixes the heads after the attention
+        BERT_ATTENTION.replace("return attn_output.reshape(", "return self.mix(attn_output).reshape("),
+        # SelfOutput built twice: the other one may be given whole inputs
+        BERT_ATTENTION
+        + "\n\nclass Other(nn.Module):\n    def __init__(self):\n        self.out = BertSelfOutput(1)\n",
+    ]
+    for code in cases:
+        assert code != BERT_ATTENTION
+        assert (
+            "no `self.o_proj = nn.Linear(...)` in __init__, nor one in the module its output is handed"
+            in (_finding(run_rule, make_ctx, code, "BertSelfAttention"))
+        )

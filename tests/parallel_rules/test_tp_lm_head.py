@@ -136,3 +136,76 @@ def test_unrecognised_head_tied_to_a_parallel_embedding_is_a_finding(run_rule, m
         in f.what
         for f in ctx.findings
     )
+
+
+# BertGeneration's head: the linear inside a module of its own, its weight tied to the embedding and its bias to the
+# module's `bias`, the one the checkpoint names.
+HEAD_MODULE = dedent("""\
+    class LMHead(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+            self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+        def forward(self, hidden_states):
+            return self.decoder(hidden_states)
+
+
+    """)
+HEAD = """\
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+"""
+NESTED_HEAD = """\
+        self.lm_head = LMHead(config, infer_config, comm_manager, join_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head.decoder.weight = self.model.embed_tokens.weight
+            self.lm_head.decoder.bias = self.lm_head.bias
+"""
+NESTED = EMBEDDING + HEAD_MODULE + BEFORE.replace(EMBEDDING, "").replace(HEAD, NESTED_HEAD)
+
+
+def test_head_inside_a_module_of_its_own_sharded_with_its_ties(run_rule, make_ctx):
+    assert HEAD in BEFORE
+    ctx = make_ctx()
+    out = run_rule(rule, NESTED, ctx)
+    # the module's bias becomes the parallel head's, a vocab shard loaded from the checkpoint's `lm_head.bias`
+    parallel_head = (
+        "ParallelLMHead(config.vocab_size, config.hidden_size, bias=True, comm_manager=comm_manager, "
+        'tp_group="lmhead_tp_group", prefix=join_prefix(prefix, "decoder"))'
+    )
+    entry = AFTER[AFTER.index("class LlamaForCausalLM") :]
+    assert out == AFTER.replace(entry, "") + HEAD_MODULE.replace(
+        "nn.Linear(config.hidden_size, config.vocab_size)", parallel_head
+    ) + entry.replace(
+        """\
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, bias=False, comm_manager=comm_manager, tp_group="lmhead_tp_group", prefix=join_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+""",
+        """\
+        self.lm_head = LMHead(config, infer_config, comm_manager, join_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head.decoder.tie_weights(self.model.embed_tokens)
+            self.lm_head.bias = self.lm_head.decoder.bias
+""",
+    )
+    assert ctx.rewrites[0] == (
+        "LMHead: decoder -> ParallelLMHead (lmhead_tp_group), tied to self.model.embed_tokens via tie_weights, its "
+        "bias shared as lm_head.bias"
+    )
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.rewrites == again.findings == []
+
+
+def test_head_inside_a_module_whose_bias_is_read_whole_is_a_finding(run_rule, make_ctx):
+    code = NESTED.replace(
+        "return self.decoder(hidden_states)", "return self.decoder(hidden_states) + self.bias"
+    )
+    assert code != NESTED
+    ctx = make_ctx()
+    assert "ParallelLMHead" not in run_rule(rule, code, ctx)
+    assert any(
+        "`self.lm_head.decoder.weight = self.model.embed_tokens.weight` ties" in f.what for f in ctx.findings
+    )

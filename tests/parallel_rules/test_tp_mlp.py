@@ -214,3 +214,106 @@ def test_conv1d_mlp_loads_its_weights_transposed(run_rule, make_ctx):
         "PhiMLP: c_fc -> ColumnParallelLinear (dense_tp_group)",
         "PhiMLP: c_proj -> RowParallelLinear (dense_tp_group)",
     ]
+
+
+# BERT's MLP, as migrated: the up projection and activation in one module, the down projection in the sibling its
+# parent hands their output to, which adds the residual and normalises.
+BERT_MLP = dedent("""\
+    class BertIntermediate(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+            if isinstance(config.hidden_act, str):
+                self.intermediate_act_fn = ACT2FN[config.hidden_act]
+            else:
+                self.intermediate_act_fn = config.hidden_act
+
+        def forward(self, hidden_states):
+            hidden_states = self.dense(hidden_states)
+            return self.intermediate_act_fn(hidden_states)
+
+
+    class BertOutput(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+            self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+        def forward(self, hidden_states, input_tensor):
+            hidden_states = self.dense(hidden_states)
+            return self.LayerNorm(hidden_states + input_tensor)
+
+
+    class BertLayer(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.intermediate = BertIntermediate(config, infer_config, comm_manager, join_prefix(prefix, "intermediate"))
+            self.output = BertOutput(config, infer_config, comm_manager, join_prefix(prefix, "output"))
+
+        def feed_forward_chunk(self, attention_output):
+            intermediate_output = self.intermediate(attention_output)
+            return self.output(intermediate_output, attention_output)
+    """)
+
+BERT_MLP_AFTER = dedent("""\
+    from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import TPRegion
+
+    """) + BERT_MLP.replace(
+    "        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)\n",
+    '        self.dense = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "dense"))\n',
+).replace(
+    "            self.intermediate_act_fn = config.hidden_act\n",
+    '            self.intermediate_act_fn = config.hidden_act\n        self.tp_region = TPRegion(comm_manager, "dense_tp_group")\n',
+).replace(
+    "        hidden_states = self.dense(hidden_states)\n        return self.intermediate_act_fn",
+    "        hidden_states = self.tp_region.enter(hidden_states)\n        hidden_states = self.dense(hidden_states)\n"
+    "        return self.intermediate_act_fn",
+).replace(
+    "        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)\n",
+    '        self.dense = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True, reduce_results=False, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "dense"))\n',
+).replace(
+    "eps=config.layer_norm_eps)\n",
+    'eps=config.layer_norm_eps)\n        self.tp_region = TPRegion(comm_manager, "dense_tp_group")\n',
+).replace(
+    "        hidden_states = self.dense(hidden_states)\n        return self.LayerNorm",
+    "        hidden_states = self.tp_region.exit(self.dense(hidden_states))\n        return self.LayerNorm",
+)
+
+
+def test_mlp_split_over_two_modules_sharded(run_rule, make_ctx):
+    ctx = make_ctx()
+    assert run_rule(rule, BERT_MLP, ctx) == BERT_MLP_AFTER
+    assert ctx.rewrites == [
+        "BertIntermediate: dense -> ColumnParallelLinear (dense_tp_group)",
+        "BertOutput: dense, which BertIntermediate's output is handed to, -> RowParallelLinear (dense_tp_group)",
+    ]
+    again = make_ctx()
+    assert run_rule(rule, BERT_MLP_AFTER, again) == BERT_MLP_AFTER and again.rewrites == []
+
+
+def test_mlp_split_over_two_modules_that_mixes_columns_stays_replicated(run_rule, make_ctx):
+    cases = [
+        # a norm over the whole intermediate width: a rank holds a share of it
+        BERT_MLP.replace("ACT2FN[config.hidden_act]", "nn.LayerNorm(config.intermediate_size)"),
+        # the intermediate output read again beside the down projection
+        BERT_MLP.replace(
+            "return self.output(intermediate_output, attention_output)",
+            "return self.output(intermediate_output, attention_output) + intermediate_output.sum()",
+        ),
+        # the down projection applied after the norm, to something else than the intermediate output
+        BERT_MLP.replace(
+            "self.dense(hidden_states)\n        return self.LayerNorm",
+            "self.dense(self.LayerNorm(hidden_states))\n        return self.LayerNorm",
+        ),
+        # widths that do not meet
+        BERT_MLP.replace(
+            "nn.Linear(config.intermediate_size, config.hidden_size)", "nn.Linear(4, config.hidden_size)"
+        ),
+    ]
+    for code in cases:
+        assert code != BERT_MLP
+        ctx = make_ctx()
+        assert run_rule(rule, code, ctx) == code
+        assert ctx.rewrites == ctx.findings == []

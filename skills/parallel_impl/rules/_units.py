@@ -314,19 +314,30 @@ def wrap_region(fwd: cst.FunctionDef, exit_at: int | None = None) -> cst.Functio
     """forward starting with `<hidden> = self.tp_region.enter(<hidden>)` (hidden: its first argument) and
     returning `self.tp_region.exit(...)`, or exiting at the value of its statement exit_at (see exit_point); None
     when forward takes no positional argument after self."""
+    return enter_region(exit_region(fwd, exit_at))
+
+
+def enter_region(fwd: cst.FunctionDef) -> cst.FunctionDef | None:
+    """forward starting with `<hidden> = self.tp_region.enter(<hidden>)`, hidden its first argument; None when
+    it takes none after self."""
     params = [*fwd.params.posonly_params, *fwd.params.params]
     if len(params) < 2 or not isinstance(fwd.body, cst.IndentedBlock):
         return None
     hidden = params[1].name.value
+    body = list(fwd.body.body)
+    body.insert(1 if is_docstring(body[0]) else 0, stmt(f"{hidden} = self.tp_region.enter({hidden})\n"))
+    return fwd.with_changes(body=fwd.body.with_changes(body=body))
+
+
+def exit_region(fwd: cst.FunctionDef, exit_at: int | None = None) -> cst.FunctionDef:
+    """forward returning `self.tp_region.exit(...)`, or exiting at the value of its statement exit_at (see
+    exit_point)."""
+    body = list(fwd.body.body)
     if exit_at is None:
-        body = [s.visit(_ExitOnReturn()) for s in fwd.body.body]
-    else:
-        body = list(fwd.body.body)
-        assign = body[exit_at].body[0]
-        value = cst.Call(cst.parse_expression("self.tp_region.exit"), [cst.Arg(assign.value)])
-        body[exit_at] = body[exit_at].with_changes(body=[assign.with_changes(value=value)])
-    at = 1 if is_docstring(body[0]) else 0
-    body.insert(at, stmt(f"{hidden} = self.tp_region.enter({hidden})\n"))
+        return fwd.with_changes(body=fwd.body.with_changes(body=[s.visit(_ExitOnReturn()) for s in body]))
+    assign = body[exit_at].body[0]
+    value = cst.Call(cst.parse_expression("self.tp_region.exit"), [cst.Arg(assign.value)])
+    body[exit_at] = body[exit_at].with_changes(body=[assign.with_changes(value=value)])
     return fwd.with_changes(body=fwd.body.with_changes(body=body))
 
 

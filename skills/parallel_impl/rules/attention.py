@@ -5,7 +5,9 @@ parameter it receives as `sinks=`, or broadcasts along the head axis, keeps this
 another linear whose output counts the query heads (an output gate per head or per head channel) is split by
 heads like q_proj; a module applied to all heads' q or k projection output (OLMo2's q_norm / k_norm) runs on
 every head (`gather_heads`). Every runtime `Attention` a class builds with the same head counts gets them (Falcon's
-rotary and ALiBi layers on one cache), provided forward runs only one.
+rotary and ALiBi layers on one cache), provided forward runs only one. Attention whose output projection lives in
+the module its output is handed to (BERT's SelfOutput, see _split_unit) returns its heads' share, which that
+module's RowParallelLinear sums.
 
 Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
 
@@ -32,6 +34,7 @@ from skills.migrator.cst_utils import (
 )
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import checkpoint_value, is_guard
+from skills.parallel_impl.rules._split_unit import Closer, closed, closing_half
 from skills.parallel_impl.rules._units import (
     LINEAR,
     LINEAR_IMPORT,
@@ -43,6 +46,7 @@ from skills.parallel_impl.rules._units import (
     code,
     drop_unused_locals,
     edit_body,
+    enter_region,
     exit_point,
     fuse_calls,
     has_region,
@@ -126,20 +130,25 @@ def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatem
 
 
 def _output_widths(
-    methods: list[cst.FunctionDef], init: cst.FunctionDef, fwd: cst.FunctionDef, out: str
+    methods: list[cst.FunctionDef], init: cst.FunctionDef, fwd: cst.FunctionDef, out: str | None
 ) -> list[str]:
     """The widths `self.x` (WIDTHS, set once in __init__) that the methods other than __init__ read only in
-    forward between its runtime Attention call and its output projection's input: the width of the attention
-    output, to which XGLM's `attn_output.reshape(bsz, tgt_len, self.embed_dim)` brings the heads, and of which a
-    rank holds its heads' share."""
+    forward between its runtime Attention call and its output projection's input (its return without one): the
+    width of the attention output, to which XGLM's `attn_output.reshape(bsz, tgt_len, self.embed_dim)` brings the
+    heads, and of which a rank holds its heads' share."""
     found = _attention_call(init, fwd)
-    body = fwd.body.body
-    out_call = m.Call(m.Attribute(m.Name("self"), m.Name(out)))
-    last = next((i for i, s in enumerate(body) if m.findall(s, out_call)), None)
-    if found is None or last is None or last <= found[0]:
+    if found is None:
         return []
+    body = fwd.body.body
+    if out is None:
+        between = body[found[0] + 1 :]
+    else:
+        out_call = m.Call(m.Attribute(m.Name("self"), m.Name(out)))
+        last = next((i for i, s in enumerate(body) if m.findall(s, out_call)), None)
+        if last is None or last <= found[0]:
+            return []
+        between = [*body[found[0] + 1 : last], *(a for c in m.findall(body[last], out_call) for a in c.args)]
     read = m.Attribute(m.Name("self"), m.Name())
-    between = [*body[found[0] + 1 : last], *(a for c in m.findall(body[last], out_call) for a in c.args)]
     inside = {id(n) for s in between for n in m.findall(s, read)}
     widths = []
     for attr in WIDTHS:
@@ -255,7 +264,7 @@ def _per_head_params(
 
 
 def _all_head_modules(
-    init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef, qk: Sequence[str], out: str
+    init: cst.FunctionDef, fwd: cst.FunctionDef, cls: cst.ClassDef, qk: Sequence[str], out: str | None
 ) -> dict[int, tuple[str, str]]:
     """id() of each __init__ line `self.x = Module(...)` whose module forward applies only to the whole output of
     the q or k projection qk names (`self.x(self.q_proj(h))`: "q" or "k"), or to the whole input of the output
@@ -277,7 +286,7 @@ def _all_head_modules(
             )
             if len(m.findall(fwd, applied)) == 1:
                 found[id(s)] = (attr, kind)
-        if _feeds(fwd, attr, out):
+        if out and _feeds(fwd, attr, out):
             found[id(s)] = (attr, "o")
     return found
 
@@ -354,6 +363,14 @@ def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple
         if calls := m.findall(s, attend):
             return i, calls[0]
     return None
+
+
+def _modules_after_attention(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> bool:
+    """forward calls a module of its own after the runtime Attention (which may mix a rank's heads)."""
+    if (found := _attention_call(init, fwd)) is None:
+        return True
+    called = m.Call(m.Attribute(m.Name("self"), m.Name()))
+    return any(m.findall(s, called) for s in fwd.body.body[found[0] + 1 :])
 
 
 def _out_proj(init: cst.FunctionDef, fwd: cst.FunctionDef | None, linears: Collection[str]) -> str | None:
@@ -787,8 +804,11 @@ def _aliases(init: cst.FunctionDef) -> dict[str, str]:
     }
 
 
-def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | str:
-    """The sharded class, or why it can't be sharded."""
+def _rewrite(
+    cls: cst.ClassDef, ctx: ParallelRewriteContext, closer: Closer | None = None
+) -> list[cst.ClassDef] | str:
+    """The sharded class, and the closing half of its unit when it has no output projection of its own (closer:
+    BERT's SelfOutput, see _split_unit), or why it can't be sharded."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     layers = self_layers(init, {"Attention"}).values()
     if any(kwarg(a.call, "kv_heads_tiled") for a in layers):
@@ -796,13 +816,14 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     linears = self_layers(init, LINEAR)
     names = _qkv_names(init, fwd, linears)
     if fwd is not None and not any(a in linears for a in (*names, *FUSED_ON_DISK)):
-        return _rewrite_per_head(cls, ctx, init, fwd)
+        return _listed(_rewrite_per_head(cls, ctx, init, fwd))
     built = _optional_linears(init)
     if fwd is not None and "q_proj" in linears and any(a not in linears and a in built for a in QKV):
         # k / v built only in some layers, or not always: each projection split by its own heads, unfused
-        return _rewrite_per_head(cls, ctx, init, fwd, [a for a in QKV if a in built])
+        return _listed(_rewrite_per_head(cls, ctx, init, fwd, [a for a in QKV if a in built]))
     attention = list(self_layers(init, {"Attention"}).values())
     out = _out_proj(init, fwd, linears)
+    closer = closer if out is None and not _modules_after_attention(init, fwd) else None
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
     head_attrs = _head_attrs(_methods(cls), init)
     viewed = fused and fwd is not None and _viewed_per_head(cls, fwd, fused, head_attrs)
@@ -820,9 +841,14 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
                     f"`self.{fused}` interleaves q, k and v per head, with fewer key heads than query heads"
                 )
             checks.append(stmt(f"interleaved_heads({code(q.value)}, {code(kv.value)})\n"))
-        return _rewrite_per_head(cls, ctx, init, fwd, [fused], viewed, checks)
+        return _listed(_rewrite_per_head(cls, ctx, init, fwd, [fused], viewed, checks))
     projections = (fused,) if fused else names
-    missing = [a for a in projections if a not in linears] + ([] if out else ["o_proj"])
+    missing = [a for a in projections if a not in linears] + ([] if out or closer else ["o_proj"])
+    if missing == ["o_proj"]:
+        return (
+            "no `self.o_proj = nn.Linear(...)` in __init__, nor one in the module its output is handed to whole "
+            "(see _split_unit)"
+        )
     if missing:
         return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
     if fwd is None:
@@ -831,13 +857,19 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return why
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
-    args = [linear_args(linears[a].call) for a in (*projections, out)]
+    own = (*projections, *[out] * bool(out))  # the unit's linears this class holds
+    args = [linear_args(linears[a].call) for a in own]
     if None in args:
         return "a projection passes nn.Linear arguments other than in/out features and bias"
-    q, o = args[0], args[-1]
+    q = args[0]
     # `kdim = embed_dim`: BART-style attention's key / value widths, folded for self-attention
     same = _aliases(init)
-    if len({(same.get(a.in_features, a.in_features), a.bias, a.transposed) for a in args[:-1]}) != 1:
+    if (
+        len(
+            {(same.get(a.in_features, a.in_features), a.bias, a.transposed) for a in args[: len(projections)]}
+        )
+        != 1
+    ):
         return (
             "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
         )
@@ -864,8 +896,8 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _per_head_params(cls, init, fwd, sizes[1])
     all_heads = {} if fused else _all_head_modules(init, fwd, cls, projections[:2], out)
-    gates = _head_gates(cls, init, linears, (*projections, out), sizes[1])
-    skip = [linears[a].line for a in (*projections, out, *gates)] + [a.line for a in attention]
+    gates = _head_gates(cls, init, linears, own, sizes[1])
+    skip = [linears[a].line for a in (*own, *gates)] + [a.line for a in attention]
     skip += [s for s in init.body.body if id(s) in sinks or id(s) in all_heads]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
@@ -881,7 +913,11 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         return new_fwd
     if any(self_refs(cls, a) != 2 for a in projections):
         return f"{'/'.join(projections)} are used outside __init__ and forward"
-    new_fwd = _in_region(new_fwd, out)
+    new_fwd = (
+        _in_region(new_fwd, out)
+        if out
+        else enter_region(new_fwd) or "forward takes no hidden-states argument"
+    )
     if isinstance(new_fwd, str):
         return new_fwd
 
@@ -892,13 +928,12 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         GROUP,
         first,
     )
-    o_proj = parallel_layer(
-        out,
-        "RowParallelLinear",
-        [*o.layer_args(), "reduce_results=False"],
-        GROUP,
-        linears[out].line,
-    )
+    o_proj = {}  # without an output projection, the closing half of the unit has it
+    if out:
+        row = [*args[-1].layer_args(), "reduce_results=False"]
+        o_proj[id(linears[out].line)] = [
+            parallel_layer(out, "RowParallelLinear", row, GROUP, linears[out].line)
+        ]
     attn_lines = {}  # every runtime Attention gets this rank's heads (Falcon's rotary and ALiBi ones, one cache)
     for a in attention:
         call = _set_kwarg(a.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
@@ -928,7 +963,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
         {
             **{id(linears[a].line): [] for a in projections},
             id(first): [qkv],
-            id(linears[out].line): [o_proj],
+            **o_proj,
             **attn_lines,
             **sink_lines,
             **gate_lines,
@@ -941,7 +976,10 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     applied = {"q": f"{names[0]}'s output", "k": f"{names[1]}'s output", "o": f"{out}'s input"}
     ctx.rewrites += [
         f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})",
-        f"{name}: {out} -> RowParallelLinear ({GROUP})",
+        f"{name}: {out} -> RowParallelLinear ({GROUP})"
+        if out
+        else f"{closer.cls.name.value}: {closer.linear.attr}, the output projection {name}'s output is handed"
+        f" to, -> RowParallelLinear ({GROUP}, summed in the TPRegion of {closer.cls.name.value})",
         *(f"{name}: {a} -> this rank's heads (shard_heads, {GROUP})" for a in sinks.values()),
         *(
             f"{name}: {g} -> ColumnParallelLinear by query heads, like {projections[0]} ({GROUP})"
@@ -955,7 +993,12 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext) -> cst.ClassDef | s
     if not fused:
         stacked = [(".qkv_proj", f".{a}", shard) for a, shard in zip(names, "qkv", strict=True)]
         ctx.fused += [s for s in stacked if s not in ctx.fused]
-    return replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
+    new = replace_methods(cls, {"__init__": new_init, "forward": new_fwd})
+    return [new, *([closed(closer, GROUP, whole_sequence=True)] if closer else [])]
+
+
+def _listed(result: cst.ClassDef | str) -> list[cst.ClassDef] | str:
+    return result if isinstance(result, str) else [result]
 
 
 def _shard_alibi(call: cst.Call) -> cst.Call:
@@ -1012,11 +1055,11 @@ class ShardAttention(Rule):
             if init is None or has_region(cls):
                 continue
             if _is_attention(init):
-                result = _rewrite(cls, ctx)
+                result = _rewrite(cls, ctx, closing_half(module, name))
                 if isinstance(result, str):
                     ctx.unsupported(name, 0, f"attention cannot be sharded by heads: {result}")
                 else:
-                    new[name] = result
+                    new |= {c.name.value: c for c in result}
         if not new:
             return module
         self.add_needed_imports(REGION_IMPORTS)

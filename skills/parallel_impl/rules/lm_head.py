@@ -1,7 +1,9 @@
 """The entry class's LM head is sharded by vocab rows in lmhead_tp_group: ParallelLMHead (which gathers the
 logits), its weight tie becomes `tie_weights`. Its forward feeds the model this rank's chunk of the input ids
 (`own_chunk`: the whole input unless the step's token layout is sharded) and gathers the hidden states onto every
-rank before the last-token selection. A head tied to an embedding that stayed replicated stays replicated too."""
+rank before the last-token selection. A head tied to an embedding that stayed replicated stays replicated too. A
+head built inside a module of its own (BertGeneration's `lm_head.decoder`) is sharded there, the entry's ties
+rewritten to match (its bias tied to the module's `bias`, which becomes the head's)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import libcst.matchers as m
 
 from skills.migrator.cst_utils import classes, dotted, method, stmt
 from skills.migrator.rule import Rule
+from skills.parallel_impl.rules._split_unit import built_classes
 from skills.parallel_impl.rules._units import (
     LINEAR,
     PREFIX_IMPORT,
@@ -25,6 +28,7 @@ from skills.parallel_impl.rules._units import (
     replace_classes,
     replace_methods,
     self_layers,
+    self_refs,
 )
 
 if TYPE_CHECKING:
@@ -33,9 +37,19 @@ if TYPE_CHECKING:
 GROUP = "lmhead_tp_group"
 
 
+def _self_path(path: str) -> m.Attribute:
+    """`self.<path>`, path dotted (`lm_head.decoder`)."""
+    node = m.Name("self")
+    for part in path.split("."):
+        node = m.Attribute(node, m.Name(part))
+    return node
+
+
 def _tie(head: str | None = None) -> m.SimpleStatementLine:
-    """`self.<head>.weight = <embedding>.weight` (any head when None)."""
-    target = m.Attribute(m.Attribute(m.Name("self"), m.Name(head) if head else m.Name()), m.Name("weight"))
+    """`self.<head>.weight = <embedding>.weight`, head dotted (when None, any layer's: `self.lm_head.decoder.weight
+    = ...`)."""
+    owner = _self_path(head) if head else m.Attribute(m.Name("self")) | m.Attribute(m.Attribute())
+    target = m.Attribute(owner, m.Name("weight"))
     return m.SimpleStatementLine([m.Assign([m.AssignTarget(target)], m.Attribute(attr=m.Name("weight")))])
 
 
@@ -97,11 +111,95 @@ def _head(init: cst.FunctionDef) -> Layer | None:
     return vocab[0] if len(vocab) == 1 else None
 
 
-def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteContext) -> cst.ClassDef:
-    """The entry class with a ParallelLMHead, or cls itself when its head stays replicated."""
+def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.ClassDef, Layer] | None:
+    """(attr, class, its head) when the one module of an in-file class the entry builds as `self.<attr>` whose
+    own linear counts the vocabulary (see _head) is the LM head (BertGeneration's `lm_head.decoder`)."""
+    local = classes(module)
+    found = [
+        (attr, local[callee], head)
+        for attr, callee in built_classes(init).items()
+        if callee in local
+        and (inner := method(local[callee], "__init__")) is not None
+        and plumbed(inner)
+        and (head := _head(inner)) is not None
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+class _BiasTie(cst.CSTTransformer):
+    """`self.<head>.bias = self.<owner>.<b>` -> `self.<owner>.<b> = self.<head>.bias`: the owner's bias, which
+    the checkpoint names, becomes the parallel head's own, a vocab shard."""
+
+    def __init__(self, head: str):
+        self.head = head
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.Assign:
+        target = m.AssignTarget(m.Attribute(_self_path(self.head), m.Name("bias")))
+        if not m.matches(updated, m.Assign([target], m.Attribute(m.Attribute(m.Name("self"))))):
+            return updated
+        return updated.with_changes(
+            targets=[cst.AssignTarget(updated.value)], value=updated.targets[0].target
+        )
+
+
+def _bias_ties(init: cst.FunctionDef, head: str) -> list[str]:
+    """The attributes `self.<head>.bias = self.<owner>.<b>` ties the head's bias to (`lm_head.bias`)."""
+    tie = m.Assign(
+        [m.AssignTarget(m.Attribute(_self_path(head), m.Name("bias")))], m.Attribute(m.Attribute())
+    )
+    return [dotted(a.value).removeprefix("self.") for a in m.findall(init, tie)]
+
+
+def _shard_nested_head(
+    cls: cst.ClassDef, init: cst.FunctionDef, module: cst.Module, ctx: ParallelRewriteContext
+) -> dict[str, cst.ClassDef] | None:
+    """The entry class and the in-file head module it builds, its linear a ParallelLMHead tied as the entry tied
+    it (see _nested_head), or None when there is none or it stays replicated."""
+    if (nested := _nested_head(init, module)) is None:
+        return None
+    attr, owner, head = nested
+    path, parallel = f"{attr}.{head.attr}", _parallel_embeddings(module)
+    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(path))]
+    biases = _bias_ties(init, path)
+    args = linear_args(head.call)
+    # the owner's bias the head's is tied to becomes the head's own: no other method may read it whole
+    read = [
+        b
+        for b in biases
+        if b.count(".") != 1 or not b.startswith(f"{attr}.") or self_refs(owner, b[len(attr) + 1 :]) != 1
+    ]
+    if any(t.split(".")[-1] not in parallel for t in ties) or args is None or args.transposed or read:
+        return None
+    new = parallel_layer(
+        head.attr,
+        "ParallelLMHead",
+        [args.out_features, args.in_features, f"bias={args.bias}"],
+        GROUP,
+        head.line,
+    )
+    inner = edit_body(method(owner, "__init__"), {id(head.line): [new]})
+    ctx.rewrites.append(
+        f"{owner.name.value}: {head.attr} -> ParallelLMHead ({GROUP})"
+        + "".join(f", tied to {t} via tie_weights" for t in ties)
+        + "".join(f", its bias shared as {b}" for b in biases)
+    )
+    init = init.visit(_Tie(path)).visit(_BiasTie(path))
+    return {
+        cls.name.value: replace_methods(cls, {"__init__": init}),
+        owner.name.value: replace_methods(owner, {"__init__": inner}),
+    }
+
+
+def _shard_head(
+    cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteContext
+) -> dict[str, cst.ClassDef]:
+    """The classes changed to shard the LM head (the entry's, and the head module's of a head it builds in one),
+    none when it stays replicated."""
     init = method(cls, "__init__")
     head = _head(init) if init is not None else None
     parallel = _parallel_embeddings(module)
+    if head is None and init is not None and (nested := _shard_nested_head(cls, init, module, ctx)):
+        return nested
     if head is None:
         tied = [
             t for t in m.findall(init, _tie()) if dotted(t.body[0].value.value).split(".")[-1] in parallel
@@ -113,7 +211,7 @@ def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteConte
                 f"`{code(tied[0]).strip()}` ties a layer that is not one nn.Linear "
                 "LM head to a vocab-parallel embedding",
             )
-        return cls
+        return {}
     ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.attr))]
     tied_parallel = [t for t in ties if t.split(".")[-1] in parallel]
     args = linear_args(head.call)
@@ -125,7 +223,7 @@ def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteConte
                 "the LM head is tied to a vocab-parallel embedding but cannot be "
                 "sharded (nn.Linear arguments or constructor parameters not understood)",
             )
-        return cls
+        return {}
     new = parallel_layer(
         head.attr,
         "ParallelLMHead",
@@ -138,7 +236,7 @@ def _shard_head(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteConte
         f"{cls.name.value}: {head.attr} -> ParallelLMHead ({GROUP})"
         + "".join(f", tied to {t} via tie_weights" for t in ties)
     )
-    return replace_methods(cls, {"__init__": init})
+    return {cls.name.value: replace_methods(cls, {"__init__": init})}
 
 
 class ShardLMHead(Rule):
@@ -151,11 +249,12 @@ class ShardLMHead(Rule):
         if cls is None:
             return module
         imports = []
-        new = _shard_head(cls, module, ctx)
-        if new is not cls:
+        changed = _shard_head(cls, module, ctx)
+        if changed:
             imports += [("runtime.layers.embedding", "ParallelLMHead"), PREFIX_IMPORT]
+        new = changed.get(cls.name.value, cls)
         fwd = method(new, "forward")
-        if fwd is not None and (new is not cls or "tp_group=" in module.code):  # some layer is parallel
+        if fwd is not None and (changed or "tp_group=" in module.code):  # some layer is parallel
             gather = _GatherTokens()
             new_fwd = fwd.visit(gather)
             if gather.done:
@@ -178,4 +277,4 @@ class ShardLMHead(Rule):
         if not imports:
             return module
         self.add_needed_imports(imports)
-        return replace_classes(module, {cls.name.value: new})
+        return replace_classes(module, {**changed, cls.name.value: new})

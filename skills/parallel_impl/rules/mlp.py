@@ -2,7 +2,8 @@
 MergedColumnParallelLinear `gate_up_proj` (a lone up projection a ColumnParallelLinear; one of output `2 * X` that
 forward only halves with `.chunk(2, dim=-1)`, gate and up fused on disk, a MergedColumnParallelLinear whose
 loader splits the tensor), the down projection a RowParallelLinear whose partial sums the class's TPRegion
-reduces on the way out.
+reduces on the way out. An MLP split over two modules (BERT's Intermediate, then Output: see _split_unit) gets a
+ColumnParallelLinear in the first and a RowParallelLinear summed right after it in the second.
 
 A replicated MLP is still correct, so a class that doesn't match (MoE experts held as 3-D parameters, a router
 named `gate`, extra arguments) is left as it is, without a finding."""
@@ -15,8 +16,18 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, called_name, classes, doubled, method
+from skills.migrator.cst_utils import (
+    SELF_ATTR,
+    assigned_names,
+    called_name,
+    classes,
+    doubled,
+    method,
+    param_names,
+    read_names,
+)
 from skills.migrator.rule import Rule
+from skills.parallel_impl.rules._split_unit import applied_first, closed, closing_half
 from skills.parallel_impl.rules._units import (
     LINEAR,
     LINEAR_IMPORT,
@@ -26,9 +37,11 @@ from skills.parallel_impl.rules._units import (
     bound_call,
     code,
     edit_body,
+    enter_region,
     exit_point,
     fuse_calls,
     has_region,
+    is_docstring,
     linear_args,
     parallel_layer,
     plumbed,
@@ -163,6 +176,55 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
     return replace_methods(cls, {"__init__": edit_body(init, changes, [region(GROUP)]), "forward": fwd})
 
 
+def _opener(cls: cst.ClassDef) -> Layer | None:
+    """The one linear of cls when cls opens an MLP split over two modules (BERT's Intermediate): forward applies
+    it first, to its first argument, and then reads neither that (unless rebound) nor its other arguments, and of
+    its attributes only those __init__ sets without building anything (an activation: `ACT2FN[...]`)."""
+    init, fwd = method(cls, "__init__"), method(cls, "forward")
+    linears = self_layers(init, LINEAR) if init is not None else {}
+    if fwd is None or len(linears) != 1 or not plumbed(init):
+        return None
+    (layer,) = linears.values()
+    if (
+        not applied_first(fwd, layer.attr)
+        or self_refs(cls, layer.attr) != 2
+        or linear_args(layer.call) is None
+    ):
+        return None
+    body = [s for s in fwd.body.body if not is_docstring(s)]
+    params = param_names(fwd)[1:]
+    given = set(params[1:]) | ({params[0]} - assigned_names(body[0]))
+    if given & read_names(cst.Module(body[1:])):
+        return None
+    built = {
+        t.target.attr.value
+        for a in m.findall(init, m.Assign())
+        if m.findall(a.value, m.Call())
+        for t in a.targets
+        if m.matches(t.target, SELF_ATTR)
+    }
+    return None if built & {a.attr.value for a in m.findall(fwd, SELF_ATTR)} - {layer.attr} else layer
+
+
+def _rewrite_split(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteContext) -> list[cst.ClassDef]:
+    """cls and the closing half of the MLP it opens, sharded (see _split_unit), or none of them."""
+    if (layer := _opener(cls)) is None or (closer := closing_half(module, cls.name.value)) is None:
+        return []
+    up, down = linear_args(layer.call), linear_args(closer.linear.call)
+    fwd = enter_region(method(cls, "forward"))
+    if up.out_features != down.in_features or fwd is None:
+        return []
+    init = method(cls, "__init__")
+    column = parallel_layer(layer.attr, "ColumnParallelLinear", up.layer_args(), GROUP, layer.line)
+    new_init = edit_body(init, {id(layer.line): [column]}, [region(GROUP)])
+    name, closing = cls.name.value, closer.cls.name.value
+    ctx.rewrites += [
+        f"{name}: {layer.attr} -> ColumnParallelLinear ({GROUP})",
+        f"{closing}: {closer.linear.attr}, which {name}'s output is handed to, -> RowParallelLinear ({GROUP})",
+    ]
+    return [replace_methods(cls, {"__init__": new_init, "forward": fwd}), closed(closer, GROUP)]
+
+
 class ShardMLP(Rule):
     ID = "PR002"
     DESCRIPTION = "Dense MLPs are sharded along the intermediate size: MergedColumn / RowParallelLinear."
@@ -170,13 +232,15 @@ class ShardMLP(Rule):
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite
         used: set[str] = set()
-        new = {
-            name: result
-            for name, cls in classes(module).items()
-            if method(cls, "__init__") is not None
-            and not has_region(cls)
-            and (result := _rewrite(cls, ctx, used)) is not None
-        }
+        new = {}
+        for name, cls in classes(module).items():
+            if name in new or method(cls, "__init__") is None or has_region(cls):
+                continue
+            if (result := _rewrite(cls, ctx, used)) is not None:
+                new[name] = result
+            elif split := _rewrite_split(cls, module, ctx):
+                new |= {c.name.value: c for c in split}
+                used |= {"ColumnParallelLinear", "RowParallelLinear"}
         if not new:
             return module
         self.add_needed_imports([*((LINEAR_IMPORT, c) for c in sorted(used)), *REGION_IMPORTS])
