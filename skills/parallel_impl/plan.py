@@ -124,7 +124,7 @@ def _shapes(hf_config: PretrainedConfig) -> _Shapes:
 
 
 def _kv_heads(hf_config: PretrainedConfig) -> int:
-    """Key heads, read off the attention's key weights where the head size is one number: `k_proj`'s rows, or
+    """Key heads, read off the attention's key weights where the head size is one number: `k_proj`'s (`key`'s) rows, or
     the key block of a q/k/v projection fused on disk (`[q; k; v]`, either way round: Conv1D stores it `[in,
     out]`). A multi-query config such as GPT-BigCode's says `multi_query`; its `num_key_value_heads` follows
     that flag unless a config sets it too. Else the config's count, else one per query head."""
@@ -137,7 +137,7 @@ def _kv_heads(hf_config: PretrainedConfig) -> int:
     for name, shape in _param_shapes(hf_config).items() if head_dim else ():
         if not name.endswith(".weight") or len(shape) != 2:
             continue
-        if _attr(name) == "k_proj":
+        if _attr(name) in ("k_proj", "key"):  # BERT's and its kin's `key`
             return shape[0] // head_dim
         if _attr(name) in FUSED_ON_DISK:
             rows = shape[0] if shape[1] == hidden else shape[1]
