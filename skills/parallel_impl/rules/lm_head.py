@@ -19,6 +19,7 @@ from skills.parallel_impl.rules._units import (
     LINEAR,
     PREFIX_IMPORT,
     Layer,
+    LinearArgs,
     code,
     edit_body,
     is_docstring,
@@ -111,6 +112,12 @@ def _head(init: cst.FunctionDef) -> Layer | None:
     return vocab[0] if len(vocab) == 1 else None
 
 
+def _parallel_head(head: Layer, args: LinearArgs) -> cst.SimpleStatementLine:
+    """`self.<head> = ParallelLMHead(vocab, hidden, bias=...)` in place of the nn.Linear head."""
+    sizes = [args.out_features, args.in_features, f"bias={args.bias}"]
+    return parallel_layer(head.attr, "ParallelLMHead", sizes, GROUP, head.line)
+
+
 def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.ClassDef, Layer] | None:
     """(attr, class, its head) when the one module of an in-file class the entry builds as `self.<attr>` whose
     own linear counts the vocabulary (see _head) is the LM head (BertGeneration's `lm_head.decoder`)."""
@@ -170,14 +177,7 @@ def _shard_nested_head(
     ]
     if any(t.split(".")[-1] not in parallel for t in ties) or args is None or args.transposed or read:
         return None
-    new = parallel_layer(
-        head.attr,
-        "ParallelLMHead",
-        [args.out_features, args.in_features, f"bias={args.bias}"],
-        GROUP,
-        head.line,
-    )
-    inner = edit_body(method(owner, "__init__"), {id(head.line): [new]})
+    inner = edit_body(method(owner, "__init__"), {id(head.line): [_parallel_head(head, args)]})
     ctx.rewrites.append(
         f"{owner.name.value}: {head.attr} -> ParallelLMHead ({GROUP})"
         + "".join(f", tied to {t} via tie_weights" for t in ties)
@@ -224,14 +224,7 @@ def _shard_head(
                 "sharded (nn.Linear arguments or constructor parameters not understood)",
             )
         return {}
-    new = parallel_layer(
-        head.attr,
-        "ParallelLMHead",
-        [args.out_features, args.in_features, f"bias={args.bias}"],
-        GROUP,
-        head.line,
-    )
-    init = edit_body(init, {id(head.line): [new]}).visit(_Tie(head.attr))
+    init = edit_body(init, {id(head.line): [_parallel_head(head, args)]}).visit(_Tie(head.attr))
     ctx.rewrites.append(
         f"{cls.name.value}: {head.attr} -> ParallelLMHead ({GROUP})"
         + "".join(f", tied to {t} via tie_weights" for t in ties)
