@@ -693,6 +693,8 @@ class Attention(nn.Module):
 class Layer(nn.Module):
     def __init__(self, config, comm_manager, prefix):
         self.attention = Attention(config, comm_manager, prefix)
+        if config.add_cross_attention:
+            self.crossattention = Attention(config, comm_manager, prefix)
         self.intermediate = Intermediate(config, comm_manager, prefix)
         self.output = Output(config, comm_manager, prefix)
 
@@ -707,11 +709,13 @@ class Decoder(nn.Module):
 
 
 def test_roles_of_layers_named_alike_are_keyed_by_as_much_of_their_path_as_tells_them_apart():
-    """BERT's attention output (`attention.output.dense`) and its MLP's down projection (`output.dense`) end alike;
-    the MLP's layers, named `dense`, take the MLP's roles."""
+    """BERT's attention output (`attention.output.dense`, `crossattention.output.dense` where a branch builds
+    cross-attention) and its MLP's down projection (`output.dense`) end alike; the MLP's layers, named `dense`, take
+    the MLP's roles."""
     sharded, roles = _layers({"modeling_bert.py": BERT_SPLIT}, {})
     assert roles == {
         "attention.output.dense": "o_proj",
+        "crossattention.output.dense": "o_proj",
         "intermediate.dense": "up_proj",
         "output.dense": "down_proj",
         "lm_head.decoder": "lm_head",

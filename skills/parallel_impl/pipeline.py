@@ -235,7 +235,7 @@ def _layers(
                 group = group.value if isinstance(group, ast.Constant) else None
                 role = kinds.get(call.func.id) or _linear_role(call.func.id, group, attr)
                 if role in ("o_proj", "lm_head", *_MLP_ROLES.values()) and cls.name in path:
-                    owned.append(((*path[cls.name], attr), role))
+                    owned += [((*p, attr), role) for p in path[cls.name]]
                     continue
                 attrs.add(attr)
                 in_attention = group == "attn_tp_group"
@@ -263,29 +263,38 @@ def _linear_role(ctor: str, group: str | None, attr: str) -> str | None:
     return None
 
 
-def _attribute_paths(tree: ast.AST) -> dict[str, tuple[str, ...]]:
-    """class -> the attributes leading to a module of it from the outermost class building it as `self.x =
-    Class(...)` (`("attention", "output")` for BERT's SelfOutput); a class built in several places takes the
-    last."""
-    parent = {}
+def _attribute_paths(tree: ast.AST) -> dict[str, list[tuple[str, ...]]]:
+    """class -> the attributes leading to a module of it from each outermost class building it as `self.x =
+    Class(...)`: `[("attention", "output")]` for BERT's SelfOutput, also `("crossattention", "output")` where a
+    branch builds cross-attention."""
+    parents: dict[str, list[tuple[str, str]]] = {}
     for owner in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        for attr, call in _self_calls(owner).items():
-            if isinstance(call.func, ast.Name):
-                parent[call.func.id] = (owner.name, attr)
-    paths = {}
-    for cls in parent:
-        path, at, seen = [], cls, set()
-        while at in parent and at not in seen:
-            seen.add(at)
-            at, attr = parent[at]
-            path.insert(0, attr)
-        paths[cls] = tuple(path)
-    return paths
+        for node in (n for n in ast.walk(owner) if isinstance(n, ast.Assign)):
+            targets = [
+                t for t in node.targets if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+            ]
+            for callee in _built_by(node.value):
+                parents.setdefault(callee, []).extend((owner.name, t.attr) for t in targets)
+
+    def paths(cls: str, seen: frozenset[str]) -> list[tuple[str, ...]]:
+        if cls not in parents or cls in seen:
+            return [()]
+        return [(*up, attr) for owner, attr in parents[cls] for up in paths(owner, seen | {cls})]
+
+    return {cls: paths(cls, frozenset()) for cls in parents}
+
+
+def _built_by(value: ast.expr) -> list[str]:
+    """The classes a `self.x = value` builds: `Class(...)`, either branch of `A(...) if c else B(...)`."""
+    if isinstance(value, ast.IfExp):
+        return _built_by(value.body) + _built_by(value.orelse)
+    return [value.func.id] if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else []
 
 
 def _distinct_keys(owned: list[tuple[tuple[str, ...], str]]) -> dict[str, str]:
     """`owner.attr` -> role for each (attribute path, role), with more of the path where a namesake in another
-    role ends the same way."""
+    role ends the same way. A path no tail tells apart keeps its whole self: the plan matches the longest key a
+    parameter's path ends with (plan._module), so a longer namesake's key still wins for its own parameters."""
     keys = {}
     for path, role in owned:
         for k in range(min(2, len(path)), len(path) + 1):

@@ -329,8 +329,8 @@ def _module(name: str, roles: Mapping[str, str]) -> str:
         return "experts"
     leaf = _attr(name)
     # `attn.Wo`, `attention.output.dense`: a role the layer has where it is built, the longest path naming it
-    owned = next((k for i in range(len(parts) - 1) if (k := ".".join(parts[i:-1])) in roles), leaf)
-    if owned in roles:
+    owned = next((k for i in range(len(parts) - 1) if (k := ".".join(parts[i:-1])) in roles), None)
+    if owned:
         return roles[owned]
     in_attention = len(parts) > 2 and "att" in parts[-3]
     if leaf in OUT and in_attention:  # GPT-NeoX's `attention.dense`

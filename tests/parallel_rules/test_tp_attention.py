@@ -1352,8 +1352,17 @@ def test_output_projection_elsewhere_that_cannot_take_partial_heads_is_a_finding
         ),
         # SelfOutput normalises before its projection
         BERT_ATTENTION.replace("self.dense(hidden_states)", "self.dense(self.LayerNorm(hidden_states))"),
-        # a module mixes the heads after the attention
+        # a module or a function mixes the heads after the attention
         BERT_ATTENTION.replace("return attn_output.reshape(", "return self.mix(attn_output).reshape("),
+        BERT_ATTENTION.replace(
+            "return attn_output.reshape(", "return F.normalize(attn_output, dim=-1).reshape("
+        ),
+        # SelfOutput also built under a branch
+        BERT_ATTENTION.replace(
+            '        self.output = BertSelfOutput(config, infer_config, comm_manager, join_prefix(prefix, "output"))\n',
+            '        self.output = BertSelfOutput(config, infer_config, comm_manager, join_prefix(prefix, "output"))\n'
+            "        if config.add_cross_attention:\n            self.cross = BertSelfOutput(config, infer_config)\n",
+        ),
         # SelfOutput built twice: the other one may be given whole inputs
         BERT_ATTENTION
         + "\n\nclass Other(nn.Module):\n    def __init__(self):\n        self.out = BertSelfOutput(1)\n",

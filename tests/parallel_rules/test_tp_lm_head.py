@@ -209,3 +209,15 @@ def test_head_inside_a_module_whose_bias_is_read_whole_is_a_finding(run_rule, ma
     assert any(
         "`self.lm_head.decoder.weight = self.model.embed_tokens.weight` ties" in f.what for f in ctx.findings
     )
+
+
+def test_head_tied_inside_its_own_module_stays_replicated(run_rule, make_ctx):
+    # transformers' own spelling of the bias tie, inside the head module: its ParallelLMHead would get the whole bias
+    code = NESTED.replace(
+        "        self.bias = nn.Parameter(torch.zeros(config.vocab_size))\n",
+        "        self.bias = nn.Parameter(torch.zeros(config.vocab_size))\n        self.decoder.bias = self.bias\n",
+    ).replace("            self.lm_head.decoder.bias = self.lm_head.bias\n", "")
+    assert code != NESTED
+    ctx = make_ctx()
+    assert "ParallelLMHead(" not in run_rule(rule, code, ctx)
+    assert any("ties a layer that is not one nn.Linear LM head" in f.what for f in ctx.findings)

@@ -311,6 +311,21 @@ def test_mlp_split_over_two_modules_that_mixes_columns_stays_replicated(run_rule
         BERT_MLP.replace(
             "nn.Linear(config.intermediate_size, config.hidden_size)", "nn.Linear(4, config.hidden_size)"
         ),
+        # the intermediate columns mixed before the activation
+        BERT_MLP.replace(
+            "return self.intermediate_act_fn(hidden_states)",
+            "return self.intermediate_act_fn(hidden_states - hidden_states.mean(-1, keepdim=True))",
+        ),
+        # the intermediate output rebound between the two modules
+        BERT_MLP.replace(
+            "        return self.output(intermediate_output, attention_output)",
+            "        if self.flag:\n            intermediate_output = attention_output\n"
+            "        return self.output(intermediate_output, attention_output)",
+        ),
+        # either module also built elsewhere, where it may get whole inputs or give whole outputs
+        BERT_MLP
+        + "\n\nclass Other(nn.Module):\n    def __init__(self, config):\n        self.blocks = nn.ModuleList([BertIntermediate(config)])\n",
+        BERT_MLP + "\n\nclass Sub(BertOutput):\n    pass\n",
     ]
     for code in cases:
         assert code != BERT_MLP

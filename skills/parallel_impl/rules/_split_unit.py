@@ -7,7 +7,6 @@ The opener enters the unit's TPRegion and returns its rank's share (of the heads
 columns); the closer's linear becomes a RowParallelLinear whose partial sums the closer's own TPRegion of the
 same group sums right after it."""
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
     SELF_ASSIGN_CALL,
+    assigned_names,
     called_name,
     classes,
     free_names,
@@ -44,7 +44,8 @@ from skills.parallel_impl.rules._units import (
 
 @dataclass(frozen=True)
 class Closer:
-    """The closing half: class `cls`, whose one linear `linear` forward's statement `exit_at` applies first."""
+    """The closing half of a unit: class `cls`, whose forward applies its one linear `linear` first, in its
+    statement number `exit_at`."""
 
     cls: cst.ClassDef
     linear: Layer
@@ -66,9 +67,16 @@ def built_classes(init: cst.FunctionDef) -> dict[str, str]:
     return found
 
 
+def named_once(module: cst.Module, name: str) -> bool:
+    """The module names class `name` once besides its definition: one place builds it (directly or through one
+    alias), none builds it in a list, under a branch, or subclasses it."""
+    return len(m.findall(module, m.Name(name))) == 2
+
+
 def _handed_to(body: Sequence[cst.BaseStatement], attr: str) -> str | None:
     """b, when `n = self.<attr>(...)` is followed by `... = self.<b>(n, ...)` (or `return self.<b>(n, ...)`), the
-    next statement reading n, which reads it nowhere else, and nothing reads n after it unless it rebinds n."""
+    next statement reading n, which reads it nowhere else; nothing between rebinds n, and nothing after reads it
+    unless that statement rebinds it."""
     if (bound := bound_call(body, attr)) is None:
         return None
     at, name = bound
@@ -78,67 +86,65 @@ def _handed_to(body: Sequence[cst.BaseStatement], attr: str) -> str | None:
         body[readers[0]], m.SimpleStatementLine([m.Assign(value=call) | m.Return(call)])
     ):
         return None
-    assign = body[readers[0]].body[0]
-    call = assign.value
+    if any(name in assigned_names(s) for s in body[at + 1 : readers[0]]):
+        return None
+    handed = body[readers[0]].body[0]
+    call = handed.value
     first, rest = (call.args[0], call.args[1:]) if call.args else (None, ())
     if first is None or first.keyword or first.star or not m.matches(first.value, m.Name(name)):
         return None
     if any(name in free_names(a.value) for a in rest):
         return None
-    rebound = isinstance(assign, cst.Assign) and any(
-        m.matches(t.target, m.Name(name)) for t in assign.targets
+    rebound = isinstance(handed, cst.Assign) and any(
+        m.matches(t.target, m.Name(name)) for t in handed.targets
     )
     return call.func.attr.value if rebound or len(readers) == 1 else None
 
 
-def applied_first(fwd: cst.FunctionDef, attr: str) -> bool:
-    """forward's first statement is `name = self.<attr>(<its first argument>)`."""
+def applied_first(cls: cst.ClassDef) -> Layer | None:
+    """The one linear of cls (plain nn.Linear arguments, used by forward alone) when forward's first statement is
+    `name = self.<linear>(<its first argument>)`."""
+    init, fwd = method(cls, "__init__"), method(cls, "forward")
+    linears = self_layers(init, LINEAR) if init is not None else {}
+    if fwd is None or len(linears) != 1 or not plumbed(init):
+        return None
+    (layer,) = linears.values()
     params = param_names(fwd)
     body = [s for s in fwd.body.body if not is_docstring(s)]
-    if len(params) < 2 or not body:
-        return False
-    call = m.Call(m.Attribute(m.Name("self"), m.Name(attr)), [m.Arg(m.Name(params[1]), keyword=None)])
-    return m.matches(body[0], m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)]))
+    if len(params) < 2 or not body or self_refs(cls, layer.attr) != 2 or linear_args(layer.call) is None:
+        return None
+    call = m.Call(m.Attribute(m.Name("self"), m.Name(layer.attr)), [m.Arg(m.Name(params[1]), keyword=None)])
+    first = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)])
+    return layer if m.matches(body[0], first) else None
 
 
 def _closer(cls: cst.ClassDef) -> Closer | None:
-    """cls as a closing half: one linear, which forward applies first, to its first argument, and whose partial
-    sums can be summed right there (exit_point)."""
-    init, fwd = method(cls, "__init__"), method(cls, "forward")
-    if init is None or fwd is None or not plumbed(init):
+    """cls as a closing half: its linear applied first (applied_first), whose partial sums can be summed right
+    there (exit_point)."""
+    if (layer := applied_first(cls)) is None:
         return None
-    linears = self_layers(init, LINEAR)
-    if len(linears) != 1:
-        return None
-    (layer,) = linears.values()
-    if not applied_first(fwd, layer.attr) or linear_args(layer.call) is None:
-        return None
-    at = exit_point(fwd, layer.attr)
+    at = exit_point(method(cls, "forward"), layer.attr)
     return None if at is None else Closer(cls, layer, at)
 
 
 def closing_half(module: cst.Module, opener: str) -> Closer | None:
-    """The closing half of the unit that class `opener` opens: its one owner builds it once and one method hands
-    its output to a module of a class that module builds once (see _handed_to and _closer)."""
+    """The closing half of the unit that class `opener` opens: one class of module builds the opener, once, and
+    one of its methods hands the opener's output to a module of a class built once too (see _handed_to and
+    _closer)."""
     local = classes(module)
-    owners, counts = [], Counter()
-    for owner in local.values():
-        if (init := method(owner, "__init__")) is None:
-            continue
-        built = built_classes(init)
-        counts.update(built.values())
-        owners += [(owner, attr, built) for attr, callee in built.items() if callee == opener]
-    if len(owners) != 1 or self_refs(owners[0][0], owners[0][1]) != 2:
+    built = {name: built_classes(init) for name, c in local.items() if (init := method(c, "__init__"))}
+    owners = [(local[o], attr, b) for o, b in built.items() for attr, callee in b.items() if callee == opener]
+    if len(owners) != 1 or not named_once(module, opener) or self_refs(owners[0][0], owners[0][1]) != 2:
         return None
-    owner, attr, built = owners[0]
+    owner, attr, siblings = owners[0]
     fns = [f for f in owner.body.body if isinstance(f, cst.FunctionDef)]
     handed = [
         b for f in fns if isinstance(f.body, cst.IndentedBlock) and (b := _handed_to(f.body.body, attr))
     ]
     if len(handed) != 1 or self_refs(owner, handed[0]) != 2:
         return None
-    closing = built.get(handed[0])
-    return _closer(local[closing]) if closing in local and counts[closing] == 1 else None
+    closing = siblings.get(handed[0])
+    return _closer(local[closing]) if closing in local and named_once(module, closing) else None
 
 
 def closed(closer: Closer, group: str, whole_sequence: bool = False) -> cst.ClassDef:

@@ -365,12 +365,17 @@ def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple
     return None
 
 
-def _modules_after_attention(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> bool:
-    """forward calls a module of its own after the runtime Attention (which may mix a rank's heads)."""
+# methods that only lay a tensor out anew: applied to the attention output, a rank's heads stay its own
+RELAYOUT = ("reshape", "view", "transpose", "permute", "flatten", "contiguous")
+
+
+def _relaid_only_after_attention(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> bool:
+    """forward only lays the runtime Attention's output out anew after it (RELAYOUT): nothing that could mix the
+    heads, which a rank holds its share of."""
     if (found := _attention_call(init, fwd)) is None:
-        return True
-    called = m.Call(m.Attribute(m.Name("self"), m.Name()))
-    return any(m.findall(s, called) for s in fwd.body.body[found[0] + 1 :])
+        return False
+    relayout = m.Call(m.Attribute(attr=m.OneOf(*map(m.Name, RELAYOUT))))
+    return all(m.matches(c, relayout) for s in fwd.body.body[found[0] + 1 :] for c in m.findall(s, m.Call()))
 
 
 def _out_proj(init: cst.FunctionDef, fwd: cst.FunctionDef | None, linears: Collection[str]) -> str | None:
@@ -823,7 +828,7 @@ def _rewrite(
         return _listed(_rewrite_per_head(cls, ctx, init, fwd, [a for a in QKV if a in built]))
     attention = list(self_layers(init, {"Attention"}).values())
     out = _out_proj(init, fwd, linears)
-    closer = closer if out is None and not _modules_after_attention(init, fwd) else None
+    closer = closer if out is None and _relaid_only_after_attention(init, fwd) else None
     fused = next((a for a in FUSED_ON_DISK if a in linears), None)  # [q; k; v] blocks of one tensor on disk
     head_attrs = _head_attrs(_methods(cls), init)
     viewed = fused and fwd is not None and _viewed_per_head(cls, fwd, fused, head_attrs)
@@ -857,7 +862,7 @@ def _rewrite(
         return why
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
-    own = (*projections, *[out] * bool(out))  # the unit's linears this class holds
+    own = projections + ((out,) if out else ())  # the unit's linears this class holds
     args = [linear_args(linears[a].call) for a in own]
     if None in args:
         return "a projection passes nn.Linear arguments other than in/out features and bias"
@@ -998,6 +1003,7 @@ def _rewrite(
 
 
 def _listed(result: cst.ClassDef | str) -> list[cst.ClassDef] | str:
+    """A rewrite's one class as the list _rewrite returns, or why not."""
     return result if isinstance(result, str) else [result]
 
 

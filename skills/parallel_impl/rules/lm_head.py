@@ -14,7 +14,7 @@ import libcst.matchers as m
 
 from skills.migrator.cst_utils import classes, dotted, method, stmt
 from skills.migrator.rule import Rule
-from skills.parallel_impl.rules._split_unit import built_classes
+from skills.parallel_impl.rules._split_unit import built_classes, named_once
 from skills.parallel_impl.rules._units import (
     LINEAR,
     PREFIX_IMPORT,
@@ -120,7 +120,8 @@ def _parallel_head(head: Layer, args: LinearArgs) -> cst.SimpleStatementLine:
 
 def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.ClassDef, Layer] | None:
     """(attr, class, its head) when the one module of an in-file class the entry builds as `self.<attr>` whose
-    own linear counts the vocabulary (see _head) is the LM head (BertGeneration's `lm_head.decoder`)."""
+    own linear counts the vocabulary (see _head) is the LM head (BertGeneration's `lm_head.decoder`), that class
+    built nowhere else and not tying the head's parameters itself."""
     local = classes(module)
     found = [
         (attr, local[callee], head)
@@ -130,7 +131,17 @@ def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.Cl
         and plumbed(inner)
         and (head := _head(inner)) is not None
     ]
-    return found[0] if len(found) == 1 else None
+    if len(found) != 1 or not named_once(module, found[0][1].name.value):
+        return None
+    _, owner, head = found[0]
+    tied_inside = m.AssignTarget(m.Attribute(_self_path(head.attr), m.Name("weight") | m.Name("bias")))
+    return None if m.findall(owner, tied_inside) else found[0]
+
+
+def _bias_tie(head: str) -> m.Assign:
+    """`self.<head>.bias = self.<owner>.<b>`."""
+    target = m.AssignTarget(m.Attribute(_self_path(head), m.Name("bias")))
+    return m.Assign([target], m.Attribute(m.Attribute(m.Name("self"))))
 
 
 class _BiasTie(cst.CSTTransformer):
@@ -141,8 +152,7 @@ class _BiasTie(cst.CSTTransformer):
         self.head = head
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.Assign:
-        target = m.AssignTarget(m.Attribute(_self_path(self.head), m.Name("bias")))
-        if not m.matches(updated, m.Assign([target], m.Attribute(m.Attribute(m.Name("self"))))):
+        if not m.matches(updated, _bias_tie(self.head)):
             return updated
         return updated.with_changes(
             targets=[cst.AssignTarget(updated.value)], value=updated.targets[0].target
@@ -151,10 +161,7 @@ class _BiasTie(cst.CSTTransformer):
 
 def _bias_ties(init: cst.FunctionDef, head: str) -> list[str]:
     """The attributes `self.<head>.bias = self.<owner>.<b>` ties the head's bias to (`lm_head.bias`)."""
-    tie = m.Assign(
-        [m.AssignTarget(m.Attribute(_self_path(head), m.Name("bias")))], m.Attribute(m.Attribute())
-    )
-    return [dotted(a.value).removeprefix("self.") for a in m.findall(init, tie)]
+    return [dotted(a.value).removeprefix("self.") for a in m.findall(init, _bias_tie(head))]
 
 
 def _shard_nested_head(

@@ -23,8 +23,6 @@ from skills.migrator.cst_utils import (
     classes,
     doubled,
     method,
-    param_names,
-    read_names,
 )
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._split_unit import applied_first, closed, closing_half
@@ -177,25 +175,15 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
 
 
 def _opener(cls: cst.ClassDef) -> Layer | None:
-    """The one linear of cls when cls opens an MLP split over two modules (BERT's Intermediate): forward applies
-    it first, to its first argument, and then reads neither that (unless rebound) nor its other arguments, and of
-    its attributes only those __init__ sets without building anything (an activation: `ACT2FN[...]`)."""
+    """The one linear of cls when cls opens an MLP split over two modules (BERT's Intermediate): forward applies it
+    first, to its first argument (applied_first), then only passes its output through attributes __init__ sets
+    without building anything (an activation: `ACT2FN[...]`), `y = self.<act>(y)`, and returns it: each acts on one
+    column at a time, which a rank holds its share of."""
+    if (layer := applied_first(cls)) is None:
+        return None
     init, fwd = method(cls, "__init__"), method(cls, "forward")
-    linears = self_layers(init, LINEAR) if init is not None else {}
-    if fwd is None or len(linears) != 1 or not plumbed(init):
-        return None
-    (layer,) = linears.values()
-    if (
-        not applied_first(fwd, layer.attr)
-        or self_refs(cls, layer.attr) != 2
-        or linear_args(layer.call) is None
-    ):
-        return None
     body = [s for s in fwd.body.body if not is_docstring(s)]
-    params = param_names(fwd)[1:]
-    given = set(params[1:]) | ({params[0]} - assigned_names(body[0]))
-    if given & read_names(cst.Module(body[1:])):
-        return None
+    y = body[0].body[0].targets[0].target.value
     built = {
         t.target.attr.value
         for a in m.findall(init, m.Assign())
@@ -203,6 +191,11 @@ def _opener(cls: cst.ClassDef) -> Layer | None:
         for t in a.targets
         if m.matches(t.target, SELF_ATTR)
     }
+    act = m.Call(m.Attribute(m.Name("self"), m.Name()), [m.Arg(m.Name(y), keyword=None)])
+    step = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(y))], act)])
+    done = m.SimpleStatementLine([m.Return(act | m.Name(y))])
+    if not all(m.matches(s, step) for s in body[1:-1]) or not m.matches(body[-1], done):
+        return None
     return None if built & {a.attr.value for a in m.findall(fwd, SELF_ATTR)} - {layer.attr} else layer
 
 
