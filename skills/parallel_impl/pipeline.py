@@ -166,9 +166,9 @@ class _Target:
     rules: dict[str, list[str]]
 
 
-def _self_calls(tree: ast.AST, ctors: Collection[str] | None = None) -> dict[str, ast.Call]:
-    """x -> the first call in the value of each `self.x = ...` under tree; with ctors, the first call of one of
-    them (a parallel layer, also as one branch of a conditional)."""
+def _self_calls(tree: ast.AST, ctors: Collection[str]) -> dict[str, ast.Call]:
+    """x -> the first call of one of ctors in the value of each `self.x = ...` under tree (a parallel layer, also
+    as one branch of a conditional)."""
     found = {}
     for node in ast.walk(tree):
         if not isinstance(node, ast.Assign):
@@ -176,8 +176,7 @@ def _self_calls(tree: ast.AST, ctors: Collection[str] | None = None) -> dict[str
         calls = [
             c
             for c in ast.walk(node.value)
-            if isinstance(c, ast.Call)
-            and (ctors is None or (isinstance(c.func, ast.Name) and c.func.id in ctors))
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in ctors
         ]
         for target in node.targets:
             if calls and isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":

@@ -611,11 +611,11 @@ def _head_holders(roles: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]
     transformers lists the module's bias in place of the head's (tied to it), else WHOLE."""
     holders = {}
     for key, role in roles.items():
-        holder = key.rpartition(".")[0]
+        holder, _, head = key.rpartition(".")
         if role == "lm_head" and holder:
             biases = [n for n in shapes if n == f"{holder}.bias" or n.endswith(f".{holder}.bias")]
             tied = bool(biases) and not any(
-                f"{n.removesuffix('.bias')}.{key.rpartition('.')[2]}.bias" in shapes for n in biases
+                f"{n.removesuffix('.bias')}.{head}.bias" in shapes for n in biases
             )
             holders[holder] = role if tied else WHOLE
     return holders

@@ -869,12 +869,10 @@ def _rewrite(
     q = args[0]
     # `kdim = embed_dim`: BART-style attention's key / value widths, folded for self-attention
     same = _aliases(init)
-    if (
-        len(
-            {(same.get(a.in_features, a.in_features), a.bias, a.transposed) for a in args[: len(projections)]}
-        )
-        != 1
-    ):
+    inputs = {
+        (same.get(a.in_features, a.in_features), a.bias, a.transposed) for a in args[: len(projections)]
+    }
+    if len(inputs) != 1:
         return (
             "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
         )

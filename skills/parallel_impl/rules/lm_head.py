@@ -177,11 +177,7 @@ def _shard_nested_head(
     biases = _bias_ties(init, path)
     args = linear_args(head.call)
     # the owner's bias the head's is tied to becomes the head's own: no other method may read it whole
-    read = [
-        b
-        for b in biases
-        if b.count(".") != 1 or not b.startswith(f"{attr}.") or self_refs(owner, b[len(attr) + 1 :]) != 1
-    ]
+    read = [b for b in biases if b.partition(".")[0] != attr or self_refs(owner, b.partition(".")[2]) != 1]
     if any(t.split(".")[-1] not in parallel for t in ties) or args is None or args.transposed or read:
         return None
     inner = edit_body(method(owner, "__init__"), {id(head.line): [_parallel_head(head, args)]})

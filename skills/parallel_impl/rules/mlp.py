@@ -199,8 +199,11 @@ def _opener(cls: cst.ClassDef) -> Layer | None:
     return None if built & {a.attr.value for a in m.findall(fwd, SELF_ATTR)} - {layer.attr} else layer
 
 
-def _rewrite_split(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteContext) -> list[cst.ClassDef]:
-    """cls and the closing half of the MLP it opens, sharded (see _split_unit), or none of them."""
+def _rewrite_split(
+    cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteContext, used: set[str]
+) -> list[cst.ClassDef]:
+    """cls and the closing half of the MLP it opens, sharded (see _split_unit; the layer classes they use added
+    to `used`), or none of them."""
     if (layer := _opener(cls)) is None or (closer := closing_half(module, cls.name.value)) is None:
         return []
     up, down = linear_args(layer.call), linear_args(closer.linear.call)
@@ -215,6 +218,7 @@ def _rewrite_split(cls: cst.ClassDef, module: cst.Module, ctx: ParallelRewriteCo
         f"{name}: {layer.attr} -> ColumnParallelLinear ({GROUP})",
         f"{closing}: {closer.linear.attr}, which {name}'s output is handed to, -> RowParallelLinear ({GROUP})",
     ]
+    used |= {"ColumnParallelLinear", "RowParallelLinear"}
     return [replace_methods(cls, {"__init__": new_init, "forward": fwd}), closed(closer, GROUP)]
 
 
@@ -231,9 +235,8 @@ class ShardMLP(Rule):
                 continue
             if (result := _rewrite(cls, ctx, used)) is not None:
                 new[name] = result
-            elif split := _rewrite_split(cls, module, ctx):
+            elif split := _rewrite_split(cls, module, ctx, used):
                 new |= {c.name.value: c for c in split}
-                used |= {"ColumnParallelLinear", "RowParallelLinear"}
         if not new:
             return module
         self.add_needed_imports([*((LINEAR_IMPORT, c) for c in sorted(used)), *REGION_IMPORTS])
