@@ -330,6 +330,36 @@ def test_host_decode_kernel_is_built_and_matches_the_reference(dtype, window, ca
         torch.testing.assert_close(got[b].double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the portable path runs instead")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize(("block_size", "window", "sinks"), [(40, None, None), (128, 100, SINKS)])
+def test_host_decode_kernel_over_long_contexts(dtype, dim, block_size, window, sinks):
+    """Contexts of many tiles (the AVX-512 loops take 16 cached tokens at a time): whole and partial tiles, a
+    block size that is not a multiple of 16, one-token and 300-token requests, a sliding window starting mid-tile."""
+    kernel = host_decode_attention()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.tensor([1, 17, 300, 129, 47])
+    blocks = [-(-n // block_size) for n in lens.tolist()]
+    order = torch.randperm(sum(blocks) + 2, generator=gen)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.long)
+    for b, taken in enumerate(blocks):
+        table[b, :taken], order = order[:taken], order[taken:]
+    k_cache, v_cache = (torch.randn(sum(blocks) + 2, block_size, KV, dim, generator=gen) for _ in range(2))
+    q = torch.randn(len(lens), H, dim, generator=gen)
+    got = kernel(
+        q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), table, lens, SCALE, window or 0, 0.0, sinks
+    )
+    for b, n in enumerate(lens.tolist()):
+        ctx_k, ctx_v = (c.to(dtype)[table[b]].reshape(-1, KV, dim)[:n] for c in (k_cache, v_cache))
+        q_hist = torch.zeros(n, H, dim)
+        q_hist[-1] = q[b].to(dtype)
+        expected = naive(q_hist, ctx_k, ctx_v, [n - 1], window, None, sinks)[0]
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got[b].double(), expected, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["paged", "legacy"])
 def test_values_narrower_than_keys(legacy):
     """MLA with its keys and values expanded per head: values of another head size than keys."""
