@@ -76,6 +76,14 @@ def host_decode_attention():
 
 
 @functools.cache
+def host_rms_norm():
+    """``torch.ops.skill.rms_norm``: x [..., n], weight [n] (one dtype, float32 or bfloat16), eps,
+    weight_in_float -> Llama's RMS norm of x (see rms_norm.cpp)."""
+    ops = _load("rms_norm", "the PyTorch expression", python_module=False)
+    return None if ops is None else ops.rms_norm
+
+
+@functools.cache
 def host_linear_kernel():
     """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows;
     ``torch.ops.skill.onednn_linear`` (x, oneDNN-packed weight, bias) joins the operators with it."""

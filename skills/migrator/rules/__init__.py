@@ -11,6 +11,7 @@ from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
+from skills.migrator.rules.fused_rms_norm import FusedRMSNorm
 from skills.migrator.rules.hand_written_attention import HandWrittenAttention
 from skills.migrator.rules.honest_signatures import HonestSignatures
 from skills.migrator.rules.latent_kv_cache import LatentKVCache
@@ -44,6 +45,7 @@ MODELING_RULES = [
     CausalLMEntry,
     ModuleBases,
     PlainLinearSubclasses,
+    FusedRMSNorm,
     ConstructorPlumbing,
     PruneUnreachable,
     DropDropout,

@@ -28,6 +28,7 @@ from runtime.config.comm_manager import CommManager
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.kv_cache import ModelCacheInfo
 from runtime.layers.attention import Attention, cache_info_of
+from runtime.layers.norm import rms_norm
 from runtime.layers.prefix import join_prefix
 from runtime.layers.weights import load_named_weights
 
@@ -42,11 +43,7 @@ class LlamaRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
