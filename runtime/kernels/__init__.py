@@ -84,6 +84,14 @@ def host_rms_norm():
 
 
 @functools.cache
+def host_rotary_embedding():
+    """``torch.ops.skill.rotary_embedding``: q, k, cos, sin, unsqueeze_dim -> (q, k) rotated as transformers'
+    apply_rotary_pos_emb does (see rotary_embedding.cpp)."""
+    ops = _load("rotary_embedding", "the PyTorch expression", python_module=False)
+    return None if ops is None else ops.rotary_embedding
+
+
+@functools.cache
 def host_linear_kernel():
     """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows;
     ``torch.ops.skill.onednn_linear`` (x, oneDNN-packed weight, bias) joins the operators with it."""

@@ -12,6 +12,7 @@ from skills.migrator.rules.dead_code import DeadCode
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
 from skills.migrator.rules.fused_rms_norm import FusedRMSNorm
+from skills.migrator.rules.fused_rotary_embedding import FusedRotaryEmbedding
 from skills.migrator.rules.hand_written_attention import HandWrittenAttention
 from skills.migrator.rules.honest_signatures import HonestSignatures
 from skills.migrator.rules.latent_kv_cache import LatentKVCache
@@ -46,6 +47,7 @@ MODELING_RULES = [
     ModuleBases,
     PlainLinearSubclasses,
     FusedRMSNorm,
+    FusedRotaryEmbedding,
     ConstructorPlumbing,
     PruneUnreachable,
     DropDropout,

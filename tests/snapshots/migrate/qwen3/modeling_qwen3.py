@@ -32,6 +32,7 @@ from runtime.kv_cache import ModelCacheInfo
 from runtime.layers.attention import Attention, cache_info_of
 from runtime.layers.norm import rms_norm
 from runtime.layers.prefix import join_prefix
+from runtime.layers.rotary import rotary_embedding
 from runtime.layers.weights import load_named_weights
 
 
@@ -112,13 +113,6 @@ class Qwen3RotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """Applies Rotary Position Embedding to the query and key tensors.
 
@@ -137,11 +131,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     Returns:
         `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
     """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
+    return rotary_embedding(q, k, cos, sin, unsqueeze_dim)
 
 
 class Qwen3Attention(nn.Module):

@@ -1,0 +1,74 @@
+"""A function that is transformers' `apply_rotary_pos_emb` written out (cos and sin unsqueezed, then
+`q * cos + rotate_half(q) * sin` and the same for k, with `rotate_half` the half-split rotation of this file) returns
+the runtime's `rotary_embedding` of its arguments instead: one pass per tensor on the host with the same roundings,
+the same expression elsewhere. Partial rotary, interleaved halves, casts and anything else are left as they are.
+
+Both functions are compared with their forms as Python's parser reads them (layout, parentheses and comments do not
+matter); parameter and local names are read from the code."""
+
+import ast
+
+import libcst as cst
+
+from skills.migrator.rule import Rule
+from skills.migrator.rules._forms import ReturnInstead, plain_parameters, statements, unparsed
+
+ROTATE_HALF = """\
+{low} = {x}[..., :{x}.shape[-1] // 2]
+{high} = {x}[..., {x}.shape[-1] // 2:]
+return torch.cat((-{high}, {low}), dim=-1)
+"""
+APPLY = """\
+{cos} = {cos}.unsqueeze({dim})
+{sin} = {sin}.unsqueeze({dim})
+{q_out} = {q} * {cos} + {rotate}({q}) * {sin}
+{k_out} = {k} * {cos} + {rotate}({k}) * {sin}
+return ({q_out}, {k_out})
+"""
+
+
+def _targets(body: list[ast.stmt], count: int) -> list[str] | None:
+    """The names the first `count` statements assign, one each, or None."""
+    if len(body) <= count or not all(isinstance(s, ast.Assign) and len(s.targets) == 1 for s in body[:count]):
+        return None
+    names = [s.targets[0] for s in body[:count]]
+    return [n.id for n in names] if all(isinstance(n, ast.Name) for n in names) else None
+
+
+def _rotates_half(function: cst.FunctionDef) -> bool:
+    params, body = plain_parameters(function), statements(function)
+    if params is None or len(params) != 1 or (targets := _targets(body, 2)) is None:
+        return False
+    return unparsed(body) == unparsed(ROTATE_HALF.format(x=params[0], low=targets[0], high=targets[1]))
+
+
+def rotary_call(function: cst.FunctionDef, rotations: set[str]) -> str | None:
+    """The `rotary_embedding(...)` expression the function computes, given the names of the file's half-split
+    rotations, or None when it is not apply_rotary_pos_emb."""
+    params, body = plain_parameters(function), statements(function)
+    if params is None or len(params) != 5 or (targets := _targets(body, 4)) is None:
+        return None
+    called = [
+        n.func.id for n in ast.walk(body[2]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    ]
+    if len(called) != 1 or called[0] not in rotations:
+        return None
+    q, k, cos, sin, dim = params
+    names = {"q": q, "k": k, "cos": cos, "sin": sin, "dim": dim, "rotate": called[0]}
+    if unparsed(body) != unparsed(APPLY.format(**names, q_out=targets[2], k_out=targets[3])):
+        return None
+    return f"rotary_embedding({q}, {k}, {cos}, {sin}, {dim})"
+
+
+class FusedRotaryEmbedding(Rule):
+    ID = "MG030"
+    DESCRIPTION = "apply_rotary_pos_emb written out returns the runtime's rotary_embedding of its arguments."
+
+    def transform_module_impl(self, module: cst.Module) -> cst.Module:
+        functions = [s for s in module.body if isinstance(s, cst.FunctionDef)]
+        rotations = {f.name.value for f in functions if _rotates_half(f)}
+        calls = {f: call for f in functions if (call := rotary_call(f, rotations)) is not None}
+        if not calls:
+            return module
+        self.add_needed_import("runtime.layers.rotary", "rotary_embedding")
+        return module.visit(ReturnInstead(calls))
