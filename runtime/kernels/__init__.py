@@ -92,6 +92,14 @@ def host_rotary_embedding():
 
 
 @functools.cache
+def host_silu_and_mul():
+    """``torch.ops.skill.silu_and_mul``: gate, up (one shape and dtype, float32 or bfloat16) -> F.silu(gate) * up
+    (see silu_and_mul.cpp)."""
+    ops = _load("silu_and_mul", "the PyTorch expression", python_module=False)
+    return None if ops is None else ops.silu_and_mul
+
+
+@functools.cache
 def host_linear_kernel():
     """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows;
     ``torch.ops.skill.onednn_linear`` (x, oneDNN-packed weight, bias) joins the operators with it."""

@@ -3,8 +3,9 @@
 // One query token per request: out[b, h] = softmax(scale * q[b, h] . K[ctx(b)]) V[ctx(b)], where ctx(b) are the
 // request's cached positions [start, len) reached through its block table, start = len - window with a sliding
 // window. The query heads sharing a KV head are done together, so each cached row is read once; scores and sums
-// are float. Where the compiler targets AVX-512, head sizes 64 and 128 run hand-vectorised loops (below). Soft-capping is tanh(s / cap) * cap as in Gemma 2. An attention sink (GPT-OSS) is one more logit per
+// are float. Soft-capping is tanh(s / cap) * cap as in Gemma 2. An attention sink (GPT-OSS) is one more logit per
 // query head in the softmax's denominator, with no value row. Values may have another head size than keys (MLA).
+// Where the compiler targets AVX-512, head sizes 64 and 128 run hand-vectorised loops (below).
 #include <ATen/Parallel.h>
 
 #include "host_float.h"
@@ -14,35 +15,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-// exp(x) for x <= 0 as 2^i * 2^f with a degree-6 polynomial for 2^f (relative error ~2e-7): unlike libm's
-// expf it vectorises, and the softmax is the kernel's hot loop.
-static inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504089f;
-  const float i = std::floor(t), f = t - i;
-  const float p = 1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
-                  f * (0.00133335581f + f * 0.000154035304f)))));
-  const int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-#if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes.
-static inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504089f));
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, i);
-  __m512 p = _mm512_set1_ps(0.000154035304f);
-  for (float c : {0.00133335581f, 0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
 
 // s = softmax(s), with the attention sink's logit in the denominator where there is one.
 static void softmax(float* s, int64_t len, const float* sink) {
@@ -95,15 +67,6 @@ static inline void for_each_token(const int64_t* table, int64_t start, int64_t e
 // are converted to float 16 tokens at a time (a tile in L1), then every query head of the group reads the tile:
 // 16 dot products are summed across lanes together (sum_lanes16), and values are accumulated from the tile.
 constexpr int64_t kTile = 16;
-
-static inline __m512 load_floats(const float* x) { return _mm512_loadu_ps(x); }
-static inline __m512 load_floats(const at::BFloat16* x) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-static inline __m512 load_floats(const at::Half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
 
 // r[i] = the sum of v[i]'s lanes: halves, quarters, pairs and neighbours of the vectors are added in a tree
 // (15 additions for 16 sums instead of 4 per sum); the last permutation puts the sums in order.

@@ -11,6 +11,7 @@ from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
+from skills.migrator.rules.fused_act_and_mul import FusedActAndMul
 from skills.migrator.rules.fused_rms_norm import FusedRMSNorm
 from skills.migrator.rules.fused_rotary_embedding import FusedRotaryEmbedding
 from skills.migrator.rules.hand_written_attention import HandWrittenAttention
@@ -48,6 +49,7 @@ MODELING_RULES = [
     PlainLinearSubclasses,
     FusedRMSNorm,
     FusedRotaryEmbedding,
+    FusedActAndMul,
     ConstructorPlumbing,
     PruneUnreachable,
     DropDropout,

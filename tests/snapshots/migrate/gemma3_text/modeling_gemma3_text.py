@@ -30,6 +30,7 @@ from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.kv_cache import ModelCacheInfo
+from runtime.layers.activation import act_and_mul
 from runtime.layers.attention import Attention, cache_info_of
 from runtime.layers.prefix import join_prefix
 from runtime.layers.rotary import rotary_embedding
@@ -66,7 +67,7 @@ class Gemma3MLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_activation]
 
     def forward(self, x):
-        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        down_proj = self.down_proj(act_and_mul(self.act_fn, self.gate_proj(x), self.up_proj(x)))
         return down_proj
 
 

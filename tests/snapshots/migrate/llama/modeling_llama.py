@@ -27,6 +27,7 @@ from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.kv_cache import ModelCacheInfo
+from runtime.layers.activation import act_and_mul
 from runtime.layers.attention import Attention, cache_info_of
 from runtime.layers.norm import rms_norm
 from runtime.layers.prefix import join_prefix
@@ -128,7 +129,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        down_proj = self.down_proj(act_and_mul(self.act_fn, self.gate_proj(x), self.up_proj(x)))
         return down_proj
 
 

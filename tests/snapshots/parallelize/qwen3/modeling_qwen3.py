@@ -29,6 +29,7 @@ from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager, register_tp_groups
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.kv_cache import ModelCacheInfo
+from runtime.layers.activation import act_and_mul
 from runtime.layers.attention import Attention, cache_info_of
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -87,7 +88,7 @@ class Qwen3MLP(nn.Module):
         gate_proj_out, up_proj_out = self.gate_up_proj(x).split(
             self.gate_up_proj.output_partition_sizes, dim=-1
         )
-        down_proj = self.down_proj(self.act_fn(gate_proj_out) * up_proj_out)
+        down_proj = self.down_proj(act_and_mul(self.act_fn, gate_proj_out, up_proj_out))
         return self.tp_region.exit(down_proj)
 
 
