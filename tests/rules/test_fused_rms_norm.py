@@ -30,24 +30,10 @@ BEFORE = dedent('''\
             return self.weight * hidden_states.to(input_dtype)
     ''')
 
-AFTER = dedent('''\
-    import torch
-    from torch import nn
-    from runtime.layers.norm import rms_norm
-
-
-    class LlamaRMSNorm(nn.Module):
-        def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-            """
-            LlamaRMSNorm is equivalent to T5LayerNorm
-            """
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(hidden_size))
-            self.variance_epsilon = eps
-
-        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-    ''')
+FORWARD = BEFORE[BEFORE.index("        input_dtype") :]
+AFTER = BEFORE.replace(
+    "from torch import nn\n", "from torch import nn\nfrom runtime.layers.norm import rms_norm\n"
+).replace(FORWARD, "        return rms_norm(hidden_states, self.weight, self.variance_epsilon)\n")
 
 
 def test_llamas_rms_norm_becomes_one_call(make_ctx):
