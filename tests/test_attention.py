@@ -360,6 +360,29 @@ def test_host_decode_kernel_over_long_contexts(dtype, dim, block_size, window, s
         torch.testing.assert_close(got[b].double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the portable path runs instead")
+@pytest.mark.parametrize("dim", [D, 64], ids=["dim-at-run-time", "dim-compiled-in"])
+def test_a_nan_in_the_cache_reaches_the_heads_that_read_it(dim):
+    """As in SDPA: a NaN key makes its KV head's query heads NaN, and no other head."""
+    kernel = host_decode_attention()
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache = torch.randn(4, BS, KV, dim, generator=gen), torch.randn(4, BS, KV, dim, generator=gen)
+    k_cache[1, 2, 0, 5] = float("nan")  # block 1, offset 2, kv head 0
+    out = kernel(
+        torch.randn(1, H, dim, generator=gen),
+        k_cache,
+        v_cache,
+        torch.tensor([[2, 1]]),
+        torch.tensor([7]),
+        SCALE,
+        0,
+        0.0,
+        None,
+    )
+    group = H // KV
+    assert out[0, :group].isnan().all() and not out[0, group:].isnan().any()
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["paged", "legacy"])
 def test_values_narrower_than_keys(legacy):
     """MLA with its keys and values expanded per head: values of another head size than keys."""

@@ -54,3 +54,8 @@ def test_other_dtypes_run_the_expression_itself(x_dtype, w_dtype):
     x, weight = torch.randn(4, 32).to(x_dtype), torch.rand(32).to(w_dtype)
     for in_float in (False, True):
         assert torch.equal(rms_norm(x, weight, 1e-6, in_float), expression(x, weight, 1e-6, in_float))
+
+
+def test_no_rows():
+    x = torch.empty(0, 3, 64, dtype=torch.bfloat16)
+    assert rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-6).shape == (0, 3, 64)

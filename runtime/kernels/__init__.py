@@ -2,7 +2,9 @@
 
 Each loader returns the compiled module or operator, or None where it cannot be built (no compiler, set
 ``SKILL_HOST_KERNELS=0`` to skip them); callers then take their portable PyTorch path. What a compiled decode
-step calls is a ``torch.ops.skill`` operator with a fake (shape-only) implementation, so graphs keep it.
+step calls is a ``torch.ops.skill`` operator with a fake (shape-only) implementation, so graphs keep it; the
+elementwise ones (RMS norm, rotary embedding, SiLU-and-mul) are not called inside graphs, where inductor fuses the
+expressions they replace.
 """
 
 import functools
@@ -38,7 +40,7 @@ def _build_tag() -> str:
     return hashlib.sha1((flags + headers).encode()).hexdigest()[:10]
 
 
-def _load(source: str, what: str, python_module: bool = True):
+def _load(source: str, what: str, python_module: bool = True, flags: tuple[str, ...] = ()):
     """The compiled ``<source>.cpp`` (its Python module, or with ``python_module=False`` the ``torch.ops.skill``
     namespace its operators joined), or None (logged, naming the portable path ``what`` falls back to)."""
     if os.environ.get("SKILL_HOST_KERNELS", "1") == "0":
@@ -51,7 +53,7 @@ def _load(source: str, what: str, python_module: bool = True):
         module = load(
             name=name,
             sources=[str(_SOURCES / f"{source}.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"],
             is_python_module=python_module,
             verbose=False,
@@ -87,7 +89,10 @@ def host_rms_norm():
 def host_rotary_embedding():
     """``torch.ops.skill.rotary_embedding``: q, k, cos, sin, unsqueeze_dim -> (q, k) rotated as transformers'
     apply_rotary_pos_emb does (see rotary_embedding.cpp)."""
-    ops = _load("rotary_embedding", "the PyTorch expression", python_module=False)
+    # no fused multiply-adds: each product is rounded before the sum, as the expression rounds it
+    ops = _load(
+        "rotary_embedding", "the PyTorch expression", python_module=False, flags=("-ffp-contract=off",)
+    )
     return None if ops is None else ops.rotary_embedding
 
 

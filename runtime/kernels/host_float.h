@@ -33,20 +33,22 @@ inline at::BFloat16 from_float<at::BFloat16>(float f) {
 
 // exp(x) for x <= 0 as 2^i * 2^f: i = floor(x / ln 2), the remainder x - i ln 2 taken in two parts (Cody-Waite,
 // so large |x| keeps its precision), 2^f by a degree-6 polynomial fitted for relative error: within 1.5e-7 of exp
-// over [-87, 0], where libm's expf would not vectorise (the softmax's and SiLU's hot loops).
+// over [-87, 0], 0 below (where float's normal range ends), NaN for NaN; libm's expf would not vectorise (the
+// softmax's and SiLU's hot loops).
 constexpr float kLog2e = 1.44269504089f, kLn2High = 0.693145751953125f, kLn2Low = 1.428606820309417e-6f;
 constexpr float kExp2[] = {0.000215405089f, 0.00124828820f, 0.00967454631f, 0.0554853231f, 0.240229398f,
                            0.693147004f, 1.f};
 
 static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float i = std::floor(x * kLog2e), f = (x - i * kLn2High - i * kLn2Low) * kLog2e;
+  const bool underflow = x < -87.f;  // false for NaN
+  const float y = underflow ? -87.f : x;
+  const float i = std::floor(y * kLog2e), f = (y - i * kLn2High - i * kLn2Low) * kLog2e;
   float p = kExp2[0];
   for (int k = 1; k < 7; ++k) p = p * f + kExp2[k];
   const int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return underflow ? 0.f : p * scale;
 }
 
 #if defined(__AVX512F__)
@@ -54,7 +56,8 @@ static inline float exp_nonpositive(float x) {
 
 // exp_nonpositive on 16 lanes.
 static inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);  // false for NaN
+  x = _mm512_mask_mov_ps(x, underflow, _mm512_set1_ps(-87.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
   const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(i, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(i, _mm512_set1_ps(kLn2High), x));
@@ -62,7 +65,7 @@ static inline __m512 exp_nonpositive(__m512 x) {
   __m512 p = _mm512_set1_ps(kExp2[0]);
   for (int k = 1; k < 7; ++k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2[k]));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
 }
 
 // 16 elements as floats.

@@ -160,7 +160,7 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
                           int64_t v_head_dim, int64_t block_size, int64_t width, float scale, int64_t window,
                           float soft_cap, const float* sinks) {
   // the AVX-512 loops, where built: 16-bit or float caches, head sizes a multiple of 16
-  constexpr bool kVectorLoops = !std::is_same_v<T, double> && kD > 0 && kD % 16 == 0 && kDv == kD;
+  [[maybe_unused]] constexpr bool kVectorLoops = !std::is_same_v<T, double> && kD > 0 && kD % 16 == 0 && kDv == kD;
   const int64_t D = kD ? kD : head_dim, Dv = kDv ? kDv : v_head_dim, group = H / Hkv;
   const int64_t token_stride = Hkv * D, block_stride = block_size * token_stride;
   const int64_t v_token_stride = Hkv * Dv, v_block_stride = block_size * v_token_stride;

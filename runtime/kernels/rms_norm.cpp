@@ -39,10 +39,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool w
   auto rows = x.contiguous();
   auto w = weight.contiguous();
   auto out = torch::empty_like(rows);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(rows.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            rows.numel() / rows.size(-1), rows.size(-1), static_cast<float>(eps), weight_in_float);
-  });
+  if (out.numel() == 0) return out;
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    rms_norm_rows<T>(rows.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows.numel() / rows.size(-1),
+                     rows.size(-1), static_cast<float>(eps), weight_in_float);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(at::BFloat16{});
   return out;
 }
 

@@ -1,7 +1,8 @@
 // Rotary position embedding in one pass (host only), with the roundings of the PyTorch expression it replaces:
 //   out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
 // for x, cos and sin of one type (float32 or bfloat16), cos and sin broadcast to x's shape (strides of 0 where
-// they repeat): each product is rounded to that type, then their sum. Rows are x's innermost dimension,
+// they repeat): each product is rounded to that type, then their sum (built without contracting a product and a
+// sum into one fused multiply-add, so float32 too gives the expression's bits). Rows are x's innermost dimension,
 // contiguous in all three; anything else runs the expression through ATen's operators.
 #include <ATen/Parallel.h>
 
@@ -51,11 +52,11 @@ static torch::Tensor rotate_half(const torch::Tensor& x) {  // transformers' spl
 static torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const bool qualifies = x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type() &&
                          (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() >= 1 &&
-                         x.dim() <= kMaxDims + 1 && x.size(-1) % 2 == 0 &&
+                         x.dim() <= kMaxDims + 1 && x.numel() > 0 && x.size(-1) % 2 == 0 &&
                          at::infer_size(at::infer_size(x.sizes(), cos.sizes()), sin.sizes()) == x.sizes();
-  if (!qualifies || x.stride(-1) != 1 || cos.stride(-1) != 1 || sin.stride(-1) != 1)
-    return x * cos + rotate_half(x) * sin;
-  const auto c = cos.expand_as(x), s = sin.expand_as(x);
+  if (!qualifies) return x * cos + rotate_half(x) * sin;
+  const auto c = cos.expand_as(x), s = sin.expand_as(x);  // a broadcast last dimension has stride 0 now
+  if (x.stride(-1) != 1 || c.stride(-1) != 1 || s.stride(-1) != 1) return x * cos + rotate_half(x) * sin;
   auto out = torch::empty_like(x);
   if (out.stride(-1) != 1) out = torch::empty(x.sizes(), x.options());
   const int64_t dims = x.dim() - 1, D = x.size(-1);
@@ -65,10 +66,15 @@ static torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, co
     sizes[d] = x.size(d);
     for (int t = 0; t < 4; ++t) strides[t][d] = tensors[t]->stride(d);
   }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary_embedding", [&] {
-    rotate_rows<scalar_t>(x.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
-                          out.data_ptr<scalar_t>(), x.numel() / D, D, dims, sizes, strides);
-  });
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    rotate_rows<T>(x.data_ptr<T>(), c.data_ptr<T>(), s.data_ptr<T>(), out.data_ptr<T>(), x.numel() / D, D, dims,
+                   sizes, strides);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(at::BFloat16{});
   return out;
 }
 

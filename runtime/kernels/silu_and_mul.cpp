@@ -38,6 +38,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
                   (gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16),
               "gate and up: one shape and one dtype, float32 or bfloat16");
+  if (gate.numel() == 0) return torch::empty(gate.sizes(), gate.options());
   const int64_t n = gate.size(-1);
   const auto g = gate.reshape({-1, n}), u = up.reshape({-1, n});  // views where the rows allow
   const auto rows_g = g.stride(1) == 1 ? g : g.contiguous(), rows_u = u.stride(1) == 1 ? u : u.contiguous();

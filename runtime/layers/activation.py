@@ -18,15 +18,17 @@ SILU = (nn.SiLU, SiLUActivation)
 
 
 def act_and_mul(
-    act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor | float
 ) -> torch.Tensor:
-    """``act(gate) * up``."""
+    """``act(gate) * up``; up may be a number, as the model code's product allows."""
     if (
         type(act) in SILU
         and not getattr(act, "inplace", False)
+        and isinstance(up, torch.Tensor)
         and gate.device.type == "cpu"
         and gate.dtype in (torch.float32, torch.bfloat16)
         and up.dtype == gate.dtype
+        and gate.dim() >= 1
         and gate.shape == up.shape
         and not torch.compiler.is_compiling()
         and (kernel := host_silu_and_mul()) is not None

@@ -19,6 +19,8 @@ def rms_norm(
         x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
+        and x.dim() >= 1
+        and weight.shape == x.shape[-1:]
         and not torch.compiler.is_compiling()
         and (kernel := host_rms_norm()) is not None
     ):

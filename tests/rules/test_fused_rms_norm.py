@@ -88,13 +88,33 @@ def test_layout_and_comments_do_not_matter(make_ctx):
         ("return self.weight", "hidden_states = hidden_states.clamp(-1, 1)\n        return self.weight"),
         # T5's: the variance from the input, the weight's dtype chosen at run time
         ("        input_dtype = hidden_states.dtype\n", ""),
+        # the variance held in the input's name: the form's statements, with another meaning
+        (
+            (
+                "variance = hidden_states.pow(2).mean(-1, keepdim=True)\n"
+                "        hidden_states = hidden_states * torch.rsqrt(variance"
+            ),
+            (
+                "hidden_states = hidden_states.pow(2).mean(-1, keepdim=True)\n"
+                "        hidden_states = hidden_states * torch.rsqrt(hidden_states"
+            ),
+        ),
         # more inputs than the rows
         (
             "def forward(self, hidden_states: torch.Tensor)",
             "def forward(self, hidden_states: torch.Tensor, gate=None)",
         ),
     ],
-    ids=["gemma-offset", "other-axis", "literal-eps", "float16", "extra-statement", "t5", "extra-input"],
+    ids=[
+        "gemma-offset",
+        "other-axis",
+        "literal-eps",
+        "float16",
+        "extra-statement",
+        "t5",
+        "aliased",
+        "extra-input",
+    ],
 )
 def test_anything_else_is_left_as_it_is(make_ctx, old, new):
     assert old in BEFORE

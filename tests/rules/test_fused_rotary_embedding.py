@@ -87,6 +87,23 @@ def test_other_names_and_no_docstrings(make_ctx):
         ("(rotate_half(q) * sin)", "(torch.flip(q, (-1,)) * sin)"),
         ("cos = cos.unsqueeze(unsqueeze_dim)", "cos = cos.unsqueeze(2)"),
         ("unsqueeze_dim=1):", "unsqueeze_dim=1, position_ids=None):"),
+        # names bound twice: the rotation's low half in its input's name, the query's output in cos's
+        (
+            "x1 = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n    return torch.cat((-x2, x1)",
+            "x = x[..., : x.shape[-1] // 2]\n    x2 = x[..., x.shape[-1] // 2 :]\n    return torch.cat((-x2, x)",
+        ),
+        (
+            (
+                "q_embed = (q * cos) + (rotate_half(q) * sin)\n    k_embed = (k * cos) + (rotate_half(k) * sin)\n"
+                "    return q_embed,"
+            ),
+            (
+                "cos = (q * cos) + (rotate_half(q) * sin)\n    k_embed = (k * cos) + (rotate_half(k) * sin)\n"
+                "    return cos,"
+            ),
+        ),
+        # rotate_half bound again after its definition
+        ("\n\ndef apply_rotary_pos_emb", "\n\nrotate_half = torch.flip\n\n\ndef apply_rotary_pos_emb"),
     ],
     ids=[
         "interleaved",
@@ -97,6 +114,9 @@ def test_other_names_and_no_docstrings(make_ctx):
         "other-rotation",
         "other-axis",
         "extra-parameter",
+        "aliased-half",
+        "aliased-output",
+        "rebound-rotation",
     ],
 )
 def test_anything_else_is_left_as_it_is(make_ctx, old, new):

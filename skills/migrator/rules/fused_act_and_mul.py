@@ -1,7 +1,9 @@
 """A gated MLP's product `self.<act>(gate) * up` (either order), where `self.<act>` is an activation the class's
 `__init__` takes from `ACT2FN[...]`, becomes the runtime's `act_and_mul(self.<act>, gate, up)`: with SiLU one pass
-on the host with the same roundings, the same expression otherwise. The activation attribute and the operands keep
-their code; an activation set any other way, or assigned again, is left as it is."""
+on the host with the same roundings, the same expression otherwise (the wrapper checks the activation at run
+time, so whatever the attribute holds, the product is computed as written). The operands keep their code; for
+`up * self.<act>(gate)` gate is now evaluated first, which only matters to operands with side effects. An
+activation set any other way, or assigned again in the class, is left as it is."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -22,8 +24,10 @@ def _activations(cls: cst.ClassDef) -> set[str]:
 
 
 def _sets(cls: cst.ClassDef, attr: str) -> int:
+    """How many assignments in the class bind `self.<attr>` (alone, in a tuple, annotated or augmented)."""
     self_attr = m.Attribute(m.Name("self"), m.Name(attr))
-    return len(m.findall(cls, m.AssignTarget(self_attr) | m.AugAssign(self_attr)))
+    targets = [t.target for t in m.findall(cls, m.AssignTarget() | m.AnnAssign() | m.AugAssign())]
+    return sum(bool(m.matches(t, self_attr) or m.findall(t, self_attr)) for t in targets)
 
 
 class FusedActAndMul(Rule):

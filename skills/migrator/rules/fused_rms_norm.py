@@ -40,6 +40,8 @@ def _names(body: list[ast.stmt], x: str) -> dict[str, str] | None:
     weight = next((n for n in ast.walk(body[4]) if isinstance(n, ast.Attribute) and n.attr != "to"), None)
     if not (isinstance(eps, ast.Attribute) and weight is not None):
         return None
+    if len({x, dtype.id, var.id}) != 3:  # one name for two values reads differently
+        return None
     return {"x": x, "dtype": dtype.id, "var": var.id, "eps": eps.attr, "weight": weight.attr}
 
 

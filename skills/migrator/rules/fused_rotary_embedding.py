@@ -9,7 +9,9 @@ matter); parameter and local names are read from the code."""
 import ast
 
 import libcst as cst
+import libcst.matchers as m
 
+from skills.migrator.cst_utils import assigned_names
 from skills.migrator.rule import Rule
 from skills.migrator.rules._forms import ReturnInstead, plain_parameters, statements, unparsed
 
@@ -39,7 +41,25 @@ def _rotates_half(function: cst.FunctionDef) -> bool:
     params, body = plain_parameters(function), statements(function)
     if params is None or len(params) != 1 or (targets := _targets(body, 2)) is None:
         return False
+    if len({params[0], *targets}) != 3:  # one name for two values reads differently
+        return False
     return unparsed(body) == unparsed(ROTATE_HALF.format(x=params[0], low=targets[0], high=targets[1]))
+
+
+def _bound_once(module: cst.Module, name: str) -> bool:
+    """name is bound by one top-level statement only (a later def, import or assignment would replace it)."""
+    defined = [
+        s for s in module.body if isinstance(s, cst.FunctionDef | cst.ClassDef) and s.name.value == name
+    ]
+    imported = m.findall(
+        module, m.ImportAlias(asname=m.AsName(m.Name(name))) | m.ImportAlias(m.Name(name), asname=None)
+    )
+    assigned = [
+        s
+        for s in module.body
+        if not isinstance(s, cst.FunctionDef | cst.ClassDef) and name in assigned_names(s)
+    ]
+    return len(defined) + len(imported) + len(assigned) == 1
 
 
 def rotary_call(function: cst.FunctionDef, rotations: set[str]) -> str | None:
@@ -54,6 +74,8 @@ def rotary_call(function: cst.FunctionDef, rotations: set[str]) -> str | None:
     if len(called) != 1 or called[0] not in rotations:
         return None
     q, k, cos, sin, dim = params
+    if len({*params, called[0], targets[2], targets[3]}) != 8:  # one name for two values reads differently
+        return None
     names = {"q": q, "k": k, "cos": cos, "sin": sin, "dim": dim, "rotate": called[0]}
     if unparsed(body) != unparsed(APPLY.format(**names, q_out=targets[2], k_out=targets[3])):
         return None
@@ -66,7 +88,9 @@ class FusedRotaryEmbedding(Rule):
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         functions = [s for s in module.body if isinstance(s, cst.FunctionDef)]
-        rotations = {f.name.value for f in functions if _rotates_half(f)}
+        rotations = {
+            f.name.value for f in functions if _rotates_half(f) and _bound_once(module, f.name.value)
+        }
         calls = {f: call for f in functions if (call := rotary_call(f, rotations)) is not None}
         if not calls:
             return module
