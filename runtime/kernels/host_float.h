@@ -31,6 +31,21 @@ inline at::BFloat16 from_float<at::BFloat16>(float f) {
   return out;
 }
 
+// f rounded to T's precision, as a float (PyTorch's rounding of an intermediate result held in T).
+template <typename T>
+static inline float rounded(float f) {
+  return to_float(from_float<T>(f));
+}
+
+// run(T{}) for T the float32 or bfloat16 element type of `type` (the kernels' callers check it is one of them).
+template <typename F>
+static inline void dispatch_float_or_bfloat16(at::ScalarType type, F run) {
+  if (type == at::kFloat)
+    run(float{});
+  else
+    run(at::BFloat16{});
+}
+
 // exp(x) for x <= 0 as 2^i * 2^f: i = floor(x / ln 2), the remainder x - i ln 2 taken in two parts (Cody-Waite,
 // so large |x| keeps its precision), 2^f by a degree-6 polynomial fitted for relative error: within 1.5e-7 of exp
 // over [-87, 0], 0 below (where float's normal range ends), NaN for NaN; libm's expf would not vectorise (the

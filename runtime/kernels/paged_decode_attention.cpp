@@ -52,13 +52,14 @@ static void softmax(float* s, int64_t len, const float* sink) {
 #endif
 }
 
-// visit(block, offset in block, position) for positions [start, end) of a request whose block table is `table`.
-template <typename F>
-static inline void for_each_token(const int64_t* table, int64_t start, int64_t end, int64_t block_size, F visit) {
+// visit(block, offset in block, count, first position) for runs of up to kRun consecutive positions covering
+// [start, end) of a request whose block table is `table`; a run never crosses a block.
+template <int64_t kRun, typename F>
+static inline void for_each_run(const int64_t* table, int64_t start, int64_t end, int64_t block_size, F visit) {
   for (int64_t first = start - start % block_size; first < end; first += block_size) {
     const int64_t block = table[first / block_size];
-    for (int64_t j = std::max(first, start), stop = std::min(first + block_size, end); j < stop; ++j)
-      visit(block, j - first, j);
+    for (int64_t j = std::max(first, start), stop = std::min(first + block_size, end); j < stop; j += kRun)
+      visit(block, j - first, std::min(kRun, stop - j), j);
   }
 }
 
@@ -90,17 +91,6 @@ static inline void load_tile(const T* rows, int64_t stride, int64_t count, float
       _mm512_storeu_ps(tile + t * D + c, t < count ? load_floats(rows + t * stride + c) : _mm512_setzero_ps());
 }
 
-// visit(block, offset in block, count <= kTile, first position) for the tiles of consecutive tokens covering
-// positions [start, end).
-template <typename F>
-static inline void for_each_tile(const int64_t* table, int64_t start, int64_t end, int64_t block_size, F visit) {
-  for (int64_t first = start - start % block_size; first < end; first += block_size) {
-    const int64_t block = table[first / block_size];
-    for (int64_t j = std::max(first, start), stop = std::min(first + block_size, end); j < stop; j += kTile)
-      visit(block, j - first, std::min(kTile, stop - j), j);
-  }
-}
-
 // scores[h, j - start] = qf[h] . k[j] for the query heads of `kv_heads` KV heads (qf already scaled). A tile's
 // rows are read for every KV head in turn, so the cache is streamed once.
 template <typename T, int64_t D>
@@ -108,7 +98,7 @@ static void tile_scores(const float* qf, const T* k_cache, const int64_t* table,
                         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_heads,
                         int64_t group, int64_t len, float* scores) {
   alignas(64) float tile[kTile * D];
-  for_each_tile(table, start, end, block_size, [&](int64_t block, int64_t offset, int64_t count, int64_t j) {
+  for_each_run<kTile>(table, start, end, block_size, [&](int64_t block, int64_t offset, int64_t count, int64_t j) {
     const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
     for (int64_t g = 0; g < kv_heads; ++g) {
       load_tile<T, D>(k_cache + block * block_stride + offset * token_stride + g * D, token_stride, count, tile);
@@ -132,7 +122,7 @@ static void tile_values(const float* p, const T* v_cache, const int64_t* table, 
                         int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_heads,
                         int64_t group, int64_t len, float* acc) {
   alignas(64) float tile[kTile * D];
-  for_each_tile(table, start, end, block_size, [&](int64_t block, int64_t offset, int64_t count, int64_t j) {
+  for_each_run<kTile>(table, start, end, block_size, [&](int64_t block, int64_t offset, int64_t count, int64_t j) {
     for (int64_t g = 0; g < kv_heads; ++g) {
       load_tile<T, D>(v_cache + block * block_stride + offset * token_stride + g * D, token_stride, count, tile);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -173,14 +163,15 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
       const T* qb = q + (b * H + h0) * D;
       for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(qb[i]) * scale;
       scores.assign(heads * len, 0.f);
+      const int64_t* table = tables + b * width;
 #if defined(__AVX512F__)
       if constexpr (kVectorLoops)
-        tile_scores<T, kD>(qf.data(), k_cache + kv0 * D, tables + b * width, start, n, block_size, block_stride,
+        tile_scores<T, kD>(qf.data(), k_cache + kv0 * D, table, start, n, block_size, block_stride,
                            token_stride, kv_heads, group, len, scores.data());
       else
 #endif
       // Tokens are walked block by block: no division per token to find its block and offset.
-      for_each_token(tables + b * width, start, n, block_size, [&](int64_t block, int64_t offset, int64_t j) {
+      for_each_run<1>(table, start, n, block_size, [&](int64_t block, int64_t offset, int64_t, int64_t j) {
         const T* k = k_cache + block * block_stride + offset * token_stride + kv0 * D;
         for (int64_t i = 0; i < kv_heads * D; ++i) row[i] = to_float(k[i]);
         for (int64_t h = 0; h < heads; ++h) {
@@ -197,11 +188,11 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)
       if constexpr (kVectorLoops)
-        tile_values<T, kDv>(scores.data(), v_cache + kv0 * Dv, tables + b * width, start, n, block_size,
+        tile_values<T, kDv>(scores.data(), v_cache + kv0 * Dv, table, start, n, block_size,
                             v_block_stride, v_token_stride, kv_heads, group, len, acc.data());
       else
 #endif
-      for_each_token(tables + b * width, start, n, block_size, [&](int64_t block, int64_t offset, int64_t j) {
+      for_each_run<1>(table, start, n, block_size, [&](int64_t block, int64_t offset, int64_t, int64_t j) {
         const T* v = v_cache + block * v_block_stride + offset * v_token_stride + kv0 * Dv;
         for (int64_t i = 0; i < kv_heads * Dv; ++i) row[i] = to_float(v[i]);
         for (int64_t h = 0; h < heads; ++h) {

@@ -26,7 +26,7 @@ static void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int
       } else {
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i)
-          o[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(xr[i]) * scale)));
+          o[i] = from_float<T>(to_float(weight[i]) * rounded<T>(to_float(xr[i]) * scale));
       }
     }
   });
@@ -45,10 +45,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool w
     rms_norm_rows<T>(rows.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows.numel() / rows.size(-1),
                      rows.size(-1), static_cast<float>(eps), weight_in_float);
   };
-  if (x.scalar_type() == at::kFloat)
-    run(float{});
-  else
-    run(at::BFloat16{});
+  dispatch_float_or_bfloat16(x.scalar_type(), run);
   return out;
 }
 

@@ -13,11 +13,6 @@
 constexpr int64_t kMaxDims = 8;
 
 template <typename T>
-static inline float rounded(float v) {
-  return to_float(from_float<T>(v));
-}
-
-template <typename T>
 static void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t D, int64_t dims,
                         const std::array<int64_t, kMaxDims>& sizes, const std::array<int64_t, kMaxDims>* strides) {
   const int64_t half = D / 2;
@@ -54,9 +49,10 @@ static torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, co
                          (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() >= 1 &&
                          x.dim() <= kMaxDims + 1 && x.numel() > 0 && x.size(-1) % 2 == 0 &&
                          at::infer_size(at::infer_size(x.sizes(), cos.sizes()), sin.sizes()) == x.sizes();
-  if (!qualifies) return x * cos + rotate_half(x) * sin;
+  const auto expression = [&] { return x * cos + rotate_half(x) * sin; };
+  if (!qualifies) return expression();
   const auto c = cos.expand_as(x), s = sin.expand_as(x);  // a broadcast last dimension has stride 0 now
-  if (x.stride(-1) != 1 || c.stride(-1) != 1 || s.stride(-1) != 1) return x * cos + rotate_half(x) * sin;
+  if (x.stride(-1) != 1 || c.stride(-1) != 1 || s.stride(-1) != 1) return expression();
   auto out = torch::empty_like(x);
   if (out.stride(-1) != 1) out = torch::empty(x.sizes(), x.options());
   const int64_t dims = x.dim() - 1, D = x.size(-1);
@@ -71,10 +67,7 @@ static torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, co
     rotate_rows<T>(x.data_ptr<T>(), c.data_ptr<T>(), s.data_ptr<T>(), out.data_ptr<T>(), x.numel() / D, D, dims,
                    sizes, strides);
   };
-  if (x.scalar_type() == at::kFloat)
-    run(float{});
-  else
-    run(at::BFloat16{});
+  dispatch_float_or_bfloat16(x.scalar_type(), run);
   return out;
 }
 

@@ -29,7 +29,7 @@ static void silu_and_mul_rows(const T* gate, const T* up, T* out, int64_t rows, 
         store_floats(o + i, _mm512_mul_ps(silu, load_floats(u + i)));
       }
 #endif
-      for (; i < n; ++i) o[i] = from_float<T>(to_float(from_float<T>(silu(to_float(g[i])))) * to_float(u[i]));
+      for (; i < n; ++i) o[i] = from_float<T>(rounded<T>(silu(to_float(g[i]))) * to_float(u[i]));
     }
   });
 }
@@ -48,10 +48,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
     silu_and_mul_rows<T>(rows_g.data_ptr<T>(), rows_u.data_ptr<T>(), out.data_ptr<T>(), rows_g.size(0), n,
                          rows_g.stride(0), rows_u.stride(0));
   };
-  if (gate.scalar_type() == at::kFloat)
-    run(float{});
-  else
-    run(at::BFloat16{});
+  dispatch_float_or_bfloat16(gate.scalar_type(), run);
   return out;
 }
 

@@ -168,6 +168,11 @@ def stmt(code: str) -> cst.BaseStatement:
     return s
 
 
+def is_docstring(s: cst.BaseStatement) -> bool:
+    """s is a docstring statement (a string literal on its own line)."""
+    return m.matches(s, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]))
+
+
 def classes(module: cst.Module) -> dict[str, cst.ClassDef]:
     return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
 

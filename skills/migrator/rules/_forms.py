@@ -7,6 +7,8 @@ import textwrap
 
 import libcst as cst
 
+from skills.migrator.cst_utils import is_docstring
+
 
 def statements(function: cst.FunctionDef) -> list[ast.stmt]:
     """The function's statements, docstring left out."""
@@ -19,6 +21,14 @@ def statements(function: cst.FunctionDef) -> list[ast.stmt]:
 def unparsed(code: str | list[ast.stmt]) -> list[str]:
     """Each statement of the code as `ast.unparse` writes it: equal lists mean the same statements."""
     return [ast.unparse(s) for s in (ast.parse(code).body if isinstance(code, str) else code)]
+
+
+def assigned_targets(body: list[ast.stmt], count: int) -> list[str] | None:
+    """The names the first `count` statements assign, one plain name each, or None."""
+    if len(body) < count or not all(isinstance(s, ast.Assign) and len(s.targets) == 1 for s in body[:count]):
+        return None
+    names = [s.targets[0] for s in body[:count]]
+    return [n.id for n in names] if all(isinstance(n, ast.Name) for n in names) else None
 
 
 def plain_parameters(function: cst.FunctionDef) -> list[str] | None:
@@ -46,10 +56,5 @@ class ReturnInstead(cst.CSTTransformer):
         if (expression := self.returns.get(original)) is None:
             return updated
         first = updated.body.body[0]
-        docstring = (
-            isinstance(first, cst.SimpleStatementLine)
-            and isinstance(first.body[0], cst.Expr)
-            and isinstance(first.body[0].value, cst.SimpleString | cst.ConcatenatedString)
-        )
-        body = [*([first] if docstring else []), cst.parse_statement(f"return {expression}")]
+        body = [*([first] if is_docstring(first) else []), cst.parse_statement(f"return {expression}")]
         return updated.with_changes(body=updated.body.with_changes(body=body))

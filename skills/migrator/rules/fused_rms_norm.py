@@ -12,7 +12,13 @@ import libcst as cst
 
 from skills.migrator.cst_utils import classes, method
 from skills.migrator.rule import Rule
-from skills.migrator.rules._forms import ReturnInstead, plain_parameters, statements, unparsed
+from skills.migrator.rules._forms import (
+    ReturnInstead,
+    assigned_targets,
+    plain_parameters,
+    statements,
+    unparsed,
+)
 
 FORM = """\
 {dtype} = {x}.dtype
@@ -28,21 +34,19 @@ LAST = {
 
 def _names(body: list[ast.stmt], x: str) -> dict[str, str] | None:
     """The names the form binds, read from where it has them, or None when the body has no such places."""
-    if len(body) != 5 or not all(isinstance(s, ast.Assign) and len(s.targets) == 1 for s in body[:4]):
+    if len(body) != 5 or (targets := assigned_targets(body, 4)) is None:
         return None
-    dtype, var, scaled = body[0].targets[0], body[2].targets[0], body[3].value
-    if not (isinstance(dtype, ast.Name) and isinstance(var, ast.Name) and isinstance(scaled, ast.BinOp)):
-        return None
-    rsqrt = scaled.right
+    dtype, var, scaled = targets[0], targets[2], body[3].value
+    rsqrt = scaled.right if isinstance(scaled, ast.BinOp) else None
     if not (isinstance(rsqrt, ast.Call) and len(rsqrt.args) == 1 and isinstance(rsqrt.args[0], ast.BinOp)):
         return None
     eps = rsqrt.args[0].right
     weight = next((n for n in ast.walk(body[4]) if isinstance(n, ast.Attribute) and n.attr != "to"), None)
     if not (isinstance(eps, ast.Attribute) and weight is not None):
         return None
-    if len({x, dtype.id, var.id}) != 3:  # one name for two values reads differently
+    if len({x, dtype, var}) != 3:  # one name for two values reads differently
         return None
-    return {"x": x, "dtype": dtype.id, "var": var.id, "eps": eps.attr, "weight": weight.attr}
+    return {"x": x, "dtype": dtype, "var": var, "eps": eps.attr, "weight": weight.attr}
 
 
 def rms_norm_call(forward: cst.FunctionDef) -> str | None:

@@ -13,7 +13,13 @@ import libcst.matchers as m
 
 from skills.migrator.cst_utils import assigned_names
 from skills.migrator.rule import Rule
-from skills.migrator.rules._forms import ReturnInstead, plain_parameters, statements, unparsed
+from skills.migrator.rules._forms import (
+    ReturnInstead,
+    assigned_targets,
+    plain_parameters,
+    statements,
+    unparsed,
+)
 
 ROTATE_HALF = """\
 {low} = {x}[..., :{x}.shape[-1] // 2]
@@ -29,17 +35,9 @@ return ({q_out}, {k_out})
 """
 
 
-def _targets(body: list[ast.stmt], count: int) -> list[str] | None:
-    """The names the first `count` statements assign, one each, or None."""
-    if len(body) <= count or not all(isinstance(s, ast.Assign) and len(s.targets) == 1 for s in body[:count]):
-        return None
-    names = [s.targets[0] for s in body[:count]]
-    return [n.id for n in names] if all(isinstance(n, ast.Name) for n in names) else None
-
-
 def _rotates_half(function: cst.FunctionDef) -> bool:
     params, body = plain_parameters(function), statements(function)
-    if params is None or len(params) != 1 or (targets := _targets(body, 2)) is None:
+    if params is None or len(params) != 1 or (targets := assigned_targets(body, 2)) is None:
         return False
     if len({params[0], *targets}) != 3:  # one name for two values reads differently
         return False
@@ -66,7 +64,7 @@ def rotary_call(function: cst.FunctionDef, rotations: set[str]) -> str | None:
     """The `rotary_embedding(...)` expression the function computes, given the names of the file's half-split
     rotations, or None when it is not apply_rotary_pos_emb."""
     params, body = plain_parameters(function), statements(function)
-    if params is None or len(params) != 5 or (targets := _targets(body, 4)) is None:
+    if params is None or len(params) != 5 or (targets := assigned_targets(body, 4)) is None:
         return None
     called = [
         n.func.id for n in ast.walk(body[2]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)

@@ -6,7 +6,7 @@ their names and layout. A subclass that computes anything else, or has other met
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, dotted
+from skills.migrator.cst_utils import classes, dotted, is_docstring
 from skills.migrator.reachability import reachable
 from skills.migrator.rule import Rule
 
@@ -17,7 +17,6 @@ TRANSPOSED = (
     | m.Call(m.Attribute(WEIGHT, m.Name("transpose")), [m.Arg(m.Integer("0")), m.Arg(m.Integer("1"))])
 )
 NO_BIAS = m.Comparison(BIAS, [m.ComparisonTarget(m.Is(), m.Name("None"))])
-DOCSTRING = m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())])
 
 
 def _product(e: cst.BaseExpression, x: str) -> bool:
@@ -41,7 +40,7 @@ def _plain_linear(forward: cst.FunctionDef) -> bool:
     ):
         return False
     x = params.params[1].name.value
-    body = [s for s in forward.body.body if not m.matches(s, DOCSTRING)]
+    body = [s for s in forward.body.body if not is_docstring(s)]
     product = m.Assign([m.AssignTarget(m.Name())])
     if body and m.matches(body[0], m.SimpleStatementLine([product])) and _product(body[0].body[0].value, x):
         local = m.Name(body[0].body[0].targets[0].target.value)
@@ -75,7 +74,7 @@ def _plain_linear_classes(module: cst.Module, entry: str) -> set[str]:
     for name, cls in classes(module).items():
         if not _only_constructed(module, name, entry):
             continue
-        methods = [s for s in cls.body.body if not m.matches(s, DOCSTRING)]
+        methods = [s for s in cls.body.body if not is_docstring(s)]
         linear = [dotted(b.value) for b in cls.bases] in (["nn.Linear"], ["torch.nn.Linear"])
         only_forward = len(methods) == 1 and m.matches(methods[0], m.FunctionDef(m.Name("forward")))
         if linear and only_forward and not methods[0].decorators and _plain_linear(methods[0]):

@@ -13,6 +13,7 @@ from skills.migrator.cst_utils import (
     called_name,
     code,
     free_names,
+    is_docstring,
     kwarg,
     names_in,
     param_names,
@@ -290,10 +291,6 @@ class _ExitOnReturn(_OwnScope):
             elements = [first.with_changes(value=exit_(first.value)), *value.elements[1:]]
             return updated.with_changes(value=value.with_changes(elements=elements))
         return updated.with_changes(value=exit_(value))
-
-
-def is_docstring(s: cst.BaseStatement) -> bool:
-    return m.matches(s, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]))
 
 
 def exit_point(fwd: cst.FunctionDef, attr: str) -> int | None:
