@@ -8,9 +8,9 @@ checkpoint and checked against transformers on the same weights.
 Writing into docs/ also regenerates the README's architecture list (between its coverage markers).
 
 Per type: out-of-scope architectures are named first (encoder-decoder, masked-LM encoders, multimodal
-wrappers, drafters that ignore the token ids, state-space / hybrid layers); otherwise a tiny config (the config
-class's own attribute names, through its attribute_map) and a seed whose greedy steps keep a top-1 margin of 0.01
-are built, then `skill migrate --no-run` and `skill verify` (greedy tokens and the top-5 log-probabilities of
+wrappers, drafters that ignore the token ids, state-space / hybrid layers, a state carried between tokens);
+otherwise a tiny config (the config class's own attribute names, through its attribute_map) and a seed whose
+greedy steps keep a top-1 margin of 0.01 are built, the model's causality is probed (XLNet's is not), then `skill migrate --no-run` and `skill verify` (greedy tokens and the top-5 log-probabilities of
 every step, prefill included, fp32) run in subprocesses. A clean refusal is REFUSED with the migrator's message; a
 traceback anywhere is CRASH. Takes about half a minute per type on 2 CPU cores."""
 
@@ -53,6 +53,11 @@ STATE_FIELDS = re.compile(
 )
 MODALITY = re.compile(r"vision|audio|image|video|speech|vq_")
 NON_ATTENTION_LAYERS = re.compile(r"mamba|linear_attention|conv|ssm|recurrent", re.IGNORECASE)
+# What a modeling file keeps from token to token besides keys and values (a convolution's last inputs, a
+# recurrence's state), and what any form of softmax attention in it calls.
+CARRIED_STATE = re.compile(r"\b(?:update_)?(conv|recurrent|ssm|rnn)_states?\b")
+ATTENTION = re.compile(r"softmax|scaled_dot_product_attention|ALL_ATTENTION_FUNCTIONS")
+CAUSALITY_RTOL = 1e-3  # of the largest logit: fp32 rounding alone moves a deep loop's by 2e-3 (hrm_text)
 
 
 LEGEND = (
@@ -60,7 +65,8 @@ LEGEND = (
     f"({len(PARITY_PROMPTS)} prompts x {NEW_TOKENS}) and top-5 log-probabilities within 2e-3 (fp32). "
     "REFUSED: the migrator or runtime named a construct it does not convert. CRASH: a traceback. "
     "NO FIXTURE: transformers could not build a usable tiny model from the config class alone. "
-    "OUT OF SCOPE: not a decoder-only text model, or state-space layers."
+    "OUT OF SCOPE: not a causal decoder-only text model, or layers that carry a state from token to token "
+    "(state-space, convolution, recurrence)."
 )
 
 
@@ -112,7 +118,33 @@ def out_of_scope(model_type: str) -> str | None:
         return (
             f"state-space / hybrid layers ({', '.join(layers or fields[:3])}); no per-request state cache yet"
         )
+    source = Path(inspect.getsourcefile(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])))
+    text = source.read_text()
+    if states := sorted({f"{m}_state" for m in CARRIED_STATE.findall(text)}):
+        return (
+            f"layers carrying a {' / '.join(states)} from token to token ({source.name}); "
+            "no per-request state cache yet"
+        )
+    if not ATTENTION.search(text):
+        return f"recurrent: no softmax attention in {source.name}; no per-request state cache yet"
     return None
+
+
+def not_causal(checkpoint: Path, prompt_ids: list[int]) -> str | None:
+    """Why the fixture is no causal LM (appending tokens changes what it computes at earlier positions:
+    XLNet's permutation LM attends both ways), or None. A KV cache keeps earlier positions as they were."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    ids = torch.tensor([prompt_ids])
+    keep = ids.shape[1] // 2
+    with torch.no_grad():
+        whole, prefix = model(ids).logits[0, :keep], model(ids[:, :keep]).logits[0]
+    gap = (whole - prefix).abs().max().item()
+    if gap <= CAUSALITY_RTOL * whole.abs().max().item():
+        return None
+    return (
+        f"not causal: appending {ids.shape[1] - keep} tokens moves earlier positions' logits by up to "
+        f"{gap:.1e}, which no KV cache reproduces"
+    )
 
 
 def _skill(*args: str) -> subprocess.CompletedProcess:
@@ -160,7 +192,10 @@ def check(model_type: str, work: Path) -> Entry:
                 f"the tiny config still builds {size / 1e6:.0f}M parameters (sizes it names differently)"
             )
         tokenizer = make_tokenizer(ckpt, config.vocab_size)
-        pick_seed(config, ckpt, [tokenizer(p)["input_ids"] for p in PARITY_PROMPTS], NEW_TOKENS)
+        prompts_ids = [tokenizer(p)["input_ids"] for p in PARITY_PROMPTS]
+        pick_seed(config, ckpt, prompts_ids, NEW_TOKENS)
+        if reason := not_causal(ckpt, max(prompts_ids, key=len)):
+            return Entry(model_type, "OUT OF SCOPE", reason)
     except Exception as e:  # noqa: BLE001 -- transformers itself cannot build or run a tiny model of it
         return Entry(model_type, "NO FIXTURE", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     proc = _skill("migrate", str(ckpt), "-o", str(work / "out"), "--no-run", "--json")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import catalogue
 import pytest
+from tiny_checkpoint import build_tiny_checkpoint, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,3 +96,24 @@ def test_a_drafter_that_ignores_the_token_ids_is_out_of_scope():
     for drafter in ("gemma4_assistant", "gemma4_unified_assistant"):
         assert "forward ignores input_ids" in catalogue.out_of_scope(drafter)
     assert catalogue._reads_token_ids("gemma4_text") and catalogue._reads_token_ids("llama")
+
+
+def test_layers_that_carry_a_state_between_tokens_are_out_of_scope():
+    """Read from the modeling file: a short convolution's state beside attention (Inkling), a recurrence's
+    (xLSTM), or no softmax attention at all (RWKV); attention-only files (Llama, Falcon's hand-written one) are
+    in scope."""
+    assert "conv_state" in catalogue.out_of_scope("inkling_text")
+    assert "rnn_state" in catalogue.out_of_scope("xlstm")
+    assert catalogue.out_of_scope("rwkv").startswith("recurrent: no softmax attention in modeling_rwkv.py")
+    assert catalogue.out_of_scope("llama") is None and catalogue.out_of_scope("falcon") is None
+
+
+@pytest.mark.parametrize("model_type,causal", [("xlnet", False), ("llama", True)])
+def test_a_model_whose_earlier_positions_see_later_tokens_is_out_of_scope(tmp_path, model_type, causal):
+    """XLNet attends both ways: appending tokens changes the logits at earlier positions, which no KV cache
+    reproduces."""
+    config = tiny_config(model_type)
+    build_tiny_checkpoint(config, tmp_path, seed=0)
+    reason = catalogue.not_causal(tmp_path, list(range(3, 19)))
+    assert (reason is None) == causal, reason
+    assert causal or reason.startswith("not causal: appending 8 tokens moves earlier positions' logits")
