@@ -162,6 +162,10 @@ _SUB_SIZES = {
     "global_head_dim": 16,  # Gemma 4: full-attention layers' head size
     "vocab_size_per_layer_input": 512,  # Gemma 3n / 4: per-layer input embeddings
     "hidden_size_per_layer_input": 16,
+    # DeepSeek's sparse attention: each query reads the 4 tokens its indexer picks, not 2048 (all); its 64 scoring
+    # heads stay, since fewer tie more scores at ReLU's 0, which transformers' own cached and uncached runs then
+    # break differently
+    "index_topk": 4,
 }
 
 

@@ -28,10 +28,11 @@ RUNS = [5, 5, 5, 2, 7, 7]  # prefill batches consecutive requests of one length
 SINKS = torch.linspace(-1.0, 2.0, H)  # per query head; the upper ones outweigh most scores
 
 
-def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False, alibi=None):
+def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False, alibi=None, chosen=None):
     """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`.
     A sink is one more logit in the softmax, with no value row. `tiled`: query head h reads kv head h % KV.
-    `alibi` [H]: slope * (key position - query position) joins the scaled scores."""
+    `alibi` [H]: slope * (key position - query position) joins the scaled scores. `chosen`: the positions each
+    row may read besides (an indexer's picks)."""
     spread = (
         (lambda x: x.double().repeat(1, H // KV, 1))
         if tiled
@@ -40,7 +41,11 @@ def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False, alibi=N
     q, k, v = q.double(), spread(k), spread(v)
     out = torch.empty(len(rows), H, v.shape[-1], dtype=torch.float64)
     for n, i in enumerate(rows):
-        js = [j for j in range(i + 1) if window is None or j > i - window]
+        js = [
+            j
+            for j in range(i + 1)
+            if (window is None or j > i - window) and (chosen is None or j in chosen[n])
+        ]
         for h in range(H):
             s = k[js, h] @ q[i, h] * SCALE
             if cap:
@@ -84,7 +89,9 @@ class Run:
         dv=D,
         tiled=False,
         alibi=None,
+        picks=None,
     ):
+        self.picks = picks  # positions an indexer picks for each query (selected=), one of them its own
         self.layer = Attention(
             H,
             D,
@@ -136,13 +143,31 @@ class Run:
         md = metadata(prefill, lens, computed, tables, self.kv.block_size, self.group)
         T = sum(lens)
         q, k, v = self.randn(T, H, D), self.randn(T, KV, D), self.randn(T, KV, self.dv)
-        out = self.layer(q.flatten(1), k.flatten(1), v.flatten(1), md, self.sinks).view(T, H, self.dv)
-        for r, c, n, a in zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist()):
+        selected = self.pick(md, computed) if self.picks else None
+        out = self.layer(q.flatten(1), k.flatten(1), v.flatten(1), md, self.sinks, selected=selected)
+        out = out.view(T, H, self.dv)
+        for b, (r, c, n, a) in enumerate(zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist())):
             h = self.hist.setdefault(r, [q[:0], k[:0], v[:0]])
             h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v))]
-            ref = naive(*h, range(c, c + n), self.window, self.cap, self.sinks, self.tiled, self.alibi)
+            chosen = None if selected is None else [set(selected[b, j].tolist()) for j in range(n)]
+            ref = naive(
+                *h, range(c, c + n), self.window, self.cap, self.sinks, self.tiled, self.alibi, chosen
+            )
             torch.testing.assert_close(out[a : a + n].double(), ref, atol=1e-5, rtol=0)
         self.check_cache(rids, tables)
+        return out
+
+    def pick(self, md, computed) -> torch.Tensor:
+        """[B, Lq, picks] positions in each request's context row (prefill: its fresh tokens; decode: its block
+        table's slots), random but for each query's own position; padded queries' picks are never read."""
+        slots = (
+            md.max_seq_len_q if md.is_prefill else md.block_table[self.group].shape[1] * self.kv.block_size
+        )
+        out = torch.randint(0, slots, (md.batch_size, md.max_seq_len_q, self.picks), generator=self.gen)
+        own = torch.arange(md.max_seq_len_q)[None, :] + (
+            0 if md.is_prefill else torch.tensor(computed)[:, None]
+        )
+        out[..., 0] = own.clamp(max=slots - 1)
         return out
 
     def check_cache(self, rids, tables):
@@ -521,3 +546,41 @@ def test_alibi_slopes_follow_the_paper_for_any_head_count():
     assert alibi_slopes(6) == [2.0 ** (-2 * i) for i in range(1, 5)] + [2.0**-1, 2.0**-3]
     with pytest.raises(UserError, match="has 8 heads but 4 ALiBi slopes"):
         Attention(H, D, SCALE, KV, alibi_slopes=alibi_slopes(4))
+
+
+@pytest.mark.parametrize(
+    "lens, legacy", [(LENS, False), (RUNS, False), (LENS, True)], ids=["paged", "same-length-runs", "legacy"]
+)
+def test_a_query_reads_only_the_positions_an_indexer_picked(lens, legacy):
+    """Sparse attention (DeepSeek's DSA): `selected` [B, Lq, k] positions of each request's context row; prefill
+    masks each run's fresh tokens, decode takes the gathered path over the block table's slots."""
+    prefill_then_decode(Run(legacy=legacy, picks=3), lens, steps=5)
+
+
+def test_latent_attention_reads_only_the_positions_an_indexer_picked():
+    """forward_latent with `selected` equals the same picks over keys and values expanded up front."""
+    latent, layer = Attention(H, D, SCALE, KV, latent_dim=KV * 2 * D), Run(picks=2)
+    latent.k_cache, latent.v_cache = torch.zeros(64, BS, 1, KV * 2 * D), torch.zeros(64, BS, 1, 0)
+    expand = lambda kv: kv.unflatten(-1, (KV, 2 * D))[:, 0].transpose(1, 2).split(D, -1)
+    for new in ({0: 5, 1: 3}, {0: 1, 1: 1}, {0: 1, 1: 1}):
+        gen = torch.Generator().manual_seed(len(layer.hist) + sum(new.values()))
+        rids, lens = list(new), list(new.values())
+        computed = [len(layer.hist[r][1]) if r in layer.hist else 0 for r in rids]
+        for r, c, n in zip(rids, computed, lens):
+            assert layer.kv.allocate_slots(r, c, n)
+        md = metadata(not computed[0], lens, computed, layer.tables(rids), BS, layer.group)
+        q, kv = torch.randn(sum(lens), H, D, generator=gen), torch.randn(sum(lens), KV * 2 * D, generator=gen)
+        picks = layer.pick(md, computed)
+        k, v = (x[0].transpose(0, 1) for x in expand(kv[None, None]))
+        expected = layer.layer(q, k, v, md, selected=picks).view(-1, H, D)
+        md._cache.clear()
+        out = latent.forward_latent(q.transpose(0, 1)[None], (kv[None, None],), expand, md, selected=picks)
+        torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=0)
+        for r, c, n in zip(rids, computed, lens):
+            layer.hist.setdefault(r, [None, torch.empty(c + n)])[1] = torch.empty(c + n)
+
+
+def test_picks_are_refused_by_a_sliding_window_layer():
+    run = Run(window=3, picks=2)
+    with pytest.raises(UserError, match="only a layer without a sliding window shares"):
+        run.step({0: 4})

@@ -226,3 +226,14 @@ def test_a_parameter_named_like_a_fused_part_loads_as_itself():
     assert loaded == {"self_attn.gate_proj.weight", "mlp.gate_up_proj.weight"}
     assert torch.equal(model.self_attn.gate_proj.weight, gate)
     assert torch.equal(model.mlp.gate_up_proj.weight, torch.cat([mlp_gate, mlp_up]))
+
+
+def test_rules_transformers_registers_for_an_inner_model_class_apply():
+    """Dots3's per-expert tensors stack by the rules registered for its text model's class, not its own."""
+    from runtime.layers.checkpoint_layout import CheckpointLayout
+
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    assert CheckpointLayout("dots3_note_text", "Dots3NoteForCausalLM").resolve(name)[1] is None
+    layout = CheckpointLayout("dots3_note_text", "Dots3NoteForCausalLM", ["Dots3NoteTextModel", "Linear"])
+    target, part = layout.resolve(name)
+    assert target == "model.layers.1.mlp.experts.down_proj" and (part.expert, part.part) == (2, 0)

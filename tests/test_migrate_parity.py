@@ -9,6 +9,7 @@ import torch
 from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
 from model_dirs import prefill_logits
 from tiny_checkpoint import PARITY_PROMPTS
+from transformers import AutoModelForCausalLM
 
 # mistral is llama's layout (its sliding window is longer than the fixtures) and qwen2 is qwen3's without the
 # q/k norms: both `-m slow`, for `make test`'s 30 min
@@ -213,6 +214,26 @@ def test_latent_attention_caches_latents_and_matches_transformers(kv, tmp_path_f
     reference = build_reference("deepseek_v3", tmp_path_factory)
     model_dir = migrate(reference, tmp_path, "--kv", kv)
     assert "forward_latent(" in (model_dir / "models" / "modeling_deepseek_v3.py").read_text()
+    assert_framework_run_matches(reference, model_dir)
+    logits = prefill_logits(model_dir, reference["ids"])
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
+def test_sparse_attention_reads_the_tokens_its_indexer_picks_and_matches_transformers(
+    kv, tmp_path_factory, tmp_path
+):
+    """DeepSeek-V3.2 (DSA, with MLA): each query reads the 4 tokens its indexer picks (the prompts run to 42). The
+    migrated model caches the indexer's keys (MG032), picks in each request's own context and gives transformers'
+    greedy tokens and prefill logits, which attention over every token does not give."""
+    reference = build_reference("deepseek_v32", tmp_path_factory)
+    dense = AutoModelForCausalLM.from_pretrained(reference["ckpt"], index_topk=2048).eval()
+    with torch.no_grad():
+        every = torch.stack([dense(torch.tensor([x])).logits[0, -1] for x in reference["ids"]])
+    assert (every - reference["logits"]).abs().max() > 1e-2
+    model_dir = migrate(reference, tmp_path, "--kv", kv)
+    code = (model_dir / "models" / "modeling_deepseek_v32.py").read_text()
+    assert "IndexKeyCache(" in code and "selected=" in code and "forward_latent(" in code
     assert_framework_run_matches(reference, model_dir)
     logits = prefill_logits(model_dir, reference["ids"])
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)

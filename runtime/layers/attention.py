@@ -97,6 +97,13 @@ def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> tor
     return md.memo(("decode_mask", window, num_slots), build)
 
 
+def _chosen(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """A sparse-attention indexer's picks, [B, Lq, k] positions in each request's context (the layout of
+    ``index_cache.by_request``) -> [B, Lq, num_keys] boolean."""
+    shape = (*selected.shape[:-1], num_keys)
+    return torch.zeros(shape, dtype=torch.bool, device=selected.device).scatter_(-1, selected.long(), True)
+
+
 def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None, alibi (slopes [H], key-minus-query positions
     broadcast to mask's shape) or None -> [B, H, Lq, D]."""
@@ -117,23 +124,30 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
     return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].to(q.dtype) @ v
 
 
-def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None) -> torch.Tensor:
-    """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv].
+def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, selected=None) -> torch.Tensor:
+    """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv];
+    ``selected`` [B, Lq, k]: only the fresh tokens an indexer picked for each query (``_chosen``).
 
     Consecutive requests of one length run as one batch, nothing padded: padding every request to the longest
     one and masking it costs the longest one's work per request and keeps SDPA from skipping the future (the
     bench's mixed64 prefill, one layer: 450 -> 172 ms)."""
-    outs = []
+    outs, first = [], 0  # first: the run's first request
+    chosen = None if selected is None else _chosen(selected, selected.shape[1])
     for start, count, length in _prefill_runs(md):
         qi, ki, vi = (
             x[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v)
         )
-        if soft_cap is None and sinks is None and not sliding_window and alibi is None:
+        plain = soft_cap is None and sinks is None and not sliding_window and alibi is None
+        if plain and chosen is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             bias = None if alibi is None else (alibi, _distances(md, length))
-            o = _sdpa(qi, ki, vi, _causal_mask(md, length, sliding_window), scale, soft_cap, sinks, bias)
+            mask = _causal_mask(md, length, sliding_window)
+            if chosen is not None:
+                mask = mask & chosen[first : first + count, None, :length, :length]
+            o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, bias)
         outs.append(o.transpose(1, 2).flatten(0, 1))
+        first += count
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -156,17 +170,19 @@ def attend(
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H], ALiBi
-    slopes [H] -> [T, H, Dv]."""
+    slopes [H], an indexer's picks [B, Lq, k] (``_chosen``) -> [T, H, Dv]."""
     kv_heads, head_dim, v_head_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     slots = md.slot_mapping[group]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, kv_heads, v_head_dim).index_copy_(0, slots, v)
     if md.is_prefill:
-        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi)
+        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi, selected)
     table = md.block_table[group]
-    if q.device.type == "cpu" and alibi is None and q.dtype != torch.float64 and (kernel := _decode_kernel()):
+    host = q.device.type == "cpu" and alibi is None and selected is None and q.dtype != torch.float64
+    if host and (kernel := _decode_kernel()):
         return kernel(
             q.contiguous(),
             k_cache,
@@ -182,6 +198,8 @@ def attend(
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, v_head_dim).transpose(1, 2)
     mask = _decode_mask(md, sliding_window, ctx_k.shape[2])
+    if selected is not None:
+        mask = mask & _chosen(selected, ctx_k.shape[2])[:, None]
     bias = None if alibi is None else (alibi, _decode_distances(md, ctx_k.shape[2]))
     return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, bias)[:, :, 0]
 
@@ -332,13 +350,16 @@ class Attention(nn.Module):
         expand: Callable[..., tuple[torch.Tensor, torch.Tensor]],
         md: ForwardMetaData,
         cache_key: int = 0,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Multi-head latent attention over a cache of the latents themselves (HF layout, as migrated models call
         it): q [1, H, T, D], latents [1, 1, T, d_i] whose widths sum to ``latent_dim``, and ``expand(*latents)``
         -> keys [.., Hkv, S, D] and values [.., Hkv, S, Dv] per token (DeepSeek's ``expand_kv``) -> [1, T, H, Dv].
+        ``selected``: the context positions an indexer picked for each query (``forward``).
 
         Each step writes the fresh tokens' latents; prefill expands those, decode expands each request's whole
         cached context (decompression: no per-head keys or values are ever stored)."""
+        self._check_selectable(selected)
         k_cache = self._caches(md, cache_key)[0]
         assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         sizes = [x.shape[-1] for x in latents]
@@ -352,11 +373,15 @@ class Attention(nn.Module):
         if md.is_prefill:
             k, v = (x[0].transpose(0, 1) for x in expand(*latents))
             q = q[0].transpose(0, 1)
-            return _prefill(q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None)[None]
+            return _prefill(
+                q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None, None, selected
+            )[None]
         table = md.block_table[group]
         context = rows.view(-1, k_cache.shape[1], self.latent_dim)[table].flatten(1, 2)  # [B, S, latent]
         k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
         mask = _decode_mask(md, self.sliding_window, k.shape[2])
+        if selected is not None:
+            mask = mask & _chosen(selected, k.shape[2])[:, None]
         o = _sdpa(q[0].transpose(0, 1)[:, :, None], k, v, mask, self.scale, self.soft_cap, None)
         return o[:, :, 0][None]
 
@@ -368,21 +393,26 @@ class Attention(nn.Module):
         md: ForwardMetaData,
         sinks: torch.Tensor | None = None,
         cache_key: int = 0,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads, v of head size Dv) -> [T, H*Dv].
 
         HF layout, as migrated models call it: q [1, H, T, D], k/v [1, Hkv, T, D | Dv] -> [1, T, H, Dv].
         ``sinks`` [H]: a learned logit per query head that joins each softmax's denominator (GPT-OSS).
         ``cache_key``: which of the layer's caches this application reads and writes (class docstring).
+        ``selected`` [B, Lq, k]: sparse attention (DeepSeek's DSA), each query reads only the k positions of its
+        request's context an indexer picked (``IndexKeyCache``'s layout: prefill, the request's fresh tokens;
+        decode, the slots of its block table).
         """
+        self._check_selectable(selected)
         if q.dim() == 4:
             q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
-            return self._attend(q, k, v, md, sinks, cache_key)[None]
+            return self._attend(q, k, v, md, sinks, cache_key, selected)[None]
         T = q.shape[0]
         q = q.view(T, -1, self.head_dim)
         k = k.view(T, -1, self.head_dim)
         v = v.view(T, -1, self.v_head_dim)
-        return self._attend(q, k, v, md, sinks, cache_key).reshape(T, -1)
+        return self._attend(q, k, v, md, sinks, cache_key, selected).reshape(T, -1)
 
     def forward_heads_first(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData, cache_key: int = 0
@@ -401,6 +431,7 @@ class Attention(nn.Module):
         md: ForwardMetaData,
         sinks: torch.Tensor | None,
         cache_key: int,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self._caches(md, cache_key)
         assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
@@ -427,8 +458,16 @@ class Attention(nn.Module):
             self.soft_cap,
             sinks,
             alibi,
+            selected,
         )
         return _grouped_to_tiled(o, self.num_kv_heads) if self.kv_heads_tiled else o
+
+    def _check_selectable(self, selected: torch.Tensor | None) -> None:
+        if selected is not None and self.sliding_window:
+            raise UserError(
+                f"Attention layer {self.prefix or '(unnamed)'} reads the positions an indexer selected in its "
+                "context, which only a layer without a sliding window shares with the indexer's key cache."
+            )
 
     def _check_fits_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Refuse by name what this layer's cache cannot hold; checked on eager prefill steps."""

@@ -4,6 +4,7 @@ stacked into one 3-D parameter (gate and up concatenated), renamed blocks, proje
 transformers' own conversion mapping for the model type, so every architecture it knows is covered."""
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,9 @@ class StackedPart:
 
 
 class CheckpointLayout:
-    def __init__(self, model_type: str, class_name: str = ""):
-        """Rules registered for the class name take priority over the model type's, as in transformers."""
+    def __init__(self, model_type: str, class_name: str = "", inner_classes: Sequence[str] = ()):
+        """Rules registered for the class name take priority over the model type's, as in transformers; those
+        registered for the classes of its inner modules apply too (Dots3's text model's, for its experts)."""
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
         self.renames: list[tuple[re.Pattern, str]] = []
@@ -30,7 +32,10 @@ class CheckpointLayout:
             tuple[re.Pattern, list[str], bool]
         ] = []  # source, targets, sized like them (else even)
         rules = get_checkpoint_conversion_mapping(class_name) or get_checkpoint_conversion_mapping(model_type)
-        for rule in rules or []:
+        inner = (
+            get_checkpoint_conversion_mapping(c) for c in dict.fromkeys(inner_classes) if c != class_name
+        )
+        for rule in [*(rules or []), *(r for found in inner if found for r in found)]:
             ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", [])]
             if not ops:
                 self.renames += [

@@ -73,7 +73,9 @@ def load_named_weights(
     skips = _Skips(model, ignored)
     layout = functools.cache(
         lambda: CheckpointLayout(
-            getattr(getattr(model, "config", None), "model_type", ""), type(model).__name__
+            getattr(getattr(model, "config", None), "model_type", ""),
+            type(model).__name__,
+            [type(m).__name__ for m in model.modules()],
         )
     )
     stacked: dict[str, set[tuple[int, int]]] = {}

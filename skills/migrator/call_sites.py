@@ -44,11 +44,20 @@ class Sites:
     instances_escape: bool = False  # an instance is used other than in the calls
 
 
+OPTIONAL = m.IfExp(body=m.Name("None"), orelse=m.Call()) | m.IfExp(body=m.Call(), orelse=m.Name("None"))
+IS_NONE = m.Comparison(
+    left=SELF_ATTR, comparisons=[m.ComparisonTarget(m.Is() | m.IsNot(), comparator=m.Name("None"))]
+)
+
+
 def _instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[str, bool]]:
-    """`self.a = C(...)` -> a: (C, False); `self.a = nn.ModuleList([C(...) ...])` -> a: (C, True)."""
+    """`self.a = C(...)` (or `None if c else C(...)`) -> a: (C, False); `self.a = nn.ModuleList([C(...) ...])` ->
+    a: (C, True)."""
     found = {}
-    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call())):
+    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call() | OPTIONAL)):
         call, attr = a.value, a.targets[0].target.attr.value
+        if isinstance(call, cst.IfExp):
+            call = call.body if isinstance(call.body, cst.Call) else call.orelse
         if m.matches(call.func, m.Name()) and call.func.value in local:
             found[attr] = (call.func.value, False)
         elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))) and call.args:
@@ -73,6 +82,7 @@ class _Index(cst.CSTVisitor):
         self.other_attrs: set[str] = set()  # attributes read off something else than self (self.model.<attr>)
         self.member_reads: set[int] = set()  # ids of `self.a` in a load of `self.a.b` (b not forward)
         self.stores: set[int] = set()  # ids of assignment targets
+        self.none_tests: set[int] = set()  # ids of `self.a` in `self.a is None` / `self.a is not None`
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -97,6 +107,10 @@ class _Index(cst.CSTVisitor):
             self.calls[node.func.value].append(node)
         elif m.matches(node.func, SELF_ATTR):
             self.self_calls[self._key(node.func.attr.value)].append(node)
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        if m.matches(node, IS_NONE):
+            self.none_tests.add(id(node.left))
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self.stores.add(id(node.target))
@@ -154,7 +168,7 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
                 sites[target].called += index.self_calls[(owner, attr)]
                 explained.update(id(call.func) for call in index.self_calls[(owner, attr)])
             uses = index.self_attrs[(owner, attr)]
-            explained |= index.member_reads
+            explained |= index.member_reads | index.none_tests
             if any(id(u) not in explained for u in uses) or attr in index.other_attrs:
                 sites[target].instances_escape = True
     for name, where in sites.items():

@@ -238,3 +238,14 @@ def class_choice(names: set[str]) -> m.Assign:
     """`cls = A if c else B`: a local name holding one of two of the classes `names`, to be called later."""
     held = m.OneOf(*map(m.Name, names))
     return m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))
+
+
+def with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
+    """fn taking a keyword-only `forward_metadata: ForwardMetaData` (unchanged if it takes one)."""
+    if "forward_metadata" in param_names(fn):
+        return fn
+    param = cst.Param(cst.Name("forward_metadata"), cst.Annotation(cst.Name("ForwardMetaData")))
+    star = fn.params.star_arg if isinstance(fn.params.star_arg, cst.Param) else cst.ParamStar()
+    return fn.with_changes(
+        params=fn.params.with_changes(star_arg=star, kwonly_params=[*fn.params.kwonly_params, param])
+    )

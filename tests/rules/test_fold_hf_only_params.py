@@ -743,3 +743,26 @@ def test_embeddings_forwarded_from_the_callers_own_parameter_fold_away(run_rule,
 def test_embeddings_computed_in_a_class_the_entry_does_not_reach_are_not_a_finding(run_rule, make_ctx):
     # a vision head in the same file (Aria's projector) is pruned later; only the entry's classes count
     assert _findings(run_rule, make_ctx, HIERARCHICAL, entry_class="GlobalTransformer") == []
+
+
+def test_a_module_built_only_under_a_condition_loses_the_arguments_of_removed_parameters(run_rule):
+    # GLM-5's attention builds its indexer only on some layers and calls it under `if self.indexer is not None:`
+    code = dedent("""\
+        class Indexer(nn.Module):
+            def forward(self, hidden_states, attention_mask, position_ids):
+                return hidden_states
+
+
+        class Attention(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.indexer = None if config.shared else Indexer(config)
+
+            def forward(self, hidden_states, attention_mask, position_ids):
+                if self.indexer is not None:
+                    hidden_states = self.indexer(hidden_states, attention_mask[:, 0], position_ids)
+                return hidden_states
+        """)
+    out = run_rule(rule, code)
+    assert "def forward(self, hidden_states, position_ids):" in out
+    assert "hidden_states = self.indexer(hidden_states, position_ids)" in out

@@ -4,7 +4,7 @@ the layer caches the latents (`latent_dim`) instead of per-head keys and values.
 from textwrap import dedent
 
 import pytest
-from codemod_harness import assert_codemod, assert_noop
+from codemod_harness import assert_codemod, assert_noop, run_codemod
 
 from skills.migrator.rules.latent_kv_cache import LatentKVCache as rule
 
@@ -104,3 +104,12 @@ def test_latents_left_expanded_where_caching_them_would_change_the_result(make_c
     code = BEFORE.replace(*change)
     assert code != BEFORE
     assert_noop(rule, code, make_ctx)
+
+
+def test_keywords_the_latent_call_takes_are_kept(make_ctx):
+    """An indexer's picks (MG032) and a looped layer's cache key reach forward_latent; sinks, which it does not
+    take, leave the keys and values expanded."""
+    call = "self.attn(query_states, key_states, value_states, forward_metadata"
+    picked = BEFORE.replace(call, call + ", selected=picks")
+    assert "self.expand_kv, forward_metadata, selected=picks)" in run_codemod(rule, picked, make_ctx())
+    assert_noop(rule, BEFORE.replace(call, call + ", sinks=self.sinks"), make_ctx)

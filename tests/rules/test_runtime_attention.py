@@ -193,12 +193,12 @@ def test_default_scale_without_scaling_kwarg(run_rule):
 
 
 def test_unsupported_kwarg_is_a_finding(run_rule, make_ctx):
-    # DeepseekV32Attention: sparse attention over indexer-chosen positions has no runtime equivalent.
-    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "indices=topk_indices,")) + CALLERS
+    # an attention implementation's own option (a flash kernel's dropout seed) the runtime has no equivalent of
+    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "rng_seed=self.seed,")) + CALLERS
     ctx = make_ctx()
     run_rule(rule, code, ctx)
     assert [(f.scope, f.what) for f in ctx.findings] == [
-        ("LlamaAttention", "attention argument `indices=` has no equivalent in the runtime Attention")
+        ("LlamaAttention", "attention argument `rng_seed=` has no equivalent in the runtime Attention")
     ]
 
 
@@ -487,3 +487,14 @@ def test_two_paths_a_forward_picks_between_share_one_cache(run_rule):
     assert "out = self.attn_2.forward_heads_first(q, k, v, forward_metadata)" in out
     assert out.count("return self.dense(out)\n") == 2
     assert run_rule(rule, out) == out
+
+
+def test_an_indexer_s_picks_are_passed_on(run_rule, make_ctx):
+    # MG032's hand-over of a sparse-attention indexer's picks (DeepSeek-V3.2): the runtime reads only those.
+    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "indices=sparse_indices,")) + CALLERS
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    assert (
+        "self.attn(query_states, key_states, value_states, forward_metadata, selected=sparse_indices)" in out
+    )

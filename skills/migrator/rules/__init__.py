@@ -25,6 +25,7 @@ from skills.migrator.rules.prune_unreachable import PruneUnreachable
 from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
 from skills.migrator.rules.runtime_attention import RuntimeAttention
 from skills.migrator.rules.shared_inputs import SharedInputs
+from skills.migrator.rules.sparse_indexer import SparseIndexer
 from skills.migrator.rules.stale_docs import StaleDocs
 from skills.migrator.rules.strip_hf_decorators import StripHFDecorators
 from skills.migrator.rules.tiled_kv_heads import TiledKVHeads
@@ -37,6 +38,7 @@ MODELING_RULES = [
     StripHFDecorators,
     RemoveMaskMachinery,
     CacheKeys,
+    SparseIndexer,
     FoldHFOnlyParams,
     AttentionClassTable,
     HandWrittenAttention,

@@ -24,6 +24,7 @@ from skills.migrator.cst_utils import (
 from skills.migrator.rule import Rule
 
 LATENT_WIDTH = "config.kv_lora_rank + config.qk_rope_head_dim"
+LATENT_KWARGS = ("cache_key", "selected")  # what forward_latent takes besides the layer call's four arguments
 _SELF_CALL = m.Call(func=m.Attribute(m.Name("self"), m.Name()))
 _PAIR = m.SimpleStatementLine(
     [m.Assign([m.AssignTarget(m.Tuple([m.Element(m.Name()), m.Element(m.Name())]))], _SELF_CALL)]
@@ -50,6 +51,7 @@ def _latent_call(
                 m.Arg(m.Name(k), keyword=None),
                 m.Arg(m.Name(v), keyword=None),
                 m.Arg(keyword=None),
+                m.ZeroOrMore(m.Arg(keyword=m.OneOf(*map(m.Name, LATENT_KWARGS)))),
             ],
         )
         for j in range(i + 1, len(body)):
@@ -77,10 +79,11 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     if found is None:
         return None
     pair, expand, call = found
-    q, _, _, md = (code(a.value) for a in call.args)
+    q, _, _, md = (code(a.value) for a in call.args[:4])
     latents = ", ".join(code(a.value) for a in expand.args) + ("," if len(expand.args) == 1 else "")
+    keywords = "".join(f", {a.keyword.value}={code(a.value)}" for a in call.args[4:])
     new_call = cst.parse_expression(
-        f"self.{attr}.forward_latent({q}, ({latents}), {code(expand.func)}, {md})"
+        f"self.{attr}.forward_latent({q}, ({latents}), {code(expand.func)}, {md}{keywords})"
     )
     kept = fwd.with_changes(body=fwd.body.with_changes(body=[s for s in fwd.body.body if s is not pair]))
     return with_attention_kwarg(

@@ -22,6 +22,7 @@ from skills.migrator.cst_utils import (
     param_names,
     pure,
     stmt,
+    with_forward_metadata,
 )
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
@@ -36,8 +37,9 @@ RUNTIME_KWARGS = {
     "softcap": "soft_cap",
     "alibi": "alibi_slopes",  # MG021's: an ALiBi bias on the scores, times this factor
 }
-# passed on every call: GPT-OSS's per-head sink logits, MG023's cache key of a looped layer
-FORWARD_KWARGS = {"s_aux": "sinks", "cache_key": "cache_key"}
+# passed on every call: GPT-OSS's per-head sink logits, MG023's cache key of a looped layer, the positions a
+# sparse-attention indexer picked (MG032)
+FORWARD_KWARGS = {"s_aux": "sinks", "cache_key": "cache_key", "indices": "selected"}
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
 
@@ -194,16 +196,6 @@ def _own_head_count(init: cst.FunctionDef) -> bool:
     return all(f"self.{a} =" in code(init) for a in ("num_heads", "head_dim"))
 
 
-def _with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
-    if "forward_metadata" in [p.name.value for p in (*fn.params.params, *fn.params.kwonly_params)]:
-        return fn
-    param = cst.Param(cst.Name("forward_metadata"), cst.Annotation(cst.Name("ForwardMetaData")))
-    star = fn.params.star_arg if isinstance(fn.params.star_arg, cst.Param) else cst.ParamStar()
-    return fn.with_changes(
-        params=fn.params.with_changes(star_arg=star, kwonly_params=[*fn.params.kwonly_params, param])
-    )
-
-
 class _Classes(cst.CSTTransformer):
     def __init__(self, ctx: RewriteContext, attn: set[str]):
         self.ctx, self.attn = ctx, attn
@@ -244,7 +236,7 @@ class _Classes(cst.CSTTransformer):
             )
             return cls
         rewriter = _Forward(self.ctx, name)
-        new_fwd = _with_forward_metadata(fwd.visit(rewriter))
+        new_fwd = with_forward_metadata(fwd.visit(rewriter))
         if rewriter.weights:
             new_fwd = new_fwd.with_changes(returns=None)
         if not rewriter.calls:

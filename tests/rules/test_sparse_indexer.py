@@ -1,0 +1,140 @@
+"""sparse_indexer: a sparse-attention indexer's key cache (`cache.update_indexer`) becomes the runtime's
+IndexKeyCache, its forward runs in the per-request layout, and the attention hands its picks over as `indices=`
+(MG005 makes them the runtime Attention's `selected=`) instead of scattering them into a mask."""
+
+from textwrap import dedent
+
+import pytest
+from codemod_harness import assert_codemod, assert_noop
+
+from skills.migrator.rules.sparse_indexer import SparseIndexer as rule
+
+# DeepSeek-V3.2's indexer and attention as transformers writes them, shortened.
+BEFORE = dedent("""\
+    class Indexer(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.layer_idx = layer_idx
+            self.head_dim: int = config.index_head_dim
+            self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+
+        def forward(self, hidden_states, q_resid, attention_mask, position_ids, cache=None):
+            \"\"\"Top-k token indices per query.\"\"\"
+            q = self.wq_b(q_resid)
+            k = self.wk(hidden_states)
+            if cache is not None:
+                k = cache.update_indexer(k, self.layer_idx)
+            scores = torch.matmul(q, k.transpose(-1, -2))
+            if attention_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attention_mask, float("-inf"))
+            else:
+                scores = scores + attention_mask
+            return scores.topk(min(self.index_topk, scores.shape[-1]), dim=-1).indices
+
+
+    class Attention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.indexer = None if config.skip_topk else Indexer(config, layer_idx)
+
+        def forward(self, hidden_states, attention_mask, position_ids=None, cache=None, **kwargs):
+            q_resid = self.q_a_proj(hidden_states)
+            topk_indices = self.indexer(hidden_states, q_resid, attention_mask[:, 0], position_ids, cache=cache)
+            sparse_indices = None
+            if self.config._attn_implementation in ("eager", "sdpa"):
+                index_mask = torch.ones_like(attention_mask).scatter(-1, topk_indices.long(), False)
+                attention_mask = attention_mask & ~index_mask
+            else:
+                sparse_indices = topk_indices
+            return eager_attention_forward(self, q, k, v, attention_mask, indices=sparse_indices, **kwargs)
+    """)
+
+AFTER = dedent("""\
+    from runtime.engine.forward_metadata import ForwardMetaData
+    from runtime.layers.index_cache import IndexKeyCache, by_request
+
+    class Indexer(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.layer_idx = layer_idx
+            self.head_dim: int = config.index_head_dim
+            self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+            self.index_cache = IndexKeyCache(self.head_dim)
+
+        def forward(self, hidden_states, q_resid, attention_mask, position_ids, cache=None, *, forward_metadata: ForwardMetaData):
+            \"\"\"Top-k token indices per query.\"\"\"
+            hidden_states = by_request(hidden_states, forward_metadata)
+            q_resid = by_request(q_resid, forward_metadata)
+            q = self.wq_b(q_resid)
+            k = self.wk(hidden_states)
+            k, visible = self.index_cache(k, forward_metadata)
+            scores = torch.matmul(q, k.transpose(-1, -2))
+            scores = scores.masked_fill(~visible, float("-inf"))
+            return scores.topk(min(self.index_topk, scores.shape[-1]), dim=-1).indices
+
+
+    class Attention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.indexer = None if config.skip_topk else Indexer(config, layer_idx)
+
+        def forward(self, hidden_states, attention_mask, position_ids=None, cache=None, *, forward_metadata: ForwardMetaData, **kwargs):
+            q_resid = self.q_a_proj(hidden_states)
+            topk_indices = self.indexer(hidden_states, q_resid, attention_mask[:, 0], position_ids, cache=cache, forward_metadata=forward_metadata)
+            sparse_indices = topk_indices
+            return eager_attention_forward(self, q, k, v, attention_mask, indices=sparse_indices, **kwargs)
+    """)
+
+
+def test_the_indexer_caches_its_keys_in_the_runtime_and_hands_its_picks_over(make_ctx):
+    assert_codemod(rule, BEFORE, AFTER, make_ctx)
+
+
+def test_the_legacy_layout_builds_a_legacy_key_cache(run_rule):
+    assert "IndexKeyCache(self.head_dim, legacy=True)" in run_rule(rule, BEFORE, kv_layout="legacy")
+
+
+def test_a_file_without_an_indexer_is_left_alone(make_ctx):
+    code = dedent("""\
+        class Attention(nn.Module):
+            def forward(self, hidden_states, attention_mask, cache=None):
+                if cache is not None:
+                    k, v = cache.update(k, v, self.layer_idx)
+                if self.config._attn_implementation == "eager":
+                    attention_mask = attention_mask.bool()
+                else:
+                    attention_mask = None
+                return eager_attention_forward(self, q, k, v, attention_mask)
+        """)
+    assert_noop(rule, code, make_ctx)
+
+
+MASK_READ = """\
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+"""
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ((MASK_READ, ""), "its scores read no `attention_mask`"),
+        (("self.head_dim: int = config", "self.key_dim: int = config"), "no `self.head_dim`"),
+        (
+            (
+                "    def forward(self, hidden_states, q_resid",
+                "    def score(self, hidden_states, q_resid",
+            ),
+            "outside",
+        ),
+    ],
+    ids=["scores_unmasked", "no_head_dim", "not_in_forward"],
+)
+def test_what_the_rule_cannot_follow_is_refused_by_name(run_rule, make_ctx, change, why):
+    code = BEFORE.replace(*change)
+    assert code != BEFORE
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    assert len(ctx.findings) == 1 and why in ctx.findings[0].what
