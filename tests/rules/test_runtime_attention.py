@@ -223,17 +223,6 @@ def test_attention_sinks_are_passed_on_every_call(run_rule, make_ctx):
     assert run_rule(rule, out) == out
 
 
-def test_a_cache_key_is_passed_on(run_rule, make_ctx):
-    # MG023's key of a looped layer (HRM-Text) selects which of the runtime Attention's caches a pass uses.
-    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "cache_key=cycle_offset,")) + CALLERS
-    ctx = make_ctx()
-    out = run_rule(rule, code, ctx)
-    assert ctx.findings == []
-    assert (
-        "self.attn(query_states, key_states, value_states, forward_metadata, cache_key=cycle_offset)" in out
-    )
-
-
 def test_forward_time_argument_is_a_finding(run_rule, make_ctx):
     code = (
         HEADER
@@ -489,12 +478,19 @@ def test_two_paths_a_forward_picks_between_share_one_cache(run_rule):
     assert run_rule(rule, out) == out
 
 
-def test_an_indexer_s_picks_are_passed_on(run_rule, make_ctx):
-    # MG032's hand-over of a sparse-attention indexer's picks (DeepSeek-V3.2): the runtime reads only those.
-    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "indices=sparse_indices,")) + CALLERS
+@pytest.mark.parametrize(
+    "given, passed",
+    [
+        # MG023's key of a looped layer (HRM-Text) selects which of the runtime Attention's caches a pass uses
+        ("cache_key=cycle_offset,", "cache_key=cycle_offset"),
+        # MG032's hand-over of a sparse-attention indexer's picks (DeepSeek-V3.2): the runtime reads only those
+        ("indices=sparse_indices,", "selected=sparse_indices"),
+    ],
+    ids=["cache_key", "indexer_picks"],
+)
+def test_per_call_arguments_are_passed_on(run_rule, make_ctx, given, passed):
+    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", given)) + CALLERS
     ctx = make_ctx()
     out = run_rule(rule, code, ctx)
     assert ctx.findings == []
-    assert (
-        "self.attn(query_states, key_states, value_states, forward_metadata, selected=sparse_indices)" in out
-    )
+    assert f"self.attn(query_states, key_states, value_states, forward_metadata, {passed})" in out
