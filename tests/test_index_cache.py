@@ -1,9 +1,11 @@
 """runtime.layers.index_cache: a sparse-attention indexer's key cache and the per-request layout its scoring
 runs in, over the block tables of a real KVCacheManager (prefill, then decode steps)."""
 
+import pytest
 import torch
 from test_attention import BS, metadata
 
+from runtime.errors import UserError
 from runtime.kv_cache import KVCacheManager
 from runtime.layers.attention import cache_info_of
 from runtime.layers.index_cache import IndexKeyCache, by_request
@@ -40,3 +42,10 @@ def test_keys_are_cached_and_each_query_sees_its_own_requests_up_to_itself():
             assert torch.equal(keys[b, : c + n], hist[r])
             for j in range(n):
                 assert visible[b, j].tolist() == [s <= c + j for s in range(keys.shape[1])]
+
+
+def test_by_request_refuses_what_is_not_one_row_per_token():
+    md = metadata(True, LENS, [0, 0, 0], [[1], [2], [3, 4]], BS, "full")
+    assert by_request(None, md) is None
+    with pytest.raises(UserError, match=r"HF's layout \[1, 9, \.\.\.\], not \[9, 2\]"):
+        by_request(torch.zeros(9, 2), md)

@@ -83,8 +83,11 @@ def _decode_distances(md: ForwardMetaData, num_slots: int) -> torch.Tensor:
     return md.memo(("decode_distances", num_slots), build)
 
 
-def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torch.Tensor:
-    """[B, 1, 1, S] boolean mask over the gathered context of each request."""
+def decode_mask(
+    md: ForwardMetaData, window: int | None, num_slots: int, selected: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, 1, 1, S] boolean mask over the gathered context of each request; with an indexer's picks
+    [B, 1, k] (``_chosen``), only those."""
 
     def build():
         j = torch.arange(num_slots, device=md.positions.device)[None, :]
@@ -94,7 +97,8 @@ def _decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> tor
             allowed &= j > kv - 1 - window
         return allowed[:, None, None, :]
 
-    return md.memo(("decode_mask", window, num_slots), build)
+    mask = md.memo(("decode_mask", window, num_slots), build)
+    return mask if selected is None else mask & _chosen(selected, num_slots)[:, None]
 
 
 def _chosen(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -197,9 +201,7 @@ def attend(
     B = table.shape[0]
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, v_head_dim).transpose(1, 2)
-    mask = _decode_mask(md, sliding_window, ctx_k.shape[2])
-    if selected is not None:
-        mask = mask & _chosen(selected, ctx_k.shape[2])[:, None]
+    mask = decode_mask(md, sliding_window, ctx_k.shape[2], selected)
     bias = None if alibi is None else (alibi, _decode_distances(md, ctx_k.shape[2]))
     return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, bias)[:, :, 0]
 
@@ -379,9 +381,7 @@ class Attention(nn.Module):
         table = md.block_table[group]
         context = rows.view(-1, k_cache.shape[1], self.latent_dim)[table].flatten(1, 2)  # [B, S, latent]
         k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
-        mask = _decode_mask(md, self.sliding_window, k.shape[2])
-        if selected is not None:
-            mask = mask & _chosen(selected, k.shape[2])[:, None]
+        mask = decode_mask(md, self.sliding_window, k.shape[2], selected)
         o = _sdpa(q[0].transpose(0, 1)[:, :, None], k, v, mask, self.scale, self.soft_cap, None)
         return o[:, :, 0][None]
 

@@ -35,7 +35,12 @@ class CheckpointLayout:
         inner = (
             get_checkpoint_conversion_mapping(c) for c in dict.fromkeys(inner_classes) if c != class_name
         )
+        seen = set()  # a rule two classes register alike applies once
         for rule in [*(rules or []), *(r for found in inner if found for r in found)]:
+            key = (type(rule).__name__, *map(tuple, (rule.source_patterns, rule.target_patterns)))
+            if key in seen:
+                continue
+            seen.add(key)
             ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", [])]
             if not ops:
                 self.renames += [

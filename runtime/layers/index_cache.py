@@ -1,14 +1,17 @@
 """What a sparse-attention indexer needs from the runtime (DeepSeek's DSA: a light scorer picks, for each query,
 the context tokens attention reads): a key cache of its own, and the per-request layout HF's scoring code is
-written for (``[batch, tokens, ...]``, each request's context in its own row).
+written for (``[batch, tokens, ...]``: each request's fresh tokens in a row of their own).
 
 Positions the indexer picks are positions in that row: prefill, the request's fresh tokens; decode, the slots of
 its block table. ``Attention(..., selected=picks)`` reads the same layout."""
 
+from typing import Any
+
 import torch
 
 from runtime.engine.forward_metadata import ForwardMetaData
-from runtime.layers.attention import Attention, _decode_mask
+from runtime.errors import UserError
+from runtime.layers.attention import Attention, decode_mask
 
 
 def _request_and_offset(md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor]:
@@ -16,7 +19,9 @@ def _request_and_offset(md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor
 
     def build():
         lengths = md.actual_seq_lengths_q
-        request = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        request = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=md.num_tokens
+        )
         return request, torch.arange(request.numel(), device=lengths.device) - md.actual_seq_lengths_cu_q[
             request
         ]
@@ -24,11 +29,19 @@ def _request_and_offset(md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor
     return md.memo("request_and_offset", build)
 
 
-def by_request(x, md: ForwardMetaData):
+def by_request(x: Any, md: ForwardMetaData) -> Any:
     """HF's packed layout [1, T, ...] -> [B, Lq, ...], request b's fresh tokens in row b, zeros after them;
-    tuples (cos and sin) element by element."""
+    tuples (cos and sin) element by element, None as it is."""
+    if x is None:
+        return None
     if isinstance(x, tuple):
         return tuple(by_request(e, md) for e in x)
+    if not isinstance(x, torch.Tensor) or x.shape[:2] != (1, md.num_tokens):
+        raise UserError(
+            f"by_request takes a step's tokens in HF's layout [1, {md.num_tokens}, ...], not "
+            f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}: an indexer input that is not "
+            "one row per token (pass it on unchanged in the modeling file)."
+        )
     request, offset = _request_and_offset(md)
     out = x.new_zeros(md.batch_size, md.max_seq_len_q, *x.shape[2:])
     out[request, offset] = x[0]
@@ -54,4 +67,4 @@ class IndexKeyCache(Attention):
             fresh = i[None, :] < md.actual_seq_lengths_q[:, None]  # [B, Lq]
             return k, (i[None, :] <= i[:, None])[None] & fresh[:, None, :]
         keys = rows.view(-1, cache.shape[1], self.latent_dim)[md.block_table[group]].flatten(1, 2)
-        return keys, _decode_mask(md, None, keys.shape[1])[:, 0]
+        return keys, decode_mask(md, None, keys.shape[1])[:, 0]

@@ -490,7 +490,14 @@ def test_two_paths_a_forward_picks_between_share_one_cache(run_rule):
 )
 def test_per_call_arguments_are_passed_on(run_rule, make_ctx, given, passed):
     code = HEADER + attention(call_kwargs=("scaling=self.scaling,", given)) + CALLERS
-    ctx = make_ctx()
+    ctx = make_ctx(applied=["MG032"])  # the indexer's key cache is built
     out = run_rule(rule, code, ctx)
     assert ctx.findings == []
     assert f"self.attn(query_states, key_states, value_states, forward_metadata, {passed})" in out
+
+
+def test_indexer_picks_without_the_indexer_s_key_cache_are_a_finding(run_rule, make_ctx):
+    code = HEADER + attention(call_kwargs=("scaling=self.scaling,", "indices=sparse_indices,")) + CALLERS
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert len(ctx.findings) == 1 and "without the indexer key cache MG032 builds" in ctx.findings[0].what

@@ -120,7 +120,7 @@ MASK_READ = """\
 @pytest.mark.parametrize(
     "change, why",
     [
-        ((MASK_READ, ""), "its scores read no `attention_mask`"),
+        ((MASK_READ, ""), "does not mask its scores"),
         (("self.head_dim: int = config", "self.key_dim: int = config"), "no `self.head_dim`"),
         (
             (
@@ -138,3 +138,58 @@ def test_what_the_rule_cannot_follow_is_refused_by_name(run_rule, make_ctx, chan
     ctx = make_ctx()
     assert run_rule(rule, code, ctx) == code
     assert len(ctx.findings) == 1 and why in ctx.findings[0].what
+
+
+def test_only_the_branch_handing_the_picks_over_is_folded(run_rule):
+    """Dots3 runs its indexer on some layers only: the picks stay None elsewhere, so that `None` is kept; another
+    branch on the implementation, binding no name passed as `indices=`, stays as it is."""
+    code = BEFORE.replace(
+        """        q_resid = self.q_a_proj(hidden_states)
+        topk_indices = self.indexer(hidden_states, q_resid, attention_mask[:, 0], position_ids, cache=cache)
+        sparse_indices = None
+        if self.config._attn_implementation in ("eager", "sdpa"):
+            index_mask = torch.ones_like(attention_mask).scatter(-1, topk_indices.long(), False)
+            attention_mask = attention_mask & ~index_mask
+        else:
+            sparse_indices = topk_indices
+""",
+        """        q_resid = self.q_a_proj(hidden_states)
+        sparse_indices = None
+        if self.indexer is not None:
+            topk_indices = self.indexer(hidden_states, q_resid, attention_mask[:, 0], position_ids, cache=cache)
+            if self.config._attn_implementation in ("eager", "sdpa"):
+                index_mask = torch.ones_like(attention_mask).scatter(-1, topk_indices.long(), False)
+                attention_mask = attention_mask & ~index_mask
+            else:
+                sparse_indices = topk_indices
+        if self.config._attn_implementation == "eager":
+            scale = 1.0
+        else:
+            scale = 2.0
+""",
+    )
+    out = run_rule(rule, code)
+    assert (
+        """        sparse_indices = None
+        if self.indexer is not None:
+            topk_indices = self.indexer(hidden_states, q_resid, attention_mask[:, 0], position_ids, cache=cache, forward_metadata=forward_metadata)
+            sparse_indices = topk_indices
+        if self.config._attn_implementation == "eager":
+            scale = 1.0
+        else:
+            scale = 2.0
+"""
+        in out
+    )
+
+
+@pytest.mark.parametrize(
+    "read",
+    ["scores = scores + self.attention_mask.sum()", "scores = f(scores, attention_mask=attention_mask)"],
+    ids=["attribute_of_that_name", "keyword"],
+)
+def test_a_mask_read_other_than_masking_the_scores_is_refused(run_rule, make_ctx, read):
+    code = BEFORE.replace("        return scores.topk(", f"        {read}\n        return scores.topk(")
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    assert len(ctx.findings) == 1 and "does not mask its scores" in ctx.findings[0].what

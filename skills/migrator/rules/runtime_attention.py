@@ -40,6 +40,7 @@ RUNTIME_KWARGS = {
 # passed on every call: GPT-OSS's per-head sink logits, MG023's cache key of a looped layer, the positions a
 # sparse-attention indexer picked (MG032)
 FORWARD_KWARGS = {"s_aux": "sinks", "cache_key": "cache_key", "indices": "selected"}
+PICKS_RULE = "MG032"  # the rule whose key cache gives `indices=` its meaning in the runtime
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
 
@@ -165,6 +166,14 @@ def _attention_ctor(
         args.append(f"num_kv_heads=self.{kv_attr}")
     for a in call.args:
         key = a.keyword.value if a.keyword else None
+        if key == "indices" and PICKS_RULE not in ctx.applied:
+            ctx.unsupported(
+                scope,
+                0,
+                "attention argument `indices=` (positions a sparse-attention indexer picked) without the indexer "
+                f"key cache {PICKS_RULE} builds: the runtime would read them as positions it does not hold",
+            )
+            continue
         if key is None or key in IGNORED_KWARGS or key in FORWARD_KWARGS:
             continue
         if key == "shares_cache":  # MG021's: one of two computations a forward picks between, on one cache

@@ -20,7 +20,6 @@ from skills.migrator.cst_utils import (
     appended,
     assigned_names,
     classes,
-    code,
     method,
     param_names,
     stmt,
@@ -33,12 +32,17 @@ UPDATE = m.Call(func=m.Attribute(value=m.OneOf(*map(m.Name, CACHES)), attr=m.Nam
 MASK, VISIBLE = "attention_mask", "visible"
 _SELF_HEAD_DIM = m.Attribute(m.Name("self"), m.Name("head_dim"))
 HEAD_DIM = m.Assign([m.AssignTarget(_SELF_HEAD_DIM)]) | m.AnnAssign(target=_SELF_HEAD_DIM)
-IMPLEMENTATION = m.Attribute(attr=m.Name("_attn_implementation"))
+BY_IMPLEMENTATION = m.Comparison(  # `self.config._attn_implementation in ("eager", "sdpa")` or `== "eager"`
+    left=m.Attribute(attr=m.Name("_attn_implementation")),
+    comparisons=[m.ComparisonTarget(m.In() | m.Equal(), m.Tuple() | m.SimpleString())],
+)
 NONE_INIT = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], m.Name("None"))])
 BOOL_DTYPE = m.Comparison(
-    left=m.Attribute(m.Name(VISIBLE), m.Name("dtype")),
+    left=m.Attribute(m.Name(MASK), m.Name("dtype")),
     comparisons=[m.ComparisonTarget(m.Equal(), m.Attribute(m.Name("torch"), m.Name("bool")))],
 )
+INVERTED = m.UnaryOperation(operator=m.BitInvert(), expression=m.Name(MASK))
+MASKED_FILL = m.Call(func=m.Attribute(attr=m.Name("masked_fill")), args=[m.Arg(INVERTED), m.ZeroOrMore()])
 
 
 def _update_line(fn: cst.FunctionDef) -> tuple[cst.BaseStatement, str] | None:
@@ -53,25 +57,52 @@ def _update_line(fn: cst.FunctionDef) -> tuple[cst.BaseStatement, str] | None:
 
 
 class _Indexer(cst.CSTTransformer):
-    """The indexer's forward: the update replaced, the mask read as `visible`, its dtype branch folded."""
+    """The indexer's forward: the update replaced, the branch on the mask's dtype folded to its boolean arm, the
+    mask read as `visible`."""
 
     def __init__(self, update: cst.BaseStatement, key: str):
         self.update, self.key = update, key
 
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        body: list[cst.BaseStatement] = []
+        for s in updated.body:
+            if _on_dtype(s):
+                body += s.body.body
+            else:
+                body.append(s)
+        return updated.with_changes(body=body)
+
     def leave_If(self, original: cst.If, updated: cst.If):
-        if original is self.update:
-            return stmt(f"{self.key}, {VISIBLE} = self.index_cache({self.key}, forward_metadata)")
-        if m.matches(updated.test, BOOL_DTYPE):
-            return cst.FlattenSentinel(updated.body.body)
-        return updated
+        return self._update(original, updated)
 
     def leave_SimpleStatementLine(self, original, updated):
+        return self._update(original, updated)
+
+    def _update(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> cst.BaseStatement:
         if original is self.update:
             return stmt(f"{self.key}, {VISIBLE} = self.index_cache({self.key}, forward_metadata)")
         return updated
 
-    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
-        return updated.with_changes(value=VISIBLE) if updated.value == MASK else updated
+    def leave_UnaryOperation(self, original, updated):
+        return updated.with_changes(expression=cst.Name(VISIBLE)) if m.matches(updated, INVERTED) else updated
+
+
+def _masks_only(fwd: cst.FunctionDef, update: cst.BaseStatement) -> bool:
+    """Whether forward reads the mask only as `scores.masked_fill(~attention_mask, ...)`, after the update and once
+    a branch on its dtype is folded to its boolean arm (as `_Indexer` leaves it)."""
+    body = list(fwd.body.body)
+    i = body.index(update)
+    kept = [x for s in body[i + 1 :] for x in (s.body.body if _on_dtype(s) else [s])]
+    reads = sum(len(m.findall(x, m.Name(MASK))) for x in kept)
+    masking = sum(len(m.findall(x, MASKED_FILL)) for x in kept)
+    before = sum(len(m.findall(x, m.Name(MASK))) for x in body[:i])
+    return before == 0 and 0 < masking == reads
+
+
+def _on_dtype(s: cst.BaseStatement) -> bool:
+    return isinstance(s, cst.If) and m.matches(s.test, BOOL_DTYPE)
 
 
 def _per_request(fn: cst.FunctionDef) -> list[cst.BaseStatement]:
@@ -106,13 +137,15 @@ class _HandOverPicks(cst.CSTTransformer):
         self.indices = indices
 
     def _arm(self, s: cst.BaseStatement) -> list[cst.BaseStatement] | None:
+        """The else arm of an `_attn_implementation` test that binds a name passed as `indices=`."""
         if (
             not isinstance(s, cst.If)
             or not isinstance(s.orelse, cst.Else)
-            or not m.findall(s.test, IMPLEMENTATION)
+            or not m.matches(s.test, BY_IMPLEMENTATION)
         ):
             return None
-        return list(s.orelse.body.body) if any(m.findall(s.orelse, m.Name(n)) for n in self.indices) else None
+        arm = list(s.orelse.body.body)
+        return arm if self.indices & set().union(*(assigned_names(a) for a in arm)) else None
 
     def leave_IndentedBlock(
         self, original: cst.IndentedBlock, updated: cst.IndentedBlock
@@ -149,7 +182,7 @@ class SparseIndexer(Rule):
         for s in module.body:
             if isinstance(s, cst.ClassDef) and (attrs := _holders(s, set(indexers))):
                 s = s.visit(_PassMetadata(attrs))
-                indices = {code(a.value) for a in m.findall(s, m.Arg(keyword=m.Name("indices")))}
+                indices = {a.value.value for a in m.findall(s, m.Arg(m.Name(), keyword=m.Name("indices")))}
                 s = s.visit(_HandOverPicks(indices)) if indices else s
             out.append(s)
         self.add_needed_imports(
@@ -170,8 +203,9 @@ class SparseIndexer(Rule):
         why = (
             "outside its forward, or not as `k = cache.update_indexer(k, ...)` at the forward's top level"
             if found is None
-            else "its scores read no `attention_mask`, so it would pick other requests' keys"
-            if not m.findall(fwd.body, m.Name(MASK))
+            else "it does not mask its scores with `attention_mask` (as `scores.masked_fill(~attention_mask, "
+            "...)` after the update, the mask read nowhere else), so it could pick other requests' keys"
+            if not _masks_only(fwd, found[0])
             else "no `self.head_dim` in `__init__` gives its keys' width"
             if init is None or not m.findall(init, HEAD_DIM)
             else None
