@@ -11,7 +11,8 @@ becomes the runtime's `IndexKeyCache`, and the indexer's forward runs in its per
   as `selected=`) instead of scattering them into a mask.
 
 Runs before MG004 would refuse the cache's extra state. Refused by name: an update outside a forward, an indexer
-whose scores read no mask (it would pick other requests' keys), or no `self.head_dim` giving the keys' width."""
+that reads its mask other than as `scores.masked_fill(~attention_mask, ...)` after the update (or not at all: it
+would pick other requests' keys), or no `self.head_dim` giving the keys' width."""
 
 import libcst as cst
 import libcst.matchers as m
