@@ -193,3 +193,13 @@ def test_a_mask_read_other_than_masking_the_scores_is_refused(run_rule, make_ctx
     ctx = make_ctx()
     assert run_rule(rule, code, ctx) == code
     assert len(ctx.findings) == 1 and "does not mask its scores" in ctx.findings[0].what
+
+
+def test_the_function_calling_the_indexer_takes_forward_metadata_not_one_defined_inside_it(run_rule):
+    code = BEFORE.replace(
+        "        sparse_indices = None\n",
+        "        sparse_indices = None\n\n        def scaled(x):\n            return x * 2\n\n",
+    )
+    out = run_rule(rule, code)
+    assert "def scaled(x):" in out
+    assert "cache=None, *, forward_metadata: ForwardMetaData, **kwargs):" in out

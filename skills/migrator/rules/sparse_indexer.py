@@ -117,17 +117,22 @@ class _PassMetadata(cst.CSTTransformer):
     take it."""
 
     def __init__(self, attrs: set[str]):
-        self.attrs, self.calls = attrs, False
+        self.attrs = attrs
+        self.calls: list[bool] = []  # per enclosing function: whether it calls an indexer
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.calls.append(False)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if not m.matches(updated.func, m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, self.attrs)))):
+        if not self.calls or not m.matches(
+            updated.func, m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, self.attrs)))
+        ):
             return updated
-        self.calls = True
+        self.calls[-1] = True
         return appended(updated, "forward_metadata", "forward_metadata")
 
     def leave_FunctionDef(self, original, updated):
-        out, self.calls = (with_forward_metadata(updated) if self.calls else updated), False
-        return out
+        return with_forward_metadata(updated) if self.calls.pop() else updated
 
 
 class _HandOverPicks(cst.CSTTransformer):
