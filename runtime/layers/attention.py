@@ -50,7 +50,7 @@ def _prefill_runs(md: ForwardMetaData) -> list[tuple[int, int, int]]:
     return md.memo("prefill_runs", build)
 
 
-def _causal_mask(md: ForwardMetaData, length: int, window: int | None) -> torch.Tensor:
+def causal_mask(md: ForwardMetaData, length: int, window: int | None) -> torch.Tensor:
     """[L, L] boolean mask: causal, inside the window."""
 
     def build():
@@ -146,7 +146,7 @@ def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, se
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             bias = None if alibi is None else (alibi, _distances(md, length))
-            mask = _causal_mask(md, length, sliding_window)
+            mask = causal_mask(md, length, sliding_window)
             if chosen is not None:
                 mask = mask & chosen[first : first + count, None, :length, :length]
             o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, bias)
@@ -362,28 +362,36 @@ class Attention(nn.Module):
         Each step writes the fresh tokens' latents; prefill expands those, decode expands each request's whole
         cached context (decompression: no per-head keys or values are ever stored)."""
         self._check_selectable(selected)
-        k_cache = self._caches(md, cache_key)[0]
-        assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         sizes = [x.shape[-1] for x in latents]
         if md.is_prefill and not torch.compiler.is_compiling() and sum(sizes) != self.latent_dim:
             raise UserError(
                 f"Attention layer {self.prefix or '(unnamed)'} receives latents of widths {sizes} per token but "
                 f"caches {self.latent_dim}. Set `Attention(latent_dim=...)` in the modeling file to their sum."
             )
-        group, rows = self.cache_group, k_cache.view(-1, self.latent_dim)
-        rows.index_copy_(0, md.slot_mapping[group], torch.cat([x[0, 0] for x in latents], dim=-1))
+        context = self._latent_context(md, cache_key, torch.cat([x[0, 0] for x in latents], dim=-1))
         if md.is_prefill:
             k, v = (x[0].transpose(0, 1) for x in expand(*latents))
             q = q[0].transpose(0, 1)
             return _prefill(
                 q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None, None, selected
             )[None]
-        table = md.block_table[group]
-        context = rows.view(-1, k_cache.shape[1], self.latent_dim)[table].flatten(1, 2)  # [B, S, latent]
         k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
         mask = decode_mask(md, self.sliding_window, k.shape[2], selected)
         o = _sdpa(q[0].transpose(0, 1)[:, :, None], k, v, mask, self.scale, self.soft_cap, None)
         return o[:, :, 0][None]
+
+    def _latent_context(
+        self, md: ForwardMetaData, cache_key: int, fresh: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Writes the fresh tokens' rows [T, latent_dim] at their slots; in decode returns each request's cached
+        rows [B, S, latent_dim] over its block table's slots (prefill reads only the fresh ones: None)."""
+        k_cache = self._caches(md, cache_key)[0]
+        assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
+        group, rows = self.cache_group, k_cache.view(-1, self.latent_dim)
+        rows.index_copy_(0, md.slot_mapping[group], fresh)
+        if md.is_prefill:
+            return None
+        return rows.view(-1, k_cache.shape[1], self.latent_dim)[md.block_table[group]].flatten(1, 2)
 
     def forward(
         self,

@@ -11,7 +11,7 @@ import torch
 
 from runtime.engine.forward_metadata import ForwardMetaData
 from runtime.errors import UserError
-from runtime.layers.attention import Attention, decode_mask
+from runtime.layers.attention import Attention, causal_mask, decode_mask
 
 
 def _request_and_offset(md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,14 +57,18 @@ class IndexKeyCache(Attention):
     def forward(self, k: torch.Tensor, md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor]:
         """k [B, Lq, dim] (``by_request``) -> (keys [B, S, dim], visible [B, Lq, S]): the keys each request's
         queries score, and which of them a query may pick (its request's, up to its own position)."""
-        cache = self._caches(md, 0)[0]
-        assert cache is not None, f"{self.prefix}: index key cache was never bound by the engine"
         request, offset = _request_and_offset(md)
-        rows, group = cache.view(-1, self.latent_dim), self.cache_group
-        rows.index_copy_(0, md.slot_mapping[group], k[request, offset])
+        context = self._latent_context(md, 0, k[request, offset])
         if md.is_prefill:
-            i = torch.arange(k.shape[1], device=k.device)
-            fresh = i[None, :] < md.actual_seq_lengths_q[:, None]  # [B, Lq]
-            return k, (i[None, :] <= i[:, None])[None] & fresh[:, None, :]
-        keys = rows.view(-1, cache.shape[1], self.latent_dim)[md.block_table[group]].flatten(1, 2)
-        return keys, decode_mask(md, None, keys.shape[1])[:, 0]
+            return k, _prefill_visible(md)
+        return context, decode_mask(md, None, context.shape[1])[:, 0]
+
+
+def _prefill_visible(md: ForwardMetaData) -> torch.Tensor:
+    """[B, Lq, Lq]: each fresh token's own request's fresh tokens up to itself (padding never)."""
+
+    def build():
+        fresh = torch.arange(md.max_seq_len_q, device=md.positions.device) < md.actual_seq_lengths_q[:, None]
+        return causal_mask(md, md.max_seq_len_q, None)[None] & fresh[:, None, :]
+
+    return md.memo("index_prefill_visible", build)

@@ -50,7 +50,7 @@ IS_NONE = m.Comparison(
 )
 
 
-def _instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[str, bool]]:
+def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[str, bool]]:
     """`self.a = C(...)` (or `None if c else C(...)`) -> a: (C, False); `self.a = nn.ModuleList([C(...) ...])` ->
     a: (C, True)."""
     found = {}
@@ -153,7 +153,7 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
         accounted.update(id(call.func) for call in index.calls[name])
     for owner, cls in local.items():
         init = method(cls, "__init__")
-        for attr, (target, is_list) in (_instance_attrs(init, set(local)) if init else {}).items():
+        for attr, (target, is_list) in (instance_attrs(init, set(local)) if init else {}).items():
             assigned = m.findall(init, m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name(attr))))
             explained = {id(t.target) for t in assigned}
             if is_list:

@@ -16,7 +16,15 @@ import libcst.matchers as m
 from transformers import PretrainedConfig
 
 from skills.migrator.call_sites import binding, call_sites
-from skills.migrator.cst_utils import SELF_ATTR, assigned_names, classes, dotted, method, names_in
+from skills.migrator.cst_utils import (
+    SELF_ATTR,
+    assigned_names,
+    classes,
+    dotted,
+    method,
+    names_in,
+    rewrite_classes,
+)
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
@@ -248,23 +256,20 @@ def guard_untaken_branches(
     Without a config (no checkpoint), module as it is."""
     if config is None:
         return module
-    replaced = {}
     built_from_config = _config_classes(module, config)
-    for name, cls in classes(module).items():
+
+    def fold(cls: cst.ClassDef) -> cst.ClassDef | None:
         init = method(cls, "__init__")
-        if init is None or name not in built_from_config:
-            continue
+        if init is None or cls.name.value not in built_from_config:
+            return None
         attrs = _self_attrs(cls, init, config)
         methods = [s for s in cls.body.body if isinstance(s, cst.FunctionDef)]
         scopes = {fn.name.value: {"self": attrs} for fn in methods}
         scopes["__init__"] = {"self": attrs, "config": config}
         new = then(cls.visit(_Fold(cls, scopes, wanted, text, elses)))
-        if not new.deep_equals(cls):
-            replaced[name] = new
-    if not replaced:
-        return module
-    body = [replaced.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
-    return module.with_changes(body=body)
+        return None if new.deep_equals(cls) else new
+
+    return rewrite_classes(module, fold)
 
 
 class CheckpointBranches(Rule):

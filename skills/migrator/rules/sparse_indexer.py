@@ -17,12 +17,14 @@ would pick other requests' keys), or no `self.head_dim` giving the keys' width."
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.call_sites import instance_attrs
 from skills.migrator.cst_utils import (
     appended,
     assigned_names,
-    classes,
+    is_docstring,
     method,
     param_names,
+    rewrite_classes,
     stmt,
     with_forward_metadata,
 )
@@ -175,22 +177,17 @@ class SparseIndexer(Rule):
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        indexers: dict[str, cst.ClassDef] = {}
-        for name, cls in classes(module).items():
-            if new := self._indexer(name, cls):
-                indexers[name] = new
+        indexers: set[str] = set()
+
+        def convert(cls: cst.ClassDef) -> cst.ClassDef | None:
+            if new := self._indexer(cls.name.value, cls):
+                indexers.add(cls.name.value)
+            return new
+
+        module = rewrite_classes(module, convert)
         if not indexers:
             return module
-        module = module.with_changes(
-            body=[indexers.get(s.name.value, s) if isinstance(s, cst.ClassDef) else s for s in module.body]
-        )
-        out = []
-        for s in module.body:
-            if isinstance(s, cst.ClassDef) and (attrs := _holders(s, set(indexers))):
-                s = s.visit(_PassMetadata(attrs))
-                indices = {a.value.value for a in m.findall(s, m.Arg(m.Name(), keyword=m.Name("indices")))}
-                s = s.visit(_HandOverPicks(indices)) if indices else s
-            out.append(s)
+        module = rewrite_classes(module, lambda cls: _hand_over(cls, indexers))
         self.add_needed_imports(
             [
                 ("runtime.layers.index_cache", "IndexKeyCache"),
@@ -198,7 +195,7 @@ class SparseIndexer(Rule):
                 ("runtime.engine.forward_metadata", "ForwardMetaData"),
             ]
         )
-        return module.with_changes(body=out)
+        return module
 
     def _indexer(self, name: str, cls: cst.ClassDef) -> cst.ClassDef | None:
         updating = [fn for fn in m.findall(cls.body, m.FunctionDef()) if m.findall(fn, UPDATE)]
@@ -226,7 +223,7 @@ class SparseIndexer(Rule):
         ctor = stmt(f"self.index_cache = IndexKeyCache(self.head_dim{legacy})")
         new_fwd = with_forward_metadata(fwd.with_changes(body=fwd.body.visit(_Indexer(update, key))))
         body = list(new_fwd.body.body)
-        first = 1 if body and m.matches(body[0], m.SimpleStatementLine([m.Expr(m.SimpleString())])) else 0
+        first = 1 if body and is_docstring(body[0]) else 0
         new_fwd = new_fwd.with_changes(
             body=new_fwd.body.with_changes(body=[*body[:first], *_per_request(fwd), *body[first:]])
         )
@@ -235,11 +232,13 @@ class SparseIndexer(Rule):
         return cls.with_changes(body=cls.body.with_changes(body=[swap.get(id(s), s) for s in cls.body.body]))
 
 
-def _holders(cls: cst.ClassDef, indexers: set[str]) -> set[str]:
-    """`self.X` attributes of cls built as one of the indexer classes (also `None if ... else Indexer(...)`)."""
-    built = m.Call(func=m.OneOf(*map(m.Name, indexers)))
-    found = set()
-    for a in m.findall(cls, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))])):
-        if m.findall(a.value, built):
-            found.add(a.targets[0].target.attr.value)
-    return found
+def _hand_over(cls: cst.ClassDef, indexers: set[str]) -> cst.ClassDef | None:
+    """A class holding an indexer (`self.X = Indexer(...)`, or `None if ... else Indexer(...)`): its calls pass
+    forward_metadata on, and it hands the picks over as `indices=`; None for other classes."""
+    init = method(cls, "__init__")
+    attrs = {a for a, (c, is_list) in (instance_attrs(init, indexers) if init else {}).items() if not is_list}
+    if not attrs:
+        return None
+    cls = cls.visit(_PassMetadata(attrs))
+    indices = {a.value.value for a in m.findall(cls, m.Arg(m.Name(), keyword=m.Name("indices")))}
+    return cls.visit(_HandOverPicks(indices)) if indices else cls
