@@ -453,18 +453,30 @@ def test_a_stale_kernel_build_lock_is_removed(tmp_path):
     assert fresh.exists() and not stale.exists()
 
 
+@pytest.mark.parametrize(
+    "values, absorbed",
+    [(lambda x: x, True), (lambda x: x + 0.5, False), (torch.tanh, False)],
+    ids=["linear", "biased", "nonlinear"],
+)
 @pytest.mark.parametrize("legacy", [False, True])
-def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy):
+def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy, values, absorbed):
     """forward_latent (MLA): the cache holds each token's latents (two parts, one row) and nothing else; prefill
-    and decode expand them into keys and values per token, matching attention over the expanded history."""
+    expands them into keys and values per token, decode too where the expansion is not linear, and attends
+    over the latent rows themselves where it is (absorbed: expand never runs on the context); both match
+    attention over the expanded history."""
     parts, dv = (12, 4), 8
     latent = sum(parts)
     gen = torch.Generator().manual_seed(3)
     w_k, w_v = torch.randn(latent, KV * D, generator=gen), torch.randn(parts[0], KV * dv, generator=gen)
+    layer_expanded = []
 
     def expand(nope, rope):  # [B, 1, S, d] each -> keys [B, KV, S, D] (rope part too), values [B, KV, S, dv]
         k = (torch.cat([nope, rope], -1) @ w_k).unflatten(-1, (KV, D))[:, 0].transpose(1, 2)
-        return k, (nope @ w_v).unflatten(-1, (KV, dv))[:, 0].transpose(1, 2)
+        return k, values(nope @ w_v).unflatten(-1, (KV, dv))[:, 0].transpose(1, 2)
+
+    def counted(*latents):  # the layer's expansions, counted
+        layer_expanded.append(latents)
+        return expand(*latents)
 
     layer = Attention(H, D, SCALE, KV, v_head_dim=dv, legacy=legacy, latent_dim=latent)
     assert layer.cache_shapes == ((1, latent), (1, 0))
@@ -487,7 +499,9 @@ def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy)
         T = sum(lens)
         q, lat = torch.randn(T, H, D, generator=gen), torch.randn(T, latent, generator=gen)
         nope, rope = (x[None, None] for x in lat.split(parts, -1))
-        out = layer.forward_latent(q.transpose(0, 1)[None], (nope, rope), expand, md)[0]
+        layer_expanded.clear()
+        out = layer.forward_latent(q.transpose(0, 1)[None], (nope, rope), counted, md)[0]
+        assert bool(layer_expanded) == (step == 0 or not absorbed)
         for r, c, n, a in zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist()):
             h = hist.setdefault(r, [q[:0], lat[:0]])
             h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, lat))]

@@ -155,6 +155,30 @@ def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, se
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _linear_maps(
+    expand: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    sizes: Sequence[int],
+    like: torch.Tensor,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+    """What ``expand`` does to one latent row, per query head: ([H, latent, D], [H, latent, Dv]), read off the
+    rows of an identity; () unless it is linear: zero to zero exactly, and three random rows to their products
+    with the maps (within the dtype's rounding)."""
+    width = sum(sizes)
+    gen = torch.Generator().manual_seed(0)
+    probes = torch.randn(3, width, generator=gen).to(like)
+    rows = torch.cat([torch.eye(width, dtype=like.dtype, device=like.device), probes, probes[:1] * 0])
+    with torch.no_grad():
+        keys, values = (x[0] for x in expand(*(x[None, None] for x in rows.split(list(sizes), dim=-1))))
+    tol = 1e-4 if like.dtype in (torch.float32, torch.float64) else 3e-2
+    for got in (keys, values):
+        want = probes.float() @ got[:, :width].float()
+        if got[:, -1].any() or (got[:, width:-1].float() - want).abs().max() > tol * want.abs().max():
+            return ()
+    groups = num_heads // keys.shape[0]
+    return tuple(x[:, :width].repeat_interleave(groups, 0).contiguous() for x in (keys, values))
+
+
 def _decode_kernel() -> Callable | None:
     if torch.compiler.is_compiling():  # compile_decode built it before tracing
         return BUILT.get("paged_decode_attention")
@@ -269,6 +293,9 @@ class Attention(nn.Module):
         self.v_head_dim = v_head_dim or head_dim  # values may be narrower than keys (MLA)
         self.sliding_window, self.soft_cap, self.prefix = sliding_window, soft_cap, prefix
         self.latent_dim = latent_dim  # cached per token instead of keys and values (forward_latent)
+        # per query head, latent row -> its key and value ([H, latent_dim, D], [H, latent_dim, Dv]); () when the
+        # expansion is not linear; None until the first prefill reads them off it
+        self.latent_maps: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
         self.kv_heads_tiled = kv_heads_tiled and self.num_kv_heads != num_heads
         self._shared = () if cache_of is None else (cache_of,)  # a tuple: not a submodule of this layer
         if cache_of is not None and (cache_of.cache_shapes, cache_of.sliding_window) != (
@@ -359,15 +386,23 @@ class Attention(nn.Module):
         -> keys [.., Hkv, S, D] and values [.., Hkv, S, Dv] per token (DeepSeek's ``expand_kv``) -> [1, T, H, Dv].
         ``selected``: the context positions an indexer picked for each query (``forward``).
 
-        Each step writes the fresh tokens' latents; prefill expands those, decode expands each request's whole
-        cached context (decompression: no per-head keys or values are ever stored)."""
+        Each step writes the fresh tokens' latents; prefill expands those (no per-head keys or values are ever
+        stored). Decode absorbs the expansion into the query and the output instead, when ``expand`` is linear:
+        a score q . (W_k x) is (W_k^T q) . x, so every head attends over the cached latent rows x themselves and
+        its output W_v (sum_s p_s x_s) is expanded once, not each context token's keys and values at every step.
+        The maps W_k, W_v are read off ``expand`` at the first prefill (``latent_maps``); a nonlinear one (a
+        bias, a norm) is decompressed over the whole context instead."""
         self._check_selectable(selected)
         sizes = [x.shape[-1] for x in latents]
-        if md.is_prefill and not torch.compiler.is_compiling() and sum(sizes) != self.latent_dim:
-            raise UserError(
-                f"Attention layer {self.prefix or '(unnamed)'} receives latents of widths {sizes} per token but "
-                f"caches {self.latent_dim}. Set `Attention(latent_dim=...)` in the modeling file to their sum."
-            )
+        if md.is_prefill and not torch.compiler.is_compiling() and not md.probe:
+            if sum(sizes) != self.latent_dim:
+                raise UserError(
+                    f"Attention layer {self.prefix or '(unnamed)'} receives latents of widths {sizes} per token "
+                    f"but caches {self.latent_dim}. Set `Attention(latent_dim=...)` in the modeling file to "
+                    "their sum."
+                )
+            if self.latent_maps is None:
+                self.latent_maps = _linear_maps(expand, sizes, latents[0], q.shape[1])
         context = self._latent_context(md, cache_key, torch.cat([x[0, 0] for x in latents], dim=-1))
         if md.is_prefill:
             k, v = (x[0].transpose(0, 1) for x in expand(*latents))
@@ -375,9 +410,15 @@ class Attention(nn.Module):
             return _prefill(
                 q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None, None, selected
             )[None]
+        q = q[0].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
+        mask = decode_mask(md, self.sliding_window, context.shape[1], selected)
+        if self.latent_maps:
+            to_key, to_value = self.latent_maps
+            rows = context[:, None]  # one "key head" [B, 1, S, latent_dim], shared by every query head
+            o = _sdpa(q @ to_key.transpose(-1, -2), rows, rows, mask, self.scale, self.soft_cap, None)
+            return (o @ to_value)[:, :, 0][None]
         k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
-        mask = decode_mask(md, self.sliding_window, k.shape[2], selected)
-        o = _sdpa(q[0].transpose(0, 1)[:, :, None], k, v, mask, self.scale, self.soft_cap, None)
+        o = _sdpa(q, k, v, mask, self.scale, self.soft_cap, None)
         return o[:, :, 0][None]
 
     def _latent_context(
