@@ -114,6 +114,30 @@ def test_qkv_replicates_kv_heads_when_tp_exceeds_them():
         assert torch.equal(layer.weight, expected)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qkv_head_groups_give_each_rank_its_share_of_every_group(tp):
+    """head_groups=2 (DiffLlama pairs head h with h + H/2): a rank's heads are its share of each half, in order,
+    so the halves of its local head axis pair up as the model's do; key heads too (replicated when tp exceeds
+    the key heads of a group)."""
+    q, k, v = _qkv_weights(8, 4, 2)
+    heads, kv_heads = 4 // tp, max(2 // tp, 1)  # per group and rank
+    for rank in range(tp):
+        by_id = QKVParallelLinear(3, 2, 8, 4, comm_manager=FakeTP(tp, rank), head_groups=2)
+        fused = QKVParallelLinear(3, 2, 8, 4, comm_manager=FakeTP(tp, rank), head_groups=2)
+        for sid, w in zip("qkv", (q, k, v)):
+            load(by_id.weight, w, sid)
+        load(fused.weight, torch.cat([q, k, v]))
+        assert (by_id.num_heads, by_id.num_kv_heads) == (2 * heads, 2 * kv_heads)
+        kv_head = rank * 2 // tp * kv_heads
+        expected = torch.cat(
+            [rows(q, 2 * (g * 4 + rank * heads), 2 * heads) for g in range(2)]
+            + [rows(w, 2 * (g * 2 + kv_head), 2 * kv_heads) for w in (k, v) for g in range(2)]
+        )
+        assert torch.equal(by_id.weight, expected) and torch.equal(fused.weight, expected)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads \(3\) must both split into the model's 2"):
+        QKVParallelLinear(3, 2, 8, 3, head_groups=2)
+
+
 def test_qkv_head_counts_must_split_over_tp():
     with pytest.raises(ConfigError, match=r"num_attention_heads \(6\).*attn_tp_group \(4\)"):
         QKVParallelLinear(3, 2, 6, 2, comm_manager=FakeTP(4, 0))

@@ -76,6 +76,10 @@ OTHER_ARCHS = [
     # outputs are handed to, which add the residual and normalise), the LM head inside a module of its own, its
     # weight tied to the embedding and its bias to the module's
     ("bert-generation", "tp2_dp2_dense_tp4"),
+    # two softmaxes over one q / k whose outputs pair head h with h + H/2: a rank's share of each half of the
+    # heads (and its key head of each half replicated: one per half, two ranks)
+    ("diffllama", "tp2"),
+    pytest.param("diffllama", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
 ]
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {

@@ -155,8 +155,9 @@ class _Segment:
 
     offset: int  # first row in this rank's parameter
     size: int  # rows this rank holds
-    src_start: int  # first row this rank reads from the block's checkpoint tensor
+    src_start: int  # first row this rank reads from the block's checkpoint tensor (from each run's first)
     src_size: int  # rows of the whole block on disk
+    runs: int = 1  # equal runs of rows on disk, of each of which this rank holds its share, in order
 
 
 class ReplicatedLinear(TPModule):
@@ -227,9 +228,11 @@ class ColumnParallelLinear(TPModule):
         )
         disk_offset = 0
         for b in blocks:
-            param.data.narrow(0, b.offset, b.size).copy_(
-                read_narrow(loaded, 0, disk_offset + b.src_start, b.size)
-            )
+            size, run = b.size // b.runs, b.src_size // b.runs
+            for i in range(b.runs):
+                param.data.narrow(0, b.offset + i * size, size).copy_(
+                    read_narrow(loaded, 0, disk_offset + i * run + b.src_start, size)
+                )
             disk_offset += b.src_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,6 +282,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads; rows on disk are [q; k; v].
 
     With tp >= num_kv_heads every rank keeps one kv head, replicated over tp / num_kv_heads consecutive ranks.
+    ``head_groups`` n: the model combines head h with h + H/n (DiffLlama's two softmaxes pair the halves of the
+    head axis), so each of q, k and v is split as n equal runs of heads, of each of which a rank holds its share
+    in order: its local halves pair up as the whole model's do.
     """
 
     def __init__(
@@ -294,10 +300,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         prefix: str = "",
         quant_method: UnquantizedLinearMethod | None = None,
         transposed_on_disk: bool = False,
+        head_groups: int = 1,
     ):
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_groups = head_groups
         output_size = (total_num_heads + 2 * self.total_num_kv_heads) * head_size
         super().__init__(
             hidden_size,
@@ -317,19 +325,31 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = self.kv_size // head_size
 
     def _make_segments(self) -> dict[ShardId, _Segment]:
-        tp, kv_heads, d = self.tp_size, self.total_num_kv_heads, self.head_size
-        q = self._split(self.total_num_heads, "num_attention_heads", unit=d)
+        tp, n, d = self.tp_size, self.head_groups, self.head_size
+        where = self.prefix or type(self).__name__
+        if self.total_num_heads % n or self.total_num_kv_heads % n:
+            raise ConfigError(
+                f"{where}: num_attention_heads ({self.total_num_heads}) and num_key_value_heads "
+                f"({self.total_num_kv_heads}) must both split into the model's {n} groups of heads"
+            )
+        q = self._split(
+            self.total_num_heads // n,
+            f"num_attention_heads / {n}" if n > 1 else "num_attention_heads",
+            unit=d,
+        )
+        kv_heads = self.total_num_kv_heads // n
         if kv_heads % tp and tp % kv_heads:
             raise ConfigError(
-                f"{self.prefix or type(self).__name__}: num_key_value_heads ({kv_heads}) and the size "
+                f"{where}: num_key_value_heads{f' / {n}' if n > 1 else ''} ({kv_heads}) and the size "
                 f"of {self.tp_group_name} ({tp}) must divide one another"
             )
         per_rank = max(kv_heads // tp, 1) * d
         first_row = self.tp_rank // max(tp // kv_heads, 1) * per_rank
+        q_size, kv_size = q.size * n, per_rank * n
         return {
-            "q": q,
-            "k": _Segment(q.size, per_rank, first_row, kv_heads * d),
-            "v": _Segment(q.size + per_rank, per_rank, first_row, kv_heads * d),
+            "q": _Segment(0, q_size, q.src_start, q.src_size * n, n),
+            "k": _Segment(q_size, kv_size, first_row, self.total_num_kv_heads * d, n),
+            "v": _Segment(q_size + kv_size, kv_size, first_row, self.total_num_kv_heads * d, n),
         }
 
 

@@ -16,7 +16,7 @@ import math
 import re
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
@@ -93,6 +93,12 @@ class _Shapes:
     shared_intermediate: int  # the shared experts' FFN width; 0 without them
     mla: bool  # multi-head latent attention (kv_lora_rank)
     tied: bool
+    head_groups: int = 1  # runs of heads a rank holds its share of each of (QKVParallelLinear's head_groups)
+
+    def kv_heads_held(self, tp: int) -> int:
+        """Key heads a rank of a tp-way attention group holds: its share of each run, or one replicated."""
+        n = self.head_groups
+        return n * max(self.kv_heads // n // tp, 1)
 
 
 def _shapes(hf_config: PretrainedConfig) -> _Shapes:
@@ -393,10 +399,10 @@ def _held(
     size = tp.get(module, pc.attn_tp_size)
     if module in ("embed_tokens", "lm_head"):
         return _padded(shape[0], size) // size * math.prod(shape[1:])
-    if module in ("k_proj", "v_proj"):  # max(kv // tp, 1) heads: split, or one replicated head
-        return numel // s.kv_heads * max(s.kv_heads // size, 1)
+    if module in ("k_proj", "v_proj"):  # split, or one replicated head
+        return numel // s.kv_heads * s.kv_heads_held(size)
     if module in FUSED_ON_DISK:  # [q; k; v] rows: q heads split, kv heads as above
-        return numel // (s.heads + 2 * s.kv_heads) * (s.heads // size + 2 * max(s.kv_heads // size, 1))
+        return numel // (s.heads + 2 * s.kv_heads) * (s.heads // size + 2 * s.kv_heads_held(size))
     return numel if module in _ROW and name.endswith("bias") else numel // size
 
 
@@ -416,12 +422,14 @@ def _rewrites(
         groups[group] = size
         return f" on {group}"
 
-    h, kv = s.heads, s.kv_heads
+    h, kv, n = s.heads, s.kv_heads, s.head_groups
     kv_note = (
         f"{kv // a} of {kv} kv heads"
         if kv % a == 0
         else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)"
     )
+    if n > 1:
+        kv_note = f"{s.kv_heads_held(a)} of {kv} kv heads, a rank's share of each of {n} runs of heads"
     if s.mla:
         per_head = sorted(sharded - SHARDABLE - {"experts", "experts_tp"})
         steps.append(
@@ -455,7 +463,10 @@ def _rewrites(
         steps.append(f"{o_name} -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
     if a > 1:
         steps.append(
-            f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {max(kv // a, 1)} "
+            f"paged KV cache: cache_entries num_head = {n} x max({kv} // {n} // {a}, 1) = {s.kv_heads_held(a)} "
+            "kv heads per rank"
+            if n > 1
+            else f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {s.kv_heads_held(a)} "
             "kv heads per rank"
         )
     whole = sorted((modules & {*MLP_LAYERS, "embed_tokens", "lm_head"}) - sharded)
@@ -572,6 +583,7 @@ def make_plan(
     sharded: frozenset[str] = SHARDABLE,
     roles: Mapping[str, str] = MappingProxyType({}),
     unloaded: Collection[str] = (),
+    head_groups: int = 1,
 ) -> Plan:
     """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank.
 
@@ -579,8 +591,9 @@ def make_plan(
     the others are planned whole on every rank. `roles`: attribute -> embed_tokens / lm_head / o_proj for the
     layers the rewritten code builds under other names; one keyed by its owner (`attn.Wo`) is not in `sharded`
     under its own name, which then means a namesake elsewhere. `unloaded`: patterns (re.search) of the
-    parameters the model skips loading and does not build."""
-    s = _shapes(hf_config)
+    parameters the model skips loading and does not build. `head_groups`: the runs of heads the q/k/v layer
+    gives each rank its share of each of (DiffLlama's 2)."""
+    s = replace(_shapes(hf_config), head_groups=head_groups)
     validate(pc, hf_config)
     sharded |= frozenset(roles.values())
     shapes = {n: v for n, v in _param_shapes(hf_config).items() if not any(re.search(p, n) for p in unloaded)}

@@ -277,6 +277,40 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
         assert what.startswith("attention cannot be sharded by heads: ") and reason in what, (reason, what)
 
 
+# DiffLlama: two softmaxes over one q / k, each on half the value heads, the outputs of head h and h + H/2 paired
+PAIRED = BEFORE.replace(
+    "        self.attn = Attention(",
+    "        self.attn_2 = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, "
+    "num_kv_heads=config.num_key_value_heads)\n        self.attn = Attention(",
+).replace(
+    "        attn_output = self.attn(query_states, key_states, value_states, forward_metadata)\n",
+    "        value_1, value_2 = (v.repeat(1, 2, 1, 1) for v in torch.chunk(value_states, 2, dim=1))\n"
+    "        out_1 = self.attn(query_states, key_states, value_1, forward_metadata)\n"
+    "        out_2 = self.attn_2(query_states, key_states, value_2, forward_metadata)\n"
+    "        out_1, out_2 = torch.chunk(torch.cat([out_1, out_2], dim=-1), 2, dim=2)\n"
+    "        attn_output = out_1 - out_2\n",
+)
+
+
+def test_heads_paired_across_runs_are_split_per_run(run_rule, make_ctx):
+    """Two runtime Attention layers whose outputs forward chunks in two (DiffLlama): each rank holds its share
+    of each half of the heads (QKVParallelLinear's head_groups), and both layers get its head counts."""
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, PAIRED, ctx)
+    assert "config.num_key_value_heads, bias=True, head_groups=2, comm_manager=comm_manager" in out
+    assert out.count("num_heads=self.qkv_proj.num_heads") == 2
+    assert out.count("num_kv_heads=self.qkv_proj.num_kv_heads") == 2
+    assert "a rank's share of each of 2 runs of heads forward pairs up" in ctx.rewrites[0]
+
+
+def test_heads_chunked_in_different_counts_are_a_finding(run_rule, make_ctx):
+    mixed = PAIRED.replace(
+        "torch.cat([out_1, out_2], dim=-1), 2, dim=2)", "torch.cat([out_1, out_2], dim=-1), 3, dim=2)"
+    )
+    assert mixed != PAIRED
+    assert "forward runs 2 runtime Attention layers" in _finding(run_rule, make_ctx, mixed)
+
+
 SINKS_LINE = "        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))\n"
 SINKS_BEFORE = BEFORE.replace(
     "        self.attn = Attention(\n", SINKS_LINE + "        self.attn = Attention(\n"

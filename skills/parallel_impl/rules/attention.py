@@ -335,15 +335,33 @@ def _head_args(call: cst.Call) -> tuple[str | None, ...]:
     return tuple(code(a.value) if a is not None else None for a in given)
 
 
-def _attention_layers_refused(attention: list[Layer], fwd: cst.FunctionDef) -> str | None:
+def _attention_layers_refused(
+    attention: list[Layer], fwd: cst.FunctionDef, grouped: bool = False
+) -> str | None:
     """Why the runtime Attention layers cannot all take a rank's heads: none, several with different head counts,
-    or several that forward runs (DiffLlama's two softmaxes over one q / k pair head h with h + H/2, which a rank's
-    contiguous share would split)."""
+    or several that forward runs, unless grouped (the q/k/v layer can split them as _head_groups finds)."""
     if len({_head_args(a.call) for a in attention}) != 1:
         return "__init__ builds no runtime `Attention(...)` layer, or several with different head counts"
-    if len(run := [a.attr for a in attention if m.findall(fwd, _calls_layer(a.attr))]) > 1:
+    run = [a.attr for a in attention if m.findall(fwd, _calls_layer(a.attr))]
+    if len(run) > 1 and not (grouped and _head_groups(attention, fwd) > 1):
         return f"forward runs {len(run)} runtime Attention layers (`{'`, `'.join(run)}`), whose heads it may combine"
     return None
+
+
+def _head_groups(attention: list[Layer], fwd: cst.FunctionDef) -> int:
+    """n when forward runs several runtime Attention layers and chunks tensors into n parts, every `torch.chunk`
+    / `.chunk` call of it into the same literal n >= 2 (DiffLlama's two softmaxes over one q / k pair head h
+    with h + H/2: the heads form n runs a rank needs its share of each of, QKVParallelLinear's ``head_groups``;
+    `skill parallelize` verifies the result against transformers); else 1."""
+    if sum(bool(m.findall(fwd, _calls_layer(a.attr))) for a in attention) < 2:
+        return 1
+    chunk = m.Call(m.Attribute(m.Name("torch"), m.Name("chunk")) | m.Attribute(attr=m.Name("chunk")))
+    counts = set()
+    for c in m.findall(fwd, chunk):
+        method = not m.matches(c.func.value, m.Name("torch"))
+        n = arg(c, 0 if method else 1, "chunks")
+        counts.add(int(n.value.value) if n is not None and isinstance(n.value, cst.Integer) else 0)
+    return counts.pop() if len(counts) == 1 and min(counts) >= 2 else 1
 
 
 def _calls_layer(*attrs: str) -> m.Call:
@@ -858,7 +876,7 @@ def _rewrite(
         return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
     if fwd is None:
         return "no forward"
-    if why := _attention_layers_refused(attention, fwd):
+    if why := _attention_layers_refused(attention, fwd, grouped=True):
         return why
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
@@ -924,10 +942,17 @@ def _rewrite(
     if isinstance(new_fwd, str):
         return new_fwd
 
+    groups = _head_groups(attention, fwd)
     qkv = parallel_layer(
         qkv_attr,
         "QKVParallelLinear",
-        [q.in_features, *sizes, f"bias={q.bias}", *["transposed_on_disk=True"] * q.transposed],
+        [
+            q.in_features,
+            *sizes,
+            f"bias={q.bias}",
+            *["transposed_on_disk=True"] * q.transposed,
+            *[f"head_groups={groups}"] * (groups > 1),
+        ],
         GROUP,
         first,
     )
@@ -978,7 +1003,8 @@ def _rewrite(
     name = cls.name.value
     applied = {"q": f"{names[0]}'s output", "k": f"{names[1]}'s output", "o": f"{out}'s input"}
     ctx.rewrites += [
-        f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})",
+        f"{name}: {'/'.join(projections)} -> QKVParallelLinear {qkv_attr} ({GROUP})"
+        + (f", a rank's share of each of {groups} runs of heads forward pairs up" if groups > 1 else ""),
         f"{name}: {out} -> RowParallelLinear ({GROUP})"
         if out
         else f"{closer.cls.name.value}: {closer.linear.attr}, the output projection {name}'s output is handed"
