@@ -563,6 +563,14 @@ def parallelize(
     ] = False,
     disable: Disable = None,
     list_rules: Annotated[bool, _rule_list(_parallel_rules)] = False,
+    replicate_attention: Annotated[
+        bool,
+        typer.Option(
+            "--replicate-attention",
+            help="Run attention the rules cannot shard by heads whole on every rank (its weights and KV cache "
+            "unsplit) instead of refusing the model.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ):
     """Shard a migrated model over ranks: validate the config, rewrite to parallel layers, write its YAML, and
@@ -572,7 +580,7 @@ def parallelize(
     from skills.parallel_impl.plan import format_plan
 
     if plan:
-        result = plan_for_model_dir(model_dir, config, disable or ())
+        result = plan_for_model_dir(model_dir, config, disable or (), replicate_attention)
         if as_json:
             print(json.dumps({"model_dir": str(model_dir.resolve()), **result.to_dict()}))
         else:
@@ -580,7 +588,9 @@ def parallelize(
         return
     from skills.verify.verify import EXIT_MISMATCH
 
-    done = run_parallelize(model_dir, config, mode, force, _logger("parallelize"), disable or ())
+    done = run_parallelize(
+        model_dir, config, mode, force, _logger("parallelize"), disable or (), replicate_attention
+    )
     verification = None if no_verify else _verify_and_record(model_dir, Path(done.yaml), _logger("verify"))
     if as_json:
         print(json.dumps({**done.to_dict(), "verification": verification and verification.to_dict()}))

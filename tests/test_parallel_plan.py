@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from runtime.config import ParallelConfig
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, UserError
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
@@ -748,3 +748,22 @@ def test_a_head_built_in_a_module_of_its_own_holds_the_modules_bias_only_when_ti
         == ((plan.total_param_bytes // 4 - whole - unused) // 2 + whole + unused) * 4
     )
     assert "2 of 4 heads and 2 of 4 kv heads per rank" in plan.rewrites[0]
+
+
+def test_attention_run_whole_is_planned_whole_on_every_rank():
+    """--replicate-attention: the classes named run whole (their groups still registered), their parameters are
+    held whole by every rank, and an attention layout the plan does not know (JetMoE's attention experts, no
+    o_proj) is no reason to refuse."""
+    llama = _tiny("llama", num_key_value_heads=2, intermediate_size=128)
+    mlp = SHARDABLE - {"q_proj", "k_proj", "v_proj", "o_proj"}
+    whole = make_plan(pc(2, 2, 2, 2, 2), llama, torch.float32, mlp, replicated=["LlamaAttention"])
+    sharded = make_plan(pc(2, 2, 2, 2, 2), llama, torch.float32, SHARDABLE)
+    attention = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64) * 4  # layers x (q, k+v, o) x fp32
+    assert whole.per_rank_param_bytes - sharded.per_rank_param_bytes == attention // 2
+    assert "LlamaAttention run whole on every rank" in "\n".join(whole.rewrites)
+    assert not any("QKVParallelLinear" in step for step in whole.rewrites)
+    assert "attn_tp_group" in {g.name for g in whole.groups}
+    jetmoe = _tiny("jetmoe", num_key_value_heads=2, kv_channels=16, intermediate_size=128)
+    with pytest.raises(UserError, match="shards these attention layouts only"):
+        make_plan(pc(2, 2, 2, 2, 2), jetmoe, torch.float32, mlp)
+    make_plan(pc(2, 2, 2, 2, 2), jetmoe, torch.float32, mlp, replicated=["JetMoeAttention"])

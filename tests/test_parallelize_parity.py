@@ -80,7 +80,13 @@ OTHER_ARCHS = [
     # heads (and its key head of each half replicated: one per half, two ranks)
     ("diffllama", "tp2"),
     pytest.param("diffllama", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+    # keys tiled over the query heads, from a mixture of attention experts: run whole on every rank
+    # (REPLICATE_ATTENTION), between sharded embeddings and LM head, tokens gathered and this rank's kept under TP+DP
+    ("jetmoe", "tp2_dp2_dense_tp4"),
+    pytest.param("jetmoe", "tp2", marks=pytest.mark.slow),
 ]
+# architectures parallelized with --replicate-attention
+REPLICATE_ATTENTION = {"jetmoe"}
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {
     "tp2": (2, 2, 2, 2, 2),
@@ -238,7 +244,8 @@ def test_other_architectures(arch, scenario, tmp_path_factory, tmp_path):
     reference = build_reference(arch, tmp_path_factory)
     model_dir = migrate(reference, tmp_path / "models")
     sizes = SCENARIOS[scenario]
-    proc = parallelize(model_dir, parallel_yaml(tmp_path / "p.yaml", *sizes), "--json")
+    flags = ["--replicate-attention"] * (arch in REPLICATE_ATTENTION)
+    proc = parallelize(model_dir, parallel_yaml(tmp_path / "p.yaml", *sizes), "--json", *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout)
     out = run(model_dir, Path(done["yaml"]))

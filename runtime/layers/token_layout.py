@@ -149,3 +149,23 @@ class TPRegion:
         if not current_layout().sharded:
             return all_reduce(x, self.group)
         return scatter_tokens(x) if self.whole_sequence else reduce_scatter(x, self.group, dim=-2)
+
+
+class ReplicatedRegion:
+    """Entry and exit of a unit every rank of attn_tp_group runs whole, its weights, heads and KV cache unsplit
+    (attention `skill parallelize --replicate-attention` could not shard): it runs on all real tokens of its DP
+    rank, and each rank keeps its own rows of the result on the way out; nothing is summed. ``tp_group`` names
+    the group (the model registers it: the step's token layout is sized from it)."""
+
+    def __init__(self, tp_group: str = ATTN_GROUP):
+        assert tp_group == ATTN_GROUP, "a replicated unit gathers the tokens of attn_tp_group"
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_tokens(x)
+
+    def exit(self, x: torch.Tensor) -> torch.Tensor:
+        layout = current_layout()
+        if not layout.sharded:
+            return x
+        rows = layout.rows
+        return pad_rows(x, rows * layout.attn_tp_size).narrow(-2, layout.attn_tp_rank * rows, rows)

@@ -43,7 +43,7 @@ from runtime.layers.quantization.formats import channel_maxima
 from runtime.layers.quantization.online import process_layers_after_loading, quantize_online
 from runtime.layers.weights import named_weights
 from skills.atomic_write import write_text_atomic
-from skills.parallel_impl.pipeline import _load, _Target, scenario_yaml_name
+from skills.parallel_impl.pipeline import _load, _Target, replicates_attention, scenario_yaml_name
 from skills.parallel_impl.scenario import scenario_yaml
 
 # Checkpoint files that are (or index) weights: converted, not copied. Hidden files (.cache/) are skipped too.
@@ -233,7 +233,7 @@ def convert_weights(
         )
     quant_method = QUANT_MODES.get(quant_mode, "none")
     resolve_model.cache_clear()  # the model code may have been rewritten since it was last imported
-    t = _load(model_dir, config_path)
+    t = _load(model_dir, config_path, replicate_attention=replicates_attention(model_dir))
     out, source = out.expanduser().resolve(), _source(t)
     _check_out(out, source, t.model_dir, force)
     name, text = _offline_yaml(t, out, quant_method)

@@ -317,7 +317,16 @@ def _distinct_keys(owned: list[tuple[tuple[str, ...], str]]) -> dict[str, str]:
     return keys
 
 
-def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> _Target:
+def replicates_attention(model_dir: Path) -> bool:
+    """Whether the directory's rewritten code runs some attention whole on every rank (--replicate-attention)."""
+    return any(
+        "ReplicatedRegion(" in p.read_text(encoding="utf-8") for p in (model_dir / "models").glob("*.py")
+    )
+
+
+def _load(
+    model_dir: Path, config_path: Path, disabled: Collection[str] = (), replicate_attention: bool = False
+) -> _Target:
     """Config validated against the model's shapes first (ConfigError, exit 2), then the rewrite made in memory
     and planned from what it actually shards."""
     model_dir = model_dir.resolve()
@@ -328,7 +337,7 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
     validate(pc, hf_config)
     sources = _migrated_sources(model_dir)
     check_rule_ids(disabled, PARALLEL_RULES)
-    code = rewrite_sources(sources, model_cls.__name__, disabled, hf_config)
+    code = rewrite_sources(sources, model_cls.__name__, disabled, hf_config, replicate_attention)
     if code.findings:
         raise UserError(
             f"skill parallelize cannot shard this model safely: {'; '.join(map(str, code.findings))}. Nothing "
@@ -343,6 +352,7 @@ def _load(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) ->
         roles,
         _unloaded(code.files),
         _head_groups(code.files),
+        code.replicated,
     )
     return _Target(
         model_dir,
@@ -373,8 +383,10 @@ def _scenario(t: _Target) -> tuple[str, str, InferenceConfig]:
     return name, text, InferenceConfig.from_dict(yaml.safe_load(text), source=name)
 
 
-def plan_for_model_dir(model_dir: Path, config_path: Path, disabled: Collection[str] = ()) -> Plan:
-    t = _load(model_dir, config_path, disabled)
+def plan_for_model_dir(
+    model_dir: Path, config_path: Path, disabled: Collection[str] = (), replicate_attention: bool = False
+) -> Plan:
+    t = _load(model_dir, config_path, disabled, replicate_attention)
     return _measured_plan(t, _scenario(t)[2])
 
 
@@ -385,8 +397,9 @@ def parallelize(
     force: bool = False,
     log: Callable[[str], None] = lambda msg: None,
     disabled: Collection[str] = (),
+    replicate_attention: bool = False,
 ) -> ParallelizeResult:
-    t = _load(model_dir, config_path, disabled)
+    t = _load(model_dir, config_path, disabled, replicate_attention)
     model_dir, pc, plan = t.model_dir, t.pc, t.plan
     found = directory_mode(model_dir)
     if mode is not None and mode != found:

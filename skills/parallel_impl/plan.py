@@ -15,7 +15,7 @@ import dataclasses
 import math
 import re
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -407,10 +407,15 @@ def _held(
 
 
 def _rewrites(
-    pc: ParallelConfig, s: _Shapes, modules: set[str], sharded: frozenset[str], names: Mapping[str, set[str]]
+    pc: ParallelConfig,
+    s: _Shapes,
+    modules: set[str],
+    sharded: frozenset[str],
+    names: Mapping[str, set[str]],
+    replicated: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, int]]:
     """The steps, in the seed's order, and the size of each comm group they use; names: module -> the
-    attributes the model code holds it in (GPT-2's o_proj is `c_proj`)."""
+    attributes the model code holds it in (GPT-2's o_proj is `c_proj`); replicated: attention classes run whole."""
     w, a, tp = pc.world_size, pc.attn_tp_size, _tp_sizes(pc)
     e, lm, d = tp["embed_tokens"], tp["lm_head"], tp["down_proj"]
     steps: list[str] = []
@@ -422,52 +427,12 @@ def _rewrites(
         groups[group] = size
         return f" on {group}"
 
-    h, kv, n = s.heads, s.kv_heads, s.head_groups
-    kv_note = (
-        f"{kv // a} of {kv} kv heads"
-        if kv % a == 0
-        else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)"
-    )
-    if n > 1:
-        kv_note = f"{s.kv_heads_held(a)} of {kv} kv heads, a rank's share of each of {n} runs of heads"
-    if s.mla:
-        per_head = sorted(sharded - SHARDABLE - {"experts", "experts_tp"})
+    if not replicated or sharded & {"q_proj", "k_proj", "v_proj", "o_proj", *FUSED_ON_DISK}:
+        steps += _attention_steps(pc, s, modules, sharded, names, on)
+    if replicated:
         steps.append(
-            f"{'/'.join(per_head)} -> ColumnParallelLinear by heads (attn_tp={a}: {h // a} of {h} heads per "
-            f"rank){on('attn_tp_group', a)}; the low-rank projections of q and of the shared latent stay replicated"
-        )
-    else:
-        fused = sorted(modules & sharded & set(FUSED_ON_DISK))
-        by_heads = COLUMN_QKV in sharded
-        if fused and by_heads:
-            qkv = (
-                f"{fused[0]} (q, k and v interleaved per head on disk) -> ColumnParallelLinear by whole heads"
-            )
-        elif fused:
-            qkv = f"{fused[0]} (q, k and v blocks fused on disk) -> QKVParallelLinear"
-        else:
-            parts = "/".join("/".join(sorted(names.get(p, {p}))) for p in ("q_proj", "k_proj", "v_proj"))
-            qkv = f"{parts} -> {'ColumnParallelLinear each' if by_heads else 'QKVParallelLinear'}"
-        steps.append(
-            f"{qkv} (attn_tp={a}: {h // a} of {h} heads and {kv_note} per rank){on('attn_tp_group', a)}"
-        )
-    o_name = "/".join(sorted(names.get("o_proj", {"o_proj"})))
-    if _own_oproj(pc):
-        o = pc.o_proj_tp_size
-        steps.append(
-            f"{o_name} -> OProjParallelLinear (o_proj_tp={o}: {h // o} of {h} heads' columns per rank; the tokens of "
-            f"{o // a} attention-DP ranks gathered in, the partial sums reduce-scattered back)"
-            f"{on('oproj_tp_group', o)}"
-        )
-    else:
-        steps.append(f"{o_name} -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
-    if a > 1:
-        steps.append(
-            f"paged KV cache: cache_entries num_head = {n} x max({kv} // {n} // {a}, 1) = {s.kv_heads_held(a)} "
-            "kv heads per rank"
-            if n > 1
-            else f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {s.kv_heads_held(a)} "
-            "kv heads per rank"
+            f"{', '.join(replicated)} run whole on every rank (ReplicatedRegion: weights and KV cache unsplit; the "
+            f"tokens of a DP rank gathered in){on('attn_tp_group', a)}"
         )
     whole = sorted((modules & {*MLP_LAYERS, "embed_tokens", "lm_head"}) - sharded)
     if whole:
@@ -549,10 +514,15 @@ def _rewrites(
             f"per rank){on('lmhead_tp_group', lm)}"
         )
     if a > 1 and pc.attn_dp_size > 1:
+        out = (
+            "each rank keeping its rows after the replicated attention"
+            if replicated
+            else ("reduce_scatter after o_proj on attn_tp_group (not all_reduce)")
+        )
         steps.append(
             f"attention TP+DP (attn_tp={a}, attn_dp={pc.attn_dp_size}): hidden kept as [T/{a}, H] between "
-            "layers, all_gather before QKV and reduce_scatter after o_proj on attn_tp_group (not all_reduce); "
-            f"tokens padded to a multiple of {a}; prefill all_gathers hidden before picking last tokens"
+            f"layers, all_gather before attention and {out}; tokens padded to a multiple of {a}; prefill "
+            "all_gathers hidden before picking last tokens"
         )
     elif a == 1 and w > 1:
         lockstep = (
@@ -576,6 +546,67 @@ def _rewrites(
 SHARDABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", *MLP_LAYERS, "embed_tokens", "lm_head"})
 
 
+def _attention_steps(
+    pc: ParallelConfig,
+    s: _Shapes,
+    modules: set[str],
+    sharded: frozenset[str],
+    names: Mapping[str, set[str]],
+    on,
+) -> list[str]:
+    """The attention steps of _rewrites (on: registers a group and says where a step runs)."""
+    a = pc.attn_tp_size
+    steps: list[str] = []
+    h, kv, n = s.heads, s.kv_heads, s.head_groups
+    kv_note = (
+        f"{kv // a} of {kv} kv heads"
+        if kv % a == 0
+        else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)"
+    )
+    if n > 1:
+        kv_note = f"{s.kv_heads_held(a)} of {kv} kv heads, a rank's share of each of {n} runs of heads"
+    if s.mla:
+        per_head = sorted(sharded - SHARDABLE - {"experts", "experts_tp"})
+        steps.append(
+            f"{'/'.join(per_head)} -> ColumnParallelLinear by heads (attn_tp={a}: {h // a} of {h} heads per "
+            f"rank){on('attn_tp_group', a)}; the low-rank projections of q and of the shared latent stay replicated"
+        )
+    else:
+        fused = sorted(modules & sharded & set(FUSED_ON_DISK))
+        by_heads = COLUMN_QKV in sharded
+        if fused and by_heads:
+            qkv = (
+                f"{fused[0]} (q, k and v interleaved per head on disk) -> ColumnParallelLinear by whole heads"
+            )
+        elif fused:
+            qkv = f"{fused[0]} (q, k and v blocks fused on disk) -> QKVParallelLinear"
+        else:
+            parts = "/".join("/".join(sorted(names.get(p, {p}))) for p in ("q_proj", "k_proj", "v_proj"))
+            qkv = f"{parts} -> {'ColumnParallelLinear each' if by_heads else 'QKVParallelLinear'}"
+        steps.append(
+            f"{qkv} (attn_tp={a}: {h // a} of {h} heads and {kv_note} per rank){on('attn_tp_group', a)}"
+        )
+    o_name = "/".join(sorted(names.get("o_proj", {"o_proj"})))
+    if _own_oproj(pc):
+        o = pc.o_proj_tp_size
+        steps.append(
+            f"{o_name} -> OProjParallelLinear (o_proj_tp={o}: {h // o} of {h} heads' columns per rank; the tokens of "
+            f"{o // a} attention-DP ranks gathered in, the partial sums reduce-scattered back)"
+            f"{on('oproj_tp_group', o)}"
+        )
+    else:
+        steps.append(f"{o_name} -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
+    if a > 1:
+        steps.append(
+            f"paged KV cache: cache_entries num_head = {n} x max({kv} // {n} // {a}, 1) = {s.kv_heads_held(a)} "
+            "kv heads per rank"
+            if n > 1
+            else f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {s.kv_heads_held(a)} "
+            "kv heads per rank"
+        )
+    return steps
+
+
 def make_plan(
     pc: ParallelConfig,
     hf_config: PretrainedConfig,
@@ -584,6 +615,7 @@ def make_plan(
     roles: Mapping[str, str] = MappingProxyType({}),
     unloaded: Collection[str] = (),
     head_groups: int = 1,
+    replicated: Sequence[str] = (),
 ) -> Plan:
     """Validates `pc` for the model, then lists the comm groups, the rewrites and the parameter bytes per rank.
 
@@ -592,7 +624,8 @@ def make_plan(
     layers the rewritten code builds under other names; one keyed by its owner (`attn.Wo`) is not in `sharded`
     under its own name, which then means a namesake elsewhere. `unloaded`: patterns (re.search) of the
     parameters the model skips loading and does not build. `head_groups`: the runs of heads the q/k/v layer
-    gives each rank its share of each of (DiffLlama's 2)."""
+    gives each rank its share of each of (DiffLlama's 2). `replicated`: attention classes run whole on every rank
+    (`--replicate-attention`)."""
     s = replace(_shapes(hf_config), head_groups=head_groups)
     validate(pc, hf_config)
     sharded |= frozenset(roles.values())
@@ -602,14 +635,15 @@ def make_plan(
     for name in shapes:
         names.setdefault(_module(name, roles), set()).add(_attr(name))
     modules = set(names)
-    if "o_proj" not in modules or not (
-        s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK}
+    if not replicated and (
+        "o_proj" not in modules
+        or not (s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK})
     ):
         raise UserError(
             f"{s.model_type} has neither q_proj / k_proj / v_proj, a fused qkv projection nor multi-head "
             "latent attention, with o_proj; skill parallelize shards these attention layouts only."
         )
-    steps, sizes = _rewrites(pc, s, modules, sharded, names)
+    steps, sizes = _rewrites(pc, s, modules, sharded, names, replicated)
     w = pc.world_size
     ep_stride = {"moe_ep_group": pc.moe_tp_size}  # ranks sharing a moe_tp index
     groups = [GroupSpec(name, w // n, n, ep_stride.get(name, 1)) for name, n in sizes.items()]

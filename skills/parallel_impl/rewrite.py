@@ -27,6 +27,9 @@ class ParallelRewriteContext(RewriteContext):
     rewrites: list[str] = field(default_factory=list)
     # the stacked_params_mapping entries of the fusions made, e.g. (".qkv_proj", ".q_proj", "q")
     fused: list[StackedParam] = field(default_factory=list)
+    # attention the rules cannot shard runs whole on every rank (ReplicatedRegion) instead of being a finding
+    replicate_attention: bool = False
+    replicated: list[str] = field(default_factory=list)  # the classes that do
 
 
 def parallelize_source(source: str, ctx: ParallelRewriteContext, disabled: Collection[str] = ()) -> str:
@@ -41,23 +44,32 @@ class ParallelCode:
     fused: dict[str, tuple[str, ...]]  # fused attribute -> its checkpoint parts: qkv_proj -> (q_proj, ...)
     rules: dict[str, list[str]]  # models/<file> -> ids of the rules that changed it
     findings: list[Finding]  # what the rules could not shard safely; the files are not usable when any
+    replicated: list[str]  # attention classes run whole on every rank (--replicate-attention)
 
 
 def rewrite_sources(
-    sources: dict[str, str], entry_class: str, disabled: Collection[str] = (), checkpoint_config: Any = None
+    sources: dict[str, str],
+    entry_class: str,
+    disabled: Collection[str] = (),
+    checkpoint_config: Any = None,
+    replicate_attention: bool = False,
 ) -> ParallelCode:
     """The parallel rewrite of a model's files (name -> text); only modeling_*.py files change. With the
     checkpoint's config, the branches it never takes are guarded first (PR008)."""
-    code = ParallelCode(dict(sources), [], {}, {}, [])
+    code = ParallelCode(dict(sources), [], {}, {}, [], [])
     for name, text in sources.items():
         if not name.startswith("modeling_"):
             continue
         ctx = ParallelRewriteContext(
-            entry_class=entry_class, filename=name, checkpoint_config=checkpoint_config
+            entry_class=entry_class,
+            filename=name,
+            checkpoint_config=checkpoint_config,
+            replicate_attention=replicate_attention,
         )
         code.files[name] = tidy(parallelize_source(text, ctx, disabled), name)
         code.rules[f"models/{name}"] = ctx.applied
         code.findings += ctx.findings
+        code.replicated += ctx.replicated
         code.rewrites += ctx.rewrites
         for attr, part, _ in ctx.fused:
             key = attr.lstrip(".")

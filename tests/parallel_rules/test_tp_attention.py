@@ -277,6 +277,36 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
         assert what.startswith("attention cannot be sharded by heads: ") and reason in what, (reason, what)
 
 
+# JetMoE: keys tiled over the query heads, which no rank's share of the heads can take
+TILED = BEFORE.replace(
+    "scale=self.head_dim**-0.5,\n", "scale=self.head_dim**-0.5,\n            kv_heads_tiled=True,\n"
+)
+
+REPLICATED = dedent("""\
+    from runtime.layers.token_layout import ReplicatedRegion
+
+""") + TILED.replace(
+    "            kv_heads_tiled=True,\n        )\n",
+    '            kv_heads_tiled=True,\n        )\n        self.tp_region = ReplicatedRegion(tp_group="attn_tp_group")\n',
+).replace(
+    '        """Attends."""\n',
+    '        """Attends."""\n        hidden_states = self.tp_region.enter(hidden_states)\n',
+).replace("        return attn_output\n", "        return self.tp_region.exit(attn_output)\n")
+
+
+def test_attention_that_cannot_be_sharded_runs_whole_on_every_rank_when_asked(run_rule, make_ctx):
+    """--replicate-attention: a class the rule cannot shard keeps its layers whole, and a ReplicatedRegion
+    gathers its DP rank's tokens on the way in and keeps this rank's rows on the way out (nothing summed)."""
+    ctx = make_ctx(replicate_attention=True)
+    assert run_rule(rule, TILED, ctx) == REPLICATED
+    assert ctx.findings == [] and ctx.replicated == ["LlamaAttention"]
+    assert "it cannot be sharded by heads: keys are tiled over the query heads" in ctx.rewrites[0]
+    again = make_ctx(replicate_attention=True)
+    assert run_rule(rule, REPLICATED, again) == REPLICATED and again.rewrites == again.replicated == []
+    assert run_rule(rule, BEFORE, make_ctx(replicate_attention=True)) == AFTER  # shardable: sharded as ever
+    assert "`skill parallelize --replicate-attention` runs it whole" in _finding(run_rule, make_ctx, TILED)
+
+
 # DiffLlama: two softmaxes over one q / k, each on half the value heads, the outputs of head h and h + H/2 paired
 PAIRED = BEFORE.replace(
     "        self.attn = Attention(",

@@ -9,7 +9,9 @@ rotary and ALiBi layers on one cache), provided forward runs only one. Attention
 the module its output is handed to (BERT's SelfOutput, see _split_unit) returns its heads' share, which that
 module's RowParallelLinear sums.
 
-Unsharded attention would be wrong under TP, so an attention class this rule can't rewrite is a finding."""
+Attention left as it is would see only a rank's share of the tokens under TP+DP, so an attention class this rule
+can't rewrite is a finding; with `--replicate-attention` (ctx.replicate_attention) it runs whole on every rank
+instead, in a ReplicatedRegion that gathers its DP rank's tokens and keeps this rank's rows."""
 
 from __future__ import annotations
 
@@ -1065,6 +1067,17 @@ def _wrapped(line: cst.SimpleStatementLine, helper: str, *args: str) -> cst.Simp
     return line.with_changes(body=[assign.with_changes(value=value)])
 
 
+def _replicated(cls: cst.ClassDef) -> cst.ClassDef | None:
+    """cls run whole on every rank: a ReplicatedRegion gathers its DP rank's tokens on the way in and keeps this
+    rank's rows on the way out; None when forward takes no hidden-states argument."""
+    init, fwd = method(cls, "__init__"), method(cls, "forward")
+    wrapped = None if fwd is None else wrap_region(fwd)
+    if wrapped is None:
+        return None
+    init = edit_body(init, {}, [stmt(f'self.tp_region = ReplicatedRegion(tp_group="{GROUP}")\n')])
+    return replace_methods(cls, {"__init__": init, "forward": wrapped})
+
+
 def _is_attention(init: cst.FunctionDef) -> bool:
     return bool(self_layers(init, {"Attention"})) or any(
         a in (*QKV, *FUSED_ON_DISK) for a in self_layers(init, LINEAR)
@@ -1086,14 +1099,26 @@ class ShardAttention(Rule):
                 continue
             if _is_attention(init):
                 result = _rewrite(cls, ctx, closing_half(module, name))
-                if isinstance(result, str):
-                    ctx.unsupported(name, 0, f"attention cannot be sharded by heads: {result}")
+                if isinstance(result, str) and ctx.replicate_attention and (whole := _replicated(cls)):
+                    new[name] = whole
+                    ctx.replicated.append(name)
+                    ctx.rewrites.append(
+                        f"{name}: runs whole on every rank of {GROUP}, its weights and KV cache unsplit "
+                        f"(ReplicatedRegion; it cannot be sharded by heads: {result})"
+                    )
+                elif isinstance(result, str):
+                    ctx.unsupported(
+                        name,
+                        0,
+                        f"attention cannot be sharded by heads: {result} (`skill parallelize "
+                        "--replicate-attention` runs it whole on every rank instead)",
+                    )
                 else:
                     new |= {c.name.value: c for c in result}
         if not new:
             return module
-        self.add_needed_imports(REGION_IMPORTS)
         text = "".join(code(cls) for cls in new.values())
+        self.add_needed_imports([(src, n) for src, n in REGION_IMPORTS if re.search(rf"\b{n}\(", text)])
         used = [
             (LINEAR_IMPORT, c) for c in ("QKVParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
         ]
@@ -1110,6 +1135,9 @@ class ShardAttention(Rule):
                 "interleaved_heads",
             )
         ]
-        used += [("runtime.layers.oproj", "OProjParallelLinear")]
+        used += [
+            ("runtime.layers.oproj", "OProjParallelLinear"),
+            ("runtime.layers.token_layout", "ReplicatedRegion"),
+        ]
         self.add_needed_imports([(src, name) for src, name in used if re.search(rf"\b{name}\(", text)])
         return replace_classes(module, new)
