@@ -458,12 +458,17 @@ def test_a_stale_kernel_build_lock_is_removed(tmp_path):
     [(lambda x: x, True), (lambda x: x + 0.5, False), (torch.tanh, False)],
     ids=["linear", "biased", "nonlinear"],
 )
+@pytest.mark.parametrize(
+    "window, cap", [(None, None), (3, None), (None, 2.0)], ids=["full", "window3", "cap2"]
+)
 @pytest.mark.parametrize("legacy", [False, True])
-def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy, values, absorbed):
+def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(
+    legacy, window, cap, values, absorbed
+):
     """forward_latent (MLA): the cache holds each token's latents (two parts, one row) and nothing else; prefill
     expands them into keys and values per token, decode too where the expansion is not linear, and attends
     over the latent rows themselves where it is (absorbed: expand never runs on the context); both match
-    attention over the expanded history."""
+    attention over the expanded history, in a sliding window or with capped scores too."""
     parts, dv = (12, 4), 8
     latent = sum(parts)
     gen = torch.Generator().manual_seed(3)
@@ -478,13 +483,13 @@ def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy,
         layer_expanded.append(latents)
         return expand(*latents)
 
-    layer = Attention(H, D, SCALE, KV, v_head_dim=dv, legacy=legacy, latent_dim=latent)
+    layer = Attention(H, D, SCALE, KV, window, cap, legacy=legacy, v_head_dim=dv, latent_dim=latent)
     assert layer.cache_shapes == ((1, latent), (1, 0))
     if legacy:
         kv = LegacyCacheRows(4, MAX_LEN)
         layer.k_cache, layer.v_cache = torch.zeros(4, MAX_LEN, latent), torch.zeros(4, MAX_LEN, 0)
     else:
-        info = ModelCacheInfo([CacheEntry("attn", 1, latent, torch.float32, None, 0)])
+        info = ModelCacheInfo([CacheEntry("attn", 1, latent, torch.float32, window, 0)])
         assert info.bytes_per_block(BS) == BS * latent * 4
         kv = KVCacheManager(info, 64, BS)
         layer.k_cache, layer.v_cache = torch.zeros(64, BS, 1, latent), torch.zeros(64, BS, 1, 0)
@@ -507,9 +512,28 @@ def test_latent_cache_holds_latents_and_matches_expanded_keys_and_values(legacy,
             h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, lat))]
             k, v = (x[0].transpose(0, 1) for x in expand(*(y[None, None] for y in h[1].split(parts, -1))))
             torch.testing.assert_close(
-                out[a : a + n].double(), naive(h[0], k, v, range(c, c + n)), atol=1e-5, rtol=0
+                out[a : a + n].double(), naive(h[0], k, v, range(c, c + n), window, cap), atol=1e-5, rtol=0
             )
     assert layer.v_cache.numel() == 0
+
+
+@pytest.mark.parametrize("bias, linear", [(0.0, True), (0.5, False)], ids=["linear", "biased"])
+def test_a_bfloat16_expansion_is_told_linear_within_its_rounding(bias, linear):
+    """The linearity probe of absorbed decode compares within bfloat16's rounding: a linear expansion computed
+    in bfloat16 is absorbed, one with a bias is not."""
+    gen = torch.Generator().manual_seed(0)
+    w_k, w_v = (torch.randn(64, KV * n, generator=gen).bfloat16() for n in (D, 32))
+
+    def expand(x):
+        return tuple((x @ w + bias).unflatten(-1, (KV, -1))[:, 0].transpose(1, 2) for w in (w_k, w_v))
+
+    layer = Attention(H, D, SCALE, KV, v_head_dim=32, latent_dim=64)
+    layer.k_cache, layer.v_cache = torch.zeros(8, BS, 1, 64, dtype=torch.bfloat16), torch.zeros(8, BS, 1, 0)
+    md = metadata(True, [3], [0], [[1]], BS, layer.cache_group)
+    q, lat = torch.randn(1, H, 3, D).bfloat16(), torch.randn(1, 1, 3, 64).bfloat16()
+    layer.forward_latent(q, (lat,), expand, md)
+    assert layer.latent_linear is linear
+    assert (layer.latent_to_key is None) is not linear
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["B-H-T-D", "BH-T-D"])

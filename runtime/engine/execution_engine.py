@@ -58,7 +58,10 @@ class ExecutionEngine:
         self.worker.init()
         self.tokenizer = self.worker.load_tokenizer()
         self.kv = self.worker.init_kvcache()
-        if self.worker.fit_cache_keys(probed_cache_keys(self.dummy_step(probe=True))):
+        held = self.worker.held_bytes()
+        keys = probed_cache_keys(self.dummy_step(probe=True))
+        # the probe may also build weights (MLA's absorbed maps), which the pool must leave room for
+        if self.worker.fit_cache_keys(keys, resize=self.worker.held_bytes() != held):
             self.kv = self.worker.init_kvcache()
         self.eos_token_ids = eos_token_ids(self.worker.model_path, self.worker.hf_config, self.tokenizer)
         sc = self.config.scheduler_config

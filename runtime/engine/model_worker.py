@@ -187,20 +187,24 @@ class ModelWorker:
         )
         return manager
 
-    def fit_cache_keys(self, keys: dict[int, set[int]]) -> bool:
+    def held_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers on this rank."""
+        return param_bytes(self.model) + sum(b.numel() * b.element_size() for b in self.model.buffers())
+
+    def fit_cache_keys(self, keys: dict[int, set[int]], resize: bool = False) -> bool:
         """Give each attention layer a cache per key a forward pass gave it (``keys``: by id of the layer); True
-        when one changed, after releasing the pool, which must then be sized again."""
+        when one changed, or ``resize`` asks, after releasing the pool, which must then be sized again."""
         owners = [m for m in self.model.modules() if isinstance(m, Attention) and m.cache_owner is m]
         wanted = {m: tuple(sorted(keys[id(m)])) for m in owners if id(m) in keys}
         changed = [m for m, k in wanted.items() if k != m.cache_keys]
         for m in changed:
             m.set_cache_keys(wanted[m])
             logger.info("[Main] %s keeps a cache for each of its keys %s", m.prefix, m.cache_keys)
-        if changed:
+        if changed or resize:
             for holder in cache_holders(self.model).values():
                 holder.k_cache = holder.v_cache = None
             return_cached_memory(self.dist.device)
-        return bool(changed)
+        return bool(changed) or resize
 
     def _blocks_from_memory(self, bytes_per_block: int) -> int:
         """``mem_fraction_static`` of the memory free after the weights, but no more blocks than the scheduler can

@@ -160,9 +160,9 @@ def _linear_maps(
     sizes: Sequence[int],
     like: torch.Tensor,
     num_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """What ``expand`` does to one latent row, per query head: ([H, latent, D], [H, latent, Dv]), read off the
-    rows of an identity; () unless it is linear: zero to zero exactly, and three random rows to their products
+    rows of an identity; None unless it is linear: zero to zero exactly, and three random rows to their products
     with the maps (within the dtype's rounding)."""
     width = sum(sizes)
     gen = torch.Generator().manual_seed(0)
@@ -174,7 +174,7 @@ def _linear_maps(
     for got in (keys, values):
         want = probes.float() @ got[:, :width].float()
         if got[:, -1].any() or (got[:, width:-1].float() - want).abs().max() > tol * want.abs().max():
-            return ()
+            return None
     groups = num_heads // keys.shape[0]
     return tuple(x[:, :width].repeat_interleave(groups, 0).contiguous() for x in (keys, values))
 
@@ -293,9 +293,11 @@ class Attention(nn.Module):
         self.v_head_dim = v_head_dim or head_dim  # values may be narrower than keys (MLA)
         self.sliding_window, self.soft_cap, self.prefix = sliding_window, soft_cap, prefix
         self.latent_dim = latent_dim  # cached per token instead of keys and values (forward_latent)
-        # per query head, latent row -> its key and value ([H, latent_dim, D], [H, latent_dim, Dv]); () when the
-        # expansion is not linear; None until the first prefill reads them off it
-        self.latent_maps: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
+        # absorbed decode (forward_latent): whether the expansion is linear, None until the first prefill reads it
+        # off; then per query head, latent row -> its key and value ([H, latent_dim, D], [H, latent_dim, Dv])
+        self.latent_linear: bool | None = None
+        self.register_buffer("latent_to_key", None, persistent=False)
+        self.register_buffer("latent_to_value", None, persistent=False)
         self.kv_heads_tiled = kv_heads_tiled and self.num_kv_heads != num_heads
         self._shared = () if cache_of is None else (cache_of,)  # a tuple: not a submodule of this layer
         if cache_of is not None and (cache_of.cache_shapes, cache_of.sliding_window) != (
@@ -390,19 +392,22 @@ class Attention(nn.Module):
         stored). Decode absorbs the expansion into the query and the output instead, when ``expand`` is linear:
         a score q . (W_k x) is (W_k^T q) . x, so every head attends over the cached latent rows x themselves and
         its output W_v (sum_s p_s x_s) is expanded once, not each context token's keys and values at every step.
-        The maps W_k, W_v are read off ``expand`` at the first prefill (``latent_maps``); a nonlinear one (a
-        bias, a norm) is decompressed over the whole context instead."""
+        The maps W_k, W_v are read off ``expand`` at the first prefill (the engine's start-up probe, before it
+        sizes the KV pool again); a nonlinear expansion (a bias, a norm) is decompressed over the whole context
+        instead."""
         self._check_selectable(selected)
         sizes = [x.shape[-1] for x in latents]
-        if md.is_prefill and not torch.compiler.is_compiling() and not md.probe:
+        if md.is_prefill and not torch.compiler.is_compiling():
             if sum(sizes) != self.latent_dim:
                 raise UserError(
                     f"Attention layer {self.prefix or '(unnamed)'} receives latents of widths {sizes} per token "
                     f"but caches {self.latent_dim}. Set `Attention(latent_dim=...)` in the modeling file to "
                     "their sum."
                 )
-            if self.latent_maps is None:
-                self.latent_maps = _linear_maps(expand, sizes, latents[0], q.shape[1])
+            if self.latent_linear is None:
+                maps = _linear_maps(expand, sizes, latents[0], q.shape[1])
+                self.latent_linear = maps is not None
+                self.latent_to_key, self.latent_to_value = maps or (None, None)
         context = self._latent_context(md, cache_key, torch.cat([x[0, 0] for x in latents], dim=-1))
         if md.is_prefill:
             k, v = (x[0].transpose(0, 1) for x in expand(*latents))
@@ -412,11 +417,11 @@ class Attention(nn.Module):
             )[None]
         q = q[0].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
         mask = decode_mask(md, self.sliding_window, context.shape[1], selected)
-        if self.latent_maps:
-            to_key, to_value = self.latent_maps
-            rows = context[:, None]  # one "key head" [B, 1, S, latent_dim], shared by every query head
-            o = _sdpa(q @ to_key.transpose(-1, -2), rows, rows, mask, self.scale, self.soft_cap, None)
-            return (o @ to_value)[:, :, 0][None]
+        if self.latent_linear:
+            # one head of H queries [B, 1, H, latent_dim] over the cached rows [B, 1, S, latent_dim]
+            rows, q = context[:, None], (q @ self.latent_to_key.transpose(-1, -2)).transpose(1, 2)
+            o = _sdpa(q, rows, rows, mask, self.scale, self.soft_cap, None).transpose(1, 2)
+            return (o @ self.latent_to_value)[:, :, 0][None]
         k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
         o = _sdpa(q, k, v, mask, self.scale, self.soft_cap, None)
         return o[:, :, 0][None]

@@ -249,19 +249,6 @@ def _layers(
     return frozenset({part for a in attrs for part in fused.get(a, (a,))} | experts), roles
 
 
-def _head_groups(new_code: dict[str, str]) -> int:
-    """The `head_groups=` the rewritten code's QKVParallelLinear layers pass (1 when none does)."""
-    found = {
-        k.value.value
-        for text in new_code.values()
-        for n in ast.walk(ast.parse(text))
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "QKVParallelLinear"
-        for k in n.keywords
-        if k.arg == "head_groups" and isinstance(k.value, ast.Constant)
-    }
-    return max(found, default=1)
-
-
 _MLP_ROLES = {"ColumnParallelLinear": "up_proj", "RowParallelLinear": "down_proj"}
 
 
@@ -351,7 +338,7 @@ def _load(
         sharded,
         roles,
         _unloaded(code.files),
-        _head_groups(code.files),
+        code.head_groups,
         code.replicated,
     )
     return _Target(

@@ -16,7 +16,7 @@ import math
 import re
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -164,8 +164,9 @@ def _padded(vocab: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
-    """Raises one ConfigError naming every size the model's shapes reject, each with the values that would work."""
+def validate(pc: ParallelConfig, hf_config: PretrainedConfig, head_groups: int = 1) -> None:
+    """Raises one ConfigError naming every size the model's shapes reject, each with the values that would work;
+    head_groups: the runs of heads attention TP splits each of."""
     w = pc.world_size
     for key in _WORLD_SPLITS:
         if w % getattr(pc, key):
@@ -184,12 +185,18 @@ def validate(pc: ParallelConfig, hf_config: PretrainedConfig) -> None:
     def need(key: str, ok: Callable[[int], bool], why: str) -> None:
         rules.setdefault(key, []).append((ok, why))
 
-    need("attn_tp_size", lambda t: s.heads % t == 0, f"num_attention_heads {s.heads} is not divisible by it")
+    n, heads, kv = head_groups, s.heads // head_groups, s.kv_heads // head_groups  # per run of heads
+    runs = f" (in each of {n} runs of heads: {{}})" if n > 1 else ""
     need(
         "attn_tp_size",
-        lambda t: s.kv_heads % t == 0 or t % s.kv_heads == 0,
-        f"num_key_value_heads {s.kv_heads} neither is divisible by it nor divides it (kv heads are split over "
-        f"the attn_tp ranks, or replicated when attn_tp_size is a multiple of {s.kv_heads})",
+        lambda t: heads % t == 0,
+        f"num_attention_heads {s.heads}{runs.format(heads)} is not divisible by it",
+    )
+    need(
+        "attn_tp_size",
+        lambda t: kv % t == 0 or t % kv == 0,
+        f"num_key_value_heads {s.kv_heads}{runs.format(kv)} neither is divisible by it nor divides it (kv heads "
+        f"are split over the attn_tp ranks, or replicated when attn_tp_size is a multiple of {kv})",
     )
     if not s.mla:
         need(
@@ -514,15 +521,11 @@ def _rewrites(
             f"per rank){on('lmhead_tp_group', lm)}"
         )
     if a > 1 and pc.attn_dp_size > 1:
-        out = (
-            "each rank keeping its rows after the replicated attention"
-            if replicated
-            else ("reduce_scatter after o_proj on attn_tp_group (not all_reduce)")
-        )
+        whole = "; replicated attention keeps the rank's rows of its output instead" if replicated else ""
         steps.append(
             f"attention TP+DP (attn_tp={a}, attn_dp={pc.attn_dp_size}): hidden kept as [T/{a}, H] between "
-            f"layers, all_gather before attention and {out}; tokens padded to a multiple of {a}; prefill "
-            "all_gathers hidden before picking last tokens"
+            "layers, all_gather before QKV and reduce_scatter after o_proj on attn_tp_group (not all_reduce)"
+            f"{whole}; tokens padded to a multiple of {a}; prefill all_gathers hidden before picking last tokens"
         )
     elif a == 1 and w > 1:
         lockstep = (
@@ -552,7 +555,7 @@ def _attention_steps(
     modules: set[str],
     sharded: frozenset[str],
     names: Mapping[str, set[str]],
-    on,
+    on: Callable[[str, int], str],
 ) -> list[str]:
     """The attention steps of _rewrites (on: registers a group and says where a step runs)."""
     a = pc.attn_tp_size
@@ -597,12 +600,9 @@ def _attention_steps(
     else:
         steps.append(f"{o_name} -> RowParallelLinear (attn_tp={a}){on('attn_tp_group', a)}")
     if a > 1:
+        formula = f"{n} x max({kv} // {n} // {a}, 1)" if n > 1 else f"max({kv} // {a}, 1)"
         steps.append(
-            f"paged KV cache: cache_entries num_head = {n} x max({kv} // {n} // {a}, 1) = {s.kv_heads_held(a)} "
-            "kv heads per rank"
-            if n > 1
-            else f"paged KV cache: cache_entries num_head = max({kv} // {a}, 1) = {s.kv_heads_held(a)} "
-            "kv heads per rank"
+            f"paged KV cache: cache_entries num_head = {formula} = {s.kv_heads_held(a)} kv heads per rank"
         )
     return steps
 
@@ -626,8 +626,8 @@ def make_plan(
     parameters the model skips loading and does not build. `head_groups`: the runs of heads the q/k/v layer
     gives each rank its share of each of (DiffLlama's 2). `replicated`: attention classes run whole on every rank
     (`--replicate-attention`)."""
-    s = replace(_shapes(hf_config), head_groups=head_groups)
-    validate(pc, hf_config)
+    s = dataclasses.replace(_shapes(hf_config), head_groups=head_groups)
+    validate(pc, hf_config, head_groups)
     sharded |= frozenset(roles.values())
     shapes = {n: v for n, v in _param_shapes(hf_config).items() if not any(re.search(p, n) for p in unloaded)}
     roles = {**roles, **_head_holders(roles, shapes)}

@@ -30,6 +30,7 @@ class ParallelRewriteContext(RewriteContext):
     # attention the rules cannot shard runs whole on every rank (ReplicatedRegion) instead of being a finding
     replicate_attention: bool = False
     replicated: list[str] = field(default_factory=list)  # the classes that do
+    head_groups: int = 1  # runs of heads QKVParallelLinear splits each of (DiffLlama's 2)
 
 
 def parallelize_source(source: str, ctx: ParallelRewriteContext, disabled: Collection[str] = ()) -> str:
@@ -45,6 +46,7 @@ class ParallelCode:
     rules: dict[str, list[str]]  # models/<file> -> ids of the rules that changed it
     findings: list[Finding]  # what the rules could not shard safely; the files are not usable when any
     replicated: list[str]  # attention classes run whole on every rank (--replicate-attention)
+    head_groups: int = 1  # runs of heads the q/k/v layers split each of
 
 
 def rewrite_sources(
@@ -70,6 +72,7 @@ def rewrite_sources(
         code.rules[f"models/{name}"] = ctx.applied
         code.findings += ctx.findings
         code.replicated += ctx.replicated
+        code.head_groups = max(code.head_groups, ctx.head_groups)
         code.rewrites += ctx.rewrites
         for attr, part, _ in ctx.fused:
             key = attr.lstrip(".")

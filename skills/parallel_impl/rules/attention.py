@@ -337,31 +337,31 @@ def _head_args(call: cst.Call) -> tuple[str | None, ...]:
     return tuple(code(a.value) if a is not None else None for a in given)
 
 
-def _attention_layers_refused(
-    attention: list[Layer], fwd: cst.FunctionDef, grouped: bool = False
-) -> str | None:
+def _attention_layers_refused(attention: list[Layer], fwd: cst.FunctionDef, groups: int = 1) -> str | None:
     """Why the runtime Attention layers cannot all take a rank's heads: none, several with different head counts,
-    or several that forward runs, unless grouped (the q/k/v layer can split them as _head_groups finds)."""
+    or several that forward runs, unless in as many runs of heads (groups, as _head_groups finds them)."""
     if len({_head_args(a.call) for a in attention}) != 1:
         return "__init__ builds no runtime `Attention(...)` layer, or several with different head counts"
-    run = [a.attr for a in attention if m.findall(fwd, _calls_layer(a.attr))]
-    if len(run) > 1 and not (grouped and _head_groups(attention, fwd) > 1):
+    run = _layers_run(attention, fwd)
+    if len(run) > 1 and groups != len(run):
         return f"forward runs {len(run)} runtime Attention layers (`{'`, `'.join(run)}`), whose heads it may combine"
     return None
 
 
-def _head_groups(attention: list[Layer], fwd: cst.FunctionDef) -> int:
-    """n when forward runs several runtime Attention layers and chunks tensors into n parts, every `torch.chunk`
-    / `.chunk` call of it into the same literal n >= 2 (DiffLlama's two softmaxes over one q / k pair head h
-    with h + H/2: the heads form n runs a rank needs its share of each of, QKVParallelLinear's ``head_groups``;
+def _layers_run(attention: list[Layer], fwd: cst.FunctionDef) -> list[str]:
+    """The runtime Attention layers forward calls."""
+    return [a.attr for a in attention if m.findall(fwd, _calls_layer(a.attr))]
+
+
+def _head_groups(fwd: cst.FunctionDef) -> int:
+    """n when forward chunks tensors into n parts, every `torch.chunk` / `.chunk` call of it into the same literal
+    n >= 2 (DiffLlama runs two softmaxes over one q / k and pairs head h with h + H/2: with as many Attention
+    layers run, the heads form n runs a rank needs its share of each of, QKVParallelLinear's ``head_groups``;
     `skill parallelize` verifies the result against transformers); else 1."""
-    if sum(bool(m.findall(fwd, _calls_layer(a.attr))) for a in attention) < 2:
-        return 1
     chunk = m.Call(m.Attribute(m.Name("torch"), m.Name("chunk")) | m.Attribute(attr=m.Name("chunk")))
     counts = set()
     for c in m.findall(fwd, chunk):
-        method = not m.matches(c.func.value, m.Name("torch"))
-        n = arg(c, 0 if method else 1, "chunks")
+        n = arg(c, 1 if m.matches(c.func.value, m.Name("torch")) else 0, "chunks")
         counts.add(int(n.value.value) if n is not None and isinstance(n.value, cst.Integer) else 0)
     return counts.pop() if len(counts) == 1 and min(counts) >= 2 else 1
 
@@ -878,7 +878,8 @@ def _rewrite(
         return f"no `self.{missing[0]} = nn.Linear(...)` in __init__"
     if fwd is None:
         return "no forward"
-    if why := _attention_layers_refused(attention, fwd, grouped=True):
+    groups = _head_groups(fwd) if len(_layers_run(attention, fwd)) > 1 else 1
+    if why := _attention_layers_refused(attention, fwd, groups):
         return why
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
@@ -944,7 +945,6 @@ def _rewrite(
     if isinstance(new_fwd, str):
         return new_fwd
 
-    groups = _head_groups(attention, fwd)
     qkv = parallel_layer(
         qkv_attr,
         "QKVParallelLinear",
@@ -1021,6 +1021,7 @@ def _rewrite(
             for a, k in all_heads.values()
         ),
     ]
+    ctx.head_groups = max(ctx.head_groups, groups)
     if not fused:
         stacked = [(".qkv_proj", f".{a}", shard) for a, shard in zip(names, "qkv", strict=True)]
         ctx.fused += [s for s in stacked if s not in ctx.fused]
