@@ -4,6 +4,7 @@
 `if` without effects; attributes only `__init__` reads (`self.hidden_size` feeding layer sizes) become its
 locals."""
 
+from collections import Counter
 from functools import partial
 
 import libcst as cst
@@ -283,13 +284,20 @@ RUNTIME_HOOKS = frozenset(
 
 
 def _uncalled_methods(module: cst.Module) -> dict[str, set[str]]:
-    """Per class, the methods no code can call: no `<anything>.name` in the file and no string naming it, not
-    a dunder, an nn.Module method or a runtime hook, in a class whose bases are all in the file or nn.Module
-    and that hands `self` to no transformers code (which may call anything)."""
+    """Per class, the methods no code can call: no `<anything>.name` in the file outside the method itself (its
+    `super().name(...)`, as Dory's override of a transformers resize hook calls, is no caller) and no string
+    naming it, not a dunder, an nn.Module method or a runtime hook, in a class whose bases are all in the file
+    or nn.Module and that hands `self` to no transformers code (which may call anything)."""
     local, hf_names = classes(module), transformers_names(module)
-    named = {a.attr.value for a in m.findall(module, m.Attribute())}
-    named |= {s.raw_value for s in m.findall(module, m.SimpleString())}
+    named = Counter(a.attr.value for a in m.findall(module, m.Attribute()))
+    quoted = {s.raw_value for s in m.findall(module, m.SimpleString())}
     bases = in_file_bases(local)
+
+    def called(fn: cst.FunctionDef) -> bool:
+        name = fn.name.value
+        inside = sum(a.attr.value == name for a in m.findall(fn, m.Attribute()))
+        return named[name] > inside or name in quoted
+
     found = {}
     for name, cls in local.items():
         outside = {dotted(b.value) for b in cls.bases} - local.keys() - {"nn.Module", "torch.nn.Module"}
@@ -300,7 +308,8 @@ def _uncalled_methods(module: cst.Module) -> dict[str, set[str]]:
             for fn in cls.body.body
             if isinstance(fn, cst.FunctionDef)
             and not fn.name.value.startswith("__")
-            and fn.name.value not in named | RUNTIME_HOOKS
+            and fn.name.value not in RUNTIME_HOOKS
+            and not called(fn)
             and not hasattr(nn.Module, fn.name.value)
         }
     return found
