@@ -117,13 +117,14 @@ def scatter_tokens(x: torch.Tensor) -> torch.Tensor:
     return reduce_scatter(pad_rows(x, layout.rows * layout.attn_tp_size), layout.attn_group, dim=-2)
 
 
-def own_chunk(ids: torch.Tensor) -> torch.Tensor:
-    """This rank's chunk of the DP rank's tokens along the last dim (input ids entering a sharded layout)."""
+def own_chunk(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """This rank's chunk of the DP rank's tokens along dim (negative): input ids entering a sharded layout along
+    the last dim, a replicated unit's output [..., T, H] along -2."""
     layout = current_layout()
     if not layout.sharded:
-        return ids
-    padded = F.pad(ids, (0, layout.rows * layout.attn_tp_size - ids.shape[-1]))
-    return padded.narrow(-1, layout.attn_tp_rank * layout.rows, layout.rows)
+        return x
+    padding = [0, 0] * (-dim - 1) + [0, layout.rows * layout.attn_tp_size - x.shape[dim]]
+    return F.pad(x, padding).narrow(dim, layout.attn_tp_rank * layout.rows, layout.rows)
 
 
 class TPRegion:
@@ -164,8 +165,4 @@ class ReplicatedRegion:
         return gather_tokens(x)
 
     def exit(self, x: torch.Tensor) -> torch.Tensor:
-        layout = current_layout()
-        if not layout.sharded:
-            return x
-        rows = layout.rows
-        return pad_rows(x, rows * layout.attn_tp_size).narrow(-2, layout.attn_tp_rank * rows, rows)
+        return own_chunk(x, dim=-2)

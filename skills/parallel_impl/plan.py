@@ -561,13 +561,12 @@ def _attention_steps(
     a = pc.attn_tp_size
     steps: list[str] = []
     h, kv, n = s.heads, s.kv_heads, s.head_groups
-    kv_note = (
-        f"{kv // a} of {kv} kv heads"
-        if kv % a == 0
-        else f"1 kv head (each of the {kv} replicated on {a // kv} ranks)"
-    )
     if n > 1:
         kv_note = f"{s.kv_heads_held(a)} of {kv} kv heads, a rank's share of each of {n} runs of heads"
+    elif kv % a == 0:
+        kv_note = f"{kv // a} of {kv} kv heads"
+    else:
+        kv_note = f"1 kv head (each of the {kv} replicated on {a // kv} ranks)"
     if s.mla:
         per_head = sorted(sharded - SHARDABLE - {"experts", "experts_tp"})
         steps.append(

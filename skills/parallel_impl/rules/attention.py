@@ -1119,9 +1119,9 @@ class ShardAttention(Rule):
         if not new:
             return module
         text = "".join(code(cls) for cls in new.values())
-        self.add_needed_imports([(src, n) for src, n in REGION_IMPORTS if re.search(rf"\b{n}\(", text)])
         used = [
-            (LINEAR_IMPORT, c) for c in ("QKVParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
+            *REGION_IMPORTS,
+            *((LINEAR_IMPORT, c) for c in ("QKVParallelLinear", "ColumnParallelLinear", "RowParallelLinear")),
         ]
         used += [
             ("runtime.layers.head_shard", h)
