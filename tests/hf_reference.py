@@ -13,15 +13,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 NEW_TOKENS = 16
 
 
-def build_reference(model_type: str, tmp_path_factory, **overrides) -> dict:
+def build_reference(model_type: str, tmp_path_factory, edit=None, **overrides) -> dict:
     """A tiny checkpoint of the architecture (its config's fields overridden) with a clear greedy margin, and
-    transformers' reference."""
+    transformers' reference; ``edit(model)`` changes its weights first (and they are saved)."""
     ckpt = tmp_path_factory.mktemp(model_type)
     config = tiny_config(model_type, **overrides)
     tok = make_tokenizer(ckpt, config.vocab_size)
     ids = [tok(p)["input_ids"] for p in PARITY_PROMPTS]
     pick_seed(config, ckpt, ids)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+        model.save_pretrained(ckpt)
     tok = AutoTokenizer.from_pretrained(ckpt)
     with torch.no_grad():
         tokens = [

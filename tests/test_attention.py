@@ -28,30 +28,50 @@ RUNS = [5, 5, 5, 2, 7, 7]  # prefill batches consecutive requests of one length
 SINKS = torch.linspace(-1.0, 2.0, H)  # per query head; the upper ones outweigh most scores
 
 
-def naive(q, k, v, rows, window=None, cap=None, sinks=None, tiled=False, alibi=None, chosen=None):
+def naive(
+    q,
+    k,
+    v,
+    rows,
+    window=None,
+    cap=None,
+    sinks=None,
+    tiled=False,
+    alibi=None,
+    chosen=None,
+    bias=None,
+    keep=None,
+):
     """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`.
     A sink is one more logit in the softmax, with no value row. `tiled`: query head h reads kv head h % KV.
     `alibi` [H]: slope * (key position - query position) joins the scaled scores. `chosen`: the positions each
-    row may read besides (an indexer's picks)."""
+    row may read besides (an indexer's picks). `bias` [L, KV]: joins the scores of its key; `keep`: a row reads
+    only that many keys, those of the largest bias."""
     spread = (
         (lambda x: x.double().repeat(1, H // KV, 1))
         if tiled
         else (lambda x: x.double().repeat_interleave(H // KV, 1))
     )
     q, k, v = q.double(), spread(k), spread(v)
+    bias = None if bias is None else spread(bias[..., None])[..., 0]
     out = torch.empty(len(rows), H, v.shape[-1], dtype=torch.float64)
     for n, i in enumerate(rows):
-        js = [
+        visible = [
             j
             for j in range(i + 1)
             if (window is None or j > i - window) and (chosen is None or j in chosen[n])
         ]
         for h in range(H):
+            js = visible
+            if keep is not None and len(js) > keep:
+                js = sorted(sorted(js, key=lambda j: -bias[j, h])[:keep])
             s = k[js, h] @ q[i, h] * SCALE
             if cap:
                 s = torch.tanh(s / cap) * cap
             if alibi is not None:
                 s = s + alibi[h].double() * (torch.tensor(js, dtype=torch.float64) - i)
+            if bias is not None:
+                s = s + bias[js, h]
             p = torch.softmax(s if sinks is None else torch.cat([s, sinks[h : h + 1].double()]), 0)
             out[n, h] = p[: len(js)] @ v[js, h]
     return out
@@ -90,8 +110,11 @@ class Run:
         tiled=False,
         alibi=None,
         picks=None,
+        keep=None,
+        key_bias=False,
     ):
         self.picks = picks  # positions an indexer picks for each query (selected=), one of them its own
+        self.key_bias, self.keep = key_bias or keep is not None, keep  # a bias per key (key_bias=)
         self.layer = Attention(
             H,
             D,
@@ -103,16 +126,23 @@ class Run:
             v_head_dim=dv,
             kv_heads_tiled=tiled,
             alibi_slopes=alibi,
+            key_bias=self.key_bias,
+            keep_keys=keep,
         )
         self.alibi = None if alibi is None else torch.tensor(alibi)
         self.window, self.cap, self.legacy, self.sinks, self.dv = window, cap, legacy, sinks, dv
         self.tiled = tiled
         self.gen = torch.Generator().manual_seed(seed)
+        dk = self.layer.key_width
         if legacy:
-            self.kv, shape, v_shape = LegacyCacheRows(4, MAX_LEN), (4, MAX_LEN, KV * D), (4, MAX_LEN, KV * dv)
+            self.kv, shape, v_shape = (
+                LegacyCacheRows(4, MAX_LEN),
+                (4, MAX_LEN, KV * dk),
+                (4, MAX_LEN, KV * dv),
+            )
         else:
-            info = ModelCacheInfo([CacheEntry("attn", KV, D, torch.float32, window, dv)])
-            self.kv, shape = KVCacheManager(info, num_blocks, BS), (num_blocks, BS, KV, D)
+            info = ModelCacheInfo([CacheEntry("attn", KV, dk, torch.float32, window, dv)])
+            self.kv, shape = KVCacheManager(info, num_blocks, BS), (num_blocks, BS, KV, dk)
             v_shape = (*shape[:-1], dv)
         self.layer.k_cache, self.layer.v_cache = torch.zeros(shape), torch.zeros(v_shape)
         if not legacy:  # the null block is only ever read under the mask: make any leak show
@@ -120,7 +150,7 @@ class Run:
                 c[NULL_BLOCK] = 100 * torch.randn(
                     c[NULL_BLOCK].shape, generator=torch.Generator().manual_seed(7)
                 )
-        self.hist: dict = {}  # request id -> [q [L, H, D], k [L, KV, D], v [L, KV, D]]
+        self.hist: dict = {}  # request id -> [q [L, H, D], k [L, KV, D], v [L, KV, D], bias [L, KV]]
 
     @property
     def group(self):
@@ -143,15 +173,33 @@ class Run:
         md = metadata(prefill, lens, computed, tables, self.kv.block_size, self.group)
         T = sum(lens)
         q, k, v = self.randn(T, H, D), self.randn(T, KV, D), self.randn(T, KV, self.dv)
+        bias = 3 * self.randn(T, KV) if self.key_bias else torch.zeros(T, KV)
         selected = self.pick(md, computed) if self.picks else None
-        out = self.layer(q.flatten(1), k.flatten(1), v.flatten(1), md, self.sinks, selected=selected)
+        out = self.layer(
+            q.flatten(1),
+            k.flatten(1),
+            v.flatten(1),
+            md,
+            self.sinks,
+            selected=selected,
+            key_bias=bias if self.key_bias else None,
+        )
         out = out.view(T, H, self.dv)
         for b, (r, c, n, a) in enumerate(zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist())):
-            h = self.hist.setdefault(r, [q[:0], k[:0], v[:0]])
-            h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v))]
+            h = self.hist.setdefault(r, [q[:0], k[:0], v[:0], bias[:0]])
+            h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v, bias))]
             chosen = None if selected is None else [set(selected[b, j].tolist()) for j in range(n)]
             ref = naive(
-                *h, range(c, c + n), self.window, self.cap, self.sinks, self.tiled, self.alibi, chosen
+                *h[:3],
+                range(c, c + n),
+                self.window,
+                self.cap,
+                self.sinks,
+                self.tiled,
+                self.alibi,
+                chosen,
+                h[3] if self.key_bias else None,
+                self.keep,
             )
             torch.testing.assert_close(out[a : a + n].double(), ref, atol=1e-5, rtol=0)
         self.check_cache(rids, tables)
@@ -174,9 +222,13 @@ class Run:
         """K/V of every position still held sits at slot table[p // bs] * bs + p % bs; the window is held."""
         bs = self.kv.block_size
         owner = self.layer.cache_owner
-        kc, vc = owner.k_cache.view(-1, KV, D), owner.v_cache.view(-1, KV, self.dv)
+        kc, vc = owner.k_cache.view(-1, KV, owner.key_width), owner.v_cache.view(-1, KV, self.dv)
         for r, table in zip(rids, tables):
-            _, k, v = self.hist[r]
+            _, k, v, bias = self.hist[r]
+            if (
+                self.key_bias
+            ):  # cached as one more key channel, over the scale a query's channel of ones meets
+                k = torch.cat([k, bias[..., None] / SCALE], -1)
             for p in range(len(k)):
                 block = table[p // bs]
                 if block == NULL_BLOCK and not self.legacy:
@@ -261,7 +313,7 @@ def test_cache_holds_written_kv_at_mapped_slots():
     run.step({"a": 6, "b": 3})
     run.step({"a": 1, "b": 1})
     assert run.tables(["a", "b"]) == [[1, 2], [3]]
-    (_, ka, va), (_, kb, vb) = run.hist["a"], run.hist["b"]
+    (_, ka, va, _), (_, kb, vb, _) = run.hist["a"], run.hist["b"]
     for cache, xa, xb in ((run.layer.k_cache, ka, kb), (run.layer.v_cache, va, vb)):
         assert torch.equal(cache[1], xa[:4]) and torch.equal(cache[2, :3], xa[4:7])
         assert torch.equal(cache[3], xb[:4])
@@ -616,6 +668,35 @@ def test_latent_attention_reads_only_the_positions_an_indexer_picked():
         torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=0)
         for r, c, n in zip(rids, computed, lens):
             layer.hist.setdefault(r, [None, torch.empty(c + n)])[1] = torch.empty(c + n)
+
+
+@pytest.mark.parametrize(
+    "lens, window, keep, legacy",
+    [
+        (LENS, None, None, False),
+        (RUNS, 4, None, False),
+        (LENS, None, 4, False),
+        (RUNS, 3, 2, False),
+        (LENS, None, 4, True),
+    ],
+    ids=["bias", "bias-window", "keep4", "keep2-window", "keep4-legacy"],
+)
+def test_a_bias_per_key_joins_its_scores_and_keeps_the_largest(lens, window, keep, legacy):
+    """Doge's dynamic mask: a bias per key token and key head joins every score of that key, cached as one more
+    key channel; past `keep` visible keys a query reads only the `keep` of the largest bias, in prefill and in
+    decode (the C++ kernel reads the bias channel while no context can hold more)."""
+    prefill_then_decode(Run(window, legacy=legacy, key_bias=True, keep=keep), lens, steps=6)
+
+
+def test_a_key_bias_is_refused_where_it_cannot_join_the_scores():
+    with pytest.raises(UserError, match="keep_keys\\) but has no key_bias"):
+        Attention(H, D, SCALE, KV, keep_keys=4)
+    with pytest.raises(UserError, match="neither soft_cap nor latent_dim"):
+        Attention(H, D, SCALE, KV, soft_cap=5.0, key_bias=True)
+    for run, bias in ((Run(key_bias=True), None), (Run(), torch.zeros(4, KV))):
+        q, k, v = run.randn(4, H, D), run.randn(4, KV, D), run.randn(4, KV, D)
+        with pytest.raises(UserError, match="pass `key_bias=` on every call"):
+            run.layer(q, k, v, _prefill(run, 4), key_bias=bias)
 
 
 def test_picks_are_refused_by_a_sliding_window_layer():

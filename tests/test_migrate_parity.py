@@ -1,6 +1,7 @@
 """`skill migrate` on tiny random checkpoints of several architectures: the converted model reproduces
 transformers' greedy tokens (framework + standalone modes, paged + legacy KV) and prefill logits."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -237,3 +238,41 @@ def test_sparse_attention_reads_the_tokens_its_indexer_picks_and_matches_transfo
     assert_framework_run_matches(reference, model_dir)
     logits = prefill_logits(model_dir, reference["ids"])
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
+def test_a_score_bias_per_key_and_a_window_of_the_largest_match_transformers(kv, tmp_path_factory, tmp_path):
+    """Doge's dynamic mask: a bias per key token and key head, computed from its values, joins every score of the
+    key. The migrated model caches it with the keys (MG033) and gives transformers' greedy tokens and prefill
+    logits, which the same weights without the bias do not give. Past `keep_window_size` keys each query reads only
+    those of the largest bias: with a window of 6, prefill logits match again (prompts of distinct tokens: a token
+    repeated has one bias twice in the first layer, and which of equal biases transformers keeps is not defined,
+    its own decode and prefill differ)."""
+
+    def spread_bias(model):  # the random init leaves the bias's scale A near 0: every key's bias near 1
+        for layer in model.model.layers:
+            layer.self_attn.A.copy_(torch.linspace(-2.0, 1.0, layer.self_attn.A.numel()))
+
+    reference = build_reference("doge", tmp_path_factory, edit=spread_bias)
+    model_dir = migrate(reference, tmp_path, "--kv", kv)
+    code = (model_dir / "models" / "modeling_doge.py").read_text()
+    assert "key_bias=True" in code and "keep_keys=" in code and "key_bias=dt_states" in code
+    assert_framework_run_matches(reference, model_dir)
+    logits = prefill_logits(model_dir, reference["ids"])
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+
+    def last_logits(prompts_ids, bias=True):
+        model = AutoModelForCausalLM.from_pretrained(reference["ckpt"]).eval()
+        with torch.no_grad():
+            for layer in model.model.layers if not bias else ():
+                layer.self_attn.A.zero_()  # every key's bias 1
+            return torch.stack([model(torch.tensor([x])).logits[0, -1] for x in prompts_ids])
+
+    assert (last_logits(reference["ids"], bias=False) - reference["logits"]).abs().max() > 1e-2
+    distinct = [list(range(3, 3 + n)) for n in (5, 17, 30)]
+    every = last_logits(distinct)
+    config = reference["ckpt"] / "config.json"  # the migrated model reads it at start
+    config.write_text(json.dumps({**json.loads(config.read_text()), "keep_window_size": 6}))
+    kept = last_logits(distinct)
+    assert (every - kept).abs().max() > 1e-2
+    torch.testing.assert_close(prefill_logits(model_dir, distinct), kept, atol=1e-4, rtol=0)

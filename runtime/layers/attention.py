@@ -108,6 +108,16 @@ def _chosen(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.bool, device=selected.device).scatter_(-1, selected.long(), True)
 
 
+def _kept(bias: torch.Tensor, allowed: torch.Tensor, keep: int, num_heads: int) -> torch.Tensor:
+    """Of the keys each query may read (``allowed`` [B | 1, 1, Lq, S]), the ``keep`` with the largest key bias
+    (``bias`` [B, Hkv, S], any positive multiple of it) per key head -> [B, H, Lq, S] boolean. Of equal biases
+    (a token repeated, in a first layer) the earlier keys are kept, in prefill and decode alike."""
+    scores = bias[:, :, None, :].float().masked_fill(~allowed, -math.inf)
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :keep]
+    kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True) & allowed
+    return kept.repeat_interleave(num_heads // bias.shape[1], 1)
+
+
 def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None, alibi (slopes [H], key-minus-query positions
     broadcast to mask's shape) or None -> [B, H, Lq, D]."""
@@ -128,9 +138,12 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
     return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].to(q.dtype) @ v
 
 
-def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, selected=None) -> torch.Tensor:
+def _prefill(
+    q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, selected=None, keep=None
+) -> torch.Tensor:
     """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv];
-    ``selected`` [B, Lq, k]: only the fresh tokens an indexer picked for each query (``_chosen``).
+    ``selected`` [B, Lq, k]: only the fresh tokens an indexer picked for each query (``_chosen``); ``keep``: only
+    the keys with the largest bias, read off the keys' last channel (``Attention(key_bias=True)``).
 
     Consecutive requests of one length run as one batch, nothing padded: padding every request to the longest
     one and masking it costs the longest one's work per request and keeps SDPA from skipping the future (the
@@ -141,7 +154,8 @@ def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, se
         qi, ki, vi = (
             x[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v)
         )
-        plain = soft_cap is None and sinks is None and not sliding_window and alibi is None
+        kept = keep is not None and length > keep
+        plain = soft_cap is None and sinks is None and not sliding_window and alibi is None and not kept
         if plain and chosen is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -149,6 +163,8 @@ def _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, se
             mask = causal_mask(md, length, sliding_window)
             if chosen is not None:
                 mask = mask & chosen[first : first + count, None, :length, :length]
+            if kept:
+                mask = _kept(ki[..., -1], mask.expand(count, 1, length, length), keep, qi.shape[1])
             o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, bias)
         outs.append(o.transpose(1, 2).flatten(0, 1))
         first += count
@@ -199,17 +215,21 @@ def attend(
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
     selected: torch.Tensor | None = None,
+    keep: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H], ALiBi
-    slopes [H], an indexer's picks [B, Lq, k] (``_chosen``) -> [T, H, Dv]."""
+    slopes [H], an indexer's picks [B, Lq, k] (``_chosen``), the keys to keep by their bias (``_kept``)
+    -> [T, H, Dv]."""
     kv_heads, head_dim, v_head_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     slots = md.slot_mapping[group]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, kv_heads, v_head_dim).index_copy_(0, slots, v)
     if md.is_prefill:
-        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi, selected)
+        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi, selected, keep)
     table = md.block_table[group]
+    kept = keep is not None and table.shape[1] * k_cache.shape[1] > keep  # a context may hold more keys
     host = q.device.type == "cpu" and alibi is None and selected is None and q.dtype != torch.float64
+    host &= not kept
     if host and (kernel := _decode_kernel()):
         return kernel(
             q.contiguous(),
@@ -226,6 +246,8 @@ def attend(
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, v_head_dim).transpose(1, 2)
     mask = decode_mask(md, sliding_window, ctx_k.shape[2], selected)
+    if kept:
+        mask = _kept(ctx_k[..., -1], mask, keep, q.shape[1])
     bias = None if alibi is None else (alibi, _decode_distances(md, ctx_k.shape[2]))
     return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, bias)[:, :, 0]
 
@@ -281,10 +303,15 @@ class Attention(nn.Module):
         kv_heads_tiled: bool = False,
         alibi_slopes: Sequence[float] | None = None,
         cache_of: "Attention | None" = None,
+        key_bias: bool = False,
+        keep_keys: int | None = None,
     ):
         """``kv_heads_tiled``: query head h reads key / value head ``h % num_kv_heads`` (keys tiled with
         ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``. ``alibi_slopes``: ALiBi,
         a bias of ``slope[h] * (key position - query position)`` added to head h's scaled scores.
+        ``key_bias``: forward takes a bias per key token and key head that joins every score of that key (Doge's
+        dynamic mask); it is cached as one more key channel, which a query channel of ones reads.
+        ``keep_keys``: a query whose context holds more keys reads only the ``keep_keys`` with the largest bias.
         ``cache_of``: read and write that layer's cache instead of owning one (Falcon computes attention with
         or without ALiBi on one cache: one forward runs one of the two)."""
         super().__init__()
@@ -299,6 +326,8 @@ class Attention(nn.Module):
         self.register_buffer("latent_to_key", None, persistent=False)
         self.register_buffer("latent_to_value", None, persistent=False)
         self.kv_heads_tiled = kv_heads_tiled and self.num_kv_heads != num_heads
+        self.key_bias, self.keep_keys = key_bias, keep_keys
+        self._check_key_bias()
         self._shared = () if cache_of is None else (cache_of,)  # a tuple: not a submodule of this layer
         if cache_of is not None and (cache_of.cache_shapes, cache_of.sliding_window) != (
             self.cache_shapes,
@@ -372,7 +401,12 @@ class Attention(nn.Module):
         values for a latent cache."""
         if self.latent_dim:
             return (1, self.latent_dim), (1, 0)
-        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.v_head_dim)
+        return (self.num_kv_heads, self.key_width), (self.num_kv_heads, self.v_head_dim)
+
+    @property
+    def key_width(self) -> int:
+        """What the cache holds per key head: its keys, then its bias (``key_bias``)."""
+        return self.head_dim + self.key_bias
 
     def forward_latent(
         self,
@@ -448,6 +482,7 @@ class Attention(nn.Module):
         sinks: torch.Tensor | None = None,
         cache_key: int = 0,
         selected: torch.Tensor | None = None,
+        key_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads, v of head size Dv) -> [T, H*Dv].
 
@@ -457,16 +492,19 @@ class Attention(nn.Module):
         ``selected`` [B, Lq, k]: sparse attention (DeepSeek's DSA), each query reads only the k positions of its
         request's context an indexer picked (``IndexKeyCache``'s layout: prefill, the request's fresh tokens;
         decode, the slots of its block table).
+        ``key_bias`` [T, Hkv] (HF layout [1, Hkv, T]): added to every score of the key, for a layer built with
+        ``key_bias=True``.
         """
         self._check_selectable(selected)
         if q.dim() == 4:
             q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
-            return self._attend(q, k, v, md, sinks, cache_key, selected)[None]
+            key_bias = None if key_bias is None else key_bias[0].transpose(0, 1)
+            return self._attend(q, k, v, md, sinks, cache_key, selected, key_bias)[None]
         T = q.shape[0]
         q = q.view(T, -1, self.head_dim)
         k = k.view(T, -1, self.head_dim)
         v = v.view(T, -1, self.v_head_dim)
-        return self._attend(q, k, v, md, sinks, cache_key, selected).reshape(T, -1)
+        return self._attend(q, k, v, md, sinks, cache_key, selected, key_bias).reshape(T, -1)
 
     def forward_heads_first(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData, cache_key: int = 0
@@ -486,11 +524,21 @@ class Attention(nn.Module):
         sinks: torch.Tensor | None,
         cache_key: int,
         selected: torch.Tensor | None = None,
+        key_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self._caches(md, cache_key)
         assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
         if md.is_prefill and not torch.compiler.is_compiling():
             self._check_fits_cache(k, v)
+        if self.key_bias != (key_bias is not None):
+            raise UserError(
+                f"Attention layer {self.prefix or '(unnamed)'} is built with key_bias={self.key_bias} but called "
+                f"{'without' if self.key_bias else 'with'} one: pass `key_bias=` on every call of a layer built "
+                "with `key_bias=True`, and only then."
+            )
+        if key_bias is not None:  # q . k + bias as (q, 1) . (k, bias / scale), scaled
+            k = torch.cat([k, (key_bias / self.scale).to(k.dtype)[..., None]], -1)
+            q = torch.cat([q, q.new_ones(*q.shape[:-1], 1)], -1)
         shape = (-1, k_cache.shape[1], self.num_kv_heads)
         alibi = self.alibi_slopes
         if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head
@@ -503,7 +551,7 @@ class Attention(nn.Module):
             q,
             k.contiguous(),
             v.contiguous(),
-            k_cache.view(*shape, self.head_dim),
+            k_cache.view(*shape, self.key_width),
             v_cache.view(*shape, self.v_head_dim),
             md,
             self.cache_group,
@@ -513,8 +561,19 @@ class Attention(nn.Module):
             sinks,
             alibi,
             selected,
+            self.keep_keys,
         )
         return _grouped_to_tiled(o, self.num_kv_heads) if self.kv_heads_tiled else o
+
+    def _check_key_bias(self) -> None:
+        where = f"Attention layer {self.prefix or '(unnamed)'}"
+        if self.keep_keys is not None and not self.key_bias:
+            raise UserError(f"{where} keeps the keys with the largest bias (keep_keys) but has no key_bias.")
+        if self.key_bias and (self.soft_cap is not None or self.latent_dim):
+            raise UserError(
+                f"{where}: a key bias joins the scores after a soft cap, and is not cached with latents; build "
+                "it with key_bias=True and neither soft_cap nor latent_dim."
+            )
 
     def _check_selectable(self, selected: torch.Tensor | None) -> None:
         if selected is not None and self.sliding_window:

@@ -16,6 +16,7 @@ from skills.migrator.rules.fused_rms_norm import FusedRMSNorm
 from skills.migrator.rules.fused_rotary_embedding import FusedRotaryEmbedding
 from skills.migrator.rules.hand_written_attention import HandWrittenAttention
 from skills.migrator.rules.honest_signatures import HonestSignatures
+from skills.migrator.rules.key_bias_mask import KeyBiasMask
 from skills.migrator.rules.latent_kv_cache import LatentKVCache
 from skills.migrator.rules.list_outputs import ListOutputs
 from skills.migrator.rules.model_outputs import ModelOutputs
@@ -42,6 +43,7 @@ MODELING_RULES = [
     FoldHFOnlyParams,
     AttentionClassTable,
     HandWrittenAttention,
+    KeyBiasMask,
     RuntimeAttention,
     LatentKVCache,
     TiledKVHeads,

@@ -36,16 +36,17 @@ RUNTIME_KWARGS = {
     "sliding_window": "sliding_window",
     "softcap": "soft_cap",
     "alibi": "alibi_slopes",  # MG021's: an ALiBi bias on the scores, times this factor
+    "keep_keys": "keep_keys",  # MG033's: only the keys of the largest bias past this many
 }
 # passed on every call: GPT-OSS's per-head sink logits, MG023's cache key of a looped layer, the positions a
-# sparse-attention indexer picked (MG032)
-FORWARD_KWARGS = {"s_aux": "sinks", "cache_key": "cache_key", "indices": "selected"}
+# sparse-attention indexer picked (MG032), a score bias per key (MG033)
+FORWARD_KWARGS = {"s_aux": "sinks", "cache_key": "cache_key", "indices": "selected", "key_bias": "key_bias"}
 PICKS_RULE = "MG032"  # the rule whose key cache gives `indices=` its meaning in the runtime
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
 
 
-def _interface_call(s: cst.BaseStatement) -> cst.Call | None:
+def interface_call(s: cst.BaseStatement) -> cst.Call | None:
     calls = m.findall(s, m.Call(func=m.Name()))
     return next((c for c in calls if called_name(c) in INTERFACE), None)
 
@@ -58,7 +59,7 @@ def attention_classes(module: cst.Module, entry: str) -> set[str]:
         for name, cls in classes(module).items()
         if name in used
         and (fwd := method(cls, "forward")) is not None
-        and any(_interface_call(s) for s in fwd.body.body)
+        and any(interface_call(s) for s in fwd.body.body)
     }
 
 
@@ -75,7 +76,7 @@ class _Forward(cst.CSTTransformer):
     def leave_SimpleStatementLine(self, original, updated):
         if assigned_names(updated) == {"attention_interface"}:
             return cst.RemoveFromParent()
-        call = _interface_call(updated)
+        call = interface_call(updated)
         if call is None or not isinstance(updated.body[0], cst.Assign):
             return updated
         self.calls.append(call)
@@ -191,6 +192,8 @@ def _attention_ctor(
         if key == "alibi":
             value = f"alibi_slopes({heads})" if value == "1.0" else f"alibi_slopes({heads}, scale={value})"
         args.append(f"{RUNTIME_KWARGS[key]}={value}")
+    if kwarg(call, "key_bias"):  # cached with the keys
+        args.append("key_bias=True")
     if kwarg(call, "scaling") is None:
         args.append(
             f"scale={head_dim}**-0.5" if head_dim.startswith("self.") else f"scale=({head_dim}) ** -0.5"
