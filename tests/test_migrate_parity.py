@@ -276,3 +276,44 @@ def test_a_score_bias_per_key_and_a_window_of_the_largest_match_transformers(kv,
     kept = last_logits(distinct)
     assert (every - kept).abs().max() > 1e-2
     torch.testing.assert_close(prefill_logits(model_dir, distinct), kept, atol=1e-4, rtol=0)
+
+
+def test_longrope_picks_its_factors_per_request_and_matches_transformers(tmp_path_factory, tmp_path):
+    """Phi-3's LongRoPE (the 128k models): the long factors past `original_max_position_embeddings` (16 here; the
+    prompts run to 42 tokens, the shortest crosses 16 at its 14th new token). transformers reads the longest
+    position of a forward; the migrated model's `dynamic_rope_update` is the runtime's (MG034), which reads each
+    request's own length, so the packed batch gives each prompt the tokens and log-probabilities transformers gives
+    it alone, step by step on its cache (`skill verify`). (transformers' `generate` differs once a request crosses
+    16: Phi-3's generation hook drops the cache there and recomputes every key with the long factors.)"""
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + i for i in range(8)],
+        "original_max_position_embeddings": 16,
+    }
+    phi3 = build_reference(
+        "phi3",
+        tmp_path_factory,
+        rope_parameters=rope,
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+    )
+    model_dir = migrate(phi3, tmp_path)
+    code = (model_dir / "models" / "modeling_phi3.py").read_text()
+    assert "from runtime.layers.rotary import dynamic_rope_update" in code
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PARITY_PROMPTS))
+    verified = run_json(
+        [
+            sys.executable,
+            "-m",
+            "skills.cli",
+            "verify",
+            str(model_dir),
+            "--prompts-file",
+            str(prompts),
+            "--json",
+        ]
+    )
+    assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)

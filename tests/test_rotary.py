@@ -1,12 +1,28 @@
-"""runtime.layers.rotary.rotary_embedding: the host kernel gives transformers' apply_rotary_pos_emb values."""
+"""runtime.layers.rotary: the host kernel gives transformers' apply_rotary_pos_emb values, and a RoPE that picks its
+frequencies by length picks them per request."""
 
+import inspect
 import shutil
 
 import pytest
 import torch
+from transformers import LlamaConfig, Phi3Config
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from runtime.engine.forward_metadata import ForwardMetaData
+from runtime.errors import UserError
 from runtime.kernels import host_rotary_embedding
-from runtime.layers.rotary import rotary_embedding, rotate_half
+from runtime.layers.rotary import dynamic_rope_update, rotary_embedding, rotate_half
+
+DYNAMIC_NTK = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + i for i in range(8)],
+    "original_max_position_embeddings": 16,
+}
 
 
 def expression(q, k, cos, sin, unsqueeze_dim=1):
@@ -71,3 +87,51 @@ def test_no_tokens():
     q, k = torch.empty(1, 4, 0, 64), torch.empty(1, 2, 0, 64)
     cos, sin = tables(1, 0, 64, torch.float32)
     assert [x.shape for x in rotary_embedding(q, k, cos, sin)] == [q.shape, k.shape]
+
+
+DYNAMIC = LlamaConfig(
+    hidden_size=64, num_attention_heads=4, max_position_embeddings=16, rope_parameters=DYNAMIC_NTK
+)
+LONG = Phi3Config(
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    original_max_position_embeddings=16,
+    rope_parameters=LONGROPE,
+)
+
+
+def _step(lengths_q: list[int], computed: list[int]) -> ForwardMetaData:
+    q, kv = torch.tensor(lengths_q), torch.tensor(computed) + torch.tensor(lengths_q)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, lengths_q)])
+    cu = torch.nn.functional.pad(q.cumsum(0), (1, 0))
+    return ForwardMetaData(not any(computed), kv - q, q, kv, cu, positions, int(q.max()), int(kv.max()))
+
+
+@pytest.mark.parametrize(
+    "rotary, config",
+    [(LlamaRotaryEmbedding, DYNAMIC), (Phi3RotaryEmbedding, LONG)],
+    ids=["dynamic", "longrope"],
+)
+def test_a_rope_that_picks_its_frequencies_by_length_does_so_per_request(rotary, config):
+    """transformers' `dynamic_rope_update` reads the longest position in the forward: in a packed batch, the longest
+    request's. The runtime's gives each token what transformers gives its request run alone (a fresh module at the
+    request's length after the step), and leaves the module as it was."""
+
+    class PerRequest(rotary):
+        forward = dynamic_rope_update(inspect.unwrap(rotary.forward))
+
+    ours, x = PerRequest(config), torch.zeros(1)
+    before = {k: v.clone() for k, v in ours.state_dict(keep_vars=True).items()}
+    for lengths_q, computed in (([3, 20, 9], [0, 0, 0]), ([1, 1, 1], [24, 3, 16])):
+        md = _step(lengths_q, computed)
+        cos, sin = ours(x, md.positions[None], forward_metadata=md)
+        for i, (n, c) in enumerate(zip(lengths_q, computed)):
+            alone = rotary(config)(x, torch.arange(c, c + n)[None])
+            at = slice(int(md.actual_seq_lengths_cu_q[i]), int(md.actual_seq_lengths_cu_q[i + 1]))
+            torch.testing.assert_close((cos[:, at], sin[:, at]), alone, rtol=0, atol=0)
+        assert all(torch.equal(v, ours.state_dict()[k]) for k, v in before.items())
+    batch = rotary(config)(x, md.positions[None])  # the longest request's length for all: not the same
+    assert not torch.equal(batch[0], cos)
+    with pytest.raises(UserError, match="pass the caller's \\*\\*kwargs"):
+        ours(x, md.positions[None])

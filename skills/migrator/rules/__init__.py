@@ -24,6 +24,7 @@ from skills.migrator.rules.module_bases import ModuleBases
 from skills.migrator.rules.plain_linear_subclasses import PlainLinearSubclasses
 from skills.migrator.rules.prune_unreachable import PruneUnreachable
 from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
+from skills.migrator.rules.request_rope_update import RequestRopeUpdate
 from skills.migrator.rules.runtime_attention import RuntimeAttention
 from skills.migrator.rules.shared_inputs import SharedInputs
 from skills.migrator.rules.sparse_indexer import SparseIndexer
@@ -58,6 +59,7 @@ MODELING_RULES = [
     PruneUnreachable,
     DropDropout,
     CheckpointBranches,
+    RequestRopeUpdate,
     UnreadModules,
     ConstructorDefaults,
     ListOutputs,

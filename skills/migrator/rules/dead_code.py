@@ -167,11 +167,12 @@ def _family(bases: dict[str, set[str]], name: str) -> set[str]:
 
 def _exposes_self(cls: cst.ClassDef, hf_names: set[str]) -> bool:
     """transformers code may read any attribute: its decorator on a method (`dynamic_rope_update` reads
-    `self.max_seq_len_cached`, ...) or `self` handed to one of its functions (the runtime's read no attribute)."""
+    `self.max_seq_len_cached`, ...) or `self` handed to one of its functions. The runtime's functions read no
+    attribute, but for its `dynamic_rope_update` (MG034), which hands `self` to transformers' update."""
     for fn in m.findall(cls, m.FunctionDef()):
         for d in fn.decorators:
-            target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
-            if dotted(target).split(".")[0] in hf_names:
+            target = dotted(d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator)
+            if target.split(".")[0] in hf_names or target == "dynamic_rope_update":
                 return True
     calls = m.findall(cls, m.Call(args=[m.ZeroOrMore(), m.Arg(value=m.Name("self")), m.ZeroOrMore()]))
     return any(dotted(c.func).split(".")[0] in hf_names for c in calls)

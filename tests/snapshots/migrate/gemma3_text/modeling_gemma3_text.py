@@ -24,7 +24,7 @@ import torch
 from configuration_gemma3_text import Gemma3TextConfig
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
@@ -33,7 +33,7 @@ from runtime.kv_cache import ModelCacheInfo
 from runtime.layers.activation import act_and_mul
 from runtime.layers.attention import Attention, cache_info_of
 from runtime.layers.prefix import join_prefix
-from runtime.layers.rotary import rotary_embedding
+from runtime.layers.rotary import dynamic_rope_update, rotary_embedding
 from runtime.layers.weights import load_named_weights
 
 
@@ -338,7 +338,9 @@ class Gemma3TextModel(nn.Module):
         hidden_states = inputs_embeds
         position_embeddings = {}
         for layer_type in set(self.config.layer_types):
-            position_embeddings[layer_type] = self.rotary_emb(hidden_states, position_ids, layer_type)
+            position_embeddings[layer_type] = self.rotary_emb(
+                hidden_states, position_ids, layer_type, **kwargs
+            )
 
         for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = decoder_layer(
