@@ -112,9 +112,11 @@ class Run:
         picks=None,
         keep=None,
         key_bias=False,
+        tied=False,
     ):
         self.picks = picks  # positions an indexer picks for each query (selected=), one of them its own
         self.key_bias, self.keep = key_bias or keep is not None, keep  # a bias per key (key_bias=)
+        self.tied = tied  # biases drawn from three values: equal ones everywhere
         self.layer = Attention(
             H,
             D,
@@ -174,6 +176,8 @@ class Run:
         T = sum(lens)
         q, k, v = self.randn(T, H, D), self.randn(T, KV, D), self.randn(T, KV, self.dv)
         bias = 3 * self.randn(T, KV) if self.key_bias else torch.zeros(T, KV)
+        if self.tied:
+            bias = bias.sign()
         selected = self.pick(md, computed) if self.picks else None
         out = self.layer(
             q.flatten(1),
@@ -225,10 +229,8 @@ class Run:
         kc, vc = owner.k_cache.view(-1, KV, owner.key_width), owner.v_cache.view(-1, KV, self.dv)
         for r, table in zip(rids, tables):
             _, k, v, bias = self.hist[r]
-            if (
-                self.key_bias
-            ):  # cached as one more key channel, over the scale a query's channel of ones meets
-                k = torch.cat([k, bias[..., None] / SCALE], -1)
+            if self.key_bias:  # cached as one more key channel, which a query channel of 1 / scale reads
+                k = torch.cat([k, bias[..., None]], -1)
             for p in range(len(k)):
                 block = table[p // bs]
                 if block == NULL_BLOCK and not self.legacy:
@@ -671,21 +673,22 @@ def test_latent_attention_reads_only_the_positions_an_indexer_picked():
 
 
 @pytest.mark.parametrize(
-    "lens, window, keep, legacy",
+    "lens, window, keep, legacy, tied",
     [
-        (LENS, None, None, False),
-        (RUNS, 4, None, False),
-        (LENS, None, 4, False),
-        (RUNS, 3, 2, False),
-        (LENS, None, 4, True),
+        (LENS, None, None, False, False),
+        (RUNS, 4, None, False, False),
+        (LENS, None, 4, False, False),
+        (RUNS, 3, 2, False, False),
+        (LENS, None, 4, True, False),
+        (LENS, None, 4, False, True),
     ],
-    ids=["bias", "bias-window", "keep4", "keep2-window", "keep4-legacy"],
+    ids=["bias", "bias-window", "keep4", "keep2-window", "keep4-legacy", "keep4-ties"],
 )
-def test_a_bias_per_key_joins_its_scores_and_keeps_the_largest(lens, window, keep, legacy):
+def test_a_bias_per_key_joins_its_scores_and_keeps_the_largest(lens, window, keep, legacy, tied):
     """Doge's dynamic mask: a bias per key token and key head joins every score of that key, cached as one more
     key channel; past `keep` visible keys a query reads only the `keep` of the largest bias, in prefill and in
-    decode (the C++ kernel reads the bias channel while no context can hold more)."""
-    prefill_then_decode(Run(window, legacy=legacy, key_bias=True, keep=keep), lens, steps=6)
+    decode (the C++ kernel reads the bias channel while no context holds more)."""
+    prefill_then_decode(Run(window, legacy=legacy, key_bias=True, keep=keep, tied=tied), lens, steps=6)
 
 
 def test_a_key_bias_is_refused_where_it_cannot_join_the_scores():
@@ -697,6 +700,9 @@ def test_a_key_bias_is_refused_where_it_cannot_join_the_scores():
         q, k, v = run.randn(4, H, D), run.randn(4, KV, D), run.randn(4, KV, D)
         with pytest.raises(UserError, match="pass `key_bias=` on every call"):
             run.layer(q, k, v, _prefill(run, 4), key_bias=bias)
+    run = Run(key_bias=True)
+    with pytest.raises(UserError, match="takes a key bias per token and key head \\[4, 2\\], not \\[4, 8\\]"):
+        run.layer(q, k, v, _prefill(run, 4), key_bias=torch.zeros(4, H))
 
 
 def test_picks_are_refused_by_a_sliding_window_layer():

@@ -227,7 +227,7 @@ def attend(
     if md.is_prefill:
         return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi, selected, keep)
     table = md.block_table[group]
-    kept = keep is not None and table.shape[1] * k_cache.shape[1] > keep  # a context may hold more keys
+    kept = keep is not None and md.max_seq_len_kv > keep  # a context holds more keys
     host = q.device.type == "cpu" and alibi is None and selected is None and q.dtype != torch.float64
     host &= not kept
     if host and (kernel := _decode_kernel()):
@@ -310,7 +310,7 @@ class Attention(nn.Module):
         ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``. ``alibi_slopes``: ALiBi,
         a bias of ``slope[h] * (key position - query position)`` added to head h's scaled scores.
         ``key_bias``: forward takes a bias per key token and key head that joins every score of that key (Doge's
-        dynamic mask); it is cached as one more key channel, which a query channel of ones reads.
+        dynamic mask); it is cached as one more key channel, which a query channel of ``1 / scale`` reads.
         ``keep_keys``: a query whose context holds more keys reads only the ``keep_keys`` with the largest bias.
         ``cache_of``: read and write that layer's cache instead of owning one (Falcon computes attention with
         or without ALiBi on one cache: one forward runs one of the two)."""
@@ -536,9 +536,15 @@ class Attention(nn.Module):
                 f"{'without' if self.key_bias else 'with'} one: pass `key_bias=` on every call of a layer built "
                 "with `key_bias=True`, and only then."
             )
-        if key_bias is not None:  # q . k + bias as (q, 1) . (k, bias / scale), scaled
-            k = torch.cat([k, (key_bias / self.scale).to(k.dtype)[..., None]], -1)
-            q = torch.cat([q, q.new_ones(*q.shape[:-1], 1)], -1)
+        if key_bias is not None:  # q . k + bias / scale as (q, 1 / scale) . (k, bias), scaled
+            if key_bias.shape != k.shape[:2]:
+                raise UserError(
+                    f"Attention layer {self.prefix or '(unnamed)'} takes a key bias per token and key head "
+                    f"{list(k.shape[:2])}, not {list(key_bias.shape)}: compute it per key head (HF layout "
+                    "[1, heads, tokens]), before any repeat to the query heads."
+                )
+            k = torch.cat([k, key_bias.to(k.dtype)[..., None]], -1)
+            q = torch.cat([q, q.new_full((*q.shape[:-1], 1), 1 / self.scale)], -1)
         shape = (-1, k_cache.shape[1], self.num_kv_heads)
         alibi = self.alibi_slopes
         if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head

@@ -39,9 +39,9 @@ def dynamic_rope_update(rope_forward: Callable) -> Callable:
     """transformers' decorator of this name, per request. transformers picks a dynamic RoPE's frequencies from the
     longest position in the forward (LongRoPE: the long factors past `original_max_position_embeddings`; dynamic
     NTK: a base grown with the length), which in a packed batch would be the longest request's. Here each token's
-    come from its own request's length after the step, as transformers computes them for a request run alone: the
-    tokens are grouped by that length, and each group gets transformers' own update from the module's state at
-    start, which is put back after. The callers pass ``forward_metadata`` (MG034)."""
+    come from its own request's length after the step, as a fresh transformers module computes them for the request
+    alone: the tokens are grouped by that length, and each group gets transformers' own update from the module's
+    state at start, which is put back after. The callers pass ``forward_metadata`` (MG034)."""
 
     @functools.wraps(rope_forward)
     def wrapper(

@@ -122,6 +122,16 @@ def test_the_runtime_attention_takes_the_bias_per_call_and_its_window_at_init(ma
             "attn_mask = repeat_kv(attn_mask,",
             "attn_mask = attn_mask.flip(-1)\n        attn_mask = repeat_kv(attn_mask,",
         ),
+        ("dim=-1, largest", "dim=1, largest"),  # a top-k over another axis
+        (
+            "        min_dtype = ",
+            "        dt_states = dt_states * 2\n        min_dtype = ",
+        ),  # the bias changed first
+        ("dt_states[:, :, None, :]", "min_dtype[:, :, None, :]"),  # a local, not the caller's
+        (
+            "        return self.o_proj(",
+            "        print(attn_mask)\n        return self.o_proj(",
+        ),  # read again
     ],
 )
 def test_other_masks_are_left_to_mg005(make_ctx, before, after):

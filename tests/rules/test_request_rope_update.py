@@ -76,3 +76,15 @@ def test_an_import_of_the_decorator_alone_goes_whole(make_ctx):
 def test_a_rotary_without_the_decorator_is_untouched(make_ctx):
     """MG018 drops it where the checkpoint pins a RoPE type it does nothing for."""
     assert_noop(rule, BEFORE.replace("    @dynamic_rope_update\n", ""), make_ctx)
+
+
+def test_a_caller_s_own_double_star_parameter_carries_it(make_ctx):
+    before = BEFORE.replace(
+        "def forward(self, input_ids, position_ids):", "def forward(self, input_ids, position_ids, **extra):"
+    )
+    after = AFTER.replace(
+        "def forward(self, input_ids, position_ids, **kwargs):",
+        "def forward(self, input_ids, position_ids, **extra):",
+    ).replace("position_ids=position_ids, **kwargs)", "position_ids=position_ids, **extra)")
+    assert before != BEFORE and after != AFTER
+    assert_codemod(rule, before, after, make_ctx)

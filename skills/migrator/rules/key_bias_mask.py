@@ -17,7 +17,16 @@ A builder that does anything else to the mask is left to MG005, which refuses th
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, code, is_docstring, kwarg, method, rewrite_classes
+from skills.migrator.cst_utils import (
+    assigned_names,
+    code,
+    dotted,
+    is_docstring,
+    kwarg,
+    method,
+    param_names,
+    rewrite_classes,
+)
 from skills.migrator.rule import Rule
 from skills.migrator.rules.runtime_attention import interface_call
 
@@ -56,26 +65,33 @@ def _window(s: cst.BaseStatement, mask: str) -> cst.BaseExpression | None:
         args=[m.Arg(m.Name(mask)), m.Arg(keyword=None), m.ZeroOrMore()],
     )
     calls = m.findall(s.body, topk)
-    largest = [kwarg(c, "largest") for c in calls]
-    if (
-        len(calls) != 1
-        or code(calls[0].args[1].value) != code(window)
-        or any(a is not None and not m.matches(a.value, m.Name("True")) for a in largest)
-    ):
+    if len(calls) != 1 or code(calls[0].args[1].value) != code(window):
         return None
-    return window
+    largest, dim = kwarg(calls[0], "largest"), kwarg(calls[0], "dim")
+    if largest is not None and not m.matches(largest.value, m.Name("True")):
+        return None
+    return (
+        window if dim is None or m.matches(dim.value, m.UnaryOperation(m.Minus(), m.Integer("1"))) else None
+    )
 
 
 def _builder(fn: cst.FunctionDef) -> tuple[str, str | None] | None:
     """(the parameter broadcast as a per-key bias, the parameter or value that is its window, if any) of a method
-    that builds and returns such a mask; None if it does anything else to it."""
+    that builds and returns such a mask; None if it does anything else to it. Before the broadcast it may only
+    bind names of its own (`min_dtype = ...`)."""
     body = [s for s in fn.body.body if not is_docstring(s)]
     mask = bias = window = None
     for s in body:
         line = s.body[0] if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 else None
         named = mask is None and m.matches(line, m.Assign([m.AssignTarget(m.Name())]))
         if named and m.matches(b := _broadcast(line.value), m.Name()):
+            if b.value not in param_names(fn):
+                return None
             mask, bias = line.targets[0].target.value, b.value
+            continue
+        if mask is None:
+            if not named or line.targets[0].target.value in param_names(fn):
+                return None
             continue
         if mask is not None and window is None and (w := _window(s, mask)) is not None:
             window = code(w)
@@ -89,11 +105,13 @@ def _builder(fn: cst.FunctionDef) -> tuple[str, str | None] | None:
 
 def _bound(call: cst.Call, fn: cst.FunctionDef, expr: str) -> str | None:
     """expr of fn's body as its caller `self.fn(...)` would write it: a parameter's argument (its default when the
-    call omits it), anything else as it is."""
-    positional = [p.name.value for p in fn.params.params[1:]]
+    call omits it), a number or `self.<attr>` as it is; None for anything else (a local of fn)."""
+    static = any(dotted(d.decorator) == "staticmethod" for d in fn.decorators)
+    positional = [p.name.value for p in fn.params.params[0 if static else 1 :]]
     param = next((p for p in (*fn.params.params, *fn.params.kwonly_params) if p.name.value == expr), None)
     if param is None:
-        return expr
+        value = cst.parse_expression(expr)
+        return expr if m.matches(value, m.Integer() | m.Attribute(m.Name("self"), m.Name())) else None
     if arg := kwarg(call, expr):
         return code(arg.value)
     given = [a for a in call.args if a.keyword is None and not a.star]
@@ -128,6 +146,8 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
         break
     if not built or bias is None or (built[1] and window is None):
         return None
+    if any(m.findall(s, m.Name(name)) for s in fwd.body.body[fwd.body.body.index(line) + 1 :]):
+        return None  # the mask is read after the call too
     call = interface_call(line)
     extra = [("key_bias", bias)] + ([("keep_keys", window)] if window else [])
     added = [cst.parse_expression(f"f({k}={v})").args[0].with_changes(comma=COMMA) for k, v in extra]

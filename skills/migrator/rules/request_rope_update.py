@@ -40,10 +40,13 @@ class _PassMetadata(cst.CSTTransformer):
     def __init__(self, attrs: set[str]):
         self.attrs = attrs
         self.params: list[list[str]] = []  # per enclosing function: its parameters
+        self.star: list[str | None] = []  # per enclosing function: the name of its `**` parameter
         self.needs_kwargs: list[bool] = []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.params.append(param_names(node))
+        star = node.params.star_kwarg
+        self.star.append(star.name.value if isinstance(star, cst.Param) else None)
         self.needs_kwargs.append(False)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
@@ -55,12 +58,15 @@ class _PassMetadata(cst.CSTTransformer):
             return updated
         if "forward_metadata" in self.params[-1]:
             return appended(updated, "forward_metadata", "forward_metadata")
-        self.needs_kwargs[-1] = True
-        return updated.with_changes(args=[*updated.args, cst.Arg(cst.Name("kwargs"), star="**")])
+        self.needs_kwargs[-1] = self.star[-1] is None
+        return updated.with_changes(
+            args=[*updated.args, cst.Arg(cst.Name(self.star[-1] or "kwargs"), star="**")]
+        )
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         self.params.pop()
-        if self.needs_kwargs.pop() and updated.params.star_kwarg is None:
+        self.star.pop()
+        if self.needs_kwargs.pop():
             updated = updated.with_changes(
                 params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
             )
