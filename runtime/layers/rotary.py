@@ -71,18 +71,17 @@ def _per_request(
     )
     state = _RopeState(module, f"{extra['layer_type']}_" if extra else "")
     cos = sin = None
-    try:
-        for length in lengths.unique().tolist():
-            state.restore()
+    for length in lengths.unique().tolist():
+        try:
             _hf_update(module, x, position_ids.new_full((1, 1), length - 1), **extra)
             picked = (lengths == length).nonzero()[:, 0]
             c, s = rope_forward(module, x, position_ids[..., picked], **extra)
-            if cos is None:
-                cos = c.new_empty(*c.shape[:-2], lengths.numel(), c.shape[-1])
-                sin = torch.empty_like(cos)
-            cos[..., picked, :], sin[..., picked, :] = c, s
-    finally:
-        state.restore()
+        finally:
+            state.restore()
+        if cos is None:
+            cos = c.new_empty(*c.shape[:-2], lengths.numel(), c.shape[-1])
+            sin = torch.empty_like(cos)
+        cos[..., picked, :], sin[..., picked, :] = c, s
     return cos, sin
 
 

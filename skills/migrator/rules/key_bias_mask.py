@@ -93,12 +93,12 @@ def _builder(fn: cst.FunctionDef) -> tuple[str, str | None] | None:
             if not named or line.targets[0].target.value in param_names(fn):
                 return None
             continue
-        if mask is not None and window is None and (w := _window(s, mask)) is not None:
+        if window is None and (w := _window(s, mask)) is not None:
             window = code(w)
             continue
-        if mask is not None and m.matches(line, m.Return(m.Name(mask))):
+        if m.matches(line, m.Return(m.Name(mask))):
             return (bias, window) if s is body[-1] else None
-        if mask is not None and (mask in assigned_names(s) or m.findall(s, m.Name(mask))):
+        if mask in assigned_names(s) or m.findall(s, m.Name(mask)):
             return None
     return None
 
@@ -123,7 +123,8 @@ def _bound(call: cst.Call, fn: cst.FunctionDef, expr: str) -> str | None:
 def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     fwd = method(cls, "forward")
     line = next((s for s in fwd.body.body if interface_call(s)), None) if fwd else None
-    arg = kwarg(interface_call(line), "attention_mask") if line else None
+    call = interface_call(line) if line else None
+    arg = kwarg(call, "attention_mask") if call else None
     if arg is None or not isinstance(arg.value, cst.Name):
         return None
     name, doomed, built = arg.value.value, [], None
@@ -148,7 +149,6 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
         return None
     if any(m.findall(s, m.Name(name)) for s in fwd.body.body[fwd.body.body.index(line) + 1 :]):
         return None  # the mask is read after the call too
-    call = interface_call(line)
     extra = [("key_bias", bias)] + ([("keep_keys", window)] if window else [])
     added = [cst.parse_expression(f"f({k}={v})").args[0].with_changes(comma=COMMA) for k, v in extra]
     kept = [a for a in call.args if a is not arg]
