@@ -80,6 +80,7 @@ _ARCH: dict[str, dict] = {
     "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # its layer pattern, for 2 layers
     "zaya": {"num_experts_per_tok": 1},  # the only top-k its config accepts
+    "minimax_m3_vl_text": {"layer_types": ["full_attention", "minimax_m3_sparse"]},  # dense, then sparse
     # sub-configs: the attention reads `rope_theta` and clamps q/k/v by `clip_qkv`, which DBRX checkpoints set and
     # the defaults leave unset; 4 small experts, 2 per token
     "dbrx": {
@@ -166,6 +167,9 @@ _SUB_SIZES = {
     # heads stay, since fewer tie more scores at ReLU's 0, which transformers' own cached and uncached runs then
     # break differently
     "index_topk": 4,
+    # MiniMax-M3's block-sparse attention: each query reads 2 blocks of 4 keys (its own among them), not 16 of 128
+    "index_block_size": 4,
+    "index_topk_blocks": 2,
 }
 
 

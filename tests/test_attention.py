@@ -45,7 +45,7 @@ def naive(
     """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`.
     A sink is one more logit in the softmax, with no value row. `tiled`: query head h reads kv head h % KV.
     `alibi` [H]: slope * (key position - query position) joins the scaled scores. `chosen`: the positions each
-    row may read besides (an indexer's picks). `bias` [L, KV]: joins the scores of its key; `keep`: a row reads
+    row may read besides (an indexer's picks), for every head or a set per head. `bias` [L, KV]: joins the scores of its key; `keep`: a row reads
     only that many keys, those of the largest bias."""
     spread = (
         (lambda x: x.double().repeat(1, H // KV, 1))
@@ -56,13 +56,10 @@ def naive(
     bias = None if bias is None else spread(bias[..., None])[..., 0]
     out = torch.empty(len(rows), H, v.shape[-1], dtype=torch.float64)
     for n, i in enumerate(rows):
-        visible = [
-            j
-            for j in range(i + 1)
-            if (window is None or j > i - window) and (chosen is None or j in chosen[n])
-        ]
+        visible = [j for j in range(i + 1) if window is None or j > i - window]
         for h in range(H):
-            js = visible
+            picked = chosen and (chosen[n] if isinstance(chosen[n], set) else chosen[n][h])
+            js = visible if chosen is None else [j for j in visible if j in picked]
             if keep is not None and len(js) > keep:
                 js = sorted(sorted(js, key=lambda j: -bias[j, h])[:keep])
             s = k[js, h] @ q[i, h] * SCALE
@@ -113,8 +110,12 @@ class Run:
         keep=None,
         key_bias=False,
         tied=False,
+        pick_block=1,
+        pick_groups=0,
     ):
         self.picks = picks  # positions an indexer picks for each query (selected=), one of them its own
+        # or blocks of pick_block positions, per group of H / pick_groups heads when pick_groups (MiniMax-M3)
+        self.pick_block, self.pick_groups = pick_block, pick_groups
         self.key_bias, self.keep = key_bias or keep is not None, keep  # a bias per key (key_bias=)
         self.tied = tied  # biases drawn from three values: equal ones everywhere
         self.layer = Attention(
@@ -130,6 +131,7 @@ class Run:
             alibi_slopes=alibi,
             key_bias=self.key_bias,
             keep_keys=keep,
+            select_block=pick_block,
         )
         self.alibi = None if alibi is None else torch.tensor(alibi)
         self.window, self.cap, self.legacy, self.sinks, self.dv = window, cap, legacy, sinks, dv
@@ -192,7 +194,7 @@ class Run:
         for b, (r, c, n, a) in enumerate(zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist())):
             h = self.hist.setdefault(r, [q[:0], k[:0], v[:0], bias[:0]])
             h[:] = [torch.cat([x, y[a : a + n]]) for x, y in zip(h, (q, k, v, bias))]
-            chosen = None if selected is None else [set(selected[b, j].tolist()) for j in range(n)]
+            chosen = None if selected is None else [self.chosen(selected[b], j) for j in range(n)]
             ref = naive(
                 *h[:3],
                 range(c, c + n),
@@ -211,16 +213,31 @@ class Run:
 
     def pick(self, md, computed) -> torch.Tensor:
         """[B, Lq, picks] positions in each request's context row (prefill: its fresh tokens; decode: its block
-        table's slots), random but for each query's own position; padded queries' picks are never read."""
+        table's slots), random but for each query's own position; padded queries' picks are never read. With
+        pick_groups, [B, groups, Lq, picks] of blocks, -1 (none) among them."""
         slots = (
             md.max_seq_len_q if md.is_prefill else md.block_table[self.group].shape[1] * self.kv.block_size
         )
-        out = torch.randint(0, slots, (md.batch_size, md.max_seq_len_q, self.picks), generator=self.gen)
+        blocks, groups = -(-slots // self.pick_block), (self.pick_groups,) if self.pick_groups else ()
+        shape = (md.batch_size, *groups, md.max_seq_len_q, self.picks)
+        out = torch.randint(-1 if groups else 0, blocks, shape, generator=self.gen)
         own = torch.arange(md.max_seq_len_q)[None, :] + (
             0 if md.is_prefill else torch.tensor(computed)[:, None]
         )
-        out[..., 0] = own.clamp(max=slots - 1)
+        out[..., 0] = (
+            (own.clamp(max=slots - 1) // self.pick_block)[:, None] if groups else own.clamp(max=slots - 1)
+        )
         return out
+
+    def chosen(self, picks, j) -> set | list[set]:
+        """The positions query j of a request may read (its picks [Lq, k] or [groups, Lq, k]), per head if
+        grouped."""
+        positions = lambda blocks: {
+            b * self.pick_block + i for b in blocks.tolist() if b >= 0 for i in range(self.pick_block)
+        }
+        if not self.pick_groups:
+            return positions(picks[j])
+        return [positions(picks[h // (H // self.pick_groups), j]) for h in range(H)]
 
     def check_cache(self, rids, tables):
         """K/V of every position still held sits at slot table[p // bs] * bs + p % bs; the window is held."""
@@ -647,6 +664,21 @@ def test_a_query_reads_only_the_positions_an_indexer_picked(lens, legacy):
     """Sparse attention (DeepSeek's DSA): `selected` [B, Lq, k] positions of each request's context row; prefill
     masks each run's fresh tokens, decode takes the gathered path over the block table's slots."""
     prefill_then_decode(Run(legacy=legacy, picks=3), lens, steps=5)
+
+
+@pytest.mark.parametrize(
+    "lens, legacy", [(LENS, False), (RUNS, False), (LENS, True)], ids=["paged", "same-length-runs", "legacy"]
+)
+def test_a_query_reads_only_the_blocks_its_heads_indexer_picked(lens, legacy):
+    """MiniMax-M3's sparse attention: [B, groups, Lq, k] picks of blocks of 3 positions (-1: none), one pick per
+    group of query heads; each head reads only its group's blocks."""
+    prefill_then_decode(Run(legacy=legacy, picks=2, pick_block=3, pick_groups=KV), lens, steps=5)
+
+
+def test_picks_that_do_not_split_the_heads_into_groups_are_refused():
+    run = Run(picks=2, pick_groups=3)
+    with pytest.raises(UserError, match="picks for 3 groups of query heads"):
+        run.step({0: 4})
 
 
 def test_latent_attention_reads_only_the_positions_an_indexer_picked():

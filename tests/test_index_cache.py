@@ -49,3 +49,18 @@ def test_by_request_refuses_what_is_not_one_row_per_token():
     assert by_request(None, md) is None
     with pytest.raises(UserError, match=r"HF's layout \[1, 9, \.\.\.\], not \[9, 2\]"):
         by_request(torch.zeros(9, 2), md)
+
+
+def test_keys_of_one_head_written_heads_first_come_back_heads_first():
+    """MiniMax-M3's indexer keeps its keys as [B, 1, Lq, dim]: cached alike, returned as [B, 1, S, dim]."""
+    md = metadata(True, LENS, [0, 0, 0], [[1], [2], [3, 4]], BS, "full")
+    flat, heads_first = IndexKeyCache(DIM), IndexKeyCache(DIM)
+    for layer in (flat, heads_first):
+        layer.k_cache, layer.v_cache = torch.zeros(8, BS, 1, DIM), torch.zeros(8, BS, 1, 0)
+    k = by_request(torch.randn(1, sum(LENS), DIM, generator=torch.Generator().manual_seed(0)), md)
+    keys, visible = flat(k, md)
+    keys_4d, visible_4d = heads_first(k[:, None], md)
+    assert torch.equal(keys_4d, keys[:, None]) and torch.equal(visible_4d, visible)
+    assert torch.equal(heads_first.k_cache, flat.k_cache)
+    with pytest.raises(UserError, match="one key per token, not 2 heads"):
+        heads_first(k[:, None].expand(-1, 2, -1, -1), md)

@@ -240,6 +240,27 @@ def test_sparse_attention_reads_the_tokens_its_indexer_picks_and_matches_transfo
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # 45 s a layout: `make test` keeps to 30 min; the rule and the runtime's block picks are in it
+@pytest.mark.parametrize("kv", ["paged", "legacy"])
+def test_block_sparse_attention_per_key_head_matches_transformers(kv, tmp_path_factory, tmp_path):
+    """MiniMax-M3's sparse layers: an indexer keeps one key per token in a cache layer of its own, masks the future
+    by position, and picks per key head the 2 blocks of 4 keys (its own among them) each query reads (the prompts
+    run to 42). The migrated model caches those keys (MG032), picks in each request's own context and gives
+    transformers' greedy tokens and prefill logits, which attention over every block does not give."""
+    sparse = ["minimax_m3_sparse"] * 2  # the catalogue's fixture has a dense layer first
+    reference = build_reference("minimax_m3_vl_text", tmp_path_factory, layer_types=sparse)
+    dense = AutoModelForCausalLM.from_pretrained(reference["ckpt"], index_topk_blocks=64).eval()
+    with torch.no_grad():
+        every = torch.stack([dense(torch.tensor([x])).logits[0, -1] for x in reference["ids"]])
+    assert (every - reference["logits"]).abs().max() > 1e-2
+    model_dir = migrate(reference, tmp_path, "--kv", kv)
+    code = (model_dir / "models" / "modeling_minimax_m3_vl_text.py").read_text()
+    assert "IndexKeyCache(" in code and "select_block=config.index_block_size" in code
+    assert_framework_run_matches(reference, model_dir)
+    logits = prefill_logits(model_dir, reference["ids"])
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_a_score_bias_per_key_and_a_window_of_the_largest_match_transformers(kv, tmp_path_factory, tmp_path):
     """Doge's dynamic mask: a bias per key token and key head, computed from its values, joins every score of the

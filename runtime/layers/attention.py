@@ -10,6 +10,7 @@ same mechanism with one block of ``max_seq_len`` slots per batch row.
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,11 +84,8 @@ def _decode_distances(md: ForwardMetaData, num_slots: int) -> torch.Tensor:
     return md.memo(("decode_distances", num_slots), build)
 
 
-def decode_mask(
-    md: ForwardMetaData, window: int | None, num_slots: int, selected: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[B, 1, 1, S] boolean mask over the gathered context of each request; with an indexer's picks
-    [B, 1, k] (``_chosen``), only those."""
+def decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torch.Tensor:
+    """[B, 1, 1, S] boolean mask over the gathered context of each request."""
 
     def build():
         j = torch.arange(num_slots, device=md.positions.device)[None, :]
@@ -97,15 +95,33 @@ def decode_mask(
             allowed &= j > kv - 1 - window
         return allowed[:, None, None, :]
 
-    mask = md.memo(("decode_mask", window, num_slots), build)
-    return mask if selected is None else mask & _chosen(selected, num_slots)[:, None]
+    return md.memo(("decode_mask", window, num_slots), build)
 
 
-def _chosen(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """A sparse-attention indexer's picks, [B, Lq, k] positions in each request's context (the layout of
-    ``index_cache.by_request``) -> [B, Lq, num_keys] boolean."""
-    shape = (*selected.shape[:-1], num_keys)
-    return torch.zeros(shape, dtype=torch.bool, device=selected.device).scatter_(-1, selected.long(), True)
+@dataclass(frozen=True)
+class Picks:
+    """What a sparse-attention indexer picked in each request's context (``index_cache.by_request``'s layout:
+    prefill, the request's fresh tokens; decode, the slots of its block table): ``indices`` [B, Lq, k] for every
+    query head (DeepSeek's DSA), or [B, h, Lq, k], one pick per group of ``num_heads / h`` query heads
+    (MiniMax-M3's, one per key head). Each is a position, or with ``block`` > 1 the block of ``block`` positions
+    it numbers (position // block); a negative one picks nothing."""
+
+    indices: torch.Tensor
+    block: int
+    num_heads: int
+
+    def mask(self, num_keys: int) -> torch.Tensor:
+        """[B, 1 | H, Lq, num_keys] boolean: the keys each query may read."""
+        picks = self.indices.long() if self.indices.dim() == 4 else self.indices.long()[:, None]
+        blocks = -(-num_keys // self.block)
+        picks = picks.masked_fill(picks < 0, blocks)  # into a spare column, dropped
+        shape = (*picks.shape[:-1], blocks + 1)
+        hit = torch.zeros(shape, dtype=torch.bool, device=picks.device).scatter_(-1, picks, True)[
+            ..., :blocks
+        ]
+        if self.block > 1:
+            hit = hit.repeat_interleave(self.block, -1)[..., :num_keys]
+        return hit if hit.shape[1] == 1 else hit.repeat_interleave(self.num_heads // hit.shape[1], 1)
 
 
 def _kept(bias: torch.Tensor, allowed: torch.Tensor, keep: int, num_heads: int) -> torch.Tensor:
@@ -139,17 +155,17 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
 
 
 def _prefill(
-    q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, selected=None, keep=None
+    q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, picks=None, keep=None
 ) -> torch.Tensor:
     """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv];
-    ``selected`` [B, Lq, k]: only the fresh tokens an indexer picked for each query (``_chosen``); ``keep``: only
+    ``picks``: only the fresh tokens an indexer picked for each query (``Picks``); ``keep``: only
     the keys with the largest bias, read off the keys' last channel (``Attention(key_bias=True)``).
 
     Consecutive requests of one length run as one batch, nothing padded: padding every request to the longest
     one and masking it costs the longest one's work per request and keeps SDPA from skipping the future (the
     bench's mixed64 prefill, one layer: 450 -> 172 ms)."""
     outs, first = [], 0  # first: the run's first request
-    chosen = None if selected is None else _chosen(selected, selected.shape[1])
+    chosen = None if picks is None else picks.mask(md.max_seq_len_q)
     for start, count, length in _prefill_runs(md):
         qi, ki, vi = (
             x[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v)
@@ -162,7 +178,7 @@ def _prefill(
             bias = None if alibi is None else (alibi, _distances(md, length))
             mask = causal_mask(md, length, sliding_window)
             if chosen is not None:
-                mask = mask & chosen[first : first + count, None, :length, :length]
+                mask = mask & chosen[first : first + count, :, :length, :length]
             if kept:
                 mask = _kept(ki[..., -1], mask.expand(count, 1, length, length), keep, qi.shape[1])
             o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, bias)
@@ -214,21 +230,21 @@ def attend(
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi: torch.Tensor | None = None,
-    selected: torch.Tensor | None = None,
+    picks: Picks | None = None,
     keep: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H], ALiBi
-    slopes [H], an indexer's picks [B, Lq, k] (``_chosen``), the keys to keep by their bias (``_kept``)
+    slopes [H], an indexer's picks (``Picks``), the keys to keep by their bias (``_kept``)
     -> [T, H, Dv]."""
     kv_heads, head_dim, v_head_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     slots = md.slot_mapping[group]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, kv_heads, v_head_dim).index_copy_(0, slots, v)
     if md.is_prefill:
-        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi, selected, keep)
+        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi, picks, keep)
     table = md.block_table[group]
     kept = keep is not None and md.max_seq_len_kv > keep  # a context holds more keys
-    host = q.device.type == "cpu" and alibi is None and selected is None and q.dtype != torch.float64
+    host = q.device.type == "cpu" and alibi is None and picks is None and q.dtype != torch.float64
     host &= not kept
     if host and (kernel := _decode_kernel()):
         return kernel(
@@ -245,7 +261,9 @@ def attend(
     B = table.shape[0]
     ctx_k = k_cache[table].view(B, -1, kv_heads, head_dim).transpose(1, 2)
     ctx_v = v_cache[table].view(B, -1, kv_heads, v_head_dim).transpose(1, 2)
-    mask = decode_mask(md, sliding_window, ctx_k.shape[2], selected)
+    mask = decode_mask(md, sliding_window, ctx_k.shape[2])
+    if picks is not None:
+        mask = mask & picks.mask(ctx_k.shape[2])
     if kept:
         mask = _kept(ctx_k[..., -1], mask, keep, q.shape[1])
     bias = None if alibi is None else (alibi, _decode_distances(md, ctx_k.shape[2]))
@@ -305,6 +323,7 @@ class Attention(nn.Module):
         cache_of: "Attention | None" = None,
         key_bias: bool = False,
         keep_keys: int | None = None,
+        select_block: int = 1,
     ):
         """``kv_heads_tiled``: query head h reads key / value head ``h % num_kv_heads`` (keys tiled with
         ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``. ``alibi_slopes``: ALiBi,
@@ -312,6 +331,7 @@ class Attention(nn.Module):
         ``key_bias``: forward takes a bias per key token and key head that joins every score of that key (Doge's
         dynamic mask); it is cached as one more key channel, which a query channel of ``1 / scale`` reads.
         ``keep_keys``: a query whose context holds more keys reads only the ``keep_keys`` with the largest bias.
+        ``select_block``: an indexer's picks (``forward``'s ``selected``) number blocks of this many positions.
         ``cache_of``: read and write that layer's cache instead of owning one (Falcon computes attention with
         or without ALiBi on one cache: one forward runs one of the two)."""
         super().__init__()
@@ -326,7 +346,7 @@ class Attention(nn.Module):
         self.register_buffer("latent_to_key", None, persistent=False)
         self.register_buffer("latent_to_value", None, persistent=False)
         self.kv_heads_tiled = kv_heads_tiled and self.num_kv_heads != num_heads
-        self.key_bias, self.keep_keys = key_bias, keep_keys
+        self.key_bias, self.keep_keys, self.select_block = key_bias, keep_keys, select_block
         self._check_key_bias()
         self._shared = () if cache_of is None else (cache_of,)  # a tuple: not a submodule of this layer
         if cache_of is not None and (cache_of.cache_shapes, cache_of.sliding_window) != (
@@ -429,7 +449,7 @@ class Attention(nn.Module):
         The maps W_k, W_v are read off ``expand`` at the first prefill (the engine's start-up probe, before it
         sizes the KV pool again); a nonlinear expansion (a bias, a norm) is decompressed over the whole context
         instead."""
-        self._check_selectable(selected)
+        picks = self._picks(selected)
         sizes = [x.shape[-1] for x in latents]
         if md.is_prefill and not torch.compiler.is_compiling():
             if sum(sizes) != self.latent_dim:
@@ -446,15 +466,17 @@ class Attention(nn.Module):
         if md.is_prefill:
             k, v = (x[0].transpose(0, 1) for x in expand(*latents))
             q = q[0].transpose(0, 1)
-            return _prefill(
-                q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None, None, selected
-            )[None]
+            return _prefill(q, k, v, md, self.scale, self.sliding_window, self.soft_cap, None, None, picks)[
+                None
+            ]
         q = q[0].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
-        mask = decode_mask(md, self.sliding_window, context.shape[1], selected)
+        mask = decode_mask(md, self.sliding_window, context.shape[1])
+        if picks is not None:
+            mask = mask & picks.mask(context.shape[1])
         if self.latent_linear:
             # one head of H queries [B, 1, H, latent_dim] over the cached rows [B, 1, S, latent_dim]
             rows, q = context[:, None], (q @ self.latent_to_key.transpose(-1, -2)).transpose(1, 2)
-            o = _sdpa(q, rows, rows, mask, self.scale, self.soft_cap, None).transpose(1, 2)
+            o = _sdpa(q, rows, rows, mask.transpose(1, 2), self.scale, self.soft_cap, None).transpose(1, 2)
             return (o @ self.latent_to_value)[:, :, 0][None]
         k, v = expand(*(x[:, None] for x in context.split(sizes, dim=-1)))
         o = _sdpa(q, k, v, mask, self.scale, self.soft_cap, None)
@@ -489,22 +511,21 @@ class Attention(nn.Module):
         HF layout, as migrated models call it: q [1, H, T, D], k/v [1, Hkv, T, D | Dv] -> [1, T, H, Dv].
         ``sinks`` [H]: a learned logit per query head that joins each softmax's denominator (GPT-OSS).
         ``cache_key``: which of the layer's caches this application reads and writes (class docstring).
-        ``selected`` [B, Lq, k]: sparse attention (DeepSeek's DSA), each query reads only the k positions of its
-        request's context an indexer picked (``IndexKeyCache``'s layout: prefill, the request's fresh tokens;
-        decode, the slots of its block table).
+        ``selected``: sparse attention, each query reads only what an indexer picked in its request's context
+        (``Picks``: DeepSeek's DSA picks positions, MiniMax-M3 blocks of ``select_block`` per key head).
         ``key_bias`` [T, Hkv] (HF layout [1, Hkv, T]): added to every score of the key, for a layer built with
         ``key_bias=True``.
         """
-        self._check_selectable(selected)
+        picks = self._picks(selected)
         if q.dim() == 4:
             q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
             key_bias = None if key_bias is None else key_bias[0].transpose(0, 1)
-            return self._attend(q, k, v, md, sinks, cache_key, selected, key_bias)[None]
+            return self._attend(q, k, v, md, sinks, cache_key, picks, key_bias)[None]
         T = q.shape[0]
         q = q.view(T, -1, self.head_dim)
         k = k.view(T, -1, self.head_dim)
         v = v.view(T, -1, self.v_head_dim)
-        return self._attend(q, k, v, md, sinks, cache_key, selected, key_bias).reshape(T, -1)
+        return self._attend(q, k, v, md, sinks, cache_key, picks, key_bias).reshape(T, -1)
 
     def forward_heads_first(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData, cache_key: int = 0
@@ -523,7 +544,7 @@ class Attention(nn.Module):
         md: ForwardMetaData,
         sinks: torch.Tensor | None,
         cache_key: int,
-        selected: torch.Tensor | None = None,
+        picks: Picks | None = None,
         key_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self._caches(md, cache_key)
@@ -566,7 +587,7 @@ class Attention(nn.Module):
             self.soft_cap,
             sinks,
             alibi,
-            selected,
+            picks,
             self.keep_keys,
         )
         return _grouped_to_tiled(o, self.num_kv_heads) if self.kv_heads_tiled else o
@@ -581,12 +602,23 @@ class Attention(nn.Module):
                 "it with key_bias=True and neither soft_cap nor latent_dim."
             )
 
-    def _check_selectable(self, selected: torch.Tensor | None) -> None:
-        if selected is not None and self.sliding_window:
+    def _picks(self, selected: torch.Tensor | None) -> Picks | None:
+        if selected is None:
+            return None
+        where = f"Attention layer {self.prefix or '(unnamed)'}"
+        if self.sliding_window:
             raise UserError(
-                f"Attention layer {self.prefix or '(unnamed)'} reads the positions an indexer selected in its "
-                "context, which only a layer without a sliding window shares with the indexer's key cache."
+                f"{where} reads the positions an indexer selected in its context, which only a layer without a "
+                "sliding window shares with the indexer's key cache."
             )
+        groups = selected.shape[1] if selected.dim() == 4 else 1
+        if self.num_heads % groups or (groups > 1 and self.kv_heads_tiled):
+            raise UserError(
+                f"{where}: an indexer's picks for {groups} groups of query heads ({list(selected.shape)}) need "
+                f"{self.num_heads} query heads in consecutive groups (not tiled over their key heads): pick "
+                "per key head, or once for every head ([batch, queries, k])."
+            )
+        return Picks(selected, self.select_block, self.num_heads)
 
     def _check_fits_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Refuse by name what this layer's cache cannot hold; checked on eager prefill steps."""

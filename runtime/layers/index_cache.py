@@ -3,7 +3,7 @@ the context tokens attention reads): a key cache of its own, and the per-request
 written for (``[batch, tokens, ...]``: each request's fresh tokens in a row of their own).
 
 Positions the indexer picks are positions in that row: prefill, the request's fresh tokens; decode, the slots of
-its block table. ``Attention(..., selected=picks)`` reads the same layout."""
+its block table. ``Attention(..., selected=picks)`` reads the same layout (``Picks``)."""
 
 from typing import Any
 
@@ -56,7 +56,16 @@ class IndexKeyCache(Attention):
 
     def forward(self, k: torch.Tensor, md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor]:
         """k [B, Lq, dim] (``by_request``) -> (keys [B, S, dim], visible [B, Lq, S]): the keys each request's
-        queries score, and which of them a query may pick (its request's, up to its own position)."""
+        queries score, and which of them a query may pick (its request's, up to its own position). Keys of one
+        head written heads first, [B, 1, Lq, dim] (MiniMax-M3's), come back so: [B, 1, S, dim]."""
+        if k.dim() == 4:
+            if k.shape[1] != 1:
+                raise UserError(
+                    f"{self.prefix or 'An indexer key cache'} holds one key per token, not {k.shape[1]} heads "
+                    f"({list(k.shape)}): share one key head among the indexer's query heads, as DSA does."
+                )
+            keys, visible = self(k[:, 0], md)
+            return keys[:, None], visible
         request, offset = _request_and_offset(md)
         context = self._latent_context(md, 0, k[request, offset])
         if md.is_prefill:

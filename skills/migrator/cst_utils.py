@@ -197,12 +197,15 @@ def attention_layer(init: cst.FunctionDef) -> tuple[str, cst.SimpleStatementLine
 
 
 def appended(call: cst.Call, name: str, value: str) -> cst.Call:
-    """call with `name=value` last, laid out like its other arguments (one per line stays one per line)."""
+    """call with `name=value` last but for a trailing `**mapping`, laid out like its other arguments (one per line
+    stays one per line)."""
     new = cst.parse_expression(f"f({name}={value})").args[0]
     if not call.args:
         return call.with_changes(args=[new])
     *rest, last = call.args
     between = rest[-1].comma if rest else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    if last.star == "**":
+        return call.with_changes(args=[*rest, new.with_changes(comma=between), last])
     return call.with_changes(
         args=[*rest, last.with_changes(comma=between), new.with_changes(comma=last.comma)]
     )

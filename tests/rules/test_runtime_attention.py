@@ -501,3 +501,15 @@ def test_indexer_picks_without_the_indexer_s_key_cache_are_a_finding(run_rule, m
     ctx = make_ctx()
     run_rule(rule, code, ctx)
     assert len(ctx.findings) == 1 and "without the indexer key cache MG032 builds" in ctx.findings[0].what
+
+
+def test_picks_of_blocks_build_the_layer_with_their_size(run_rule, make_ctx):
+    """MG032's hand-over of picks that number blocks of keys (MiniMax-M3): their size is the layer's."""
+    kwargs = ("scaling=self.scaling,", "indices=block_indices,", "index_block=config.index_block_size,")
+    ctx = make_ctx(applied=["MG032"])
+    out = run_rule(rule, HEADER + attention(call_kwargs=kwargs) + CALLERS, ctx)
+    assert ctx.findings == []
+    assert "scale=self.scaling, select_block=config.index_block_size)" in out
+    assert (
+        "self.attn(query_states, key_states, value_states, forward_metadata, selected=block_indices)" in out
+    )

@@ -120,7 +120,7 @@ MASK_READ = """\
 @pytest.mark.parametrize(
     "change, why",
     [
-        ((MASK_READ, ""), "does not mask its scores"),
+        ((MASK_READ, ""), "masks its scores neither"),
         (("self.head_dim: int = config", "self.key_dim: int = config"), "no `self.head_dim`"),
         (
             (
@@ -192,7 +192,7 @@ def test_a_mask_read_other_than_masking_the_scores_is_refused(run_rule, make_ctx
     code = BEFORE.replace("        return scores.topk(", f"        {read}\n        return scores.topk(")
     ctx = make_ctx()
     assert run_rule(rule, code, ctx) == code
-    assert len(ctx.findings) == 1 and "does not mask its scores" in ctx.findings[0].what
+    assert len(ctx.findings) == 1 and "masks its scores neither" in ctx.findings[0].what
 
 
 def test_the_function_calling_the_indexer_takes_forward_metadata_not_one_defined_inside_it(run_rule):
@@ -203,3 +203,120 @@ def test_the_function_calling_the_indexer_takes_forward_metadata_not_one_defined
     out = run_rule(rule, code)
     assert "def scaled(x):" in out
     assert "cache=None, *, forward_metadata: ForwardMetaData, **kwargs):" in out
+
+
+# MiniMax-M3's indexer and attention as transformers writes them, shortened: keys of one head written heads first in
+# the cache layer (`update_index`), the future masked by position, blocks of keys picked per key head, the mask
+# built from them only on the eager path (no else arm: the picks go to the kernel as `block_indices=`).
+BLOCKS_BEFORE = dedent("""\
+    class Indexer(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.layer_idx = layer_idx
+            self.head_dim = config.index_head_dim
+            self.block_size = config.index_block_size
+            self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+
+        def forward(self, hidden_states, cache, position_ids):
+            q = self.q_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim).transpose(1, 2)
+            k = self.k_proj(hidden_states)[:, None]
+            if cache is not None:
+                k = cache.layers[self.layer_idx].update_index(k)
+            scores = torch.matmul(q, k.transpose(-1, -2))
+            future = torch.arange(k.shape[2])[None, None, None, :] > position_ids[:, None, :, None]
+            scores = scores.masked_fill(future, float("-inf"))
+            blocks = scores.view(*scores.shape[:-1], -1, self.block_size).amax(-1)
+            return blocks.topk(2, dim=-1).indices
+
+        def build_block_mask(self, block_indices, key_length):
+            keep = torch.zeros(*block_indices.shape[:-1], key_length, dtype=torch.bool)
+            keep = keep.scatter(-1, block_indices, True)
+            return keep.repeat_interleave(self.block_size, dim=-1)[..., :key_length]
+
+
+    class Attention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.indexer = Indexer(config, layer_idx) if config.layer_types[layer_idx] == "sparse" else None
+
+        def forward(self, hidden_states, attention_mask, cache=None, **kwargs):
+            block_indices = None
+            if self.indexer is not None:
+                position_ids = kwargs["position_ids"]
+                block_indices = self.indexer(hidden_states, cache, position_ids)
+                if self.config._attn_implementation in ("eager", "sdpa"):
+                    attention_mask = self.indexer.build_block_mask(block_indices, k.shape[2])
+            return eager_attention_forward(self, q, k, v, attention_mask, block_indices=block_indices, **kwargs)
+    """)
+
+BLOCKS_AFTER = dedent("""\
+    from runtime.engine.forward_metadata import ForwardMetaData
+    from runtime.layers.index_cache import IndexKeyCache, by_request
+
+    class Indexer(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.layer_idx = layer_idx
+            self.head_dim = config.index_head_dim
+            self.block_size = config.index_block_size
+            self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+            self.index_cache = IndexKeyCache(self.head_dim)
+
+        def forward(self, hidden_states, cache, position_ids, *, forward_metadata: ForwardMetaData):
+            hidden_states = by_request(hidden_states, forward_metadata)
+            position_ids = by_request(position_ids, forward_metadata)
+            q = self.q_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim).transpose(1, 2)
+            k = self.k_proj(hidden_states)[:, None]
+            k, _ = self.index_cache(k, forward_metadata)
+            scores = torch.matmul(q, k.transpose(-1, -2))
+            future = torch.arange(k.shape[2])[None, None, None, :] > position_ids[:, None, :, None]
+            scores = scores.masked_fill(future, float("-inf"))
+            blocks = scores.view(*scores.shape[:-1], -1, self.block_size).amax(-1)
+            return blocks.topk(2, dim=-1).indices
+
+        def build_block_mask(self, block_indices, key_length):
+            keep = torch.zeros(*block_indices.shape[:-1], key_length, dtype=torch.bool)
+            keep = keep.scatter(-1, block_indices, True)
+            return keep.repeat_interleave(self.block_size, dim=-1)[..., :key_length]
+
+
+    class Attention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.indexer = Indexer(config, layer_idx) if config.layer_types[layer_idx] == "sparse" else None
+
+        def forward(self, hidden_states, attention_mask, cache=None, *, forward_metadata: ForwardMetaData, **kwargs):
+            block_indices = None
+            if self.indexer is not None:
+                position_ids = kwargs["position_ids"]
+                block_indices = self.indexer(hidden_states, cache, position_ids, forward_metadata=forward_metadata)
+            return eager_attention_forward(self, q, k, v, attention_mask, indices=block_indices, index_block=config.index_block_size, **kwargs)
+    """)
+
+
+def test_an_indexer_masking_by_position_hands_its_block_picks_over_with_their_size(make_ctx):
+    """Its positions go per request with its other inputs; the eager arm building the mask goes; the picks pass as
+    `indices=`, the size of their blocks (what the mask builder expands them by) as `index_block=`."""
+    assert_codemod(rule, BLOCKS_BEFORE, BLOCKS_AFTER, make_ctx)
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (
+            ('        scores = scores.masked_fill(future, float("-inf"))\n', ""),
+            "masks its scores neither",
+        ),
+        (
+            ("self.block_size = config.index_block_size", "self.block_size = block_size"),
+            "does not set once from the config",
+        ),
+    ],
+    ids=["scores_unmasked", "block_size_not_from_config"],
+)
+def test_what_the_rule_cannot_follow_in_block_picks_is_refused_by_name(run_rule, make_ctx, change, why):
+    code = BLOCKS_BEFORE.replace(*change)
+    assert code != BLOCKS_BEFORE
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert len(ctx.findings) == 1 and why in ctx.findings[0].what

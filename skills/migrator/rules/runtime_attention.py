@@ -37,6 +37,7 @@ RUNTIME_KWARGS = {
     "softcap": "soft_cap",
     "alibi": "alibi_slopes",  # MG021's: an ALiBi bias on the scores, times this factor
     "keep_keys": "keep_keys",  # MG033's: only the keys of the largest bias past this many
+    "index_block": "select_block",  # MG032's: the picks passed as `indices=` number blocks of this many keys
 }
 # passed on every call: GPT-OSS's per-head sink logits, MG023's cache key of a looped layer, the positions a
 # sparse-attention indexer picked (MG032), a score bias per key (MG033)

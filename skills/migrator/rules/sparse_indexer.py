@@ -1,18 +1,25 @@
-"""A sparse-attention indexer (DeepSeek's DSA: a light scorer picks, for each query, the context tokens attention
-reads) keeps its keys in a cache layer of its own (`k = cache.update_indexer(k, self.layer_idx)`). That cache
+"""A sparse-attention indexer (a light scorer picks, for each query, the context tokens attention reads: DeepSeek's
+DSA, MiniMax-M3's blocks of tokens per key head) keeps its keys in a cache layer of its own
+(`k = cache.update_indexer(k, self.layer_idx)`, or `cache.layers[self.layer_idx].update_index(k)`). That cache
 becomes the runtime's `IndexKeyCache`, and the indexer's forward runs in its per-request layout:
 
 - its inputs go through `by_request` first (`[batch, tokens, ...]`, each request in a row, as HF scores them);
 - the cache update becomes `k, visible = self.index_cache(k, forward_metadata)`: the request's keys, and which of
   them each query may pick, which the forward reads where it read `attention_mask` (a boolean mask, so a branch
-  on the mask's dtype takes its boolean arm);
-- its callers pass `forward_metadata` on, and the attention that reads the picks takes the arm of its branch on
-  `config._attn_implementation` that hands them over as `indices=` (MG005 gives them to the runtime `Attention`
-  as `selected=`) instead of scattering them into a mask.
+  on the mask's dtype takes its boolean arm). An indexer that masks the keys past each query by their position
+  instead (`position_ids`) keeps doing so: every row holds one request's keys at their positions;
+- its callers pass `forward_metadata` on, and the attention that reads the picks hands them over as `indices=`
+  (MG005 gives them to the runtime `Attention` as `selected=`) instead of scattering them into a mask: the arm of
+  a branch on `config._attn_implementation` that does so is taken, one that only builds the mask is dropped.
+  Picks that number blocks (the mask builder expands them with `repeat_interleave(self.<size>, dim=-1)`) pass
+  that size as `index_block=` (the runtime's `select_block`).
 
 Runs before MG004 would refuse the cache's extra state. Refused by name: an update outside a forward, an indexer
-that reads its mask other than as `scores.masked_fill(~attention_mask, ...)` after the update (or not at all: it
-would pick other requests' keys), or no `self.head_dim` giving the keys' width."""
+that masks its scores neither with its mask (as `scores.masked_fill(~attention_mask, ...)` after the update, the
+mask read nowhere else) nor by position (it would pick other requests' keys), no `self.head_dim` giving the keys'
+width, or a block size not set from the config."""
+
+from collections.abc import Collection
 
 import libcst as cst
 import libcst.matchers as m
@@ -21,7 +28,12 @@ from skills.migrator.call_sites import instance_attrs
 from skills.migrator.cst_utils import (
     appended,
     assigned_names,
+    called_name,
+    classes,
+    code,
+    free_names,
     is_docstring,
+    kwarg,
     method,
     param_names,
     rewrite_classes,
@@ -30,9 +42,15 @@ from skills.migrator.cst_utils import (
 )
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES, HF_ONLY
+from skills.migrator.rules.runtime_attention import INTERFACE
 
-UPDATE = m.Call(func=m.Attribute(value=m.OneOf(*map(m.Name, CACHES)), attr=m.Name("update_indexer")))
-MASK, VISIBLE = "attention_mask", "visible"
+_CACHE = m.OneOf(*map(m.Name, CACHES))
+UPDATE = m.Call(func=m.Attribute(value=_CACHE, attr=m.Name("update_indexer"))) | m.Call(
+    func=m.Attribute(
+        value=m.Subscript(value=m.Attribute(_CACHE, m.Name("layers"))), attr=m.Name("update_index")
+    )
+)
+MASK, VISIBLE, POSITIONS = "attention_mask", "visible", "position_ids"
 _SELF_HEAD_DIM = m.Attribute(m.Name("self"), m.Name("head_dim"))
 HEAD_DIM = m.Assign([m.AssignTarget(_SELF_HEAD_DIM)]) | m.AnnAssign(target=_SELF_HEAD_DIM)
 BY_IMPLEMENTATION = m.Comparison(  # `self.config._attn_implementation in ("eager", "sdpa")` or `== "eager"`
@@ -46,6 +64,12 @@ BOOL_DTYPE = m.Comparison(
 )
 INVERTED = m.UnaryOperation(operator=m.BitInvert(), expression=m.Name(MASK))
 MASKED_FILL = m.Call(func=m.Attribute(attr=m.Name("masked_fill")), args=[m.Arg(INVERTED), m.ZeroOrMore()])
+ANY_MASKED_FILL = m.Call(func=m.Attribute(attr=m.Name("masked_fill")), args=[m.Arg(), m.ZeroOrMore()])
+_SELF_ATTR = m.Attribute(m.Name("self"), m.Name())
+BLOCKS_TO_KEYS = m.Call(  # `keep.repeat_interleave(self.block_size, dim=-1)`: a verdict per block, per key
+    func=m.Attribute(attr=m.Name("repeat_interleave")),
+    args=[m.Arg(_SELF_ATTR), m.Arg(m.UnaryOperation(m.Minus(), m.Integer("1")))],
+)
 
 
 def _update_line(fn: cst.FunctionDef) -> tuple[cst.BaseStatement, str] | None:
@@ -63,8 +87,8 @@ class _Indexer(cst.CSTTransformer):
     """The indexer's forward: the update replaced, the branch on the mask's dtype folded to its boolean arm, the
     mask read as `visible`."""
 
-    def __init__(self, update: cst.BaseStatement, key: str):
-        self.update, self.key = update, key
+    def __init__(self, update: cst.BaseStatement, key: str, by_position: bool):
+        self.update, self.key, self.visible = update, key, "_" if by_position else VISIBLE
 
     def leave_IndentedBlock(
         self, original: cst.IndentedBlock, updated: cst.IndentedBlock
@@ -85,7 +109,7 @@ class _Indexer(cst.CSTTransformer):
 
     def _update(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> cst.BaseStatement:
         if original is self.update:
-            return stmt(f"{self.key}, {VISIBLE} = self.index_cache({self.key}, forward_metadata)")
+            return stmt(f"{self.key}, {self.visible} = self.index_cache({self.key}, forward_metadata)")
         return updated
 
     def leave_UnaryOperation(self, original, updated):
@@ -104,13 +128,44 @@ def _masks_only(fwd: cst.FunctionDef, update: cst.BaseStatement) -> bool:
     return before == 0 and 0 < masking == reads
 
 
+def _masks_by_position(fwd: cst.FunctionDef, update: cst.BaseStatement) -> bool:
+    """Whether forward, reading no mask, masks its scores after the update with a condition on its parameter
+    `position_ids` (`scores.masked_fill(k_positions > position_ids[..., None], ...)`, or through a name bound to
+    one)."""
+    if POSITIONS not in param_names(fwd) or m.findall(fwd.body, m.Name(MASK)):
+        return False
+    body = list(fwd.body.body)
+    on_positions = {POSITIONS} | {
+        n
+        for s in body
+        for n in assigned_names(s)
+        if m.findall(s, m.Name(POSITIONS)) and isinstance(s, cst.SimpleStatementLine)
+    }
+    conditions = [
+        c.args[0].value for s in body[body.index(update) + 1 :] for c in m.findall(s, ANY_MASKED_FILL)
+    ]
+    return any(free_names(c) & on_positions for c in conditions)
+
+
+def _picking(attrs: Collection[str]) -> m.BaseMatcherNode:
+    """`picks = self.<indexer>(...)`."""
+    call = m.Call(func=m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, attrs))))
+    return m.Assign([m.AssignTarget(m.Name())], call)
+
+
 def _on_dtype(s: cst.BaseStatement) -> bool:
     return isinstance(s, cst.If) and m.matches(s.test, BOOL_DTYPE)
 
 
 def _per_request(fn: cst.FunctionDef) -> list[cst.BaseStatement]:
-    """`x = by_request(x, forward_metadata)` for each input the runtime does not fold away."""
-    kept = [p for p in param_names(fn)[1:] if p not in HF_ONLY and p not in ("position_ids", "kwargs")]
+    """`x = by_request(x, forward_metadata)` for each input the runtime does not fold away (positions where the
+    forward reads them)."""
+    reads_positions = bool(m.findall(fn.body, m.Name(POSITIONS)))
+    kept = [
+        p
+        for p in param_names(fn)[1:]
+        if p not in HF_ONLY and p != "kwargs" and (p != POSITIONS or reads_positions)
+    ]
     return [stmt(f"{p} = by_request({p}, forward_metadata)") for p in kept]
 
 
@@ -137,12 +192,45 @@ class _PassMetadata(cst.CSTTransformer):
         return with_forward_metadata(updated) if self.calls.pop() else updated
 
 
+def _mask_arm(s: cst.BaseStatement, picks: set[str]) -> bool:
+    """`if self.config._attn_implementation ...: attention_mask = <from the picks>`, with no else arm."""
+    return (
+        isinstance(s, cst.If)
+        and s.orelse is None
+        and m.matches(s.test, BY_IMPLEMENTATION)
+        and all(assigned_names(x) == {MASK} for x in s.body.body)
+        and bool(free_names(s.body) & picks)
+    )
+
+
+class _PicksAsIndices(cst.CSTTransformer):
+    """The attention call passing an indexer's picks under another keyword (`block_indices=picks`) passes them as
+    `indices=`, with the size of the blocks they number as `index_block=` where they do."""
+
+    def __init__(self, picks: set[str], block: str | None):
+        self.picks, self.block = picks, block
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if called_name(updated) not in INTERFACE or kwarg(updated, "indices"):
+            return updated
+        args = [
+            a.with_changes(keyword=cst.Name("indices"))
+            if a.keyword and m.matches(a.value, m.Name()) and a.value.value in self.picks
+            else a
+            for a in updated.args
+        ]
+        if args == list(updated.args):
+            return updated
+        updated = updated.with_changes(args=args)
+        return appended(updated, "index_block", self.block) if self.block else updated
+
+
 class _HandOverPicks(cst.CSTTransformer):
     """`if self.config._attn_implementation ...: <mask from the picks> else: indices = picks` -> the else arm,
-    without a `indices = None` right before it that the arm overwrites."""
+    without a `indices = None` right before it that the arm overwrites; with no else arm, nothing."""
 
-    def __init__(self, indices: set[str]):
-        self.indices = indices
+    def __init__(self, indices: set[str], picks: set[str]):
+        self.indices, self.picks = indices, picks
 
     def _arm(self, s: cst.BaseStatement) -> list[cst.BaseStatement] | None:
         """The else arm of an `_attn_implementation` test that binds a name passed as `indices=`."""
@@ -160,6 +248,8 @@ class _HandOverPicks(cst.CSTTransformer):
     ) -> cst.IndentedBlock:
         body: list[cst.BaseStatement] = []
         for s in updated.body:
+            if _mask_arm(s, self.picks | self.indices):
+                continue
             if (arm := self._arm(s)) is None:
                 body.append(s)
                 continue
@@ -184,10 +274,12 @@ class SparseIndexer(Rule):
                 indexers.add(cls.name.value)
             return new
 
+        self.indexers = indexers
+
         module = rewrite_classes(module, convert)
         if not indexers:
             return module
-        module = rewrite_classes(module, lambda cls: _hand_over(cls, indexers))
+        module = rewrite_classes(module, lambda cls: self._hand_over(cls, classes(module)))
         self.add_needed_imports(
             [
                 ("runtime.layers.index_cache", "IndexKeyCache"),
@@ -203,12 +295,14 @@ class SparseIndexer(Rule):
             return None
         fwd, init = method(cls, "forward"), method(cls, "__init__")
         found = _update_line(fwd) if updating == [fwd] else None
+        by_position = found is not None and _masks_by_position(fwd, found[0])
         why = (
             "outside its forward, or not as `k = cache.update_indexer(k, ...)` at the forward's top level"
             if found is None
-            else "it does not mask its scores with `attention_mask` (as `scores.masked_fill(~attention_mask, "
-            "...)` after the update, the mask read nowhere else), so it could pick other requests' keys"
-            if not _masks_only(fwd, found[0])
+            else "it masks its scores neither with `attention_mask` (as `scores.masked_fill(~attention_mask, "
+            "...)` after the update, the mask read nowhere else) nor by `position_ids`, so it could pick other "
+            "requests' keys"
+            if not (by_position or _masks_only(fwd, found[0]))
             else "no `self.head_dim` in `__init__` gives its keys' width"
             if init is None or not m.findall(init, HEAD_DIM)
             else None
@@ -221,7 +315,9 @@ class SparseIndexer(Rule):
         update, key = found
         legacy = ", legacy=True" if self.rewrite.kv_layout == "legacy" else ""
         ctor = stmt(f"self.index_cache = IndexKeyCache(self.head_dim{legacy})")
-        new_fwd = with_forward_metadata(fwd.with_changes(body=fwd.body.visit(_Indexer(update, key))))
+        new_fwd = with_forward_metadata(
+            fwd.with_changes(body=fwd.body.visit(_Indexer(update, key, by_position)))
+        )
         body = list(new_fwd.body.body)
         first = 1 if body and is_docstring(body[0]) else 0
         new_fwd = new_fwd.with_changes(
@@ -231,14 +327,40 @@ class SparseIndexer(Rule):
         swap = {id(fwd): new_fwd, id(init): new_init}
         return cls.with_changes(body=cls.body.with_changes(body=[swap.get(id(s), s) for s in cls.body.body]))
 
+    def _hand_over(self, cls: cst.ClassDef, module_classes: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
+        """A class holding an indexer (`self.X = Indexer(...)`, or `None if ... else Indexer(...)`): its calls
+        pass forward_metadata on, and it hands the picks over as `indices=`; None for other classes."""
+        init = method(cls, "__init__")
+        held = instance_attrs(init, self.indexers) if init else {}
+        attrs = {a: module_classes[c] for a, (c, is_list) in held.items() if not is_list}
+        if not attrs:
+            return None
+        picks = set().union(*(assigned_names(a) for a in m.findall(cls, _picking(attrs))))
+        arms = [s for s in m.findall(cls, m.If()) if _mask_arm(s, picks)]
+        block = self._block_size(cls.name.value, arms, attrs)
+        cls = cls.visit(_PassMetadata(set(attrs))).visit(_PicksAsIndices(picks, block))
+        indices = {a.value.value for a in m.findall(cls, m.Arg(m.Name(), keyword=m.Name("indices")))}
+        return cls.visit(_HandOverPicks(indices, picks)) if indices else cls
 
-def _hand_over(cls: cst.ClassDef, indexers: set[str]) -> cst.ClassDef | None:
-    """A class holding an indexer (`self.X = Indexer(...)`, or `None if ... else Indexer(...)`): its calls pass
-    forward_metadata on, and it hands the picks over as `indices=`; None for other classes."""
-    init = method(cls, "__init__")
-    attrs = {a for a, (c, is_list) in (instance_attrs(init, indexers) if init else {}).items() if not is_list}
-    if not attrs:
+    def _block_size(self, scope: str, arms: list[cst.If], attrs: dict[str, cst.ClassDef]) -> str | None:
+        """What sets the size of the blocks an indexer's picks number, read off the mask a dropped arm builds
+        with the indexer's own method (`self.indexer.build_block_mask(...)` expanding its verdicts with
+        `repeat_interleave(self.block_size, dim=-1)`, `self.block_size = config.index_block_size`); None for
+        picks of positions."""
+        for call in (c for arm in arms for c in m.findall(arm, m.Call(func=m.Attribute(_SELF_ATTR)))):
+            indexer = attrs.get(call.func.value.attr.value)
+            builder = indexer and method(indexer, call.func.attr.value)
+            for expand in m.findall(builder, BLOCKS_TO_KEYS) if builder else ():
+                size = expand.args[0].value.attr.value
+                init = method(indexer, "__init__")
+                sets = m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(size)))]))
+                if len(sets) == 1 and free_names(sets[0].value) <= {"config"}:
+                    return code(sets[0].value)
+                self.rewrite.unsupported(
+                    scope,
+                    0,
+                    f"a sparse-attention indexer's picks number blocks of `self.{size}` keys, which its "
+                    "`__init__` does not set once from the config",
+                )
+                return None
         return None
-    cls = cls.visit(_PassMetadata(attrs))
-    indices = {a.value.value for a in m.findall(cls, m.Arg(m.Name(), keyword=m.Name("indices")))}
-    return cls.visit(_HandOverPicks(indices)) if indices else cls
