@@ -675,6 +675,19 @@ def test_a_query_reads_only_the_blocks_its_heads_indexer_picked(lens, legacy):
     prefill_then_decode(Run(legacy=legacy, picks=2, pick_block=3, pick_groups=KV), lens, steps=5)
 
 
+@pytest.mark.parametrize(
+    "rank, shares, groups", [(1, 2, [2, 3]), (0, 4, [0]), (3, 8, [1])], ids=["two", "one", "part_of_one"]
+)
+def test_picks_per_group_of_heads_are_cut_to_a_layers_share_of_the_heads(rank, shares, groups):
+    """Under attention TP a layer computes a contiguous share of the heads: of picks for 4 groups of the 8, the
+    share's own groups, or the one its heads are part of."""
+    layer = Attention(H // shares, D, SCALE, max(KV // shares, 1), head_share=(rank, shares))
+    picks = torch.arange(4)[None, :, None, None].expand(2, 4, 3, 5)
+    assert layer._picks(picks).indices[0, :, 0, 0].tolist() == groups
+    with pytest.raises(UserError, match="one of 3 shares of the query heads"):
+        Attention(2, D, SCALE, 1, head_share=(0, 3))._picks(picks)
+
+
 def test_picks_that_do_not_split_the_heads_into_groups_are_refused():
     run = Run(picks=2, pick_groups=3)
     with pytest.raises(UserError, match="picks for 3 groups of query heads"):

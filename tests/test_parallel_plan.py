@@ -767,3 +767,44 @@ def test_attention_run_whole_is_planned_whole_on_every_rank():
     with pytest.raises(UserError, match="shards these attention layouts only"):
         make_plan(pc(2, 2, 2, 2, 2), jetmoe, torch.float32, mlp)
     make_plan(pc(2, 2, 2, 2, 2), jetmoe, torch.float32, mlp, replicated=["JetMoeAttention"])
+
+
+INDEXED = textwrap.dedent("""\
+    class Indexer(nn.Module):
+        def __init__(self, config):
+            self.q_proj = nn.Linear(64, 64, bias=False)
+            self.k_proj = nn.Linear(64, 16, bias=False)
+            self.index_cache = IndexKeyCache(16)
+
+
+    class Attention(nn.Module):
+        def __init__(self, config, comm_manager):
+            self.qkv_proj = QKVParallelLinear(64, 16, 4, 2, comm_manager=comm_manager, tp_group="attn_tp_group")
+            self.indexer = Indexer(config)
+
+
+    class Layer(nn.Module):
+        def __init__(self, config, comm_manager):
+            self.self_attn = Attention(config, comm_manager)
+    """)
+
+
+def test_a_plain_linear_named_like_a_split_one_is_planned_whole():
+    """MiniMax-M3's indexer projects with a `q_proj` and a `k_proj` of its own, plain linears beside attention's
+    (fused into qkv_proj, split by heads): the plan holds the indexer's whole on every rank."""
+    sharded, roles = _layers({"modeling_x.py": INDEXED}, {"qkv_proj": ("q_proj", "k_proj", "v_proj")})
+    assert roles == {"indexer.q_proj": "whole", "indexer.k_proj": "whole"} and "q_proj" in sharded
+    name = "model.layers.0.self_attn.{}.weight"
+    assert [_module(name.format(p), roles) for p in ("q_proj", "indexer.q_proj")] == ["q_proj", "whole"]
+
+
+def test_a_shared_experts_fused_gate_up_follows_the_dense_tp_size():
+    """MiniMax-M3's shared experts fuse gate and up on disk (`shared_experts.gate_up_proj`): split over
+    dense_tp_group (4 ranks), not attention's 2."""
+    cfg = _tiny("minimax_m3_vl_text", num_key_value_heads=2, head_dim=16, shared_intermediate_size=128)
+    cfg.num_local_experts, cfg.dense_intermediate_size, cfg.index_head_dim = 4, 128, 16
+    sharded = SHARDABLE | {"gate_up_proj"}
+    plan = make_plan(pc(4, 2, 4, 4, 4), cfg, torch.float32, sharded)
+    shared = 2 * (2 * 128 * 64 + 64 * 128)  # layers x (gate_up, down)
+    unsplit = make_plan(pc(4, 2, 4, 4, 4), cfg, torch.float32, sharded - {"gate_up_proj", "down_proj"})
+    assert unsplit.per_rank_param_bytes - plan.per_rank_param_bytes == shared * 3 // 4 * 4

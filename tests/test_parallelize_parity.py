@@ -84,6 +84,9 @@ OTHER_ARCHS = [
     # (REPLICATE_ATTENTION), between sharded embeddings and LM head, tokens gathered and this rank's kept under TP+DP
     ("jetmoe", "tp2_dp2_dense_tp4"),
     pytest.param("jetmoe", "tp2", marks=pytest.mark.slow),
+    # a sparse layer's indexer (its own q_proj / k_proj, a key cache) whole on every rank, its block picks per key
+    # head cut to each rank's heads; shared experts with gate and up fused on disk, split over dense_tp_group
+    pytest.param("minimax_m3_vl_text", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
 ]
 # architectures parallelized with --replicate-attention
 REPLICATE_ATTENTION = {"jetmoe"}

@@ -324,6 +324,7 @@ class Attention(nn.Module):
         key_bias: bool = False,
         keep_keys: int | None = None,
         select_block: int = 1,
+        head_share: tuple[int, int] = (0, 1),
     ):
         """``kv_heads_tiled``: query head h reads key / value head ``h % num_kv_heads`` (keys tiled with
         ``.repeat``, as JetMoE does) instead of ``h // (num_heads // num_kv_heads)``. ``alibi_slopes``: ALiBi,
@@ -332,6 +333,8 @@ class Attention(nn.Module):
         dynamic mask); it is cached as one more key channel, which a query channel of ``1 / scale`` reads.
         ``keep_keys``: a query whose context holds more keys reads only the ``keep_keys`` with the largest bias.
         ``select_block``: an indexer's picks (``forward``'s ``selected``) number blocks of this many positions.
+        ``head_share``: (rank, shares) under attention TP, this layer's heads being that contiguous share of the
+        model's; picks per group of heads are cut to the share's groups.
         ``cache_of``: read and write that layer's cache instead of owning one (Falcon computes attention with
         or without ALiBi on one cache: one forward runs one of the two)."""
         super().__init__()
@@ -347,6 +350,7 @@ class Attention(nn.Module):
         self.register_buffer("latent_to_value", None, persistent=False)
         self.kv_heads_tiled = kv_heads_tiled and self.num_kv_heads != num_heads
         self.key_bias, self.keep_keys, self.select_block = key_bias, keep_keys, select_block
+        self.head_share = head_share
         self._check_key_bias()
         self._shared = () if cache_of is None else (cache_of,)  # a tuple: not a submodule of this layer
         if cache_of is not None and (cache_of.cache_shapes, cache_of.sliding_window) != (
@@ -611,7 +615,17 @@ class Attention(nn.Module):
                 f"{where} reads the positions an indexer selected in its context, which only a layer without a "
                 "sliding window shares with the indexer's key cache."
             )
+        rank, shares = self.head_share
         groups = selected.shape[1] if selected.dim() == 4 else 1
+        if groups > 1 and shares > 1 and not (groups % shares == 0 or shares % groups == 0):
+            raise UserError(
+                f"{where} computes one of {shares} shares of the query heads, which the {groups} groups an "
+                f"indexer picks for ({list(selected.shape)}) do not split evenly: set attn_tp_size to a divisor or "
+                "a multiple of the groups."
+            )
+        if groups > 1 and shares > 1:  # this share's groups: several, or a part of one
+            first, count = rank * groups // shares, max(groups // shares, 1)
+            selected, groups = selected[:, first : first + count], count
         if self.num_heads % groups or (groups > 1 and self.kv_heads_tiled):
             raise UserError(
                 f"{where}: an indexer's picks for {groups} groups of query heads ({list(selected.shape)}) need "

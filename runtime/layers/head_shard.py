@@ -25,6 +25,12 @@ def local_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> 
     return _even_share(total, "attention heads", comm_manager, tp_group)
 
 
+def head_share(comm_manager: CommManager | None, tp_group: str) -> tuple[int, int]:
+    """(rank, size) of ``tp_group``: which contiguous share of the query heads this rank computes, of how many."""
+    size, rank, _ = tp_info(comm_manager, tp_group)
+    return rank, size
+
+
 def local_kv_heads(total: int, comm_manager: CommManager | None, tp_group: str) -> int:
     """The key heads of ``total`` one rank of ``tp_group`` holds: its share, or one replica when there are fewer
     key heads than ranks (as QKVParallelLinear lays them out)."""

@@ -29,7 +29,7 @@ from runtime.layers.attention import cache_info_of
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
-from skills.parallel_impl.plan import COLUMN_QKV, MLP_LAYERS, Plan, make_plan, validate
+from skills.parallel_impl.plan import COLUMN_QKV, MLP_LAYERS, WHOLE, Plan, make_plan, validate
 from skills.parallel_impl.rewrite import rewrite_sources
 from skills.parallel_impl.rules import PARALLEL_RULES
 from skills.parallel_impl.rules.attention import FUSED_ON_DISK, QKV
@@ -166,9 +166,9 @@ class _Target:
     rules: dict[str, list[str]]
 
 
-def _self_calls(tree: ast.AST, ctors: Collection[str]) -> dict[str, ast.Call]:
+def _self_calls(tree: ast.AST, ctors: Collection[str], qualified: bool = False) -> dict[str, ast.Call]:
     """x -> the first call of one of ctors in the value of each `self.x = ...` under tree (a parallel layer, also
-    as one branch of a conditional)."""
+    as one branch of a conditional); qualified: also `module.ctor(...)` (`nn.Linear`)."""
     found = {}
     for node in ast.walk(tree):
         if not isinstance(node, ast.Assign):
@@ -176,7 +176,11 @@ def _self_calls(tree: ast.AST, ctors: Collection[str]) -> dict[str, ast.Call]:
         calls = [
             c
             for c in ast.walk(node.value)
-            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in ctors
+            if isinstance(c, ast.Call)
+            and (
+                (isinstance(c.func, ast.Name) and c.func.id in ctors)
+                or (qualified and isinstance(c.func, ast.Attribute) and c.func.attr in ctors)
+            )
         ]
         for target in node.targets:
             if calls and isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
@@ -215,7 +219,8 @@ def _layers(
     or a RowParallelLinear of attn_tp_group) and an MLP's layers named otherwise (BERT's `intermediate.dense` and
     `output.dense`), keyed by the attributes that lead to the layer, as few as tell it from a namesake in another
     role (ModernBERT's `attn.Wo` beside the MLP's whole `Wo`, BERT's `attention.output.dense` beside the MLP's
-    `output.dense`); and the q / k / v parts of `qkv_proj` (Llama's original `wq` / `wk` / `wv`). COLUMN_QKV
+    `output.dense`); the q / k / v parts of `qkv_proj` (Llama's original `wq` / `wk` / `wv`); and WHOLE for a plain
+    linear named like a split layer elsewhere (MiniMax-M3's `indexer.q_proj` beside attention's). COLUMN_QKV
     among the modules when q / k / v are ColumnParallelLinear split by whole heads."""
     kinds = {
         "VocabParallelEmbedding": "embed_tokens",
@@ -242,6 +247,13 @@ def _layers(
                     attrs.add(COLUMN_QKV)
                 if role:
                     roles[attr] = role
+    split = {part for a in attrs for part in fused.get(a, (a,))}
+    for text in new_code.values():
+        tree = ast.parse(text)
+        path = _attribute_paths(tree)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name in path):
+            plain = split & {a for a, c in _self_calls(cls, {"Linear"}, qualified=True).items()}
+            owned += [((*p, attr), WHOLE) for attr in plain for p in path[cls.name]]
     roles |= _distinct_keys(owned)
     code = "".join(new_code.values())
     experts = {"experts"} if _EXPERTS in code else set()

@@ -50,7 +50,7 @@ _WORLD_SPLITS = (
 _MLP_COLUMN = ("gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h", "gate_up_proj")
 _MLP_ROW = ("down_proj", "fc2", "c_proj", "dense_4h_to_h")
 MLP_LAYERS = (*_MLP_COLUMN, *_MLP_ROW)
-_ROW = ("o_proj", *_MLP_ROW, "shared_down_proj")  # input split: the bias stays whole
+_ROW = ("o_proj", *_MLP_ROW, *(f"shared_{layer}" for layer in _MLP_ROW))  # input split: the bias stays whole
 
 
 @dataclass(frozen=True)
@@ -369,9 +369,9 @@ def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
         "v_proj": a,
         "o_proj": pc.o_proj_tp_size if _own_oproj(pc) else a,
         **dict.fromkeys(MLP_LAYERS, d),
-        "shared_gate_proj": d,
-        "shared_up_proj": d,
-        "shared_down_proj": d,
+        **dict.fromkeys(
+            (f"shared_{layer}" for layer in MLP_LAYERS), d
+        ),  # a shared expert's (gate_up_proj too)
         "embed_tokens": pc.embed_tp_size,
         "lm_head": pc.lmhead_tp_size,
     }

@@ -606,6 +606,37 @@ def test_alibi_slopes_keep_this_ranks_heads(run_rule, make_ctx):
     assert "from runtime.layers.head_shard import local_share" in out
 
 
+def test_an_indexers_picks_come_with_this_ranks_share_of_the_heads(run_rule, make_ctx):
+    """MiniMax-M3: picks per key head (`selected=`) reach a layer holding a share of the heads, which the runtime
+    cuts them to; the indexer, which projects queries and keys of its own into an IndexKeyCache, is not attention:
+    it stays whole on every rank, its projections plain linears."""
+    indexer = dedent("""\
+        class Indexer(nn.Module):
+            def __init__(self, config, layer_idx, infer_config, comm_manager=None, prefix=""):
+                super().__init__()
+                self.q_proj = nn.Linear(config.hidden_size, config.index_n_heads * 16, bias=False)
+                self.k_proj = nn.Linear(config.hidden_size, 16, bias=False)
+                self.index_cache = IndexKeyCache(16)
+
+            def forward(self, hidden_states, *, forward_metadata):
+                return self.index_cache(self.k_proj(hidden_states), forward_metadata)
+
+
+        """)
+    code = indexer + BEFORE.replace(
+        "self.attn(query_states, key_states, value_states, forward_metadata)",
+        "self.attn(query_states, key_states, value_states, forward_metadata, selected=picks)",
+    )
+    out = _sharded(run_rule, make_ctx, code)
+    assert out.startswith("from runtime.layers.head_shard import head_share\n" + IMPORTS)
+    assert indexer in out
+    assert (
+        'scale=self.head_dim**-0.5,\n            head_share=head_share(comm_manager, "attn_tp_group"),\n        )'
+        in out
+    )
+    assert "head_share" not in _sharded(run_rule, make_ctx, BEFORE)
+
+
 HEADS_READ = BEFORE.replace(
     "        # projections\n",
     "        self.num_heads = config.num_attention_heads\n        self.num_kv_heads = config.num_key_value_heads\n",

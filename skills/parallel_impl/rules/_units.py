@@ -37,14 +37,6 @@ def arg(call: cst.Call, pos: int, name: str) -> cst.Arg | None:
     return positional[pos] if pos < len(positional) else None
 
 
-def with_kwarg(call: cst.Call, name: str, value: str) -> cst.Call:
-    """call with `name=value` appended."""
-    equal = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
-    return call.with_changes(
-        args=[*call.args, cst.Arg(cst.parse_expression(value), keyword=cst.Name(name), equal=equal)]
-    )
-
-
 def plain_args(call: cst.Call, names: Sequence[str]) -> dict[str, str] | None:
     """{parameter: code} when call passes only `names` (positionally in that order, or by keyword), else None."""
     if any(a.star or (a.keyword and a.keyword.value not in names) for a in call.args):

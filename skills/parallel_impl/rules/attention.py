@@ -25,6 +25,7 @@ import libcst.matchers as m
 
 from skills.migrator.call_sites import bound_parameter
 from skills.migrator.cst_utils import (
+    appended,
     assigned_names,
     called_name,
     classes,
@@ -64,7 +65,6 @@ from skills.parallel_impl.rules._units import (
     self_layers,
     self_refs,
     split_fused_output,
-    with_kwarg,
     wrap_region,
 )
 
@@ -462,7 +462,7 @@ def _feeding(
 def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
     """call with parameter `name` (positional `pos`) set to value, added as a keyword when absent."""
     if (old := arg(call, pos, name)) is None:
-        return with_kwarg(call, name, value)
+        return appended(call, name, value)
     new = cst.parse_expression(value)
     return call.with_changes(args=[a.with_changes(value=new) if a is old else a for a in call.args])
 
@@ -800,7 +800,7 @@ def _rewrite_per_head(
                     call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")'
                 )
         changes[id(layer.line)] = layer.line.with_changes(
-            body=[layer.line.body[0].with_changes(value=_shard_alibi(call))]
+            body=[layer.line.body[0].with_changes(value=_per_head_args(call, fwd, layer.attr))]
         )
     new_init = edit_body(
         replace_by_id(init, changes), {}, [*guard, *_localized(local, {}), region(GROUP, whole_sequence=True)]
@@ -967,7 +967,8 @@ def _rewrite(
     attn_lines = {}  # every runtime Attention gets this rank's heads (Falcon's rotary and ALiBi ones, one cache)
     for a in attention:
         call = _set_kwarg(a.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
-        call = _shard_alibi(_set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads"))
+        call = _set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads")
+        call = _per_head_args(call, fwd, a.attr)
         attn_lines[id(a.line)] = [a.line.with_changes(body=[a.line.body[0].with_changes(value=call)])]
     sink_lines = {id(s): [_wrapped(s, "shard_heads")] for s in init.body.body if id(s) in sinks}
     gate_lines = {
@@ -1034,13 +1035,16 @@ def _listed(result: cst.ClassDef | str) -> list[cst.ClassDef] | str:
     return result if isinstance(result, str) else [result]
 
 
-def _shard_alibi(call: cst.Call) -> cst.Call:
-    """call with its ALiBi slopes (`alibi_slopes=`, one per head) cut to this rank's heads."""
-    if (slopes := kwarg(call, "alibi_slopes")) is None:
-        return call
-    return _set_kwarg(
-        call, len(call.args), "alibi_slopes", f'local_share({code(slopes.value)}, comm_manager, "{GROUP}")'
-    )
+def _per_head_args(call: cst.Call, fwd: cst.FunctionDef | None, attr: str) -> cst.Call:
+    """The runtime Attention `self.<attr> = call` given what it needs of this rank's heads besides their counts:
+    its ALiBi slopes (`alibi_slopes=`, one per head) cut to them, and where forward hands it an indexer's picks
+    (`selected=`, which may come per group of heads) which share of the heads they are."""
+    if (slopes := kwarg(call, "alibi_slopes")) is not None:
+        share = f'local_share({code(slopes.value)}, comm_manager, "{GROUP}")'
+        call = _set_kwarg(call, len(call.args), "alibi_slopes", share)
+    if fwd is not None and any(kwarg(c, "selected") for c in m.findall(fwd, _calls_layer(attr))):
+        call = _set_kwarg(call, len(call.args), "head_share", f'head_share(comm_manager, "{GROUP}")')
+    return call
 
 
 def _qkv_shares(init: cst.FunctionDef, attrs: list[str], qkv: str, sizes: list[str]) -> dict[str, str]:
@@ -1080,6 +1084,11 @@ def _replicated(cls: cst.ClassDef) -> cst.ClassDef | None:
 
 
 def _is_attention(init: cst.FunctionDef) -> bool:
+    """Builds a runtime Attention, or projects queries and keys: not a sparse-attention indexer (its key cache an
+    `IndexKeyCache`), which runs whole on every rank, its projections plain linears, like the rest of the model's
+    replicated modules."""
+    if self_layers(init, {"IndexKeyCache"}):
+        return False
     return bool(self_layers(init, {"Attention"})) or any(
         a in (*QKV, *FUSED_ON_DISK) for a in self_layers(init, LINEAR)
     )
@@ -1128,6 +1137,7 @@ class ShardAttention(Rule):
             for h in (
                 "local_heads",
                 "local_kv_heads",
+                "head_share",
                 "local_width",
                 "local_share",
                 "shard_heads",

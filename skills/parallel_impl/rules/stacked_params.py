@@ -8,9 +8,9 @@ import json
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, kwarg, method, stmt
+from skills.migrator.cst_utils import appended, classes, kwarg, method, stmt
 from skills.migrator.rule import Rule
-from skills.parallel_impl.rules._units import is_docstring, replace_classes, replace_methods, with_kwarg
+from skills.parallel_impl.rules._units import is_docstring, replace_classes, replace_methods
 
 ATTR = "stacked_params_mapping"
 
@@ -23,7 +23,7 @@ class _PassMapping(cst.CSTTransformer):
         if not m.matches(updated.func, m.Name("load_named_weights")) or kwarg(updated, ATTR) is not None:
             return updated
         self.done = True
-        return with_kwarg(updated, ATTR, f"self.{ATTR}")
+        return appended(updated, ATTR, f"self.{ATTR}")
 
 
 class StackedParams(Rule):
