@@ -224,9 +224,8 @@ class Run:
         own = torch.arange(md.max_seq_len_q)[None, :] + (
             0 if md.is_prefill else torch.tensor(computed)[:, None]
         )
-        out[..., 0] = (
-            (own.clamp(max=slots - 1) // self.pick_block)[:, None] if groups else own.clamp(max=slots - 1)
-        )
+        own = own.clamp(max=slots - 1) // self.pick_block
+        out[..., 0] = own[:, None] if groups else own
         return out
 
     def chosen(self, picks, j) -> set | list[set]:
@@ -690,7 +689,7 @@ def test_picks_per_group_of_heads_are_cut_to_a_layers_share_of_the_heads(rank, s
 
 def test_picks_that_do_not_split_the_heads_into_groups_are_refused():
     run = Run(picks=2, pick_groups=3)
-    with pytest.raises(UserError, match="picks for 3 groups of query heads"):
+    with pytest.raises(UserError, match="do not split into the 3 consecutive groups"):
         run.step({0: 4})
 
 
@@ -750,7 +749,8 @@ def test_a_key_bias_is_refused_where_it_cannot_join_the_scores():
         run.layer(q, k, v, _prefill(run, 4), key_bias=torch.zeros(4, H))
 
 
-def test_picks_are_refused_by_a_sliding_window_layer():
-    run = Run(window=3, picks=2)
-    with pytest.raises(UserError, match="only a layer without a sliding window shares"):
+@pytest.mark.parametrize("kind", [{"window": 3}, {"keep": 2}], ids=["sliding_window", "keep_keys"])
+def test_picks_are_refused_by_a_layer_masking_keys_its_own_way(kind):
+    run = Run(picks=2, **kind)
+    with pytest.raises(UserError, match="only a layer without a sliding window or keep_keys shares"):
         run.step({0: 4})

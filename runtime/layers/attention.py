@@ -7,6 +7,7 @@ The cache is written by ``slot_mapping`` in both phases. The legacy ``cache_unit
 same mechanism with one block of ``max_seq_len`` slots per batch row.
 """
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -102,19 +103,22 @@ def decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torc
 class Picks:
     """What a sparse-attention indexer picked in each request's context (``index_cache.by_request``'s layout:
     prefill, the request's fresh tokens; decode, the slots of its block table): ``indices`` [B, Lq, k] for every
-    query head (DeepSeek's DSA), or [B, h, Lq, k], one pick per group of ``num_heads / h`` query heads
-    (MiniMax-M3's, one per key head). Each is a position, or with ``block`` > 1 the block of ``block`` positions
-    it numbers (position // block); a negative one picks nothing."""
+    query head (DeepSeek's DSA), or [B, h, Lq, k], k picks for each group of ``num_heads / h`` query heads
+    (MiniMax-M3's, one group per key head). Each is a position, or with ``block`` > 1 the block of ``block``
+    positions it numbers (position // block); a negative one, or one past the keys, picks nothing."""
 
     indices: torch.Tensor
     block: int
     num_heads: int
 
+    def of_requests(self, first: int, count: int) -> "Picks":
+        return dataclasses.replace(self, indices=self.indices[first : first + count])
+
     def mask(self, num_keys: int) -> torch.Tensor:
-        """[B, 1 | H, Lq, num_keys] boolean: the keys each query may read."""
+        """[B, 1 | H, Lq, num_keys] boolean: which of the first num_keys keys each query may read."""
         picks = self.indices.long() if self.indices.dim() == 4 else self.indices.long()[:, None]
         blocks = -(-num_keys // self.block)
-        picks = picks.masked_fill(picks < 0, blocks)  # into a spare column, dropped
+        picks = picks.masked_fill((picks < 0) | (picks >= blocks), blocks)  # into a spare column, dropped
         shape = (*picks.shape[:-1], blocks + 1)
         hit = torch.zeros(shape, dtype=torch.bool, device=picks.device).scatter_(-1, picks, True)[
             ..., :blocks
@@ -165,20 +169,19 @@ def _prefill(
     one and masking it costs the longest one's work per request and keeps SDPA from skipping the future (the
     bench's mixed64 prefill, one layer: 450 -> 172 ms)."""
     outs, first = [], 0  # first: the run's first request
-    chosen = None if picks is None else picks.mask(md.max_seq_len_q)
     for start, count, length in _prefill_runs(md):
         qi, ki, vi = (
             x[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v)
         )
         kept = keep is not None and length > keep
         plain = soft_cap is None and sinks is None and not sliding_window and alibi is None and not kept
-        if plain and chosen is None:
+        if plain and picks is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             bias = None if alibi is None else (alibi, _distances(md, length))
             mask = causal_mask(md, length, sliding_window)
-            if chosen is not None:
-                mask = mask & chosen[first : first + count, :, :length, :length]
+            if picks is not None:  # built per run: [count, H, length, length], not for the longest request
+                mask = mask & picks.of_requests(first, count).mask(length)[:, :, :length]
             if kept:
                 mask = _kept(ki[..., -1], mask.expand(count, 1, length, length), keep, qi.shape[1])
             o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, bias)
@@ -610,10 +613,10 @@ class Attention(nn.Module):
         if selected is None:
             return None
         where = f"Attention layer {self.prefix or '(unnamed)'}"
-        if self.sliding_window:
+        if self.sliding_window or self.keep_keys is not None:
             raise UserError(
                 f"{where} reads the positions an indexer selected in its context, which only a layer without a "
-                "sliding window shares with the indexer's key cache."
+                "sliding window or keep_keys shares with the indexer's key cache."
             )
         rank, shares = self.head_share
         groups = selected.shape[1] if selected.dim() == 4 else 1
@@ -628,9 +631,9 @@ class Attention(nn.Module):
             selected, groups = selected[:, first : first + count], count
         if self.num_heads % groups or (groups > 1 and self.kv_heads_tiled):
             raise UserError(
-                f"{where}: an indexer's picks for {groups} groups of query heads ({list(selected.shape)}) need "
-                f"{self.num_heads} query heads in consecutive groups (not tiled over their key heads): pick "
-                "per key head, or once for every head ([batch, queries, k])."
+                f"{where}: its {self.num_heads} query heads{' (tiled over their key heads)' if self.kv_heads_tiled else ''} "
+                f"do not split into the {groups} consecutive groups an indexer picks for ({list(selected.shape)}): "
+                "pick per key head, or once for every head ([batch, queries, k])."
             )
         return Picks(selected, self.select_block, self.num_heads)
 

@@ -64,7 +64,7 @@ class IndexKeyCache(Attention):
                     f"{self.prefix or 'An indexer key cache'} holds one key per token, not {k.shape[1]} heads "
                     f"({list(k.shape)}): share one key head among the indexer's query heads, as DSA does."
                 )
-            keys, visible = self(k[:, 0], md)
+            keys, visible = self.forward(k[:, 0], md)
             return keys[:, None], visible
         request, offset = _request_and_offset(md)
         context = self._latent_context(md, 0, k[request, offset])

@@ -369,9 +369,7 @@ def _tp_sizes(pc: ParallelConfig) -> dict[str, int]:
         "v_proj": a,
         "o_proj": pc.o_proj_tp_size if _own_oproj(pc) else a,
         **dict.fromkeys(MLP_LAYERS, d),
-        **dict.fromkeys(
-            (f"shared_{layer}" for layer in MLP_LAYERS), d
-        ),  # a shared expert's (gate_up_proj too)
+        **dict.fromkeys((f"shared_{layer}" for layer in MLP_LAYERS), d),  # a shared expert's, gate_up too
         "embed_tokens": pc.embed_tp_size,
         "lm_head": pc.lmhead_tp_size,
     }

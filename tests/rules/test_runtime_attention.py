@@ -256,6 +256,17 @@ def test_caller_without_kwargs_gets_them(run_rule, make_ctx):
     assert run_rule(rule, out) == out
 
 
+def test_caller_with_a_double_star_parameter_of_another_name_passes_that_one_on(run_rule, make_ctx):
+    callers = CALLERS.replace("position_embeddings=None, **kwargs):", "position_embeddings=None, **extra):")
+    callers = "".join(line for line in callers.splitlines(keepends=True) if line.strip() != "**kwargs,")
+    ctx = make_ctx()
+    out = run_rule(rule, HEADER + attention() + callers, ctx)
+    assert ctx.findings == []
+    fwd = ast.parse(out).body[-2].body[1]
+    assert fwd.args.kwarg.arg == "extra"
+    assert ast.unparse(fwd.body[1].value).endswith("position_embeddings=position_embeddings, **extra)")
+
+
 @pytest.mark.parametrize("entry", ["LlamaForCausalLM", "SomethingElse"])
 def test_attention_not_used_by_the_entry_class_untouched(run_rule, make_ctx, entry):
     # A vision tower's attention (or a file without the entry class): nothing is converted, no imports added.

@@ -307,16 +307,29 @@ def test_an_indexer_masking_by_position_hands_its_block_picks_over_with_their_si
             ('        scores = scores.masked_fill(future, float("-inf"))\n', ""),
             "masks its scores neither",
         ),
+        (  # a condition that reads the positions but is no comparison with them
+            ("scores.masked_fill(future,", "scores.masked_fill(position_ids.bool()[:, None, :, None],"),
+            "masks its scores neither",
+        ),
         (
             ("self.block_size = config.index_block_size", "self.block_size = block_size"),
             "does not set once from the config",
         ),
+        (  # the indexer built with another config than the holder's
+            ("Indexer(config, layer_idx) if", "Indexer(config.indexer, layer_idx) if"),
+            "does not set once from the config its holder builds it with",
+        ),
+        (  # a mask the rule cannot read: blocks expanded along another axis
+            ("repeat_interleave(self.block_size, dim=-1)", "repeat_interleave(self.block_size, dim=2)"),
+            "passed as `block_indices=`, with a mask the rule cannot read",
+        ),
     ],
-    ids=["scores_unmasked", "block_size_not_from_config"],
+    ids=["scores_unmasked", "no_comparison", "block_size_not_from_config", "other_config", "unread_mask"],
 )
 def test_what_the_rule_cannot_follow_in_block_picks_is_refused_by_name(run_rule, make_ctx, change, why):
     code = BLOCKS_BEFORE.replace(*change)
     assert code != BLOCKS_BEFORE
     ctx = make_ctx()
-    run_rule(rule, code, ctx)
+    out = run_rule(rule, code, ctx)
     assert len(ctx.findings) == 1 and why in ctx.findings[0].what
+    assert " indices=" not in out

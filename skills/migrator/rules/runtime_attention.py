@@ -282,12 +282,19 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
 
 class _PassKwargs(cst.CSTTransformer):
     """Calls of the modules in attrs (`self.X(...)`, `self.X[i](...)`, or `layer(...)` in a loop over `self.X`)
-    pass `**kwargs` on, added to the caller's signature if missing, so that forward_metadata reaches attention."""
+    pass the caller's `**` parameter on (`**kwargs`, added to its signature if missing), so that forward_metadata
+    reaches attention."""
 
     def __init__(self, attrs: set[str]):
         self.attrs = attrs
-        self.needs_kwargs = False
+        self.stars: list[str | None] = []  # per enclosing function: the name of its `**` parameter
+        self.needs_kwargs: list[bool] = []  # per enclosing function: a call passes the `**kwargs` it lacks
         self.loop_vars: dict[str, str] = {}  # name bound by `for` over `self.X` -> X
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        star = node.params.star_kwarg
+        self.stars.append(star.name.value if isinstance(star, cst.Param) else None)
+        self.needs_kwargs.append(False)
 
     def visit_For(self, node: cst.For) -> None:
         source = (
@@ -310,17 +317,24 @@ class _PassKwargs(cst.CSTTransformer):
         return m.matches(func, m.Attribute(value=m.Name("self"))) and func.attr.value in attrs
 
     def leave_Call(self, original, updated):
-        if not self._is_attention_call(updated) or any(a.star == "**" for a in updated.args):
+        if (
+            not self.stars
+            or not self._is_attention_call(updated)
+            or any(a.star == "**" for a in updated.args)
+        ):
             return updated
-        self.needs_kwargs = True
-        return updated.with_changes(args=[*updated.args, cst.Arg(cst.Name("kwargs"), star="**")])
+        self.needs_kwargs[-1] = self.stars[-1] is None
+        return updated.with_changes(
+            args=[*updated.args, cst.Arg(cst.Name(self.stars[-1] or "kwargs"), star="**")]
+        )
 
     def leave_FunctionDef(self, original, updated):
-        if self.needs_kwargs and updated.params.star_kwarg is None:
+        self.stars.pop()
+        if self.needs_kwargs.pop():
             updated = updated.with_changes(
                 params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
             )
-        self.needs_kwargs, self.loop_vars = False, {}
+        self.loop_vars = {}
         return updated
 
 

@@ -24,7 +24,7 @@ from collections.abc import Collection
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.call_sites import instance_attrs
+from skills.migrator.call_sites import binding, instance_attrs, named_params
 from skills.migrator.cst_utils import (
     appended,
     assigned_names,
@@ -129,22 +129,22 @@ def _masks_only(fwd: cst.FunctionDef, update: cst.BaseStatement) -> bool:
 
 
 def _masks_by_position(fwd: cst.FunctionDef, update: cst.BaseStatement) -> bool:
-    """Whether forward, reading no mask, masks its scores after the update with a condition on its parameter
-    `position_ids` (`scores.masked_fill(k_positions > position_ids[..., None], ...)`, or through a name bound to
-    one)."""
+    """Whether forward, reading no mask, masks its scores after the update with a comparison against its
+    parameter `position_ids` (`scores.masked_fill(k_positions > position_ids[..., None], ...)`, or through a name
+    bound to one)."""
     if POSITIONS not in param_names(fwd) or m.findall(fwd.body, m.Name(MASK)):
         return False
+
+    def on_positions(e: cst.BaseExpression) -> bool:
+        return isinstance(e, cst.Comparison) and POSITIONS in free_names(e)
+
     body = list(fwd.body.body)
-    on_positions = {POSITIONS} | {
-        n
-        for s in body
-        for n in assigned_names(s)
-        if m.findall(s, m.Name(POSITIONS)) and isinstance(s, cst.SimpleStatementLine)
-    }
+    bound = [a for s in body for a in m.findall(s, m.Assign([m.AssignTarget(m.Name())]))]
+    tests = {a.targets[0].target.value for a in bound if on_positions(a.value)}
     conditions = [
         c.args[0].value for s in body[body.index(update) + 1 :] for c in m.findall(s, ANY_MASKED_FILL)
     ]
-    return any(free_names(c) & on_positions for c in conditions)
+    return any(on_positions(c) or (isinstance(c, cst.Name) and c.value in tests) for c in conditions)
 
 
 def _picking(attrs: Collection[str]) -> m.BaseMatcherNode:
@@ -274,12 +274,11 @@ class SparseIndexer(Rule):
                 indexers.add(cls.name.value)
             return new
 
-        self.indexers = indexers
-
         module = rewrite_classes(module, convert)
         if not indexers:
             return module
-        module = rewrite_classes(module, lambda cls: self._hand_over(cls, classes(module)))
+        built = {name: cls for name, cls in classes(module).items() if name in indexers}
+        module = rewrite_classes(module, lambda cls: self._hand_over(cls, built))
         self.add_needed_imports(
             [
                 ("runtime.layers.index_cache", "IndexKeyCache"),
@@ -327,40 +326,71 @@ class SparseIndexer(Rule):
         swap = {id(fwd): new_fwd, id(init): new_init}
         return cls.with_changes(body=cls.body.with_changes(body=[swap.get(id(s), s) for s in cls.body.body]))
 
-    def _hand_over(self, cls: cst.ClassDef, module_classes: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
+    def _hand_over(self, cls: cst.ClassDef, indexers: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
         """A class holding an indexer (`self.X = Indexer(...)`, or `None if ... else Indexer(...)`): its calls
         pass forward_metadata on, and it hands the picks over as `indices=`; None for other classes."""
         init = method(cls, "__init__")
-        held = instance_attrs(init, self.indexers) if init else {}
-        attrs = {a: module_classes[c] for a, (c, is_list) in held.items() if not is_list}
+        held = instance_attrs(init, set(indexers)) if init else {}
+        attrs = {a: indexers[c] for a, (c, is_list) in held.items() if not is_list}
         if not attrs:
             return None
         picks = set().union(*(assigned_names(a) for a in m.findall(cls, _picking(attrs))))
         arms = [s for s in m.findall(cls, m.If()) if _mask_arm(s, picks)]
-        block = self._block_size(cls.name.value, arms, attrs)
+        block, why = _block_size(arms, attrs, init)
+        renamed = [
+            a
+            for c in m.findall(cls, m.Call(func=m.Name()))
+            if called_name(c) in INTERFACE and not kwarg(c, "indices")
+            for a in c.args
+            if a.keyword and m.matches(a.value, m.Name()) and a.value.value in picks
+        ]
+        if renamed and arms and block is None and not why:
+            why = (
+                f"passed as `{renamed[0].keyword.value}=`, with a mask the rule cannot read: neither positions "
+                "nor blocks expanded with `repeat_interleave(self.<size>, dim=-1)` by the indexer's own method"
+            )
+        if why:
+            self.rewrite.unsupported(cls.name.value, 0, f"a sparse-attention indexer's picks {why}")
+            return None
         cls = cls.visit(_PassMetadata(set(attrs))).visit(_PicksAsIndices(picks, block))
         indices = {a.value.value for a in m.findall(cls, m.Arg(m.Name(), keyword=m.Name("indices")))}
         return cls.visit(_HandOverPicks(indices, picks)) if indices else cls
 
-    def _block_size(self, scope: str, arms: list[cst.If], attrs: dict[str, cst.ClassDef]) -> str | None:
-        """What sets the size of the blocks an indexer's picks number, read off the mask a dropped arm builds
-        with the indexer's own method (`self.indexer.build_block_mask(...)` expanding its verdicts with
-        `repeat_interleave(self.block_size, dim=-1)`, `self.block_size = config.index_block_size`); None for
-        picks of positions."""
-        for call in (c for arm in arms for c in m.findall(arm, m.Call(func=m.Attribute(_SELF_ATTR)))):
-            indexer = attrs.get(call.func.value.attr.value)
-            builder = indexer and method(indexer, call.func.attr.value)
-            for expand in m.findall(builder, BLOCKS_TO_KEYS) if builder else ():
-                size = expand.args[0].value.attr.value
-                init = method(indexer, "__init__")
-                sets = m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(size)))]))
-                if len(sets) == 1 and free_names(sets[0].value) <= {"config"}:
-                    return code(sets[0].value)
-                self.rewrite.unsupported(
-                    scope,
-                    0,
-                    f"a sparse-attention indexer's picks number blocks of `self.{size}` keys, which its "
-                    "`__init__` does not set once from the config",
-                )
-                return None
-        return None
+
+def _block_size(
+    arms: list[cst.If], attrs: dict[str, cst.ClassDef], holder: cst.FunctionDef
+) -> tuple[str | None, str | None]:
+    """(what sets the size of the blocks an indexer's picks number, or why the rule cannot tell): read off the
+    mask a dropped arm builds with the indexer's own method (`self.indexer.build_block_mask(...)` expanding its
+    verdicts with `repeat_interleave(self.block_size, dim=-1)`, `self.block_size = config.index_block_size`, the
+    config the holder's `__init__` builds the indexer with); (None, None) for picks of positions."""
+    for call in (c for arm in arms for c in m.findall(arm, m.Call(func=m.Attribute(_SELF_ATTR)))):
+        attr = call.func.value.attr.value
+        indexer = attrs.get(attr)
+        builder = indexer and method(indexer, call.func.attr.value)
+        for expand in m.findall(builder, BLOCKS_TO_KEYS) if builder else ():
+            size = expand.args[0].value.attr.value
+            init = method(indexer, "__init__")
+            sets = m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(size)))]))
+            if (
+                len(sets) == 1
+                and free_names(sets[0].value) <= {"config"}
+                and _given_own_config(holder, attr, indexer.name.value, init)
+            ):
+                return code(sets[0].value), None
+            return None, (
+                f"number blocks of `self.{size}` keys, which the indexer's `__init__` does not set once from the "
+                "config its holder builds it with"
+            )
+    return None, None
+
+
+def _given_own_config(holder: cst.FunctionDef, attr: str, indexer: str, init: cst.FunctionDef) -> bool:
+    """Whether holder (an `__init__` taking `config`) builds `self.<attr> = indexer(...)` with that config as the
+    indexer's `config` (init: the indexer's `__init__`)."""
+    param = next((p for p in named_params(init) if p.name.value == "config"), None)
+    if param is None or "config" not in param_names(holder):
+        return False
+    built = m.findall(holder, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))]))
+    calls = [c for a in built for c in m.findall(a.value, m.Call(func=m.Name(indexer)))]
+    return bool(calls) and all(m.matches(binding(c, init, param), m.Arg(m.Name("config"))) for c in calls)

@@ -800,7 +800,7 @@ def _rewrite_per_head(
                     call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")'
                 )
         changes[id(layer.line)] = layer.line.with_changes(
-            body=[layer.line.body[0].with_changes(value=_per_head_args(call, fwd, layer.attr))]
+            body=[layer.line.body[0].with_changes(value=_per_head_args(call, cls, layer.attr))]
         )
     new_init = edit_body(
         replace_by_id(init, changes), {}, [*guard, *_localized(local, {}), region(GROUP, whole_sequence=True)]
@@ -968,7 +968,7 @@ def _rewrite(
     for a in attention:
         call = _set_kwarg(a.call, 0, "num_heads", f"self.{qkv_attr}.num_heads")
         call = _set_kwarg(call, 3, "num_kv_heads", f"self.{qkv_attr}.num_kv_heads")
-        call = _per_head_args(call, fwd, a.attr)
+        call = _per_head_args(call, cls, a.attr)
         attn_lines[id(a.line)] = [a.line.with_changes(body=[a.line.body[0].with_changes(value=call)])]
     sink_lines = {id(s): [_wrapped(s, "shard_heads")] for s in init.body.body if id(s) in sinks}
     gate_lines = {
@@ -1035,14 +1035,14 @@ def _listed(result: cst.ClassDef | str) -> list[cst.ClassDef] | str:
     return result if isinstance(result, str) else [result]
 
 
-def _per_head_args(call: cst.Call, fwd: cst.FunctionDef | None, attr: str) -> cst.Call:
-    """The runtime Attention `self.<attr> = call` given what it needs of this rank's heads besides their counts:
-    its ALiBi slopes (`alibi_slopes=`, one per head) cut to them, and where forward hands it an indexer's picks
-    (`selected=`, which may come per group of heads) which share of the heads they are."""
+def _per_head_args(call: cst.Call, cls: cst.ClassDef, attr: str) -> cst.Call:
+    """The runtime Attention `self.<attr> = call` of cls given what it needs of this rank's heads besides their
+    counts: its ALiBi slopes (`alibi_slopes=`, one per head) cut to them, and where a method hands it an indexer's
+    picks (`selected=`, which may come per group of heads) which share of the heads they are."""
     if (slopes := kwarg(call, "alibi_slopes")) is not None:
         share = f'local_share({code(slopes.value)}, comm_manager, "{GROUP}")'
         call = _set_kwarg(call, len(call.args), "alibi_slopes", share)
-    if fwd is not None and any(kwarg(c, "selected") for c in m.findall(fwd, _calls_layer(attr))):
+    if any(kwarg(c, "selected") for c in m.findall(cls, _calls_layer(attr))):
         call = _set_kwarg(call, len(call.args), "head_share", f'head_share(comm_manager, "{GROUP}")')
     return call
 
