@@ -80,7 +80,12 @@ _ARCH: dict[str, dict] = {
     "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # its layer pattern, for 2 layers
     "zaya": {"num_experts_per_tok": 1},  # the only top-k its config accepts
-    "minimax_m3_vl_text": {"layer_types": ["full_attention", "minimax_m3_sparse"]},  # dense, then sparse
+    # a dense attention layer, then a sparse one; the shared experts' and dense MLPs' widths the tiny ones
+    "minimax_m3_vl_text": {
+        "layer_types": ["full_attention", "minimax_m3_sparse"],
+        "shared_intermediate_size": 128,
+        "dense_intermediate_size": 128,
+    },
     # sub-configs: the attention reads `rope_theta` and clamps q/k/v by `clip_qkv`, which DBRX checkpoints set and
     # the defaults leave unset; 4 small experts, 2 per token
     "dbrx": {
