@@ -220,6 +220,24 @@ def test_latent_attention_caches_latents_and_matches_transformers(kv, tmp_path_f
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
 
 
+def assert_sparse_attention_matches(reference: dict, tmp_path: Path, kv: str, **every_key) -> str:
+    """The migrated sparse-attention model caches its indexer's keys and gives transformers' greedy tokens and prefill
+    logits, which the same weights reading every key (every_key: the config that picks them all) do not give; its
+    modeling code."""
+    dense = AutoModelForCausalLM.from_pretrained(reference["ckpt"], **every_key).eval()
+    with torch.no_grad():
+        every = torch.stack([dense(torch.tensor([x])).logits[0, -1] for x in reference["ids"]])
+    assert (every - reference["logits"]).abs().max() > 1e-2
+    model_dir = migrate(reference, tmp_path, "--kv", kv)
+    (modeling,) = (model_dir / "models").glob("modeling_*.py")
+    code = modeling.read_text()
+    assert "IndexKeyCache(" in code
+    assert_framework_run_matches(reference, model_dir)
+    logits = prefill_logits(model_dir, reference["ids"])
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+    return code
+
+
 @pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_sparse_attention_reads_the_tokens_its_indexer_picks_and_matches_transformers(
     kv, tmp_path_factory, tmp_path
@@ -228,16 +246,8 @@ def test_sparse_attention_reads_the_tokens_its_indexer_picks_and_matches_transfo
     migrated model caches the indexer's keys (MG032), picks in each request's own context and gives transformers'
     greedy tokens and prefill logits, which attention over every token does not give."""
     reference = build_reference("deepseek_v32", tmp_path_factory)
-    dense = AutoModelForCausalLM.from_pretrained(reference["ckpt"], index_topk=2048).eval()
-    with torch.no_grad():
-        every = torch.stack([dense(torch.tensor([x])).logits[0, -1] for x in reference["ids"]])
-    assert (every - reference["logits"]).abs().max() > 1e-2
-    model_dir = migrate(reference, tmp_path, "--kv", kv)
-    code = (model_dir / "models" / "modeling_deepseek_v32.py").read_text()
-    assert "IndexKeyCache(" in code and "selected=" in code and "forward_latent(" in code
-    assert_framework_run_matches(reference, model_dir)
-    logits = prefill_logits(model_dir, reference["ids"])
-    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+    code = assert_sparse_attention_matches(reference, tmp_path, kv, index_topk=2048)
+    assert "selected=" in code and "forward_latent(" in code
 
 
 @pytest.mark.slow  # 45 s a layout: `make test` keeps to 30 min; the rule and the runtime's block picks are in it
@@ -249,16 +259,8 @@ def test_block_sparse_attention_per_key_head_matches_transformers(kv, tmp_path_f
     transformers' greedy tokens and prefill logits, which attention over every block does not give."""
     sparse = ["minimax_m3_sparse"] * 2  # the catalogue's fixture has a dense layer first
     reference = build_reference("minimax_m3_vl_text", tmp_path_factory, layer_types=sparse)
-    dense = AutoModelForCausalLM.from_pretrained(reference["ckpt"], index_topk_blocks=64).eval()
-    with torch.no_grad():
-        every = torch.stack([dense(torch.tensor([x])).logits[0, -1] for x in reference["ids"]])
-    assert (every - reference["logits"]).abs().max() > 1e-2
-    model_dir = migrate(reference, tmp_path, "--kv", kv)
-    code = (model_dir / "models" / "modeling_minimax_m3_vl_text.py").read_text()
-    assert "IndexKeyCache(" in code and "select_block=config.index_block_size" in code
-    assert_framework_run_matches(reference, model_dir)
-    logits = prefill_logits(model_dir, reference["ids"])
-    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+    code = assert_sparse_attention_matches(reference, tmp_path, kv, index_topk_blocks=64)
+    assert "select_block=config.index_block_size" in code
 
 
 @pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])
