@@ -6,6 +6,7 @@ import textwrap
 import pytest
 import torch
 from rich.console import Console
+from tiny_checkpoint import tiny_config
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
@@ -808,3 +809,28 @@ def test_a_shared_experts_fused_gate_up_follows_the_dense_tp_size():
     shared = 2 * (2 * 128 * 64 + 64 * 128)  # layers x (gate_up, down)
     unsplit = make_plan(pc(4, 2, 4, 4, 4), cfg, torch.float32, sharded - {"gate_up_proj", "down_proj"})
     assert unsplit.per_rank_param_bytes - plan.per_rank_param_bytes == shared * 3 // 4 * 4
+
+
+SUBCLASSED_HEAD = textwrap.dedent("""\
+    class ScaledHead(ParallelLMHead):
+        def __init__(self, config, comm_manager=None, prefix=""):
+            super().__init__(512, 64, bias=False, comm_manager=comm_manager, tp_group="lmhead_tp_group", prefix=prefix)
+            self.logit_scale = nn.Parameter(torch.ones(512))
+
+
+    class DoryForCausalLM(nn.Module):
+        def __init__(self, config, comm_manager, prefix):
+            self.lm_head = ScaledHead(config, comm_manager=comm_manager, prefix=prefix)
+    """)
+
+
+def test_a_subclass_of_the_parallel_head_is_the_lm_head_its_own_parameters_whole():
+    """Dory's head, made a subclass of ParallelLMHead: its weight split by vocabulary rows, its logit scale (one
+    per vocabulary entry, applied to the gathered logits) whole on every rank."""
+    sharded, roles = _layers({"modeling_dory.py": SUBCLASSED_HEAD}, {})
+    assert "lm_head" in sharded and roles == {"lm_head": "lm_head"}
+    cfg = tiny_config("dory")
+    head = cfg.vocab_size * cfg.hidden_size
+    split = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, SHARDABLE, roles)
+    whole = make_plan(pc(2, 2, 2, 2, 1), cfg, torch.float32, SHARDABLE - {"lm_head"}, {})
+    assert whole.per_rank_param_bytes - split.per_rank_param_bytes == head // 2 * 4

@@ -87,9 +87,12 @@ OTHER_ARCHS = [
     # a sparse layer's indexer (its own q_proj / k_proj, a key cache) whole on every rank, its block picks per key
     # head cut to each rank's heads; shared experts with gate and up fused on disk, split over dense_tp_group
     pytest.param("minimax_m3_vl_text", "tp2_dp2_dense_tp4", marks=pytest.mark.slow),
+    # an LM head subclassing nn.Linear with a logit scale per vocabulary entry, tied to the embedding; its
+    # attention (per-channel query scales, keys shared across a loop) run whole on every rank
+    pytest.param("dory", "tp2", marks=pytest.mark.slow),
 ]
 # architectures parallelized with --replicate-attention
-REPLICATE_ATTENTION = {"jetmoe"}
+REPLICATE_ATTENTION = {"jetmoe", "dory"}
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {
     "tp2": (2, 2, 2, 2, 2),

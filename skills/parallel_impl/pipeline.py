@@ -233,11 +233,20 @@ def _layers(
     for text in new_code.values():
         tree = ast.parse(text)
         path = _attribute_paths(tree)
+        # in-file subclasses of a parallel layer (Dory's LM head) -> that layer
+        based = {
+            n.name: b.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ClassDef)
+            for b in n.bases
+            if isinstance(b, ast.Name) and b.id in _PARALLEL
+        }
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            for attr, call in _self_calls(cls, _PARALLEL).items():
+            for attr, call in _self_calls(cls, _PARALLEL | set(based)).items():
                 group = next((k.value for k in call.keywords if k.arg == "tp_group"), None)
                 group = group.value if isinstance(group, ast.Constant) else None
-                role = kinds.get(call.func.id) or _linear_role(call.func.id, group, attr)
+                ctor = based.get(call.func.id, call.func.id)
+                role = kinds.get(ctor) or _linear_role(ctor, group, attr)
                 if role in ("o_proj", "lm_head", *_MLP_ROLES.values()) and cls.name in path:
                     owned += [((*p, attr), role) for p in path[cls.name]]
                     continue

@@ -221,3 +221,58 @@ def test_head_tied_inside_its_own_module_stays_replicated(run_rule, make_ctx):
     ctx = make_ctx()
     assert "ParallelLMHead(" not in run_rule(rule, code, ctx)
     assert any("ties a layer that is not one nn.Linear LM head" in f.what for f in ctx.findings)
+
+
+# Dory's head: an nn.Linear subclass scaling each logit by a learned factor per vocabulary entry.
+SCALED_HEAD = dedent("""\
+    class ScaledHead(nn.Linear):
+        def __init__(self, config):
+            super().__init__(config.hidden_size, config.vocab_size, bias=False)
+            self.logit_scale = nn.Parameter(torch.ones(config.vocab_size))
+
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * self.logit_scale
+
+
+    """)
+SUBCLASSED = (
+    EMBEDDING
+    + SCALED_HEAD
+    + BEFORE.replace(EMBEDDING, "").replace(
+        "nn.Linear(config.hidden_size, config.vocab_size, bias=False)", "ScaledHead(config)"
+    )
+)
+
+
+def test_a_head_subclassing_nn_linear_becomes_a_subclass_of_the_parallel_head(run_rule, make_ctx):
+    """Its `super().forward` returns the gathered logits, which its own parameters (whole) then scale."""
+    ctx = make_ctx()
+    out = run_rule(rule, SUBCLASSED, ctx)
+    assert ctx.findings == []
+    assert "from runtime.config.comm_manager import CommManager\n" in out
+    assert (
+        "class ScaledHead(ParallelLMHead):\n"
+        '    def __init__(self, config, comm_manager: CommManager | None = None, prefix: str = ""):\n'
+        "        super().__init__(config.vocab_size, config.hidden_size, bias=False, comm_manager=comm_manager, "
+        'tp_group="lmhead_tp_group", prefix=prefix)\n'
+        "        self.logit_scale = nn.Parameter(torch.ones(config.vocab_size))\n"
+    ) in out
+    assert (
+        'self.lm_head = ScaledHead(config, comm_manager=comm_manager, prefix=join_prefix(prefix, "lm_head"))\n'
+        "        if config.tie_word_embeddings:\n"
+        "            self.lm_head.tie_weights(self.model.embed_tokens)\n"
+    ) in out
+    assert "return super().forward(hidden_states) * self.logit_scale" in out
+    again = make_ctx()
+    assert run_rule(rule, out, again) == out and again.rewrites == again.findings == []
+
+
+def test_a_subclassed_head_reading_its_own_weight_is_a_finding(run_rule, make_ctx):
+    """`self.weight` outside `super().forward` would be a rank's vocab shard: the tie is refused as before."""
+    code = SUBCLASSED.replace(
+        "return super().forward(hidden_states) * self.logit_scale",
+        "return hidden_states @ self.weight.T * self.logit_scale",
+    )
+    ctx = make_ctx()
+    assert "ParallelLMHead" not in run_rule(rule, code, ctx)
+    assert any("ties a layer that is not one nn.Linear LM head" in f.what for f in ctx.findings)

@@ -3,7 +3,10 @@ logits), its weight tie becomes `tie_weights`. Its forward feeds the model this 
 (`own_chunk`: the whole input unless the step's token layout is sharded) and gathers the hidden states onto every
 rank before the last-token selection. A head tied to an embedding that stayed replicated stays replicated too. A
 head built inside a module of its own (BertGeneration's `lm_head.decoder`) is sharded there, the entry's ties
-rewritten to match (its bias tied to the module's `bias`, which becomes the head's)."""
+rewritten to match (its bias tied to the module's `bias`, which becomes the head's). A head that is an in-file
+subclass of nn.Linear (Dory's, which scales each logit by a learned factor per vocabulary entry) becomes a subclass
+of ParallelLMHead: its `super().forward(...)` returns the gathered logits, which its own parameters, whole on
+every rank, then act on."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, dotted, method, stmt
+from skills.migrator.cst_utils import appended, called_name, classes, dotted, method, param_names, stmt
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._split_unit import built_classes, named_once
 from skills.parallel_impl.rules._units import (
@@ -138,6 +141,69 @@ def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.Cl
     return None if m.findall(owner, tied_inside) else found[0]
 
 
+LINEAR_BASES = ("nn.Linear", "torch.nn.Linear", "Linear")
+SUPER_INIT = m.Call(func=m.Attribute(m.Call(func=m.Name("super")), m.Name("__init__")))
+OWN_WEIGHTS = m.Attribute(m.Name("self"), m.Name("weight") | m.Name("bias"))
+
+
+def _subclassed_head(init: cst.FunctionDef, module: cst.Module) -> tuple[Layer, cst.ClassDef] | None:
+    """(the entry's `self.lm_head = Head(...)`, Head) when Head is an in-file subclass of nn.Linear built there
+    only, whose `__init__` calls `super().__init__(hidden, vocab, ...)` once and whose methods reach its weight and
+    bias only through `super().forward(...)`."""
+    local = classes(module)
+    heads = [h for h in self_layers(init, local).values() if h.attr == "lm_head"]
+    cls = local[called_name(heads[0].call)] if heads else None
+    if cls is None or not any(dotted(b.value) in LINEAR_BASES for b in cls.bases):
+        return None
+    inner = method(cls, "__init__")
+    calls = m.findall(inner, SUPER_INIT) if inner is not None else []
+    args = linear_args(calls[0]) if len(calls) == 1 else None
+    if args is None or m.findall(cls, OWN_WEIGHTS) or not named_once(module, cls.name.value):
+        return None
+    return heads[0], cls
+
+
+def _shard_subclassed_head(
+    cls: cst.ClassDef, init: cst.FunctionDef, module: cst.Module, ctx: ParallelRewriteContext
+) -> dict[str, cst.ClassDef] | None:
+    """The entry class and its head (see _subclassed_head) made a subclass of ParallelLMHead, tied as the entry
+    tied it; None when there is none, or its ties are not all to vocab-parallel embeddings."""
+    if (found := _subclassed_head(init, module)) is None or not plumbed(init):
+        return None
+    head, owner = found
+    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.attr))]
+    if any(t.split(".")[-1] not in _parallel_embeddings(module) for t in ties):
+        return None
+    inner = method(owner, "__init__")
+    (call,) = m.findall(inner, SUPER_INIT)
+    args = linear_args(call)
+    sizes = [args.out_features, args.in_features, f"bias={args.bias}"]
+    plumbing = ["comm_manager=comm_manager", f'tp_group="{GROUP}"', "prefix=prefix"]
+    inner = inner.deep_replace(
+        call, cst.parse_expression(f"super().__init__({', '.join([*sizes, *plumbing])})")
+    )
+    params = [
+        cst.Param(
+            cst.Name(name), cst.Annotation(cst.parse_expression(kind)), default=cst.parse_expression(value)
+        )
+        for name, kind, value in (("comm_manager", "CommManager | None", "None"), ("prefix", "str", '""'))
+        if name not in param_names(inner)
+    ]
+    inner = inner.with_changes(params=inner.params.with_changes(params=[*inner.params.params, *params]))
+    built = appended(
+        appended(head.call, "comm_manager", "comm_manager"), "prefix", f'join_prefix(prefix, "{head.attr}")'
+    )
+    init = init.deep_replace(head.call, built).visit(_Tie(head.attr))
+    owner = replace_methods(owner, {"__init__": inner}).with_changes(
+        bases=[cst.Arg(cst.Name("ParallelLMHead"))]
+    )
+    ctx.rewrites.append(
+        f"{owner.name.value}: a subclass of ParallelLMHead ({GROUP}), its own parameters whole on every rank"
+        + "".join(f", tied to {t} via tie_weights" for t in ties)
+    )
+    return {cls.name.value: replace_methods(cls, {"__init__": init}), owner.name.value: owner}
+
+
 def _bias_tie(head: str) -> m.Assign:
     """`self.<head>.bias = self.<owner>.<b>`."""
     target = m.AssignTarget(m.Attribute(_self_path(head), m.Name("bias")))
@@ -203,6 +269,8 @@ def _shard_head(
     parallel = _parallel_embeddings(module)
     if head is None and init is not None and (nested := _shard_nested_head(cls, init, module, ctx)):
         return nested
+    if head is None and init is not None and (subclassed := _shard_subclassed_head(cls, init, module, ctx)):
+        return subclassed
     if head is None:
         tied = [
             t for t in m.findall(init, _tie()) if dotted(t.body[0].value.value).split(".")[-1] in parallel
@@ -248,6 +316,8 @@ class ShardLMHead(Rule):
         changed = _shard_head(cls, module, ctx)
         if changed:
             imports += [("runtime.layers.embedding", "ParallelLMHead"), PREFIX_IMPORT]
+        if any("comm_manager: CommManager" in code(c) for c in changed.values()):  # a subclassed head's
+            imports.append(("runtime.config.comm_manager", "CommManager"))
         new = changed.get(cls.name.value, cls)
         fwd = method(new, "forward")
         if fwd is not None and (changed or "tp_group=" in module.code):  # some layer is parallel
