@@ -233,13 +233,14 @@ def _layers(
     for text in new_code.values():
         tree = ast.parse(text)
         path = _attribute_paths(tree)
-        # in-file subclasses of a parallel layer (Dory's LM head) -> that layer
+        # in-file subclasses of a layer whose role its class tells (Dory's LM head, PR004) -> that class
         based = {
-            n.name: b.id
+            n.name: n.bases[0].id
             for n in ast.walk(tree)
             if isinstance(n, ast.ClassDef)
-            for b in n.bases
-            if isinstance(b, ast.Name) and b.id in _PARALLEL
+            and len(n.bases) == 1
+            and isinstance(n.bases[0], ast.Name)
+            and n.bases[0].id in kinds
         }
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             for attr, call in _self_calls(cls, _PARALLEL | set(based)).items():
@@ -252,7 +253,7 @@ def _layers(
                     continue
                 attrs.add(attr)
                 in_attention = group == "attn_tp_group"
-                if in_attention and call.func.id == "ColumnParallelLinear" and attr in (*QKV, *FUSED_ON_DISK):
+                if in_attention and ctor == "ColumnParallelLinear" and attr in (*QKV, *FUSED_ON_DISK):
                     attrs.add(COLUMN_QKV)
                 if role:
                     roles[attr] = role

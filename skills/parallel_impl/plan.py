@@ -403,7 +403,7 @@ def _held(
     # the only other layers the rules build are attention projections sized by heads (MLA's q_b_proj, kv_b_proj)
     size = tp.get(module, pc.attn_tp_size)
     if module in ("embed_tokens", "lm_head"):
-        if name.rsplit(".", 1)[-1] not in ("weight", "bias"):  # a head's own parameters (Dory's logit scale)
+        if leaf not in ("weight", "bias"):  # a head's own parameters (Dory's logit scale)
             return numel
         return _padded(shape[0], size) // size * math.prod(shape[1:])
     if module in ("k_proj", "v_proj"):  # split, or one replicated head

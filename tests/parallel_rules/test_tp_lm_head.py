@@ -3,6 +3,8 @@ before the last-token selection."""
 
 from textwrap import dedent
 
+import pytest
+
 from skills.parallel_impl.rules.lm_head import ShardLMHead as rule
 
 EMBEDDING = dedent("""\
@@ -267,12 +269,37 @@ def test_a_head_subclassing_nn_linear_becomes_a_subclass_of_the_parallel_head(ru
     assert run_rule(rule, out, again) == out and again.rewrites == again.findings == []
 
 
-def test_a_subclassed_head_reading_its_own_weight_is_a_finding(run_rule, make_ctx):
-    """`self.weight` outside `super().forward` would be a rank's vocab shard: the tie is refused as before."""
+def test_a_subclassed_head_already_given_the_plumbing_keeps_one_of_each_argument(run_rule):
     code = SUBCLASSED.replace(
-        "return super().forward(hidden_states) * self.logit_scale",
-        "return hidden_states @ self.weight.T * self.logit_scale",
+        "def __init__(self, config):", 'def __init__(self, config, comm_manager=None, prefix=""):'
+    ).replace(
+        "ScaledHead(config)",
+        'ScaledHead(config, comm_manager=comm_manager, prefix=join_prefix(prefix, "lm_head"))',
     )
+    out = run_rule(rule, code)
+    compile(out, "modeling.py", "exec")
+    assert 'ScaledHead(config, comm_manager=comm_manager, prefix=join_prefix(prefix, "lm_head"))\n' in out
+    assert 'def __init__(self, config, comm_manager=None, prefix=""):' in out
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        (  # `self.weight` outside `super().forward` would be a rank's vocab shard
+            "return super().forward(hidden_states) * self.logit_scale",
+            "return hidden_states @ self.weight.T * self.logit_scale",
+        ),
+        (
+            "* self.logit_scale",
+            "* self.logit_scale[: self.out_features]",
+        ),  # ParallelLMHead has no out_features
+        ("class ScaledHead(nn.Linear):", "class ScaledHead(nn.Linear, Scaled):"),  # another base to keep
+    ],
+    ids=["own_weight", "nn_linear_attribute", "two_bases"],
+)
+def test_a_subclassed_head_the_rule_cannot_rebase_is_a_finding_when_tied(run_rule, make_ctx, change):
+    code = SUBCLASSED.replace(*change)
+    assert code != SUBCLASSED
     ctx = make_ctx()
     assert "ParallelLMHead" not in run_rule(rule, code, ctx)
     assert any("ties a layer that is not one nn.Linear LM head" in f.what for f in ctx.findings)

@@ -267,6 +267,30 @@ def test_caller_with_a_double_star_parameter_of_another_name_passes_that_one_on(
     assert ast.unparse(fwd.body[1].value).endswith("position_embeddings=position_embeddings, **extra)")
 
 
+def test_a_call_in_a_nested_function_passes_the_enclosing_functions_kwargs(run_rule, make_ctx):
+    """A closure reads its enclosing forward's `**kwargs`: the nested def's own callers pass none."""
+    call = """\
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+"""
+    nested = """\
+
+        def attend(h):
+            return self.self_attn(hidden_states=h, position_embeddings=position_embeddings)[0]
+
+        hidden_states = attend(hidden_states)
+"""
+    assert call in CALLERS
+    ctx = make_ctx()
+    out = run_rule(rule, HEADER + attention() + CALLERS.replace(call, nested), ctx)
+    assert ctx.findings == []
+    assert "        def attend(h):\n" in out
+    assert "self.self_attn(hidden_states=h, position_embeddings=position_embeddings, **kwargs)" in out
+
+
 @pytest.mark.parametrize("entry", ["LlamaForCausalLM", "SomethingElse"])
 def test_attention_not_used_by_the_entry_class_untouched(run_rule, make_ctx, entry):
     # A vision tower's attention (or a file without the entry class): nothing is converted, no imports added.

@@ -282,8 +282,8 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
 
 class _PassKwargs(cst.CSTTransformer):
     """Calls of the modules in attrs (`self.X(...)`, `self.X[i](...)`, or `layer(...)` in a loop over `self.X`)
-    pass the caller's `**` parameter on (`**kwargs`, added to its signature if missing), so that forward_metadata
-    reaches attention."""
+    pass the caller's `**` parameter on, or that of the function it is defined in (`**kwargs`, added to its
+    signature if none has one), so that forward_metadata reaches attention."""
 
     def __init__(self, attrs: set[str]):
         self.attrs = attrs
@@ -323,10 +323,9 @@ class _PassKwargs(cst.CSTTransformer):
             or any(a.star == "**" for a in updated.args)
         ):
             return updated
-        self.needs_kwargs[-1] = self.stars[-1] is None
-        return updated.with_changes(
-            args=[*updated.args, cst.Arg(cst.Name(self.stars[-1] or "kwargs"), star="**")]
-        )
+        star = next((s for s in reversed(self.stars) if s), None)  # a nested def reads its enclosing one's
+        self.needs_kwargs[-1] = star is None
+        return updated.with_changes(args=[*updated.args, cst.Arg(cst.Name(star or "kwargs"), star="**")])
 
     def leave_FunctionDef(self, original, updated):
         self.stars.pop()

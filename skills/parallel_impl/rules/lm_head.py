@@ -10,12 +10,13 @@ every rank, then act on."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import appended, called_name, classes, dotted, method, param_names, stmt
+from skills.migrator.cst_utils import appended, called_name, classes, dotted, kwarg, method, param_names, stmt
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._split_unit import built_classes, named_once
 from skills.parallel_impl.rules._units import (
@@ -115,10 +116,14 @@ def _head(init: cst.FunctionDef) -> Layer | None:
     return vocab[0] if len(vocab) == 1 else None
 
 
+def _head_sizes(args: LinearArgs) -> list[str]:
+    """ParallelLMHead's leading arguments for an nn.Linear head's: vocab, hidden, bias."""
+    return [args.out_features, args.in_features, f"bias={args.bias}"]
+
+
 def _parallel_head(head: Layer, args: LinearArgs) -> cst.SimpleStatementLine:
     """`self.<head> = ParallelLMHead(vocab, hidden, bias=...)` in place of the nn.Linear head."""
-    sizes = [args.out_features, args.in_features, f"bias={args.bias}"]
-    return parallel_layer(head.attr, "ParallelLMHead", sizes, GROUP, head.line)
+    return parallel_layer(head.attr, "ParallelLMHead", _head_sizes(args), GROUP, head.line)
 
 
 def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.ClassDef, Layer] | None:
@@ -141,47 +146,55 @@ def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.Cl
     return None if m.findall(owner, tied_inside) else found[0]
 
 
-LINEAR_BASES = ("nn.Linear", "torch.nn.Linear", "Linear")
+LINEAR_BASES = ("nn.Linear", "torch.nn.Linear")
 SUPER_INIT = m.Call(func=m.Attribute(m.Call(func=m.Name("super")), m.Name("__init__")))
-OWN_WEIGHTS = m.Attribute(m.Name("self"), m.Name("weight") | m.Name("bias"))
+# what nn.Linear has and ParallelLMHead has not, or holds a vocab shard of: read only through super().forward
+LINEAR_ONLY = m.Attribute(
+    m.Name("self"), m.OneOf(*map(m.Name, ("weight", "bias", "in_features", "out_features")))
+)
 
 
-def _subclassed_head(init: cst.FunctionDef, module: cst.Module) -> tuple[Layer, cst.ClassDef] | None:
-    """(the entry's `self.lm_head = Head(...)`, Head) when Head is an in-file subclass of nn.Linear built there
-    only, whose `__init__` calls `super().__init__(hidden, vocab, ...)` once and whose methods reach its weight and
-    bias only through `super().forward(...)`."""
+@dataclass(frozen=True)
+class _SubclassedHead:
+    layer: Layer  # the entry's `self.lm_head = Head(...)`
+    cls: cst.ClassDef
+    init: cst.FunctionDef  # Head's __init__
+    call: cst.Call  # its `super().__init__(hidden, vocab, ...)`
+    args: LinearArgs
+
+
+def _subclassed_head(init: cst.FunctionDef, module: cst.Module) -> _SubclassedHead | None:
+    """The entry's head when it is an in-file subclass of nn.Linear alone, built there only, whose `__init__` calls
+    `super().__init__(hidden, vocab, ...)` once and whose methods reach its weight, bias and sizes only through
+    `super().forward(...)` and define no `reset_parameters`."""
     local = classes(module)
     heads = [h for h in self_layers(init, local).values() if h.attr == "lm_head"]
     cls = local[called_name(heads[0].call)] if heads else None
-    if cls is None or not any(dotted(b.value) in LINEAR_BASES for b in cls.bases):
+    if cls is None or [dotted(b.value) for b in cls.bases] not in ([b] for b in LINEAR_BASES):
         return None
     inner = method(cls, "__init__")
     calls = m.findall(inner, SUPER_INIT) if inner is not None else []
     args = linear_args(calls[0]) if len(calls) == 1 else None
-    if args is None or m.findall(cls, OWN_WEIGHTS) or not named_once(module, cls.name.value):
+    own = m.findall(cls, LINEAR_ONLY) or method(cls, "reset_parameters")
+    if args is None or args.transposed or own or not named_once(module, cls.name.value):
         return None
-    return heads[0], cls
+    return _SubclassedHead(heads[0], cls, inner, calls[0], args)
 
 
 def _shard_subclassed_head(
     cls: cst.ClassDef, init: cst.FunctionDef, module: cst.Module, ctx: ParallelRewriteContext
 ) -> dict[str, cst.ClassDef] | None:
     """The entry class and its head (see _subclassed_head) made a subclass of ParallelLMHead, tied as the entry
-    tied it; None when there is none, or its ties are not all to vocab-parallel embeddings."""
-    if (found := _subclassed_head(init, module)) is None or not plumbed(init):
+    tied it; None when there is none, the entry takes no comm_manager / prefix, or its ties are not all to
+    vocab-parallel embeddings."""
+    if (head := _subclassed_head(init, module)) is None or not plumbed(init):
         return None
-    head, owner = found
-    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.attr))]
+    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.layer.attr))]
     if any(t.split(".")[-1] not in _parallel_embeddings(module) for t in ties):
         return None
-    inner = method(owner, "__init__")
-    (call,) = m.findall(inner, SUPER_INIT)
-    args = linear_args(call)
-    sizes = [args.out_features, args.in_features, f"bias={args.bias}"]
     plumbing = ["comm_manager=comm_manager", f'tp_group="{GROUP}"', "prefix=prefix"]
-    inner = inner.deep_replace(
-        call, cst.parse_expression(f"super().__init__({', '.join([*sizes, *plumbing])})")
-    )
+    parent = f"super().__init__({', '.join([*_head_sizes(head.args), *plumbing])})"
+    inner = head.init.deep_replace(head.call, cst.parse_expression(parent))
     params = [
         cst.Param(
             cst.Name(name), cst.Annotation(cst.parse_expression(kind)), default=cst.parse_expression(value)
@@ -190,11 +203,14 @@ def _shard_subclassed_head(
         if name not in param_names(inner)
     ]
     inner = inner.with_changes(params=inner.params.with_changes(params=[*inner.params.params, *params]))
-    built = appended(
-        appended(head.call, "comm_manager", "comm_manager"), "prefix", f'join_prefix(prefix, "{head.attr}")'
-    )
-    init = init.deep_replace(head.call, built).visit(_Tie(head.attr))
-    owner = replace_methods(owner, {"__init__": inner}).with_changes(
+    built = head.layer.call
+    for name, value in (
+        ("comm_manager", "comm_manager"),
+        ("prefix", f'join_prefix(prefix, "{head.layer.attr}")'),
+    ):
+        built = built if kwarg(built, name) else appended(built, name, value)
+    init = init.deep_replace(head.layer.call, built).visit(_Tie(head.layer.attr))
+    owner = replace_methods(head.cls, {"__init__": inner}).with_changes(
         bases=[cst.Arg(cst.Name("ParallelLMHead"))]
     )
     ctx.rewrites.append(
@@ -316,8 +332,8 @@ class ShardLMHead(Rule):
         changed = _shard_head(cls, module, ctx)
         if changed:
             imports += [("runtime.layers.embedding", "ParallelLMHead"), PREFIX_IMPORT]
-        if any("comm_manager: CommManager" in code(c) for c in changed.values()):  # a subclassed head's
-            imports.append(("runtime.config.comm_manager", "CommManager"))
+        if any(m.matches(b, m.Arg(m.Name("ParallelLMHead"))) for c in changed.values() for b in c.bases):
+            imports.append(("runtime.config.comm_manager", "CommManager"))  # a subclassed head's parameter
         new = changed.get(cls.name.value, cls)
         fwd = method(new, "forward")
         if fwd is not None and (changed or "tp_group=" in module.code):  # some layer is parallel
