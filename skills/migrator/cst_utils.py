@@ -252,3 +252,31 @@ def with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
     return fn.with_changes(
         params=fn.params.with_changes(star_arg=star, kwonly_params=[*fn.params.kwonly_params, param])
     )
+
+
+class KwargsPassing(cst.CSTTransformer):
+    """Base of the transformers that make some calls pass their caller's `**` parameter on (`with_kwargs`): that of
+    the innermost enclosing function that has one (a nested def reads its enclosing one's), else `**kwargs`, which
+    the calling function then takes. Subclasses that define visit_FunctionDef / leave_FunctionDef call these."""
+
+    def __init__(self) -> None:
+        self.stars: list[str | None] = []  # per enclosing function: the name of its `**` parameter
+        self.needs_kwargs: list[bool] = []  # per enclosing function: a call passes the `**kwargs` it lacks
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        star = node.params.star_kwarg
+        self.stars.append(star.name.value if isinstance(star, cst.Param) else None)
+        self.needs_kwargs.append(False)
+
+    def with_kwargs(self, call: cst.Call) -> cst.Call:
+        star = next((s for s in reversed(self.stars) if s), None)
+        self.needs_kwargs[-1] |= star is None
+        return call.with_changes(args=[*call.args, cst.Arg(cst.Name(star or "kwargs"), star="**")])
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self.stars.pop()
+        if self.needs_kwargs.pop():
+            updated = updated.with_changes(
+                params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
+            )
+        return updated

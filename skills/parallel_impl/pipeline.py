@@ -230,9 +230,8 @@ def _layers(
     qkv = zip(fused.get("qkv_proj", ()), ("q_proj", "k_proj", "v_proj"), strict=False)
     roles = {part: role for part, role in qkv if part != role}
     attrs, owned = set(), []
-    for text in new_code.values():
-        tree = ast.parse(text)
-        path = _attribute_paths(tree)
+    parsed = [(tree, _attribute_paths(tree)) for tree in map(ast.parse, new_code.values())]
+    for tree, path in parsed:
         # in-file subclasses of a layer whose role its class tells (Dory's LM head, PR004) -> that class
         based = {
             n.name: n.bases[0].id
@@ -258,11 +257,9 @@ def _layers(
                 if role:
                     roles[attr] = role
     split = {part for a in attrs for part in fused.get(a, (a,))}
-    for text in new_code.values():
-        tree = ast.parse(text)
-        path = _attribute_paths(tree)
+    for tree, path in parsed:
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name in path):
-            plain = split & {a for a, c in _self_calls(cls, {"Linear"}, qualified=True).items()}
+            plain = split & set(_self_calls(cls, {"Linear"}, qualified=True))
             owned += [((*p, attr), WHOLE) for attr in plain for p in path[cls.name]]
     roles |= _distinct_keys(owned)
     code = "".join(new_code.values())

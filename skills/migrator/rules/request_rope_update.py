@@ -9,7 +9,15 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import instance_attrs
-from skills.migrator.cst_utils import appended, classes, dotted, method, param_names, rewrite_classes
+from skills.migrator.cst_utils import (
+    KwargsPassing,
+    appended,
+    classes,
+    dotted,
+    method,
+    param_names,
+    rewrite_classes,
+)
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
@@ -34,20 +42,18 @@ class _FromRuntime(cst.CSTTransformer):
         )
 
 
-class _PassMetadata(cst.CSTTransformer):
-    """Calls `self.<attr>(...)` of the rotary modules in attrs pass forward_metadata on."""
+class _PassMetadata(KwargsPassing):
+    """Calls `self.<attr>(...)` of the rotary modules in attrs pass forward_metadata on: by name where the caller
+    takes it, else in its `**` parameter."""
 
     def __init__(self, attrs: set[str]):
+        super().__init__()
         self.attrs = attrs
         self.params: list[list[str]] = []  # per enclosing function: its parameters
-        self.star: list[str | None] = []  # per enclosing function: the name of its `**` parameter
-        self.needs_kwargs: list[bool] = []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        super().visit_FunctionDef(node)
         self.params.append(param_names(node))
-        star = node.params.star_kwarg
-        self.star.append(star.name.value if isinstance(star, cst.Param) else None)
-        self.needs_kwargs.append(False)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if not self.params or not m.matches(
@@ -58,19 +64,11 @@ class _PassMetadata(cst.CSTTransformer):
             return updated
         if "forward_metadata" in self.params[-1]:
             return appended(updated, "forward_metadata", "forward_metadata")
-        self.needs_kwargs[-1] = self.star[-1] is None
-        return updated.with_changes(
-            args=[*updated.args, cst.Arg(cst.Name(self.star[-1] or "kwargs"), star="**")]
-        )
+        return self.with_kwargs(updated)
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         self.params.pop()
-        self.star.pop()
-        if self.needs_kwargs.pop():
-            updated = updated.with_changes(
-                params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
-            )
-        return updated
+        return super().leave_FunctionDef(original, updated)
 
 
 def _decorated(cls: cst.ClassDef) -> bool:

@@ -11,6 +11,7 @@ import libcst.matchers as m
 
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import (
+    KwargsPassing,
     assigned_names,
     called_name,
     class_choice,
@@ -280,21 +281,15 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
     return found
 
 
-class _PassKwargs(cst.CSTTransformer):
+class _PassKwargs(KwargsPassing):
     """Calls of the modules in attrs (`self.X(...)`, `self.X[i](...)`, or `layer(...)` in a loop over `self.X`)
     pass the caller's `**` parameter on, or that of the function it is defined in (`**kwargs`, added to its
     signature if none has one), so that forward_metadata reaches attention."""
 
     def __init__(self, attrs: set[str]):
+        super().__init__()
         self.attrs = attrs
-        self.stars: list[str | None] = []  # per enclosing function: the name of its `**` parameter
-        self.needs_kwargs: list[bool] = []  # per enclosing function: a call passes the `**kwargs` it lacks
         self.loop_vars: dict[str, str] = {}  # name bound by `for` over `self.X` -> X
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        star = node.params.star_kwarg
-        self.stars.append(star.name.value if isinstance(star, cst.Param) else None)
-        self.needs_kwargs.append(False)
 
     def visit_For(self, node: cst.For) -> None:
         source = (
@@ -323,18 +318,11 @@ class _PassKwargs(cst.CSTTransformer):
             or any(a.star == "**" for a in updated.args)
         ):
             return updated
-        star = next((s for s in reversed(self.stars) if s), None)  # a nested def reads its enclosing one's
-        self.needs_kwargs[-1] = star is None
-        return updated.with_changes(args=[*updated.args, cst.Arg(cst.Name(star or "kwargs"), star="**")])
+        return self.with_kwargs(updated)
 
     def leave_FunctionDef(self, original, updated):
-        self.stars.pop()
-        if self.needs_kwargs.pop():
-            updated = updated.with_changes(
-                params=updated.params.with_changes(star_kwarg=cst.Param(cst.Name("kwargs")))
-            )
         self.loop_vars = {}
-        return updated
+        return super().leave_FunctionDef(original, updated)
 
 
 class _DropWeightsAtCallers(_PassKwargs):

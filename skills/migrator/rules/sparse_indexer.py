@@ -203,6 +203,14 @@ def _mask_arm(s: cst.BaseStatement, picks: set[str]) -> bool:
     )
 
 
+def _picks_passed_otherwise(call: cst.Call, picks: set[str]) -> list[cst.Arg]:
+    """The arguments of an attention call that pass an indexer's picks under a keyword other than `indices=`
+    (`block_indices=picks`), where it passes none as `indices=`."""
+    if called_name(call) not in INTERFACE or kwarg(call, "indices"):
+        return []
+    return [a for a in call.args if a.keyword and m.matches(a.value, m.Name()) and a.value.value in picks]
+
+
 class _PicksAsIndices(cst.CSTTransformer):
     """The attention call passing an indexer's picks under another keyword (`block_indices=picks`) passes them as
     `indices=`, with the size of the blocks they number as `index_block=` where they do."""
@@ -211,16 +219,10 @@ class _PicksAsIndices(cst.CSTTransformer):
         self.picks, self.block = picks, block
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if called_name(updated) not in INTERFACE or kwarg(updated, "indices"):
+        renamed = {id(a) for a in _picks_passed_otherwise(updated, self.picks)}
+        if not renamed:
             return updated
-        args = [
-            a.with_changes(keyword=cst.Name("indices"))
-            if a.keyword and m.matches(a.value, m.Name()) and a.value.value in self.picks
-            else a
-            for a in updated.args
-        ]
-        if args == list(updated.args):
-            return updated
+        args = [a.with_changes(keyword=cst.Name("indices")) if id(a) in renamed else a for a in updated.args]
         updated = updated.with_changes(args=args)
         return appended(updated, "index_block", self.block) if self.block else updated
 
@@ -338,11 +340,7 @@ class SparseIndexer(Rule):
         arms = [s for s in m.findall(cls, m.If()) if _mask_arm(s, picks)]
         block, why = _block_size(arms, attrs, init)
         renamed = [
-            a
-            for c in m.findall(cls, m.Call(func=m.Name()))
-            if called_name(c) in INTERFACE and not kwarg(c, "indices")
-            for a in c.args
-            if a.keyword and m.matches(a.value, m.Name()) and a.value.value in picks
+            a for c in m.findall(cls, m.Call(func=m.Name())) for a in _picks_passed_otherwise(c, picks)
         ]
         if renamed and arms and block is None and not why:
             why = (
