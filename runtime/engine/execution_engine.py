@@ -23,6 +23,7 @@ from runtime.engine.step_inputs import build_step_inputs
 from runtime.engine.step_stats import StepStats
 from runtime.engine.stopping import eos_token_ids
 from runtime.layers.attention import probed_cache_keys
+from runtime.layers.request_states import RequestStates, StateStore
 from runtime.layers.token_layout import ATTN_GROUP, any_rank, needs_sharded_layout, step_layout, use_layout
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class ExecutionEngine:
         self.scheduler_cls = scheduler_cls
         self.worker = ModelWorker(config, dist, model_dir)
         self.sampler = Sampler()
+        self.states = StateStore()
         self.kv = None
         self.tokenizer = None
         self.scheduler: Scheduler | None = None
@@ -111,6 +113,7 @@ class ExecutionEngine:
             return False
         self.scheduler.abort(request)
         self.sampler.release(request)
+        self.states.release(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -148,6 +151,7 @@ class ExecutionEngine:
             )
             if done:
                 self.sampler.release(r)
+                self.states.release(r.request_id)
                 self.requests.pop(r.request_id, None)
         return outputs
 
@@ -166,6 +170,9 @@ class ExecutionEngine:
         min_blocks = 1 if batch.is_prefill or self.config.model_config.exe_mode == "eager" else 2
         input_ids, position_ids, md = build_step_inputs(
             batch, tables, self.kv.block_size, self.device, min_rows, min_blocks
+        )
+        md.request_states = self.states.for_step(
+            [r.request_id for r in batch.requests], batch.is_prefill, md.batch_size
         )
         logits, infer_ms = self._run(input_ids, position_ids, md)
         logits = logits[: len(batch)]  # rows padded for a compiled graph carry no request
@@ -201,6 +208,7 @@ class ExecutionEngine:
             block_table=dict.fromkeys(self.kv.group_keys, slot),
             slot_mapping=dict.fromkeys(self.kv.group_keys, zero),
             probe=probe,
+            request_states=[RequestStates()],
         )
         self._run(zero, zero, md)
         return md

@@ -766,3 +766,22 @@ def test_a_module_built_only_under_a_condition_loses_the_arguments_of_removed_pa
     out = run_rule(rule, code)
     assert "def forward(self, hidden_states, position_ids):" in out
     assert "hidden_states = self.indexer(hidden_states, position_ids)" in out
+
+
+def test_a_module_level_helper_loses_the_folded_parameter_and_its_arguments(run_rule):
+    # LFM2's short convolution zeroes padding through a function of the module, handed the attention mask.
+    code = dedent("""\
+        def apply_mask_to_padding_states(hidden_states, attention_mask):
+            if attention_mask is not None:
+                hidden_states = hidden_states * attention_mask[:, :, None]
+            return hidden_states
+
+
+        class ShortConv(nn.Module):
+            def forward(self, hidden_states, attention_mask=None):
+                return apply_mask_to_padding_states(hidden_states, attention_mask)
+        """)
+    out = run_rule(rule, code)
+    assert "def apply_mask_to_padding_states(hidden_states):" in out
+    assert "return apply_mask_to_padding_states(hidden_states)" in out
+    assert run_rule(rule, out) == out

@@ -25,6 +25,7 @@ from skills.migrator.rules.plain_linear_subclasses import PlainLinearSubclasses
 from skills.migrator.rules.prune_unreachable import PruneUnreachable
 from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
 from skills.migrator.rules.request_rope_update import RequestRopeUpdate
+from skills.migrator.rules.request_states import PerRequestStates
 from skills.migrator.rules.runtime_attention import RuntimeAttention
 from skills.migrator.rules.shared_inputs import SharedInputs
 from skills.migrator.rules.sparse_indexer import SparseIndexer
@@ -41,6 +42,7 @@ MODELING_RULES = [
     RemoveMaskMachinery,
     CacheKeys,
     SparseIndexer,
+    PerRequestStates,
     FoldHFOnlyParams,
     AttentionClassTable,
     HandWrittenAttention,

@@ -325,7 +325,7 @@ class _Fold(cst.CSTTransformer):
 
 
 def _bound_to_hf_only(module: cst.Module) -> set[int]:
-    """ids of the arguments in-file calls bind to the HF-only parameters of in-file classes' methods, whatever
+    """ids of the arguments in-file calls bind to the HF-only parameters of in-file classes' methods and functions, whatever
     the argument's name (OPT passes its position mask to its embedding positionally): they go too."""
     local, doomed = classes(module), set()
     for name, where in call_sites(module).items():
@@ -334,6 +334,12 @@ def _bound_to_hf_only(module: cst.Module) -> set[int]:
             for param in named_params(fn) if fn is not None else ():
                 if param.name.value in HF_ONLY:
                     doomed |= {id(a) for c in calls if (a := binding(c, fn, param)) is not None}
+    # module-level helpers too (LFM2's `apply_mask_to_padding_states(hidden_states, attention_mask)`)
+    for fn in (s for s in module.body if isinstance(s, cst.FunctionDef)):
+        calls = m.findall(module, m.Call(func=m.Name(fn.name.value)))
+        for param in named_params(fn):
+            if param.name.value in HF_ONLY:
+                doomed |= {id(a) for c in calls if (a := binding(c, fn, param)) is not None}
     return doomed
 
 
@@ -387,7 +393,7 @@ def _helper_bindings(module: cst.Module) -> tuple[dict[tuple[str, str], set[str]
     return kept, doomed
 
 
-def _cache_state_methods(fn: cst.FunctionDef) -> list[str]:
+def cache_state_methods(fn: cst.FunctionDef) -> list[str]:
     """Methods by which fn keeps state other than keys and values in a cache parameter: `store` of each
     `cache.layers[i].store(...)` (directly or through a local bound to `cache.layers[i]`), and any method of
     the cache itself but the keys-and-values `update` (ZAYA's `cache.update_conv_state(...)`). Reads (`get_*`)
@@ -428,7 +434,7 @@ class FoldHFOnlyParams(Rule):
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         for name, cls in classes(module).items():
             for fn in m.findall(cls.body, m.FunctionDef()):
-                if found := _cache_state_methods(fn):
+                if found := cache_state_methods(fn):
                     self.rewrite.unsupported(
                         name,
                         0,

@@ -71,6 +71,14 @@ class _PassMetadata(KwargsPassing):
         return super().leave_FunctionDef(original, updated)
 
 
+def pass_metadata(cls: cst.ClassDef, callees: set[str]) -> cst.ClassDef | None:
+    """cls with its calls of the modules of classes `callees` it holds passing forward_metadata on, or None when
+    it holds none."""
+    init = method(cls, "__init__")
+    attrs = {a for a, (_, many) in (instance_attrs(init, callees) if init else {}).items() if not many}
+    return cls.visit(_PassMetadata(attrs)) if attrs else None
+
+
 def _decorated(cls: cst.ClassDef) -> bool:
     return any(dotted(d.decorator) == NAME for fn in m.findall(cls, m.FunctionDef()) for d in fn.decorators)
 
@@ -88,11 +96,6 @@ class RequestRopeUpdate(Rule):
         if not rotary:
             return module
 
-        def callers(cls: cst.ClassDef) -> cst.ClassDef | None:
-            init = method(cls, "__init__")
-            attrs = {a for a, (_, many) in (instance_attrs(init, rotary) if init else {}).items() if not many}
-            return cls.visit(_PassMetadata(attrs)) if attrs else None
-
-        module = rewrite_classes(module.visit(_FromRuntime()), callers)
+        module = rewrite_classes(module.visit(_FromRuntime()), lambda cls: pass_metadata(cls, rotary))
         self.add_needed_imports([("runtime.layers.rotary", NAME)])
         return module

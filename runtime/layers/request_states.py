@@ -1,0 +1,159 @@
+"""State that layers carry from token to token besides keys and values (a short convolution's last inputs, a
+linear-attention or state-space recurrence), kept per request.
+
+transformers' hybrid models read and write it through their cache: ``get_conv_state`` / ``update_conv_state``,
+``get_recurrent_state`` / ``update_recurrent_state``, for one batch whose rows advance together. The runtime's step
+packs requests of different lengths and ages, so a layer decorated with ``@per_request(states=...)`` runs once
+per request of the step on that request's tokens (HF's ``[1, L, ...]``), with that request's ``RequestStates``
+in place of the cache. A request's states live from its prefill (which starts them afresh, so a preempted
+request recomputes them) until it finishes or is aborted (``StateStore.release``)."""
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from runtime.engine.forward_metadata import ForwardMetaData
+from runtime.errors import UserError
+
+
+class RequestStates:
+    """One request's states, by layer and state index, with the methods HF's layers call on their cache."""
+
+    def __init__(self) -> None:
+        self.conv: dict[tuple[int, int], torch.Tensor] = {}
+        self.recurrent: dict[tuple[int, int], torch.Tensor] = {}
+        self.conv_width: dict[tuple[int, int], int] = {}
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.conv.get((layer_idx, state_idx))
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Keeps the last ``conv_kernel_size`` inputs (the first call's width if not given); returns the inputs a
+        causal convolution of the new ones reads: the kept ones before them, or zeros for a fresh request."""
+        key = (layer_idx, state_idx)
+        width = self.conv_width.setdefault(key, conv_kernel_size or conv_states.shape[-1])
+        previous = self.conv.get(key)
+        if previous is None:
+            full = torch.nn.functional.pad(conv_states, (max(width - conv_states.shape[-1], 0), 0))
+        else:
+            full = torch.cat([previous, conv_states], dim=-1)
+        self.conv[key] = full[..., -width:].clone()
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.recurrent.get((layer_idx, state_idx))
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        self.recurrent[(layer_idx, state_idx)] = recurrent_states.clone()
+        return self.recurrent[(layer_idx, state_idx)]
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        """The runtime never rolls a request back (no speculative tokens), so it keeps no past beyond the state."""
+        return False
+
+
+class _NotCarried(RequestStates):
+    """The states of a request whose prefill ran elsewhere: a layer that reads them cannot go on."""
+
+    def __init__(self, request_id: Hashable) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+    def _refuse(self, *args, **kwargs):
+        raise UserError(
+            f"request {self.request_id} was prefilled by another engine, which hands over keys and values but not "
+            "the conv / recurrent states of this model's layers; serve this model without prefill-decode "
+            "disaggregation."
+        )
+
+    get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _refuse
+
+
+class StateStore:
+    """Every live request's ``RequestStates``, owned by the engine."""
+
+    def __init__(self) -> None:
+        self._states: dict[Hashable, RequestStates] = {}
+
+    def for_step(self, request_ids: list[Hashable], is_prefill: bool, rows: int) -> list[RequestStates]:
+        """The states of a step's rows: fresh ones for a prefill, throwaway ones for rows padded past the batch.
+        A request prefilled by another engine (prefill-decode disaggregation) brought no states."""
+        if is_prefill:
+            self._states.update((r, RequestStates()) for r in request_ids)
+        known = [self._states.get(r) or _NotCarried(r) for r in request_ids]
+        return known + [RequestStates() for _ in range(rows - len(request_ids))]
+
+    def release(self, request_id: Hashable) -> None:
+        self._states.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+
+def _request_bounds(md: ForwardMetaData) -> list[int]:
+    return md.memo("request_bounds", lambda: md.actual_seq_lengths_cu_q.tolist())
+
+
+def _rows(x: Any, start: int, end: int, tokens: int) -> Any:
+    """A request's slice [1, start:end] of each argument laid out in HF's packed [1, T, ...] (in tuples and keyword
+    dicts too); others as they are."""
+    if isinstance(x, tuple):
+        return tuple(_rows(e, start, end, tokens) for e in x)
+    if isinstance(x, dict):
+        return {k: _rows(v, start, end, tokens) for k, v in x.items()}
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (1, tokens):
+        return x[:, start:end]
+    return x
+
+
+def _joined(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, tuple):
+        return tuple(_joined(list(parts)) for parts in zip(*outputs))
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs, dim=1)
+    return first
+
+
+def per_request(states: str) -> Callable:
+    """Decorates a layer's forward that keeps state in its ``states`` parameter (HF's cache API, above): the
+    forward runs once per request of the step, on that request's tokens, with its ``RequestStates`` as ``states``;
+    the outputs are put back in the step's packed order."""
+
+    def decorate(forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def run(self, *args, forward_metadata: ForwardMetaData, **kwargs):
+            if kwargs.get(states) is not None:
+                raise UserError(
+                    f"{type(self).__name__}.forward is given `{states}=`, which the runtime fills in per request: "
+                    f"remove `{states}=` from its call."
+                )
+            rows = forward_metadata.request_states
+            tokens = forward_metadata.num_tokens
+            assert len(rows) == forward_metadata.batch_size, "the step carries one RequestStates per row"
+            bounds = _request_bounds(forward_metadata)
+            outputs = [
+                forward(
+                    self,
+                    *_rows(args, start, end, tokens),
+                    **_rows(kwargs, start, end, tokens),
+                    **{states: request},
+                )
+                for request, start, end in zip(rows, bounds, bounds[1:])
+            ]
+            return _joined(outputs)
+
+        return run
+
+    return decorate

@@ -1,0 +1,107 @@
+"""Per-request layer states: RequestStates keeps what transformers' linear-attention cache layer keeps, and a
+`@per_request` layer run on a packed step of several requests gives what each request gives alone."""
+
+import pytest
+import torch
+from transformers.cache_utils import LinearAttentionLayer
+
+from runtime.engine.forward_metadata import ForwardMetaData
+from runtime.errors import UserError
+from runtime.layers.request_states import RequestStates, StateStore, per_request
+
+
+@pytest.mark.parametrize("lengths", [(5, 1, 1, 3), (2, 1, 1), (4, 1)])
+def test_conv_and_recurrent_states_follow_transformers_cache_layer(lengths):
+    torch.manual_seed(0)
+    ours, theirs = RequestStates(), LinearAttentionLayer()
+    for length in lengths:
+        x = torch.randn(1, 6, length)
+        if ours.get_conv_state(0) is not None:
+            torch.testing.assert_close(ours.get_conv_state(0), theirs.conv_states[0], rtol=0, atol=0)
+        full = ours.update_conv_state(x, 0, conv_kernel_size=4)
+        torch.testing.assert_close(full, theirs.update_conv_state(x, conv_kernel_size=4), rtol=0, atol=0)
+        state = torch.randn(1, 2, 3, 3)
+        torch.testing.assert_close(
+            ours.update_recurrent_state(state, 0), theirs.update_recurrent_state(state)
+        )
+    assert not ours.is_recording_past(0)
+
+
+class RunningSum(torch.nn.Module):
+    """A toy recurrent layer written as HF writes them: state through the cache API, [1, L, D] in and out."""
+
+    @per_request(states="states")
+    def forward(
+        self, x: torch.Tensor, scale: tuple[torch.Tensor, float], states: RequestStates | None = None
+    ):
+        previous = states.get_recurrent_state(0)
+        total = x.cumsum(1) + (0 if previous is None else previous)
+        states.update_recurrent_state(total[:, -1:], 0)
+        return total * scale[0] * scale[1]
+
+
+def _metadata(lengths: list[int], states: list[RequestStates], is_prefill: bool) -> ForwardMetaData:
+    q = torch.tensor(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return ForwardMetaData(
+        is_prefill=is_prefill,
+        kv_len=torch.zeros_like(q),
+        actual_seq_lengths_q=q,
+        actual_seq_lengths_kv=q,
+        actual_seq_lengths_cu_q=cu,
+        positions=torch.zeros(int(q.sum()), dtype=torch.long),
+        max_seq_len_q=max(lengths),
+        max_seq_len_kv=max(lengths),
+        request_states=states,
+    )
+
+
+def test_a_packed_step_gives_what_each_request_gives_alone():
+    torch.manual_seed(0)
+    layer, store = RunningSum(), StateStore()
+    prompts = [torch.randn(1, n, 4) for n in (3, 1, 2)]
+    decodes = [torch.randn(1, 1, 4) for _ in prompts]
+    weight = torch.randn(1, 6, 4)  # a per-token input beside the hidden states, split alike
+
+    def packed(xs, is_prefill):
+        lengths = [x.shape[1] for x in xs]
+        md = _metadata(lengths, store.for_step(list(range(len(xs))), is_prefill, len(xs)), is_prefill)
+        w = weight[:, : sum(lengths)]
+        return layer(torch.cat(xs, 1), (w, 2.0), forward_metadata=md)
+
+    out = packed(prompts, True)
+    step = packed(decodes, False)
+    for i, (prompt, decode) in enumerate(zip(prompts, decodes)):
+        start = sum(p.shape[1] for p in prompts[:i])
+        alone = _metadata([prompt.shape[1]], [RequestStates()], True)
+        w = weight[:, start : start + prompt.shape[1]]
+        torch.testing.assert_close(
+            out[:, start : start + prompt.shape[1]], layer(prompt, (w, 2.0), forward_metadata=alone)
+        )
+        next_alone = _metadata([1], alone.request_states, False)
+        torch.testing.assert_close(
+            step[:, i : i + 1], layer(decode, (weight[:, i : i + 1], 2.0), forward_metadata=next_alone)
+        )
+
+
+def test_states_start_afresh_at_prefill_and_go_at_release():
+    store = StateStore()
+    first = store.for_step([7, 8], is_prefill=True, rows=3)
+    assert len(first) == 3 and len(store) == 2  # the padded row's states are nobody's
+    assert store.for_step([8], is_prefill=False, rows=1)[0] is first[1]
+    again = store.for_step([8], is_prefill=True, rows=1)[0]  # a preempted request recomputes from its prompt
+    assert again is not first[1]
+    store.release(7)
+    store.release(8)
+    assert len(store) == 0
+    elsewhere = store.for_step([9], is_prefill=False, rows=1)[0]  # prefilled by another engine
+    with pytest.raises(UserError, match="without prefill-decode disaggregation"):
+        elsewhere.get_conv_state(0)
+
+
+def test_a_caller_passing_the_states_itself_is_told_to_stop():
+    md = _metadata([1], [RequestStates()], True)
+    with pytest.raises(UserError, match="remove `states=`"):
+        RunningSum()(
+            torch.ones(1, 1, 2), (torch.ones(1, 1, 2), 1.0), states=RequestStates(), forward_metadata=md
+        )
