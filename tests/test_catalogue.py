@@ -1,5 +1,5 @@
 """scripts/catalogue.py on a small subset: a plain decoder PASSes through migrate + verify, a state-space
-model is OUT OF SCOPE with its reason, rows of other types survive a partial re-run, a traceback is a CRASH
+model without attention is OUT OF SCOPE with its reason, rows of other types survive a partial re-run, a traceback is a CRASH
 and a clean error a REFUSED naming the construct."""
 
 import json
@@ -32,6 +32,7 @@ def test_subset_sweep_writes_the_table_and_keeps_other_rows(tmp_path):
     rows = {e["model_type"]: e for e in json.loads((tmp_path / "coverage.json").read_text())["types"]}
     assert rows["llama"]["status"] == "PASS", rows["llama"]
     assert rows["mamba"]["status"] == "OUT OF SCOPE" and "state-space" in rows["mamba"]["reason"]
+    assert not rows["llama"]["hybrid"]
     assert rows["bart"]["status"] == "OUT OF SCOPE"  # not re-checked, kept
     table = (tmp_path / "coverage.md").read_text()
     assert "| `llama` | PASS |" in table and "| `mamba` | OUT OF SCOPE |" in table and "`bart`" in table
@@ -98,14 +99,19 @@ def test_a_drafter_that_ignores_the_token_ids_is_out_of_scope():
     assert catalogue._reads_token_ids("gemma4_text") and catalogue._reads_token_ids("llama")
 
 
-def test_layers_that_carry_a_state_between_tokens_are_out_of_scope():
-    """Read from the modeling file: a short convolution's state beside attention (Inkling), a recurrence's
-    (xLSTM), or no softmax attention at all (RWKV); attention-only files (Llama, Falcon's hand-written one) are
-    in scope."""
-    assert "conv_state" in catalogue.out_of_scope("inkling_text")
-    assert "rnn_state" in catalogue.out_of_scope("xlstm")
-    assert catalogue.out_of_scope("rwkv").startswith("recurrent: no softmax attention in modeling_rwkv.py")
-    assert catalogue.out_of_scope("llama") is None and catalogue.out_of_scope("falcon") is None
+def test_state_kept_outside_the_cache_api_or_without_attention_is_out_of_scope():
+    """Read from the modeling file: a recurrence's state kept by hand (xLSTM), or no softmax attention at all
+    (RWKV, Mamba). Hybrids keeping theirs through transformers' cache API (LFM2's short convolution, Qwen3-Next's
+    linear attention) are in scope, counted apart; attention-only files (Llama, Falcon's hand-written one) too."""
+    assert "rnn_state" in catalogue.out_of_scope("xlstm") and "cache API" in catalogue.out_of_scope("xlstm")
+    assert catalogue.out_of_scope("rwkv").startswith(
+        "recurrent layers only, no softmax attention in modeling_rwkv"
+    )
+    assert catalogue.out_of_scope("mamba").startswith("state-space layers (linear_attention) only")
+    for hybrid in ("lfm2", "qwen3_next"):
+        assert catalogue.out_of_scope(hybrid) is None and catalogue.carried_state(hybrid)
+    for plain in ("llama", "falcon"):
+        assert catalogue.out_of_scope(plain) is None and catalogue.carried_state(plain) is None
 
 
 @pytest.mark.parametrize("model_type,causal", [("xlnet", False), ("llama", True)])

@@ -169,6 +169,24 @@ def test_tensors_fused_on_disk_are_split_as_transformers_converts_them():
         load_named_weights(sharded, [("layers.0.attention.query_key_value.weight", qkv)])
 
 
+def test_tensors_apart_on_disk_are_joined_into_the_parameter_that_concatenates_them():
+    """OLMo-Hybrid's checkpoint keeps q / k / v convolutions apart (`linear_attn.{q,k,v}_conv1d`); the model, as
+    transformers converts it, one `conv1d` of their rows, in whatever order the tensors come."""
+    from runtime.layers.weights import load_named_weights
+
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"model_type": "olmo_hybrid"})()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].linear_attn = torch.nn.Module()
+    model.layers[0].linear_attn.conv1d = torch.nn.Conv1d(10, 10, 4, groups=10, bias=False)
+    parts = {p: torch.full((n, 1, 4), float(i)) for i, (p, n) in enumerate([("q", 3), ("k", 3), ("v", 4)])}
+    weights = [(f"layers.0.linear_attn.{p}_conv1d.weight", parts[p]) for p in "vqk"]
+    assert load_named_weights(model, weights) == {"layers.0.linear_attn.conv1d.weight"}
+    assert torch.equal(model.layers[0].linear_attn.conv1d.weight, torch.cat([parts[p] for p in "qkv"]))
+    with pytest.raises(UserError, match="only some of the tensors that layers.0.linear_attn.conv1d.weight"):
+        load_named_weights(model, weights[:2])
+
+
 def test_names_transformers_renames_reach_a_fused_parameter():
     """Exaone's checkpoint names (`transformer.h.0.attn.attention.k_proj`) are llama's after transformers'
     renaming for the type (`model.layers.0.self_attn.k_proj`), which the migrated code holds fused in qkv_proj."""

@@ -340,3 +340,17 @@ def test_longrope_picks_its_factors_per_request_and_matches_transformers(tmp_pat
         ]
     )
     assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)
+
+
+@pytest.mark.parametrize("name", ["lfm2", "falcon_h1"])
+def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name, tmp_path_factory, tmp_path):
+    """LFM2 (a short convolution, then attention) and Falcon-H1 (Mamba-2 beside attention in every layer) keep
+    their conv / recurrent states in the cache: the migrated layers run per request of the packed step with the
+    runtime's states (MG035), four prompts of different lengths prefilled and decoded together."""
+    reference = build_reference(name, tmp_path_factory)
+    model_dir = migrate(reference, tmp_path, "--mode", "framework")
+    assert '@per_request(states="states")' in (model_dir / "models" / f"modeling_{name}.py").read_text()
+    assert_framework_run_matches(reference, model_dir)
+    torch.testing.assert_close(
+        prefill_logits(model_dir, reference["ids"]), reference["logits"], atol=1e-4, rtol=0
+    )

@@ -1,6 +1,6 @@
 """Checkpoints whose tensors are laid out differently from the model's parameters: per-expert MoE weights
 stacked into one 3-D parameter (gate and up concatenated), renamed blocks, projections fused on disk
-(`query_key_value` -> q, k, v). The rules come from
+(`query_key_value` -> q, k, v) or apart on disk and joined in the model (q / k / v convolutions -> `conv1d`). The rules come from
 transformers' own conversion mapping for the model type, so every architecture it knows is covered."""
 
 import re
@@ -31,6 +31,7 @@ class CheckpointLayout:
         self.fused: list[
             tuple[re.Pattern, list[str], bool]
         ] = []  # source, targets, sized like them (else even)
+        self.joined: list[tuple[re.Pattern, str, int, int, int]] = []  # source, target, part, parts, dim
         rules = get_checkpoint_conversion_mapping(class_name) or get_checkpoint_conversion_mapping(model_type)
         inner = (
             get_checkpoint_conversion_mapping(c) for c in dict.fromkeys(inner_classes) if c != class_name
@@ -51,6 +52,12 @@ class CheckpointLayout:
                 for part, source in enumerate(rule.source_patterns):
                     regex = re.escape(source).replace(r"\*", r"(\d+)") + "$"
                     self.stacks.append((re.compile(regex), target, part, len(rule.source_patterns)))
+            elif len(ops) == 1 and ops[0][0] == "Concatenate" and len(rule.source_patterns) > 1:
+                (target,) = rule.target_patterns
+                parts = len(rule.source_patterns)
+                self.joined += [
+                    (re.compile(s), target, i, parts, ops[0][1]) for i, s in enumerate(rule.source_patterns)
+                ]
             elif ops in ([("Split", 0)], [("Chunk", 0)]) and len(rule.source_patterns) == 1:
                 (source,) = rule.source_patterns
                 self.fused.append((re.compile(source), list(rule.target_patterns), ops[0][0] == "Split"))
@@ -67,6 +74,16 @@ class CheckpointLayout:
         for pattern, targets, sized in self.fused:
             if found := pattern.search(name):
                 return [name[: found.start()] + t + name[found.end() :] for t in targets], sized
+        return None
+
+    def joined_part(self, name: str) -> tuple[str, int, int, int] | None:
+        """(the parameter, this tensor's place among its parts, their count, the dim they are joined on) for a
+        tensor the checkpoint keeps as one of several a parameter concatenates (OLMo-Hybrid's q / k / v
+        convolutions into one `conv1d`), else None."""
+        name = self._renamed(name)
+        for pattern, target, part, parts, dim in self.joined:
+            if found := pattern.search(name):
+                return name[: found.start()] + target + name[found.end() :], part, parts, dim
         return None
 
     def resolve(self, name: str) -> tuple[str, StackedPart | None]:

@@ -80,7 +80,7 @@ def load_named_weights(
     )
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
-    for name, weight in _unfused(weights, layout, params, mapping):
+    for name, weight in _unfused(_joined(weights, layout, params), layout, params, mapping):
         # a parameter of this very name wins over a fused one (AFMoE's attention `gate_proj` beside the MLP's)
         (target, shard_id), part = (name, None) if name in params else _fused(name, mapping), None
         if target not in params:  # transformers' names for the type (Exaone's `transformer.h.*`), then fused
@@ -115,6 +115,30 @@ def load_named_weights(
         loaded.add(canonical[id(param)])
     skips.report(type(model).__name__)
     return loaded
+
+
+def _joined(
+    weights: Iterable[tuple[str, object]],
+    layout: Callable[[], CheckpointLayout],
+    params: dict[str, torch.Tensor],
+) -> Iterable[tuple[str, object]]:
+    """The checkpoint's tensors, those a parameter concatenates from several joined into it once all have come."""
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, weight in weights:
+        if name in params or (found := layout().joined_part(name)) is None:
+            yield name, weight
+            continue
+        target, part, parts, dim = found
+        got = pending.setdefault(target, {})
+        got[part] = materialize(weight)
+        if len(got) == parts:
+            yield target, torch.cat([got[i] for i in range(parts)], dim)
+            del pending[target]
+    if pending:
+        raise UserError(
+            f"the checkpoint holds only some of the tensors that {', '.join(sorted(pending))} concatenates: it "
+            "does not belong to this model code."
+        )
 
 
 def _unfused(

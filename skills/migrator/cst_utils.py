@@ -243,12 +243,33 @@ def class_choice(names: set[str]) -> m.Assign:
     return m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))
 
 
+class _KwargsKeepMetadata(cst.CSTTransformer):
+    """Calls of the module's own layers (`self.<attr>(...)`) that pass the `**` parameter on pass forward_metadata
+    too, now that it is a parameter of its own."""
+
+    def __init__(self, star: str):
+        self.star = star
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if not m.matches(updated.func, m.Attribute(m.Name("self"))):
+            return updated
+        if not any(a.star == "**" and m.matches(a.value, m.Name(self.star)) for a in updated.args):
+            return updated
+        if any(a.keyword and a.keyword.value == "forward_metadata" for a in updated.args):
+            return updated
+        return appended(updated, "forward_metadata", "forward_metadata")
+
+
 def with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
-    """fn taking a keyword-only `forward_metadata: ForwardMetaData` (unchanged if it takes one)."""
+    """fn taking a keyword-only `forward_metadata: ForwardMetaData` (unchanged if it takes one). Its calls that
+    pass its `**` parameter on, which held forward_metadata until now, pass it by name (ZAYA's attention hands
+    `**kwargs` to a projection that runs per request)."""
     if "forward_metadata" in param_names(fn):
         return fn
     param = cst.Param(cst.Name("forward_metadata"), cst.Annotation(cst.Name("ForwardMetaData")))
     star = fn.params.star_arg if isinstance(fn.params.star_arg, cst.Param) else cst.ParamStar()
+    if isinstance(fn.params.star_kwarg, cst.Param):
+        fn = fn.with_changes(body=fn.body.visit(_KwargsKeepMetadata(fn.params.star_kwarg.name.value)))
     return fn.with_changes(
         params=fn.params.with_changes(star_arg=star, kwonly_params=[*fn.params.kwonly_params, param])
     )

@@ -548,3 +548,24 @@ def test_picks_of_blocks_build_the_layer_with_their_size(run_rule, make_ctx):
     assert (
         "self.attn(query_states, key_states, value_states, forward_metadata, selected=block_indices)" in out
     )
+
+
+def test_calls_handing_on_the_double_star_parameter_keep_forward_metadata():
+    """Once forward_metadata is a parameter of its own it is no longer in `**kwargs`: the attention's own layers
+    that got it there (ZAYA's projection, which runs per request) get it by name; other calls stay as they are."""
+    import libcst as cst
+
+    from skills.migrator.cst_utils import with_forward_metadata
+
+    fn = cst.parse_module(
+        dedent("""\
+            def forward(self, hidden_states, **kwargs):
+                q, k, v = self.qkv_proj(hidden_states, **kwargs)
+                return eager_attention_forward(self, q, k, v, **kwargs)
+            """)
+    ).body[0]
+    assert cst.Module([with_forward_metadata(fn)]).code == dedent("""\
+        def forward(self, hidden_states, *, forward_metadata: ForwardMetaData, **kwargs):
+            q, k, v = self.qkv_proj(hidden_states, forward_metadata=forward_metadata, **kwargs)
+            return eager_attention_forward(self, q, k, v, **kwargs)
+        """)

@@ -660,6 +660,18 @@ def _unguarded(body: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
     return found
 
 
+def _literal_factor(size: cst.BaseExpression) -> int | None:
+    """The product of the integer literals a width is multiplied by (`heads * head_dim * 2` -> 2), if not 1."""
+    factors, todo = 1, [size]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, cst.BinaryOperation) and isinstance(e.operator, cst.Multiply):
+            todo += [e.left, e.right]
+        elif isinstance(e, cst.Integer):
+            factors *= int(e.value)
+    return factors if factors != 1 else None
+
+
 def _viewed_multi_query(cls: cst.ClassDef, fwd: cst.FunctionDef, attr: str, heads: list[str]) -> bool:
     """The output of `self.<attr>(...)` is first shaped (see _first_shape) `[..., self.<h> + 2, <head size>]`, h one
     of the head counts of heads: its rows are [q heads; one key head; one value head] (Falcon's multi-query
@@ -888,6 +900,11 @@ def _rewrite(
     if None in args:
         return "a projection passes nn.Linear arguments other than in/out features and bias"
     q = args[0]
+    if not fused and (factor := _literal_factor(cst.parse_expression(q.out_features))):
+        return (
+            f"{projections[0]} is {factor}x the query heads wide (`{q.out_features}`: a gate beside each head's "
+            "query, as Qwen3-Next's), and QKVParallelLinear's query block is one head_dim a head"
+        )
     # `kdim = embed_dim`: BART-style attention's key / value widths, folded for self-attention
     same = _aliases(init)
     inputs = {
