@@ -99,9 +99,11 @@ def test_states_start_afresh_at_prefill_and_go_at_release():
         elsewhere.get_conv_state(0)
 
 
-def test_a_caller_passing_the_states_itself_is_told_to_stop():
+def test_states_go_where_the_caller_left_them_and_a_caller_passing_its_own_is_told_to_stop():
     md = _metadata([1], [RequestStates()], True)
-    with pytest.raises(UserError, match="remove `states=`"):
+    x, scale = torch.ones(1, 1, 2), (torch.ones(1, 1, 2), 1.0)
+    torch.testing.assert_close(RunningSum()(x, scale, None, forward_metadata=md), x)  # ZAYA passes None there
+    with pytest.raises(UserError, match="given `states`"):
         RunningSum()(
             torch.ones(1, 1, 2), (torch.ones(1, 1, 2), 1.0), states=RequestStates(), forward_metadata=md
         )

@@ -50,7 +50,9 @@ class CheckpointLayout:
             elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
                 (target,) = rule.target_patterns
                 for part, source in enumerate(rule.source_patterns):
-                    regex = re.escape(source).replace(r"\*", r"(\d+)") + "$"
+                    # `*` is the expert's index, in a plain name or a regex (Kimi-Linear's `\.experts.*.w1.weight`)
+                    plain = re.escape(source).replace(r"\*", r"(\d+)")
+                    regex = (source.replace("*", r"(\d+)") if "\\" in source else plain) + "$"
                     self.stacks.append((re.compile(regex), target, part, len(rule.source_patterns)))
             elif len(ops) == 1 and ops[0][0] == "Concatenate" and len(rule.source_patterns) > 1:
                 (target,) = rule.target_patterns

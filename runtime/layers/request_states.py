@@ -9,6 +9,7 @@ in place of the cache. A request's states live from its prefill (which starts th
 request recomputes them) until it finishes or is aborted (``StateStore.release``)."""
 
 import functools
+import inspect
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -132,26 +133,27 @@ def per_request(states: str) -> Callable:
     the outputs are put back in the step's packed order."""
 
     def decorate(forward: Callable) -> Callable:
+        signature = inspect.signature(forward)
+
         @functools.wraps(forward)
         def run(self, *args, forward_metadata: ForwardMetaData, **kwargs):
-            if kwargs.get(states) is not None:
+            given = signature.bind(self, *args, **kwargs)
+            if given.arguments.get(states) is not None:
                 raise UserError(
-                    f"{type(self).__name__}.forward is given `{states}=`, which the runtime fills in per request: "
-                    f"remove `{states}=` from its call."
+                    f"{type(self).__name__}.forward is given `{states}`, which the runtime fills in per request: "
+                    f"remove it from the call."
                 )
             rows = forward_metadata.request_states
             tokens = forward_metadata.num_tokens
             assert len(rows) == forward_metadata.batch_size, "the step carries one RequestStates per row"
             bounds = _request_bounds(forward_metadata)
-            outputs = [
-                forward(
-                    self,
-                    *_rows(args, start, end, tokens),
-                    **_rows(kwargs, start, end, tokens),
-                    **{states: request},
+            outputs = []
+            for request, start, end in zip(rows, bounds, bounds[1:]):
+                call = signature.bind(
+                    self, *_rows(args, start, end, tokens), **_rows(kwargs, start, end, tokens)
                 )
-                for request, start, end in zip(rows, bounds, bounds[1:])
-            ]
+                call.arguments[states] = request
+                outputs.append(forward(*call.args, **call.kwargs))
             return _joined(outputs)
 
         return run

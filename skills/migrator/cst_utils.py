@@ -237,10 +237,26 @@ def rewrite_classes(module: cst.Module, rewrite: Callable[[cst.ClassDef], cst.Cl
     )
 
 
-def class_choice(names: set[str]) -> m.Assign:
-    """`cls = A if c else B`: a local name holding one of two of the classes `names`, to be called later."""
+def class_choice(names: set[str], tables: set[str] = frozenset()) -> m.Assign:
+    """`cls = A if c else B` (or `else None`, Bamba's MLP where there are no experts), `cls = TABLE[kind]`: a local
+    name holding one of the classes `names`, or of a module-level table of them (`tables`), to be called later."""
     held = m.OneOf(*map(m.Name, names))
-    return m.Assign(targets=[m.AssignTarget(m.Name())], value=m.IfExp(body=held, orelse=held))
+    chosen = m.IfExp(body=held, orelse=held | m.Name("None"))
+    if tables:
+        chosen |= m.Subscript(value=m.OneOf(*map(m.Name, tables)))
+    return m.Assign(targets=[m.AssignTarget(m.Name())], value=chosen)
+
+
+def class_tables(module: cst.Module, names: set[str]) -> dict[str, cst.Dict]:
+    """Module-level `TABLE = {"mamba": A, "attention": B}` whose values are all of the classes `names`, by name
+    (Nemotron-H's mixers, Jamba's decoder layers, picked per layer by kind)."""
+    held = m.OneOf(*map(m.Name, names))
+    table = m.Dict([m.AtLeastN(m.DictElement(value=held), n=1)])
+    return {
+        s.body[0].targets[0].target.value: s.body[0].value
+        for s in module.body
+        if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], table)]))
+    }
 
 
 class _KwargsKeepMetadata(cst.CSTTransformer):

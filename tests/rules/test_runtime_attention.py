@@ -153,6 +153,16 @@ def test_idempotent(run_rule):
     assert run_rule(rule, LLAMA_AFTER) == LLAMA_AFTER
 
 
+def test_an_attention_built_in_one_branch_of_a_conditional_has_its_callers_narrowed(run_rule):
+    # Bailing-Hybrid: `self.self_attn` is attention on full-attention layers, a linear attention elsewhere.
+    built = "self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)"
+    chosen = (
+        "self.self_attn = (LlamaAttention(config=config, layer_idx=layer_idx) if full else Linear(config))"
+    )
+    out = run_rule(rule, LLAMA.replace(built, chosen))
+    assert out == LLAMA_AFTER.replace(built, chosen)
+
+
 def test_legacy_kv_layout(run_rule):
     assert ctor_line(run_rule(rule, LLAMA, kv_layout="legacy")) == (
         "self.attn = Attention(num_heads=config.num_attention_heads, head_dim=self.head_dim, "

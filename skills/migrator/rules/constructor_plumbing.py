@@ -5,7 +5,7 @@ contract `(..., infer_config, comm_manager, prefix)` and pass it down, with `pre
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import called_name, class_choice, classes, method, param_names
+from skills.migrator.cst_utils import called_name, class_choice, class_tables, classes, method, param_names
 from skills.migrator.expert_params import expert_params
 from skills.migrator.rule import Rule
 
@@ -14,6 +14,10 @@ WEIGHTED = {"nn.Linear", "Linear", "Conv1D", "Attention", "nn.Embedding", "Embed
 
 def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
     local = classes(module)
+    tables = {
+        name: {e.value.value for e in table.elements}
+        for name, table in class_tables(module, set(local)).items()
+    }
     plumbed = {entry}
     while True:
         grown = set(plumbed)
@@ -22,6 +26,8 @@ def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
             if init is None:
                 continue
             callees = {called_name(c) for c in m.findall(init, m.Call())}
+            for c in m.findall(init, m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, tables or {""}))))):
+                callees |= tables[c.func.value.value]  # `TABLE[kind](...)` builds any of its classes
             if callees & (WEIGHTED | plumbed) or expert_params(init):
                 grown.add(name)
         if grown == plumbed:
@@ -51,15 +57,17 @@ def _new_params(init: cst.FunctionDef) -> cst.Parameters:
 class _PassDown(cst.CSTTransformer):
     """Adds the contract kwargs to constructor calls of plumbed classes inside one __init__."""
 
-    def __init__(self, plumbed: set[str]):
-        self.plumbed = plumbed
+    def __init__(self, plumbed: set[str], tables: set[str]):
+        self.plumbed, self.tables = plumbed, tables
         self.path: list[str] = []  # attribute being assigned, then comprehension loop variables
         self.loop_vars: list[str] = []  # enclosing `for` targets
 
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target
         self.path = [target.attr.value] if m.matches(target, m.Attribute(value=m.Name("self"))) else []
-        if m.matches(node, class_choice(self.plumbed)):  # `cls = A if c else B`: calls of cls are plumbed too
+        if m.matches(
+            node, class_choice(self.plumbed, self.tables)
+        ):  # `cls = A if c else B`: calls of cls too
             self.plumbed = self.plumbed | {target.value}
 
     def visit_For(self, node: cst.For) -> None:
@@ -87,11 +95,12 @@ class _PassDown(cst.CSTTransformer):
             comp = comp.inner_for_in
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if called_name(updated) not in self.plumbed or any(
+        tabled = m.matches(updated.func, m.Subscript(value=m.OneOf(*map(m.Name, self.tables or {""}))))
+        if not (tabled or called_name(updated) in self.plumbed) or any(
             a.keyword and a.keyword.value == "prefix" for a in updated.args
         ):
             return updated
-        child = ".".join(self.path) or called_name(updated).lower()
+        child = ".".join(self.path) or (tabled and "layer") or called_name(updated).lower()
         fmt = "f" if "{" in child else ""
         extra = cst.parse_expression(
             f"f(infer_config=infer_config, comm_manager=comm_manager, "
@@ -104,27 +113,31 @@ class _PassDown(cst.CSTTransformer):
 
 
 class _Plumb(cst.CSTTransformer):
-    def __init__(self, plumbed: set[str]):
-        self.plumbed = plumbed
+    def __init__(self, plumbed: set[str], tables: set[str]):
+        self.plumbed, self.tables = plumbed, tables
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         init = method(updated, "__init__")
         if updated.name.value not in self.plumbed or init is None or "infer_config" in param_names(init):
             return updated
-        new_init = init.with_changes(params=_new_params(init)).visit(_PassDown(self.plumbed))
+        new_init = init.with_changes(params=_new_params(init)).visit(_PassDown(self.plumbed, self.tables))
         body = [new_init if s is init else s for s in updated.body.body]
         return updated.with_changes(body=updated.body.with_changes(body=body))
 
 
-def _aliased(module: cst.Module, plumbed: set[str]) -> list[tuple[str, cst.Name]]:
+def _aliased(
+    module: cst.Module, plumbed: set[str], tables: dict[str, cst.Dict]
+) -> list[tuple[str, cst.Name]]:
     """(scope, name) where a plumbed class is held as a value to be called later other than as a `class_choice` in
-    a constructor (which _PassDown plumbs): `cls = A if c else NotPlumbed`, `{"x": A}[kind](...)`."""
+    a constructor or in a module-level table of plumbed classes (which _PassDown plumbs): `cls = A if c else
+    NotPlumbed`, `{"x": A, "y": NotPlumbed}[kind](...)`."""
     held = m.OneOf(*map(m.Name, plumbed))
     alias = m.Assign(value=held) | m.IfExp(body=held) | m.IfExp(orelse=held) | m.DictElement(value=held)
     scopes = [(name, cls) for name, cls in classes(module).items()]
     scopes += [("<module>", s) for s in module.body if not isinstance(s, cst.ClassDef)]
     inits = [init for cls in classes(module).values() if (init := method(cls, "__init__")) is not None]
-    chosen = {id(a.value) for init in inits for a in m.findall(init, class_choice(plumbed))}
+    chosen = {id(a.value) for init in inits for a in m.findall(init, class_choice(plumbed, set(tables)))}
+    chosen |= {id(e) for table in tables.values() for e in table.elements}
     found = []
     for scope, node in scopes:
         for a in m.findall(node, alias):
@@ -133,6 +146,16 @@ def _aliased(module: cst.Module, plumbed: set[str]) -> list[tuple[str, cst.Name]
             value = a.value if isinstance(a, (cst.Assign, cst.DictElement)) else None
             found += [(scope, n) for n in ([value] if value else [a.body, a.orelse]) if m.matches(n, held)]
     return found
+
+
+def _built_from(module: cst.Module, table: str, plumbed: set[str]) -> bool:
+    """Every use of the module-level `table` is in a constructor of a plumbed class, a `table[kind](...)` call or a
+    `cls = table[kind]` choice (there is at least one)."""
+    name = m.Name(table)
+    uses = len(m.findall(module, name)) - 1  # but its assignment
+    inits = [init for n, c in classes(module).items() if n in plumbed and (init := method(c, "__init__"))]
+    picked = m.Call(func=m.Subscript(value=name)) | class_choice(set(), {table})
+    return uses > 0 and uses == sum(len(m.findall(init, picked)) for init in inits)
 
 
 class ConstructorPlumbing(Rule):
@@ -144,14 +167,19 @@ class ConstructorPlumbing(Rule):
         if ctx.entry_class not in classes(module):
             return module
         plumbed = plumbed_classes(module, ctx.entry_class)
-        for scope, node in _aliased(module, plumbed - {ctx.entry_class}):
+        tables = {
+            name: table
+            for name, table in class_tables(module, plumbed - {ctx.entry_class}).items()
+            if _built_from(module, name, plumbed)
+        }
+        for scope, node in _aliased(module, plumbed - {ctx.entry_class}, tables):
             ctx.unsupported(
                 scope,
                 0,
                 f"`{node.value}` is built through an alias (a name, dict or conditional holding the class); the "
                 f"rules pass the runtime contract to direct `{node.value}(...)` calls only",
             )
-        new = module.visit(_Plumb(plumbed))
+        new = module.visit(_Plumb(plumbed, set(tables)))
         if new.deep_equals(module):
             return module
         self.add_needed_imports(

@@ -270,11 +270,12 @@ class _Classes(cst.CSTTransformer):
 
 def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
     """`self.X` attributes of cls that hold an attention module, or a list of them (`nn.ModuleList([...])`),
-    built directly or through a choice between attention classes (`cls = A if c else B`)."""
+    built directly, through a choice between attention classes (`cls = A if c else B`), or as one branch of a
+    conditional (Bailing-Hybrid's `self.self_attn = A(...) if full else LinearAttention(...)`)."""
     attn = attn | {a.targets[0].target.value for a in m.findall(cls, class_choice(attn))}
     found = set()
     for a in m.findall(
-        cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
+        cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call() | m.IfExp())
     ):
         if any(called_name(c) in attn for c in m.findall(a.value, m.Call())):
             found.add(a.targets[0].target.attr.value)
