@@ -153,14 +153,23 @@ def test_idempotent(run_rule):
     assert run_rule(rule, LLAMA_AFTER) == LLAMA_AFTER
 
 
-def test_an_attention_built_in_one_branch_of_a_conditional_has_its_callers_narrowed(run_rule):
-    # Bailing-Hybrid: `self.self_attn` is attention on full-attention layers, a linear attention elsewhere.
+@pytest.mark.parametrize(
+    "chosen",
+    [
+        # Bailing-Hybrid: attention on full-attention layers, a linear attention elsewhere
+        "self.self_attn = (LlamaAttention(config=config, layer_idx=layer_idx) if full else Linear(config))",
+        # Nemotron-H: the mixer class picked from a module-level table by the layer's kind
+        "self.self_attn = MIXERS[kind](config=config, layer_idx=layer_idx)",
+    ],
+)
+def test_an_attention_built_through_a_conditional_or_a_table_has_its_callers_narrowed(run_rule, chosen):
     built = "self.self_attn = LlamaAttention(config=config, layer_idx=layer_idx)"
-    chosen = (
-        "self.self_attn = (LlamaAttention(config=config, layer_idx=layer_idx) if full else Linear(config))"
-    )
-    out = run_rule(rule, LLAMA.replace(built, chosen))
-    assert out == LLAMA_AFTER.replace(built, chosen)
+    table = 'MIXERS = {"attention": LlamaAttention}\n\n\nclass LlamaDecoderLayer'
+
+    def edit(code: str) -> str:
+        return code.replace(built, chosen).replace("class LlamaDecoderLayer", table)
+
+    assert run_rule(rule, edit(LLAMA)) == edit(LLAMA_AFTER)
 
 
 def test_legacy_kv_layout(run_rule):
@@ -579,3 +588,23 @@ def test_calls_handing_on_the_double_star_parameter_keep_forward_metadata():
             q, k, v = self.qkv_proj(hidden_states, forward_metadata=forward_metadata, **kwargs)
             return eager_attention_forward(self, q, k, v, **kwargs)
         """)
+
+
+def test_layers_appended_to_a_list_a_module_list_then_holds_are_found():
+    # Bamba builds its decoder layers in a loop, appended to a list that `nn.ModuleList` then holds.
+    import libcst as cst
+
+    from skills.migrator.rules.runtime_attention import _attention_attrs
+
+    cls = cst.parse_module(
+        dedent("""\
+            class Model(nn.Module):
+                def __init__(self, config):
+                    layers = []
+                    for i in range(config.num_hidden_layers):
+                        layers.append(DecoderLayer(config, i))
+                    self.layers = nn.ModuleList(layers)
+                    self.norm = Norm(config)
+            """)
+    ).body[0]
+    assert _attention_attrs(cls, {"DecoderLayer"}, {}) == {"layers"}

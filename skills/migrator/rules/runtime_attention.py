@@ -15,6 +15,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
     class_choice,
+    class_tables,
     classes,
     code,
     free_names,
@@ -211,8 +212,8 @@ def _own_head_count(init: cst.FunctionDef) -> bool:
 
 
 class _Classes(cst.CSTTransformer):
-    def __init__(self, ctx: RewriteContext, attn: set[str]):
-        self.ctx, self.attn = ctx, attn
+    def __init__(self, ctx: RewriteContext, attn: set[str], tables: dict[str, set[str]]):
+        self.ctx, self.attn, self.tables = ctx, attn, tables
         self.narrowed: set[str] = set()  # wrappers whose forward passed the weights on and no longer does
         self.reaching: set[str] = set()  # classes whose forward reaches an attention layer
         self.single: set[str] = set()  # classes narrowed from `(output, weights)` to the output alone
@@ -221,15 +222,15 @@ class _Classes(cst.CSTTransformer):
         name = updated.name.value
         if name in self.attn:
             return self._rewrite_attention(updated)
-        attrs = _attention_attrs(updated, self.attn | self.narrowed)
+        attrs = _attention_attrs(updated, self.attn | self.narrowed, self.tables)
         if not attrs:
             # a class holding one that holds attention (a model's decoder layers): pass kwargs on to them
-            if attrs := _attention_attrs(updated, self.reaching):
+            if attrs := _attention_attrs(updated, self.reaching, self.tables):
                 self.reaching.add(name)
                 return updated.visit(_PassKwargs(attrs))
             return updated
         self.reaching.add(name)
-        callers = _DropWeightsAtCallers(attrs, _attention_attrs(updated, self.single))
+        callers = _DropWeightsAtCallers(attrs, _attention_attrs(updated, self.single, self.tables))
         updated = updated.visit(callers)
         if callers.narrowed_forward:  # BERT's BertAttention returns its self-attention's weights
             self.narrowed.add(name)
@@ -268,16 +269,31 @@ class _Classes(cst.CSTTransformer):
         return cls
 
 
-def _attention_attrs(cls: cst.ClassDef, attn: set[str]) -> set[str]:
+def _attention_attrs(cls: cst.ClassDef, attn: set[str], tables: dict[str, set[str]]) -> set[str]:
     """`self.X` attributes of cls that hold an attention module, or a list of them (`nn.ModuleList([...])`),
     built directly, through a choice between attention classes (`cls = A if c else B`), or as one branch of a
-    conditional (Bailing-Hybrid's `self.self_attn = A(...) if full else LinearAttention(...)`)."""
+    conditional (Bailing-Hybrid's `self.self_attn = A(...) if full else LinearAttention(...)`) or from a table of
+    classes (Nemotron-H's `self.mixer = MIXER_TYPES[kind](...)`; `tables`: name -> its classes), or appended to a
+    list the attribute then holds (Bamba's decoder layers)."""
     attn = attn | {a.targets[0].target.value for a in m.findall(cls, class_choice(attn))}
+    appended: dict[
+        str, list[cst.Call]
+    ] = {}  # `layers.append(Layer(...))`, then `self.layers = nn.ModuleList(layers)`
+    for c in m.findall(cls, m.Call(func=m.Attribute(m.Name(), m.Name("append")), args=[m.Arg(m.Call())])):
+        appended.setdefault(c.func.value.value, []).append(c.args[0].value)
     found = set()
     for a in m.findall(
         cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call() | m.IfExp())
     ):
-        if any(called_name(c) in attn for c in m.findall(a.value, m.Call())):
+        calls = m.findall(a.value, m.Call())
+        calls += [c for n in m.findall(a.value, m.Name()) for c in appended.get(n.value, ())]
+        built = {called_name(c) for c in calls} | {
+            k
+            for c in calls
+            if m.matches(c.func, m.Subscript(m.Name()))
+            for k in tables.get(c.func.value.value, ())
+        }
+        if built & attn:
             found.add(a.targets[0].target.attr.value)
     return found
 
@@ -398,7 +414,11 @@ class RuntimeAttention(Rule):
             model = re.sub(r"(ForCausalLM|LMHeadModel|Model)$", "", ctx.entry_class) or "Model"
             module = m.replace(module, m.Name("Attention"), cst.Name(f"{model}Attention"))
             attn = attention_classes(module, ctx.entry_class)
-        module = module.visit(_Classes(ctx, attn))
+        tables = {
+            n: {e.value.value for e in t.elements}
+            for n, t in class_tables(module, set(classes(module))).items()
+        }
+        module = module.visit(_Classes(ctx, attn, tables))
         imports = [
             ("runtime.layers.attention", "Attention"),
             ("runtime.engine.forward_metadata", "ForwardMetaData"),
