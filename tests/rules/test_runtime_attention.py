@@ -607,4 +607,4 @@ def test_layers_appended_to_a_list_a_module_list_then_holds_are_found():
                     self.norm = Norm(config)
             """)
     ).body[0]
-    assert _attention_attrs(cls, {"DecoderLayer"}, {}) == {"layers"}
+    assert _attention_attrs(cls, {"DecoderLayer"}, {}) == {"layers": False}

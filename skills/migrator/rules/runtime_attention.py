@@ -222,15 +222,16 @@ class _Classes(cst.CSTTransformer):
         name = updated.name.value
         if name in self.attn:
             return self._rewrite_attention(updated)
-        attrs = _attention_attrs(updated, self.attn | self.narrowed, self.tables)
-        if not attrs:
+        held = _attention_attrs(updated, self.attn | self.narrowed, self.tables)
+        if not held:
             # a class holding one that holds attention (a model's decoder layers): pass kwargs on to them
-            if attrs := _attention_attrs(updated, self.reaching, self.tables):
+            if held := _attention_attrs(updated, self.reaching, self.tables):
                 self.reaching.add(name)
-                return updated.visit(_PassKwargs(attrs))
+                return updated.visit(_PassKwargs(set(held), _mixed(held)))
             return updated
         self.reaching.add(name)
-        callers = _DropWeightsAtCallers(attrs, _attention_attrs(updated, self.single, self.tables))
+        single = set(_attention_attrs(updated, self.single, self.tables))
+        callers = _DropWeightsAtCallers(set(held), _mixed(held), single)
         updated = updated.visit(callers)
         if callers.narrowed_forward:  # BERT's BertAttention returns its self-attention's weights
             self.narrowed.add(name)
@@ -269,33 +270,43 @@ class _Classes(cst.CSTTransformer):
         return cls
 
 
-def _attention_attrs(cls: cst.ClassDef, attn: set[str], tables: dict[str, set[str]]) -> set[str]:
+def _attention_attrs(cls: cst.ClassDef, attn: set[str], tables: dict[str, set[str]]) -> dict[str, bool]:
     """`self.X` attributes of cls that hold an attention module, or a list of them (`nn.ModuleList([...])`),
-    built directly, through a choice between attention classes (`cls = A if c else B`), or as one branch of a
-    conditional (Bailing-Hybrid's `self.self_attn = A(...) if full else LinearAttention(...)`) or from a table of
+    built directly, through a choice between attention classes (`cls = A if c else B`), as one branch of a
+    conditional (Bailing-Hybrid's `self.self_attn = A(...) if full else LinearAttention(...)`), from a table of
     classes (Nemotron-H's `self.mixer = MIXER_TYPES[kind](...)`; `tables`: name -> its classes), or appended to a
-    list the attribute then holds (Bamba's decoder layers)."""
+    list the attribute then holds (Bamba's decoder layers). Each says whether it may hold another module instead
+    (a conditional's other branch, a table's other classes), whose calls stay as they are written."""
     attn = attn | {a.targets[0].target.value for a in m.findall(cls, class_choice(attn))}
     appended: dict[
         str, list[cst.Call]
-    ] = {}  # `layers.append(Layer(...))`, then `self.layers = nn.ModuleList(layers)`
+    ] = {}  # `layers.append(Layer(...))`, then `self.layers = ModuleList(layers)`
     for c in m.findall(cls, m.Call(func=m.Attribute(m.Name(), m.Name("append")), args=[m.Arg(m.Call())])):
         appended.setdefault(c.func.value.value, []).append(c.args[0].value)
-    found = set()
+    found = {}
     for a in m.findall(
         cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call() | m.IfExp())
     ):
         calls = m.findall(a.value, m.Call())
         calls += [c for n in m.findall(a.value, m.Name()) for c in appended.get(n.value, ())]
-        built = {called_name(c) for c in calls} | {
+        tabled = {
             k
             for c in calls
             if m.matches(c.func, m.Subscript(m.Name()))
             for k in tables.get(c.func.value.value, ())
         }
+        built = {called_name(c) for c in calls} | tabled
         if built & attn:
-            found.add(a.targets[0].target.attr.value)
+            branches = [a.value.body, a.value.orelse] if isinstance(a.value, cst.IfExp) else []
+            other = bool(tabled - attn) or any(
+                called_name(b) not in attn for b in branches if isinstance(b, cst.Call)
+            )
+            found[a.targets[0].target.attr.value] = other
     return found
+
+
+def _mixed(held: dict[str, bool]) -> set[str]:
+    return {attr for attr, other in held.items() if other}
 
 
 class _PassKwargs(KwargsPassing):
@@ -303,9 +314,9 @@ class _PassKwargs(KwargsPassing):
     pass the caller's `**` parameter on, or that of the function it is defined in (`**kwargs`, added to its
     signature if none has one), so that forward_metadata reaches attention."""
 
-    def __init__(self, attrs: set[str]):
+    def __init__(self, attrs: set[str], mixed: set[str]):
         super().__init__()
-        self.attrs = attrs
+        self.attrs, self.mixed = attrs, mixed  # mixed: may hold another module, whose calls are left alone
         self.loop_vars: dict[str, str] = {}  # name bound by `for` over `self.X` -> X
 
     def visit_For(self, node: cst.For) -> None:
@@ -331,7 +342,7 @@ class _PassKwargs(KwargsPassing):
     def leave_Call(self, original, updated):
         if (
             not self.stars
-            or not self._is_attention_call(updated)
+            or not self._is_attention_call(updated, self.attrs - self.mixed)
             or any(a.star == "**" for a in updated.args)
         ):
             return updated
@@ -346,8 +357,8 @@ class _DropWeightsAtCallers(_PassKwargs):
     """`h, _ = self.self_attn(...)` -> `h = self.self_attn(...)` (`h, _, r = ...` -> `h, r = ...`); the call
     passes `**kwargs` on."""
 
-    def __init__(self, attrs: set[str], single: set[str]):
-        super().__init__(attrs)
+    def __init__(self, attrs: set[str], mixed: set[str], single: set[str]):
+        super().__init__(attrs, mixed)
         # attrs whose modules returned `(output, weights)` and now return the output alone
         self.single = single
         self.whole: set[str] = set()  # names bound to such a call's result in the current function
