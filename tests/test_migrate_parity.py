@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
+from hf_reference import (
+    NEW_TOKENS,
+    build_reference,
+    migrate,
+    parallel_yaml,
+    parallelize,
+    prompts_args,
+    run_json,
+)
 from model_dirs import prefill_logits
 from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoModelForCausalLM
@@ -342,11 +350,12 @@ def test_longrope_picks_its_factors_per_request_and_matches_transformers(tmp_pat
     assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)
 
 
-@pytest.mark.parametrize("name", ["lfm2", "falcon_h1"])
+@pytest.mark.parametrize("name", ["lfm2", pytest.param("falcon_h1", marks=pytest.mark.slow)])
 def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name, tmp_path_factory, tmp_path):
-    """LFM2 (a short convolution, then attention) and Falcon-H1 (Mamba-2 beside attention in every layer) keep
-    their conv / recurrent states in the cache: the migrated layers run per request of the packed step with the
-    runtime's states (MG035), four prompts of different lengths prefilled and decoded together."""
+    """LFM2 (a short convolution, then attention) and Falcon-H1 (Mamba-2 beside attention in every layer; `-m
+    slow`) keep their conv / recurrent states in the cache: the migrated layers run per request of the packed step
+    with the runtime's states (MG035), four prompts of different lengths prefilled and decoded together. A
+    parallel layout that splits a step's tokens across ranks is refused before any rank starts."""
     reference = build_reference(name, tmp_path_factory)
     model_dir = migrate(reference, tmp_path, "--mode", "framework")
     assert '@per_request(states="states")' in (model_dir / "models" / f"modeling_{name}.py").read_text()
@@ -354,3 +363,5 @@ def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name
     torch.testing.assert_close(
         prefill_logits(model_dir, reference["ids"]), reference["logits"], atol=1e-4, rtol=0
     )
+    split = parallelize(model_dir, parallel_yaml(tmp_path / "dp.yaml", 2, 1, 2, 2, 2))
+    assert split.returncode == 2 and "keep state per request" in split.stderr, split.stderr[-2000:]

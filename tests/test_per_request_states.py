@@ -107,3 +107,9 @@ def test_states_go_where_the_caller_left_them_and_a_caller_passing_its_own_is_to
         RunningSum()(
             torch.ones(1, 1, 2), (torch.ones(1, 1, 2), 1.0), states=RequestStates(), forward_metadata=md
         )
+
+
+def test_a_layer_given_only_part_of_the_step_s_tokens_is_refused():
+    md = _metadata([2, 2], [RequestStates(), RequestStates()], True)
+    with pytest.raises(UserError, match="token layout split across ranks"):
+        RunningSum()(torch.ones(1, 2, 2), (torch.ones(1, 2, 2), 1.0), forward_metadata=md)

@@ -181,3 +181,18 @@ def test_float32_drift_with_agreeing_tokens_is_settled_in_float64(in_float64, st
     fields = settled_in_float64(drift, exact)
     assert fields["status"] == status and fields["max_logprob_diff"] == 0.04
     assert fields["reason"].startswith("float32 rounding" if status == "identical" else "drift; in float64")
+
+
+def test_each_cached_step_is_told_its_position(tiny_llama_dir):
+    """Bamba numbers a forward's tokens from 0 unless given `position_ids`, whatever its cache holds: the
+    reference gives each step its position, as generate() does."""
+    model = load_reference_model(tiny_llama_dir, torch.float32, trust_remote_code=False)
+    seen = []
+
+    class Recording(torch.nn.Module):
+        def forward(self, input_ids, position_ids=None, cache=None, use_cache=False):
+            seen.append(None if position_ids is None else position_ids.tolist())
+            return model(input_ids, position_ids=position_ids, past_key_values=cache, use_cache=use_cache)
+
+    greedy_reference(Recording(), [1, 5, 9, 3], 4)
+    assert seen == [None, [[4]], [[5]], [[6]]]

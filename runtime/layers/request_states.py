@@ -113,9 +113,13 @@ def _rows(x: Any, start: int, end: int, tokens: int) -> Any:
         return tuple(_rows(e, start, end, tokens) for e in x)
     if isinstance(x, dict):
         return {k: _rows(v, start, end, tokens) for k, v in x.items()}
-    if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (1, tokens):
+    if _holds_tokens(x, tokens):
         return x[:, start:end]
     return x
+
+
+def _holds_tokens(x: Any, tokens: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (1, tokens)
 
 
 def _joined(outputs: list[Any]) -> Any:
@@ -145,6 +149,12 @@ def per_request(states: str) -> Callable:
                 )
             rows = forward_metadata.request_states
             tokens = forward_metadata.num_tokens
+            if not any(_holds_tokens(v, tokens) for v in given.arguments.values()):
+                raise UserError(
+                    f"{type(self).__name__} keeps state per request and runs on the whole step's {tokens} tokens "
+                    "laid out [1, T, ...], but none of its inputs is: a token layout split across ranks "
+                    "(attention data parallelism beside dense TP) is not supported for such layers."
+                )
             assert len(rows) == forward_metadata.batch_size, "the step carries one RequestStates per row"
             bounds = _request_bounds(forward_metadata)
             outputs = []

@@ -24,8 +24,9 @@ from runtime.config import InferenceConfig, ParallelConfig
 from runtime.config.comm_manager import CommManager
 from runtime.engine.model_worker import ModelWorker, default_dtype, param_bytes
 from runtime.engine.registry import resolve_model
-from runtime.errors import UserError
+from runtime.errors import ConfigError, UserError
 from runtime.layers.attention import cache_info_of
+from runtime.layers.token_layout import needs_sharded_layout
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
@@ -342,6 +343,12 @@ def _load(
     model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
     validate(pc, hf_config)
     sources = _migrated_sources(model_dir)
+    if needs_sharded_layout(pc) and any("@per_request(" in text for text in sources.values()):
+        raise ConfigError(
+            f"parallel_config has attention DP {pc.attn_dp_size} beside TP modules, which splits each step's tokens "
+            "across ranks between layers; this model's layers that keep state per request (`@per_request`) run on "
+            "the whole step. Use TP alone (attn_tp_size = world_size), or attention DP with every TP size 1."
+        )
     check_rule_ids(disabled, PARALLEL_RULES)
     code = rewrite_sources(sources, model_cls.__name__, disabled, hf_config, replicate_attention)
     if code.findings:

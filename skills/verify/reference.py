@@ -48,7 +48,12 @@ def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
         if step + 1 == steps:
             break
         if cache_arg:
-            out = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: getattr(out, cache_arg)})
+            # the token's position given, as generate() gives it: Bamba numbers a forward's tokens from 0 when
+            # not told their positions, whatever its cache holds
+            position = {"position_ids": torch.tensor([[len(ids) + step]])} if "position_ids" in params else {}
+            out = model(
+                torch.tensor([[token]]), use_cache=True, **position, **{cache_arg: getattr(out, cache_arg)}
+            )
         else:
             ids.append(token)
             out = model(torch.tensor([ids]))
