@@ -50,6 +50,7 @@ def test_streamed_steps_equal_generate_and_leave_the_pool_empty(llm, prompt_ids)
     assert finished == dict.fromkeys(ids, "length")
     assert steps == NEW  # one prefill of all four, then one decode step per token: no per-call rebuild
     assert engine.kv.num_free_blocks() == {"full": engine.kv.stats()["num_blocks"]}
+    assert len(engine.states) == 0  # per-request layer states go with their requests (warm-up's too)
 
 
 def test_abort_frees_blocks_at_once_and_the_others_finish(llm, prompt_ids):
@@ -65,7 +66,7 @@ def test_abort_frees_blocks_at_once_and_the_others_finish(llm, prompt_ids):
     while engine.has_unfinished():
         outs += engine.step()
     assert {o.request_id for o in outs} == {keep} and outs[-1].finish_reason == "length"
-    assert engine.kv.num_free_blocks() == free
+    assert engine.kv.num_free_blocks() == free and len(engine.states) == 0
 
 
 def test_one_batch_mixes_sampling_parameters(llm, prompt_ids):

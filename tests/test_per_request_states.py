@@ -113,3 +113,11 @@ def test_a_layer_given_only_part_of_the_step_s_tokens_is_refused():
     md = _metadata([2, 2], [RequestStates(), RequestStates()], True)
     with pytest.raises(UserError, match="token layout split across ranks"):
         RunningSum()(torch.ones(1, 2, 2), (torch.ones(1, 2, 2), 1.0), forward_metadata=md)
+
+
+def test_a_forward_taking_the_step_s_metadata_is_refused_when_decorated():
+    with pytest.raises(UserError, match="leave the parameter out"):
+
+        @per_request(states="states")
+        def forward(self, x, states=None, *, forward_metadata):
+            return x

@@ -228,3 +228,4 @@ class ExecutionEngine:
             batch = Batch([request], is_prefill=is_prefill)
             batch.update_requests_from_batch(self.forward_batch(batch, rows)["next_tokens"])
         self.kv.free(request.request_id)
+        self.states.release(request.request_id)

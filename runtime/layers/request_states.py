@@ -138,6 +138,11 @@ def per_request(states: str) -> Callable:
 
     def decorate(forward: Callable) -> Callable:
         signature = inspect.signature(forward)
+        if "forward_metadata" in signature.parameters:
+            raise UserError(
+                f"{forward.__qualname__} takes forward_metadata, which describes the whole step, but runs per "
+                "request under @per_request: leave the parameter out (the decorator reads the step's requests)."
+            )
 
         @functools.wraps(forward)
         def run(self, *args, forward_metadata: ForwardMetaData, **kwargs):

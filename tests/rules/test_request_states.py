@@ -59,7 +59,7 @@ def test_a_conv_state_layer_runs_per_request_and_its_caller_passes_forward_metad
 def test_recurrent_state_under_past_key_values_too(make_ctx):
     before = dedent("""\
         class MambaMixer(nn.Module):
-            def forward(self, hidden_states, past_key_values=None, *, forward_metadata):
+            def forward(self, hidden_states, past_key_values=None):
                 ssm = past_key_values.get_recurrent_state(self.layer_idx)
                 return past_key_values.update_recurrent_state(ssm * hidden_states, self.layer_idx)
         """)
@@ -68,7 +68,7 @@ def test_recurrent_state_under_past_key_values_too(make_ctx):
 
         class MambaMixer(nn.Module):
             @per_request(states="states")
-            def forward(self, hidden_states, states: RequestStates | None = None, *, forward_metadata):
+            def forward(self, hidden_states, states: RequestStates | None = None):
                 ssm = states.get_recurrent_state(self.layer_idx)
                 return states.update_recurrent_state(ssm * hidden_states, self.layer_idx)
         """)
@@ -101,5 +101,15 @@ def test_a_cache_of_keys_and_values_only_is_untouched(make_ctx):
                 if cache is not None:
                     k, v = cache.update(hidden_states, hidden_states, self.layer_idx)
                 return hidden_states
+        """)
+    assert_noop(rule, code, make_ctx)
+
+
+def test_a_helper_method_keeping_state_is_left_to_mg004(make_ctx):
+    # Qwen4-Exp's short convolution is a method its forward calls, which the step's metadata would not reach.
+    code = dedent("""\
+        class GatedDeltaNet(nn.Module):
+            def _short_conv(self, hidden_states, cache):
+                return cache.update_conv_state(hidden_states, self.layer_idx)
         """)
     assert_noop(rule, code, make_ctx)
