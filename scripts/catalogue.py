@@ -57,6 +57,8 @@ NON_ATTENTION_LAYERS = re.compile(r"mamba|linear_attention|conv|ssm|recurrent", 
 # recurrence's state), and what any form of softmax attention in it calls.
 CARRIED_STATE = re.compile(r"\b(?:update_)?(conv|recurrent|ssm|rnn)_states?\b")
 ATTENTION = re.compile(r"softmax|scaled_dot_product_attention|ALL_ATTENTION_FUNCTIONS")
+# transformers' cache API for that state, which the runtime serves per request (runtime/layers/request_states.py)
+STATE_API = re.compile(r"\.update_(?:conv|recurrent)_state\(")
 CAUSALITY_RTOL = 1e-3  # of the largest logit: fp32 rounding alone moves a deep loop's by 2e-3 (hrm_text)
 
 
@@ -65,8 +67,10 @@ LEGEND = (
     f"({len(PARITY_PROMPTS)} prompts x {NEW_TOKENS}) and top-5 log-probabilities within 2e-3 (fp32). "
     "REFUSED: the migrator or runtime named a construct it does not convert. CRASH: a traceback. "
     "NO FIXTURE: transformers could not build a usable tiny model from the config class alone. "
-    "OUT OF SCOPE: not a causal decoder-only text model, or layers that carry a state from token to token "
-    "(state-space, convolution, recurrence)."
+    "OUT OF SCOPE: not a causal decoder-only text model, a model without attention layers (state-space or "
+    "recurrent only), or layers that carry a state from token to token outside transformers' cache API. "
+    "Hybrids (state-space, convolution or linear-attention layers beside attention, through that API) are "
+    "converted: the runtime keeps their states per request; they are counted apart in the summary."
 )
 
 
@@ -76,6 +80,7 @@ class Entry:
     status: str
     reason: str = ""
     seconds: float = 0.0
+    hybrid: bool = False  # layers carry state from token to token beside attention (served per request)
 
 
 def _reads_token_ids(model_type: str) -> bool:
@@ -86,6 +91,26 @@ def _reads_token_ids(model_type: str) -> bool:
     params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
     loads = (n for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
     return "input_ids" not in params or any(n.id == "input_ids" for n in loads)
+
+
+def _source(model_type: str) -> Path:
+    return Path(inspect.getsourcefile(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])))
+
+
+def carried_state(model_type: str) -> str | None:
+    """What the type's layers carry from token to token besides keys and values (state-space, convolution or
+    recurrent layers), or None."""
+    config = AutoConfig.for_model(model_type)
+    fields = sorted(k for k in vars(config) if STATE_FIELDS.search(k))
+    layers = sorted(
+        {str(t) for t in getattr(config, "layer_types", None) or () if NON_ATTENTION_LAYERS.search(str(t))}
+    )
+    if fields or layers:
+        return f"state-space layers ({', '.join(layers or fields[:3])})"
+    source = _source(model_type)
+    if states := sorted({f"{m}_state" for m in CARRIED_STATE.findall(source.read_text())}):
+        return f"layers carrying a {' / '.join(states)} from token to token ({source.name})"
+    return None
 
 
 def out_of_scope(model_type: str) -> str | None:
@@ -110,23 +135,18 @@ def out_of_scope(model_type: str) -> str | None:
     inputs = sorted(k for k, v in vars(config).items() if MODALITY.search(k) and not isinstance(v, dict))
     if inputs:
         return f"multimodal: the causal LM takes non-text inputs ({', '.join(inputs)})"
-    fields = sorted(k for k in vars(config) if STATE_FIELDS.search(k))
-    layers = sorted(
-        {str(t) for t in getattr(config, "layer_types", None) or () if NON_ATTENTION_LAYERS.search(str(t))}
-    )
-    if fields or layers:
-        return (
-            f"state-space / hybrid layers ({', '.join(layers or fields[:3])}); no per-request state cache yet"
-        )
-    source = Path(inspect.getsourcefile(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])))
+    source = _source(model_type)
     text = source.read_text()
-    if states := sorted({f"{m}_state" for m in CARRIED_STATE.findall(text)}):
-        return (
-            f"layers carrying a {' / '.join(states)} from token to token ({source.name}); "
-            "no per-request state cache yet"
-        )
     if not ATTENTION.search(text):
-        return f"recurrent: no softmax attention in {source.name}; no per-request state cache yet"
+        return (
+            f"{carried_state(model_type) or 'recurrent layers'} only, no softmax attention in {source.name} "
+            "(the runtime serves such layers beside attention)"
+        )
+    if (state := carried_state(model_type)) and not STATE_API.search(text):
+        return (
+            f"{state}, kept outside transformers' cache API (`update_conv_state` / `update_recurrent_state`), "
+            "which the runtime's per-request states serve"
+        )
     return None
 
 
@@ -230,8 +250,14 @@ def check(model_type: str, work: Path) -> Entry:
 
 
 def counts(entries: dict[str, Entry]) -> str:
-    """`42 PASS, 1 MISMATCH, ...` in STATUSES order, statuses nobody has left out."""
-    return ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(e.status == s for e in entries.values())))
+    """`42 PASS, 1 MISMATCH, ...` in STATUSES order, statuses nobody has left out; then those of the state-space
+    hybrids among them."""
+
+    def of(group) -> str:
+        return ", ".join(f"{n} {s}" for s in STATUSES if (n := sum(e.status == s for e in group)))
+
+    hybrids = [e for e in entries.values() if e.hybrid]
+    return of(entries.values()) + (f"; of these, state-space hybrids: {of(hybrids)}" if hybrids else "")
 
 
 def render(entries: dict[str, Entry]) -> str:
@@ -308,6 +334,9 @@ def main() -> None:
                 except subprocess.TimeoutExpired as e:
                     entry = Entry(model_type, "CRASH", f"`{' '.join(e.cmd[3:5])}` ran over {TIMEOUT_S} s")
             entry.seconds = round(time.perf_counter() - start, 1)
+            entry.hybrid = entry.status not in ("OUT OF SCOPE", "NO FIXTURE") and bool(
+                carried_state(model_type)
+            )
             entries[model_type] = entry
             write(args.out, entries)  # after every type: an interrupted sweep keeps what it checked
             progress.console.print(f"{model_type:28} {entry.status:12} {entry.reason[:90]}", highlight=False)

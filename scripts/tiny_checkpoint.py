@@ -80,6 +80,18 @@ _ARCH: dict[str, dict] = {
     "deepseek_v3": {"tie_word_embeddings": False, "first_k_dense_replace": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # its layer pattern, for 2 layers
     "zaya": {"num_experts_per_tok": 1},  # the only top-k its config accepts
+    # hybrids whose defaults name no layer pattern with both kinds: a state layer, then an attention layer
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "bamba": {"attn_layer_indices": [1]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    # its sliding layers' per-layer sizes are a full model's (64 heads of 256): indexed attention only
+    "dots3_note_text": {"layer_types": ["indexed_attention", "indexed_attention"]},
+    # its last layer reuses the cache of an earlier layer of its kind: two sliding layers, as before the mix
+    "gemma3n_text": {"layer_types": ["sliding_attention", "sliding_attention"]},
+    # Zamba ties its shared transformer's weights across hybrid layers: two of them
+    "zamba": {"layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
     # a dense attention layer, then a sparse one; the shared experts' and dense MLPs' widths the tiny ones
     "minimax_m3_vl_text": {
         "layer_types": ["full_attention", "minimax_m3_sparse"],
@@ -231,6 +243,12 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     params.update(fixed)
     if _is_set(defaults, "kv_lora_rank") and "num_key_value_heads" not in fixed:
         params["num_key_value_heads"] = params["num_attention_heads"]  # MLA: a key head per query head
+    kinds = list(dict.fromkeys(getattr(defaults, "layer_types", None) or ()))
+    if len(kinds) > 1 and "layer_types" not in fixed:
+        # every kind of layer the defaults mix (Gemma 3's sliding and full attention, Qwen3-Next's linear and full
+        # attention), in the order they first come, repeated over the layers
+        layers = params["num_hidden_layers"] = max(params["num_hidden_layers"], len(kinds))
+        params["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
     derived = {k for k, v in params.items() if _not_settable(defaults, k, v)}
     params = {k: v for k, v in params.items() if k not in derived}  # e.g. Falcon computes head_dim
     # under the names the config's fields have (an alias's value wins, as it does when the config applies it after
@@ -240,11 +258,6 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     params = {k: v for k, v in params.items() if k not in aliases} | {
         aliases[k]: v for k, v in params.items() if k in aliases
     }
-    if model_type == "gemma3_text" and "layer_types" not in overrides:
-        # Alternate so that both attention kinds appear from 2 layers on.
-        params["layer_types"] = [
-            "full_attention" if i % 2 else "sliding_attention" for i in range(params["num_hidden_layers"])
-        ]
     try:
         config = AutoConfig.for_model(model_type, **params)
     except StrictDataclassError as invalid:

@@ -754,3 +754,8 @@ def test_picks_are_refused_by_a_layer_masking_keys_its_own_way(kind):
     run = Run(picks=2, **kind)
     with pytest.raises(UserError, match="only a layer without a sliding window or keep_keys shares"):
         run.step({0: 4})
+
+
+def test_a_model_holding_no_attention_layer_is_told_why_it_gets_no_cache():
+    with pytest.raises(UserError, match="holds no runtime Attention layer"):
+        cache_info_of(nn.ModuleDict({"mlp": nn.Linear(2, 2)}), torch.float32)

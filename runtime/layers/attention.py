@@ -672,10 +672,18 @@ def cache_info_of(model: nn.Module, dtype: torch.dtype):
     cache key of a layer applied several times in a forward pass."""
     from runtime.kv_cache import CacheEntry, ModelCacheInfo
 
+    owners = _owners(model)
+    if not owners:
+        raise UserError(
+            f"{type(model).__name__} holds no runtime Attention layer, so the runtime has no cache to give it: its "
+            "attention is built in a way the migrator's rules do not rewrite (a layer handed to another's "
+            "constructor, as Zamba's shared transformer), or it has none. Port the attention to "
+            "runtime.layers.attention.Attention by hand."
+        )
     return ModelCacheInfo(
         [
             CacheEntry(name, k[0], k[1], dtype, m.sliding_window, v[1])
-            for m, names in _owners(model)
+            for m, names in owners
             for k, v in [m.cache_shapes]
             for name in names
         ]
