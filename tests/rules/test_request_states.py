@@ -36,7 +36,7 @@ AFTER = dedent("""\
         @per_request(states="states")
         def forward(self, hidden_states: torch.Tensor, states: RequestStates | None = None, **kwargs):
             seq_len = hidden_states.shape[1]
-            conv_state = states.get_conv_state(self.layer_idx) if states is not None else None
+            conv_state = states.get_conv_state(self.layer_idx)
             if conv_state is not None and seq_len == 1 and not states.is_recording_past(self.layer_idx):
                 return causal_conv1d_update(hidden_states, conv_state, self.weight)
             hidden_states = states.update_conv_state(hidden_states, self.layer_idx, conv_kernel_size=self.size)
@@ -53,6 +53,7 @@ AFTER = dedent("""\
 
 
 def test_a_conv_state_layer_runs_per_request_and_its_caller_passes_forward_metadata(make_ctx):
+    """Its tests of the states against None fold: the decorator always gives them."""
     assert_codemod(rule, BEFORE, AFTER, make_ctx)
 
 

@@ -210,6 +210,11 @@ def fold_known(body, consts: dict[str, object]) -> list:
     return _fold_block(body, _Env(dict(consts), set(), drop_forwarding=False))
 
 
+def fold_given(body, given: set[str]) -> list:
+    """body's statements with the names in `given` never None, the branches that test so folded."""
+    return _fold_block(body, _Env({}, set(given), drop_forwarding=False))
+
+
 def _literal_facts(stmts) -> dict[str, object]:
     """Locals the statements leave holding a literal (`use_cache = False` once folded)."""
     facts: dict[str, object] = {}

@@ -2,7 +2,8 @@
 (`get_conv_state` / `update_conv_state`, `get_recurrent_state` / `update_recurrent_state`, `is_recording_past`:
 LFM2's short convolution, Mamba's scan, Qwen3-Next's gated delta rule) runs one request at a time in the runtime,
 with that request's states: its cache parameter becomes `states: RequestStates` and the method gets
-`@per_request(states="states")`, so MG004 no longer folds it. Callers pass `forward_metadata` on (the decorator
+`@per_request(states="states")`, so MG004 no longer folds it; the decorator always gives them, so tests of them
+against None fold. Callers pass `forward_metadata` on (the decorator
 reads the step's requests from it). A method keeping any other state in its cache stays MG004's refusal."""
 
 import libcst as cst
@@ -10,7 +11,7 @@ import libcst.matchers as m
 
 from skills.migrator.cst_utils import param_names, rewrite_classes
 from skills.migrator.rule import Rule
-from skills.migrator.rules.fold_hf_only_params import CACHES, cache_state_methods
+from skills.migrator.rules.fold_hf_only_params import CACHES, cache_state_methods, fold_given
 from skills.migrator.rules.request_rope_update import pass_metadata
 
 STATE_API = {"update_conv_state", "update_recurrent_state", "is_recording_past"}
@@ -72,7 +73,11 @@ class _PerRequest(cst.CSTTransformer):
             return updated
         self.changed = True
         decorator = cst.Decorator(cst.parse_expression(f'per_request({STATES}="{STATES}")'))
-        return updated.visit(_Renamed(cache)).with_changes(decorators=[*updated.decorators, decorator])
+        renamed = updated.visit(_Renamed(cache))
+        body = renamed.body.with_changes(
+            body=fold_given(renamed.body.body, {STATES})
+        )  # the decorator gives them
+        return renamed.with_changes(body=body, decorators=[*updated.decorators, decorator])
 
 
 class PerRequestStates(Rule):
