@@ -25,9 +25,8 @@ class ForwardMetaData:
     prompt_tokens: list[int] = field(default_factory=list)  # prompt length per request
     block_table: dict[str, torch.Tensor] = field(default_factory=dict)  # cache group -> [B, blocks]
     slot_mapping: dict[str, torch.Tensor] = field(default_factory=dict)  # cache group -> [T]
-    request_states: list = field(
-        default_factory=list
-    )  # per row: its RequestStates (runtime.layers.request_states)
+    # per row: its RequestStates (runtime.layers.request_states)
+    request_states: list = field(default_factory=list)
     probe: bool = False  # the engine's start-up forward that collects each attention layer's cache keys
     _cache: dict = field(default_factory=dict, repr=False)  # masks / indices built once per step
 

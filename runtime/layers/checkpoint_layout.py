@@ -1,7 +1,8 @@
 """Checkpoints whose tensors are laid out differently from the model's parameters: per-expert MoE weights
 stacked into one 3-D parameter (gate and up concatenated), renamed blocks, projections fused on disk
-(`query_key_value` -> q, k, v) or apart on disk and joined in the model (q / k / v convolutions -> `conv1d`). The rules come from
-transformers' own conversion mapping for the model type, so every architecture it knows is covered."""
+(`query_key_value` -> q, k, v) or apart on disk and joined in the model (q / k / v convolutions -> `conv1d`). The
+rules come from transformers' own conversion mapping for the model type, so every architecture it knows is
+covered."""
 
 import re
 from collections.abc import Sequence
@@ -18,6 +19,11 @@ class StackedPart:
     expert: int
     part: int
     num_parts: int
+
+
+def _replaced(name: str, found: re.Match, target: str) -> str:
+    """name with the part a rule's source pattern matched replaced by its target."""
+    return name[: found.start()] + target + name[found.end() :]
 
 
 class CheckpointLayout:
@@ -75,7 +81,7 @@ class CheckpointLayout:
         name = self._renamed(name)
         for pattern, targets, sized in self.fused:
             if found := pattern.search(name):
-                return [name[: found.start()] + t + name[found.end() :] for t in targets], sized
+                return [_replaced(name, found, t) for t in targets], sized
         return None
 
     def joined_part(self, name: str) -> tuple[str, int, int, int] | None:
@@ -85,7 +91,7 @@ class CheckpointLayout:
         name = self._renamed(name)
         for pattern, target, part, parts, dim in self.joined:
             if found := pattern.search(name):
-                return name[: found.start()] + target + name[found.end() :], part, parts, dim
+                return _replaced(name, found, target), part, parts, dim
         return None
 
     def resolve(self, name: str) -> tuple[str, StackedPart | None]:

@@ -259,6 +259,11 @@ def class_tables(module: cst.Module, names: set[str]) -> dict[str, cst.Dict]:
     }
 
 
+def class_table_members(module: cst.Module, names: set[str]) -> dict[str, set[str]]:
+    """class_tables(module, names) as the classes each table holds."""
+    return {n: {e.value.value for e in t.elements} for n, t in class_tables(module, names).items()}
+
+
 class _KwargsKeepMetadata(cst.CSTTransformer):
     """Calls of the module's own layers (`self.<attr>(...)`) that pass the `**` parameter on pass forward_metadata
     too, now that it is a parameter of its own."""

@@ -5,7 +5,15 @@ contract `(..., infer_config, comm_manager, prefix)` and pass it down, with `pre
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import called_name, class_choice, class_tables, classes, method, param_names
+from skills.migrator.cst_utils import (
+    called_name,
+    class_choice,
+    class_table_members,
+    class_tables,
+    classes,
+    method,
+    param_names,
+)
 from skills.migrator.expert_params import expert_params
 from skills.migrator.rule import Rule
 
@@ -14,10 +22,7 @@ WEIGHTED = {"nn.Linear", "Linear", "Conv1D", "Attention", "nn.Embedding", "Embed
 
 def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
     local = classes(module)
-    tables = {
-        name: {e.value.value for e in table.elements}
-        for name, table in class_tables(module, set(local)).items()
-    }
+    tables = class_table_members(module, set(local))
     plumbed = {entry}
     while True:
         grown = set(plumbed)
@@ -65,9 +70,8 @@ class _PassDown(cst.CSTTransformer):
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target
         self.path = [target.attr.value] if m.matches(target, m.Attribute(value=m.Name("self"))) else []
-        if m.matches(
-            node, class_choice(self.plumbed, self.tables)
-        ):  # `cls = A if c else B`: calls of cls too
+        # `cls = A if c else B`, `cls = TABLE[kind]`: calls of cls are plumbed too
+        if m.matches(node, class_choice(self.plumbed, self.tables)):
             self.plumbed = self.plumbed | {target.value}
 
     def visit_For(self, node: cst.For) -> None:

@@ -330,8 +330,9 @@ class _Fold(cst.CSTTransformer):
 
 
 def _bound_to_hf_only(module: cst.Module) -> set[int]:
-    """ids of the arguments in-file calls bind to the HF-only parameters of in-file classes' methods and functions, whatever
-    the argument's name (OPT passes its position mask to its embedding positionally): they go too."""
+    """ids of the arguments in-file calls bind to the HF-only parameters of in-file classes' methods and
+    functions, whatever the argument's name (OPT passes its position mask to its embedding positionally): they go
+    too."""
     local, doomed = classes(module), set()
     for name, where in call_sites(module).items():
         forward = None if method(local[name], "__call__") else method(local[name], "forward")

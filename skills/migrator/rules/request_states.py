@@ -3,8 +3,8 @@
 LFM2's short convolution, Mamba's scan, Qwen3-Next's gated delta rule) runs one request at a time in the runtime,
 with that request's states: its cache parameter becomes `states: RequestStates` and the method gets
 `@per_request(states="states")`, so MG004 no longer folds it; the decorator always gives them, so tests of them
-against None fold. Callers pass `forward_metadata` on (the decorator
-reads the step's requests from it). A method keeping any other state in its cache stays MG004's refusal."""
+against None fold. Callers pass `forward_metadata` on (the decorator reads the step's requests from it). A method
+keeping any other state in its cache stays MG004's refusal."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -74,10 +74,10 @@ class _PerRequest(cst.CSTTransformer):
         self.changed = True
         decorator = cst.Decorator(cst.parse_expression(f'per_request({STATES}="{STATES}")'))
         renamed = updated.visit(_Renamed(cache))
-        body = renamed.body.with_changes(
-            body=fold_given(renamed.body.body, {STATES})
-        )  # the decorator gives them
-        return renamed.with_changes(body=body, decorators=[*updated.decorators, decorator])
+        body = fold_given(renamed.body.body, {STATES})  # the decorator always gives them
+        return renamed.with_changes(
+            body=renamed.body.with_changes(body=body), decorators=[*updated.decorators, decorator]
+        )
 
 
 class PerRequestStates(Rule):

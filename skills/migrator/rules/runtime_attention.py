@@ -15,7 +15,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
     class_choice,
-    class_tables,
+    class_table_members,
     classes,
     code,
     free_names,
@@ -278,9 +278,8 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str], tables: dict[str, set[st
     list the attribute then holds (Bamba's decoder layers). Each says whether it may hold another module instead
     (a conditional's other branch, a table's other classes), whose calls stay as they are written."""
     attn = attn | {a.targets[0].target.value for a in m.findall(cls, class_choice(attn))}
-    appended: dict[
-        str, list[cst.Call]
-    ] = {}  # `layers.append(Layer(...))`, then `self.layers = ModuleList(layers)`
+    # `layers.append(Layer(...))`, then `self.layers = nn.ModuleList(layers)`
+    appended: dict[str, list[cst.Call]] = {}
     for c in m.findall(cls, m.Call(func=m.Attribute(m.Name(), m.Name("append")), args=[m.Arg(m.Call())])):
         appended.setdefault(c.func.value.value, []).append(c.args[0].value)
     found = {}
@@ -425,11 +424,7 @@ class RuntimeAttention(Rule):
             model = re.sub(r"(ForCausalLM|LMHeadModel|Model)$", "", ctx.entry_class) or "Model"
             module = m.replace(module, m.Name("Attention"), cst.Name(f"{model}Attention"))
             attn = attention_classes(module, ctx.entry_class)
-        tables = {
-            n: {e.value.value for e in t.elements}
-            for n, t in class_tables(module, set(classes(module))).items()
-        }
-        module = module.visit(_Classes(ctx, attn, tables))
+        module = module.visit(_Classes(ctx, attn, class_table_members(module, set(classes(module)))))
         imports = [
             ("runtime.layers.attention", "Attention"),
             ("runtime.engine.forward_metadata", "ForwardMetaData"),
