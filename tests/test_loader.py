@@ -255,3 +255,47 @@ def test_rules_transformers_registers_for_an_inner_model_class_apply():
     layout = CheckpointLayout("dots3_note_text", "Dots3NoteForCausalLM", ["Dots3NoteTextModel", "Linear"])
     target, part = layout.resolve(name)
     assert target == "model.layers.1.mlp.experts.down_proj" and (part.expert, part.part) == (2, 0)
+
+
+class _Shared(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2, bias=False)
+
+
+class _Tying(torch.nn.Module):
+    """Zamba's pattern: every hybrid layer holds a copy of one shared block, tied by regex to the first."""
+
+    def __init__(self, tie: bool, pattern: str = r"layers.(?!0\.)\d+.shared"):
+        super().__init__()
+        self.config = type("Config", (), {"tie_word_embeddings": tie})()
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"shared": _Shared()}) for _ in range(3))
+        self._tied_weights_keys = {pattern: "layers.0.shared"}
+
+
+def test_parameters_a_module_ties_by_pattern_are_shared_and_loaded_once():
+    from runtime.layers.weights import load_named_weights, missing_weights, tie_declared_weights
+
+    model = _Tying(tie=True)
+    assert tie_declared_weights(model) == 2
+    assert tie_declared_weights(model) == 0  # already shared
+    weight = torch.arange(4.0).view(2, 2)
+    loaded = load_named_weights(model, [("layers.0.shared.proj.weight", weight)])
+    assert missing_weights(model, loaded) == []
+    for layer in model.layers:
+        assert torch.equal(layer["shared"].proj.weight, weight)
+
+
+def test_weights_are_tied_only_when_the_config_ties_them():
+    from runtime.layers.weights import tie_declared_weights
+
+    model = _Tying(tie=False)  # transformers' switch for every tie: the checkpoint then holds each copy
+    assert tie_declared_weights(model) == 0
+    assert model.layers[1]["shared"].proj.weight is not model.layers[0]["shared"].proj.weight
+
+
+def test_a_tie_pattern_that_matches_no_parameter_is_a_user_error():
+    from runtime.layers.weights import tie_declared_weights
+
+    with pytest.raises(UserError, match="ties 'nothing' to 'layers.0.shared'.*fix the pattern"):
+        tie_declared_weights(_Tying(tie=True, pattern="nothing"))

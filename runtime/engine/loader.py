@@ -23,7 +23,7 @@ from runtime.layers.quantization.compressed_tensors import (
     prepare_model,
 )
 from runtime.layers.quantization.online import quantize_online
-from runtime.layers.weights import missing_weights, named_weights
+from runtime.layers.weights import missing_weights, named_weights, tie_declared_weights
 
 logger = logging.getLogger(__name__)
 
@@ -178,9 +178,10 @@ def checkpoint_quantization(model_path: Path) -> CheckpointScheme | None:
 
 
 def prepare_for_checkpoint(model: nn.Module, model_path: Path) -> CheckpointScheme | None:
-    """Gives the layers a checkpoint holds quantized their weights and scales in that form, whether convert-weights
-    saved them so or compressed-tensors did; returns the compressed-tensors scheme, whose storage the loading
-    decodes."""
+    """Shares the parameters the model ties (the checkpoint holds them once), and gives the layers a checkpoint
+    holds quantized their weights and scales in that form, whether convert-weights saved them so or
+    compressed-tensors did; returns the compressed-tensors scheme, whose storage the loading decodes."""
+    tie_declared_weights(model)
     if (saved := converted_quant_method(model_path)) not in (None, "none"):
         quantize_online(model, saved, prequantized=True)
     scheme = checkpoint_quantization(model_path)

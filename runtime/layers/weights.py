@@ -41,6 +41,37 @@ def missing_weights(model: nn.Module, loaded: set[str]) -> list[str]:
     return sorted(set(dict(model.named_parameters())) - loaded)
 
 
+def tie_declared_weights(model: nn.Module) -> int:
+    """Shares parameters as modules declare in ``_tied_weights_keys`` (``{target: source}``, regexes over the
+    module's parameter names, as transformers reads them: Zamba's hybrid layers all run the first one's shared
+    transformer), when the config ties weights (``tie_word_embeddings``, transformers' switch for every tie).
+    A checkpoint holds the sources only. Returns how many parameters became shared."""
+    tied = 0
+    for prefix, module in model.named_modules():
+        declared = getattr(module, "_tied_weights_keys", None)
+        config = getattr(module, "config", getattr(model, "config", None))
+        if not isinstance(declared, dict) or not getattr(config, "tie_word_embeddings", False):
+            continue
+        names = sorted(n for n, _ in module.named_parameters(remove_duplicate=False))
+        for target, source in declared.items():
+            sources = [n for n in names if re.search(f"^{source}", n)]
+            targets = [n for n in names if re.search(f"^{target}", n)]
+            if not sources or not targets or len(targets) % len(sources):
+                raise UserError(
+                    f"{type(module).__name__} ({prefix or 'the model'}) ties {target!r} to {source!r} in "
+                    f"_tied_weights_keys, but its parameters give {len(targets)} targets for {len(sources)} "
+                    "sources: fix the pattern, or set tie_word_embeddings: false in config.json if the "
+                    "checkpoint holds every copy."
+                )
+            for i, name in enumerate(targets):
+                owner, _, attr = name.rpartition(".")
+                shared = module.get_parameter(sources[i % len(sources)])
+                if module.get_parameter(name) is not shared:
+                    setattr(module.get_submodule(owner), attr, shared)
+                    tied += 1
+    return tied
+
+
 def _fused(name: str, mapping: list[tuple[str, str, object]]) -> tuple[str, object]:
     """(the fused parameter's name, shard id) for a part (`.q_proj` of `.qkv_proj`), else (name, None)."""
     for fused, piece, shard_id in mapping:

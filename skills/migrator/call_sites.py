@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ATTR, classes, method
+from skills.migrator.cst_utils import SELF_ATTR, choices, classes, method
 
 
 def named_params(fn: cst.FunctionDef) -> list[cst.Param]:
@@ -42,6 +42,8 @@ class Sites:
     called: list[cst.Call] = field(default_factory=list)
     name_escapes: bool = False  # its name is used other than in the constructor calls
     instances_escape: bool = False  # an instance is used other than in the calls
+    # calls of a list's items that may run another class instead (Zamba's layers: hybrid and Mamba ones)
+    shared: list[cst.Call] = field(default_factory=list)
 
 
 OPTIONAL = m.IfExp(body=m.Name("None"), orelse=m.Call()) | m.IfExp(body=m.Call(), orelse=m.Name("None"))
@@ -66,6 +68,29 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
             if len(kinds) == 1:
                 found[attr] = (kinds.pop(), True)
     return found
+
+
+def mixed_lists(init: cst.FunctionDef, local: set[str]) -> dict[str, set[str]]:
+    """`self.a = nn.ModuleList(items)` of a list `items` that `items.append(...)` fills with instances of more
+    than one in-file class (built in the call, or by a local: Zamba's `mamba = ZambaMambaDecoderLayer(...)`)
+    -> a: those classes."""
+    built = m.Call(m.Name(m.MatchIfTrue(lambda n: n in local)))
+    made = defaultdict(set)  # local -> the classes assigned to it
+    for a in m.findall(init, m.Assign([m.AssignTarget(m.Name())], built)):
+        made[a.targets[0].target.value].add(a.value.func.value)
+    appended: dict[str, set[str]] = defaultdict(set)
+    for c in m.findall(init, m.Call(m.Attribute(m.Name(), m.Name("append")), [m.Arg()])):
+        for item in choices(c.args[0].value):
+            if m.matches(item, built):
+                appended[c.func.value.value].add(item.func.value)
+            elif isinstance(item, cst.Name):
+                appended[c.func.value.value] |= made.get(item.value, set())
+    held = m.Call(m.Attribute(attr=m.Name("ModuleList")), [m.Arg(m.Name())])
+    return {
+        a.targets[0].target.attr.value: kinds
+        for a in m.findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], held))
+        if len(kinds := appended.get(a.value.args[0].value.value, set())) > 1
+    }
 
 
 class _Index(cst.CSTVisitor):
@@ -171,6 +196,15 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
             explained |= index.member_reads | index.none_tests
             if any(id(u) not in explained for u in uses) or attr in index.other_attrs:
                 sites[target].instances_escape = True
+        for attr, kinds in (mixed_lists(init, set(local)) if init else {}).items():
+            calls = [
+                c
+                for loop in index.loops[(owner, attr)]
+                for c in m.findall(loop.body, m.Call(m.Name(loop_over(loop)[1])))
+            ]
+            for kind in kinds:  # no rule may change one class's signature for these calls alone
+                sites[kind].shared += calls
+                sites[kind].instances_escape = True
     for name, where in sites.items():
         where.name_escapes = any(id(node) not in accounted for node in index.names[name])
     return sites

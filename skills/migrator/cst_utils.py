@@ -259,6 +259,11 @@ def class_tables(module: cst.Module, names: set[str]) -> dict[str, cst.Dict]:
     }
 
 
+def choices(e: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The values e may take: the branches of conditionals (`A(...) if c else b`), else e itself."""
+    return choices(e.body) + choices(e.orelse) if isinstance(e, cst.IfExp) else [e]
+
+
 def class_table_members(module: cst.Module, names: set[str]) -> dict[str, set[str]]:
     """class_tables(module, names) as the classes each table holds."""
     return {n: {e.value.value for e in t.elements} for n, t in class_tables(module, names).items()}

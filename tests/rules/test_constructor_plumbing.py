@@ -221,6 +221,37 @@ def test_for_loop_append_prefix(run_rule):
     assert 'prefix=join_prefix(prefix, f"layers.{layer_idx}")' in out
 
 
+def test_layers_gathered_in_a_local_list_get_their_list_prefix(run_rule):
+    # ZambaModel (v5): layers built into a local, appended to a list, which a ModuleList then holds
+    code = dedent("""\
+        class Layer(nn.Module):
+            def __init__(self, config, layer_idx):
+                super().__init__()
+                self.mlp = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+        class Model(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                layers = []
+                for layer_id, kind in enumerate(config.kinds):
+                    layer = Layer(config, layer_id)
+                    layers.append(Layer(config, layer_id) if kind else layer)
+                self.layers = nn.ModuleList(layers)
+                self.norm = Layer(config, 0)
+
+
+        class ModelForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.model = Model(config)
+        """)
+    out = run_rule(rule, code, entry_class="ModelForCausalLM")
+    assert out.count('prefix=join_prefix(prefix, f"layers.{layer_id}")') == 2
+    assert 'prefix=join_prefix(prefix, "norm")' in out
+    assert run_rule(rule, out, entry_class="ModelForCausalLM") == out
+
+
 def test_stacked_expert_parameters_count_as_weights():
     """An experts module holding `[num_experts, ...]` parameters is plumbed, and so is the MoE block building it;
     a module of 2-D parameters only (a router) is not."""

@@ -785,3 +785,61 @@ def test_a_module_level_helper_loses_the_folded_parameter_and_its_arguments(run_
     assert "def apply_mask_to_padding_states(hidden_states):" in out
     assert "return apply_mask_to_padding_states(hidden_states)" in out
     assert run_rule(rule, out) == out
+
+
+MIXED_LAYERS = dedent("""\
+    class HybridLayer(nn.Module):
+        def forward(self, hidden_states, layer_idx=None, attention_mask=None, causal_mask=None, cache=None):
+            return hidden_states
+
+
+    class MambaLayer(nn.Module):
+        def forward(self, hidden_states, layer_idx=None, attention_mask=None, causal_mask=None, cache=None):
+            return hidden_states
+
+
+    class Model(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            layers = []
+            for i, kind in enumerate(config.kinds):
+                mamba = MambaLayer(config)
+                layers.append(HybridLayer(config) if kind == "hybrid" else mamba)
+                layers.append(mamba)
+            self.layers = nn.ModuleList(layers)
+
+        def forward(self, hidden_states, cache=None):
+            for i, layer in enumerate(self.layers):
+                hidden_states = layer(hidden_states, i, None, None, cache=cache)
+            return hidden_states
+    """)
+
+
+def test_a_list_of_several_classes_loses_the_arguments_all_of_them_fold(run_rule):
+    # ZambaModel (v5) appends hybrid layers and Mamba layers (built into a local first) to one list, and passes
+    # each the masks positionally.
+    code = MIXED_LAYERS.replace(
+        'layers.append(HybridLayer(config) if kind == "hybrid" else mamba)',
+        "layers.append(HybridLayer(config))",
+    )
+    out = run_rule(rule, code)
+    assert out.count("def forward(self, hidden_states, layer_idx=None, causal_mask=None):") == 2
+    assert "hidden_states = layer(hidden_states, i, None)" in out
+    assert run_rule(rule, out) == out
+
+
+def test_a_positional_argument_the_classes_bind_differently_is_refused(run_rule, make_ctx):
+    # the Mamba layer takes a mask of its own where the hybrid layer folds `attention_mask`: no call fits both
+    code = MIXED_LAYERS.replace(
+        'layers.append(HybridLayer(config) if kind == "hybrid" else mamba)',
+        "layers.append(HybridLayer(config))",
+    ).replace(
+        "class MambaLayer(nn.Module):\n    def forward(self, hidden_states, layer_idx=None, attention_mask=None,",
+        "class MambaLayer(nn.Module):\n    def forward(self, hidden_states, layer_idx=None, mask=None,",
+    )
+    (scope, what), *more = _findings(run_rule, make_ctx, code)
+    assert (scope, more) == ("LlamaForCausalLM", [])
+    assert what == (
+        "the layers of one list (HybridLayer, MambaLayer) are called with argument `None`, which some of them "
+        "take as an HF-only parameter (folded away) and others keep: give them the same signature"
+    )

@@ -229,6 +229,33 @@ def test_positional_mask_argument(run_rule, make_ctx):
     ) or ctx.findings
 
 
+# ZambaModel.forward (v5) passes entries of its mask dict positionally.
+ZAMBA = dedent("""\
+    def forward(self, hidden_states, attention_mask, cache=None):
+        causal_mask_mapping = {
+            "full_attention": create_causal_mask(hidden_states, attention_mask),
+            "linear_attention": create_recurrent_attention_mask(hidden_states, attention_mask),
+        }
+        for layer_idx, layer in enumerate(self.layers):
+            hidden_states = layer(
+                hidden_states,
+                layer_idx,
+                causal_mask_mapping["linear_attention"],
+                causal_mask_mapping["full_attention"],
+                cache=cache,
+            )
+        return hidden_states
+    """)
+
+
+def test_positional_entries_of_a_mask_dict_become_none(run_rule):
+    out = run_rule(rule, ZAMBA)
+    assert "create_causal_mask" not in out and "causal_mask_mapping" not in out
+    assert "            None,\n            None,\n            cache=cache," in out
+    assert "for layer_idx, layer in enumerate(self.layers):" in out and "return hidden_states" in out
+    assert run_rule(rule, out) == out
+
+
 # BeamModel.forward (v5): the mask loop and the rotary loop share their loop variable.
 SHARED_LOOP_VARIABLE = dedent("""\
     def forward(self, hidden_states, position_ids):

@@ -6,7 +6,9 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
+    SELF_ATTR,
     called_name,
+    choices,
     class_choice,
     class_table_members,
     class_tables,
@@ -66,16 +68,40 @@ class _PassDown(cst.CSTTransformer):
         self.plumbed, self.tables = plumbed, tables
         self.path: list[str] = []  # attribute being assigned, then comprehension loop variables
         self.loop_vars: list[str] = []  # enclosing `for` targets
+        self.held: dict[
+            str, str
+        ] = {}  # local -> the list attribute it ends in (`self.layers = nn.ModuleList(x)`)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        held = m.Assign(
+            [m.AssignTarget(SELF_ATTR)], m.Call(m.Attribute(attr=m.Name("ModuleList")), [m.Arg(m.Name())])
+        )
+        self.held = {
+            a.value.args[0].value.value: a.targets[0].target.attr.value for a in m.findall(node, held)
+        }
+        append = m.Call(m.Attribute(m.Name(), m.Name("append")), [m.Arg()])
+        for c in m.findall(node, append):  # `mamba = Layer(...)`, later `layers.append(mamba)`
+            if (attr := self.held.get(c.func.value.value)) is not None:
+                for item in choices(c.args[0].value):
+                    if isinstance(item, cst.Name):
+                        self.held.setdefault(item.value, attr)
 
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target
         self.path = [target.attr.value] if m.matches(target, m.Attribute(value=m.Name("self"))) else []
+        if isinstance(target, cst.Name) and target.value in self.held:
+            self.path = self._in_list(target.value)
         # `cls = A if c else B`, `cls = TABLE[kind]`: calls of cls are plumbed too
         if m.matches(node, class_choice(self.plumbed, self.tables)):
             self.plumbed = self.plumbed | {target.value}
 
     def visit_For(self, node: cst.For) -> None:
-        self.loop_vars.append(node.target.value if isinstance(node.target, cst.Name) else "")
+        target = node.target
+        if m.matches(
+            node, m.For(m.Tuple([m.Element(m.Name()), m.ZeroOrMore()]), m.Call(m.Name("enumerate")))
+        ):
+            target = target.elements[0].value  # `for i, kind in enumerate(...)`: the index
+        self.loop_vars.append(target.value if isinstance(target, cst.Name) else "")
 
     def leave_For(self, original, updated):
         self.loop_vars.pop()
@@ -85,6 +111,16 @@ class _PassDown(cst.CSTTransformer):
         """`self.layers.append(Layer(...))` inside `for i in ...`: the child is `layers.{i}`."""
         if m.matches(node.func, m.Attribute(value=m.Attribute(value=m.Name("self")), attr=m.Name("append"))):
             self.path = [node.func.value.attr.value, *("{" + v + "}" for v in self.loop_vars if v)]
+        elif (
+            m.matches(node.func, m.Attribute(m.Name(), m.Name("append")))
+            and node.func.value.value in self.held
+        ):
+            self.path = self._in_list(
+                node.func.value.value
+            )  # `layers.append(...)`, then `nn.ModuleList(layers)`
+
+    def _in_list(self, local: str) -> list[str]:
+        return [self.held[local], *("{" + v + "}" for v in self.loop_vars if v)]
 
     def visit_ListComp(self, node: cst.ListComp) -> None:
         self._loop_vars(node.for_in)

@@ -14,7 +14,7 @@ global transformer the local encoder's patch states): folding it would lose that
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.call_sites import binding, call_sites, named_params
+from skills.migrator.call_sites import binding, bound_parameter, call_sites, named_params
 from skills.migrator.cst_utils import (
     assigned_names,
     classes,
@@ -349,6 +349,26 @@ def _bound_to_hf_only(module: cst.Module) -> set[int]:
     return doomed
 
 
+def _mixed_list_bindings(module: cst.Module) -> tuple[set[int], list[tuple[str, str]]]:
+    """For calls of a list's items that may be instances of several classes (Zamba's hybrid and Mamba layers):
+    ids of the arguments every class binds to an HF-only parameter, which go; and (classes, argument) for an
+    argument some bind to one and others not, which no removal keeps right for all."""
+    local, shared = classes(module), {}
+    for name, where in call_sites(module).items():
+        forward = None if method(local[name], "__call__") else method(local[name], "forward")
+        for c in where.shared:
+            shared.setdefault(id(c), (c, {}))[1][name] = forward
+    doomed, conflicts = set(), []
+    for call, forwards in shared.values():
+        for a in call.args:
+            folded = {fn is not None and bound_parameter(call, fn, a) in HF_ONLY for fn in forwards.values()}
+            if folded == {True}:
+                doomed.add(id(a))
+            elif len(folded) > 1:
+                conflicts.append((", ".join(sorted(forwards)), code(a.value)))
+    return doomed, conflicts
+
+
 def _inputs_fed_at_run_time(module: cst.Module, entry_class: str) -> list[tuple[str, str, str]]:
     """(class, parameter, argument) for each in-file call, in a class the entry class reaches, that binds an input
     parameter of its forward (`inputs_embeds`, an encoder's states) to a value computed at run time rather than
@@ -457,7 +477,15 @@ class FoldHFOnlyParams(Rule):
         past = _past_lengths(module)
         module = pass_positions(module, self.rewrite.checkpoint_config, past)
         kept, helper_args = _helper_bindings(module)
-        if doomed := _bound_to_hf_only(module) | helper_args:
+        mixed_args, conflicts = _mixed_list_bindings(module)
+        for names, arg in conflicts:
+            self.rewrite.unsupported(
+                self.rewrite.entry_class,
+                0,
+                f"the layers of one list ({names}) are called with argument `{arg}`, which some of them take as "
+                "an HF-only parameter (folded away) and others keep: give them the same signature",
+            )
+        if doomed := _bound_to_hf_only(module) | helper_args | mixed_args:
             module = module.visit(_DropArgs(doomed))
         module = module.visit(_Fold(kept))
         self._refuse_past_lengths_fed_to_modules(module, past)
