@@ -92,6 +92,15 @@ _ARCH: dict[str, dict] = {
     "gemma3n_text": {"layer_types": ["sliding_attention", "sliding_attention"]},
     # Zamba ties its shared transformer's weights across hybrid layers: two of them
     "zamba": {"layer_types": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
+    # its defaults leave the sparse-attention indexer unsized (the published config sets it): one key head, as
+    # its config requires, a budget of two compressed blocks of 4
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
     # a dense attention layer, then a sparse one; the shared experts' and dense MLPs' widths the tiny ones
     "minimax_m3_vl_text": {
         "layer_types": ["full_attention", "minimax_m3_sparse"],

@@ -351,14 +351,14 @@ def test_longrope_picks_its_factors_per_request_and_matches_transformers(tmp_pat
 
 
 @pytest.mark.parametrize(
-    "name", ["lfm2", *(pytest.param(a, marks=pytest.mark.slow) for a in ("falcon_h1", "zamba"))]
+    "name", ["lfm2", *(pytest.param(a, marks=pytest.mark.slow) for a in ("falcon_h1", "zamba", "zamba2"))]
 )
 def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name, tmp_path_factory, tmp_path):
     """LFM2 (a short convolution, then attention), Falcon-H1 (Mamba-2 beside attention in every layer; `-m slow`)
-    and Zamba (Mamba layers, and a shared attention block tied across the hybrid ones; `-m slow`) keep their conv /
-    recurrent states in the cache: the migrated layers run per request of the packed step with the runtime's
-    states (MG035), four prompts of different lengths prefilled and decoded together. A
-    parallel layout that splits a step's tokens across ranks is refused before any rank starts."""
+    and Zamba / Zamba2 (Mamba layers, and shared attention blocks tied across the hybrid ones, built in a method for
+    Zamba2; `-m slow`) keep their conv / recurrent states in the cache: the migrated layers run per request of the
+    packed step with the runtime's states (MG035), four prompts of different lengths prefilled and decoded
+    together. A parallel layout that splits a step's tokens across ranks is refused before any rank starts."""
     reference = build_reference(name, tmp_path_factory)
     model_dir = migrate(reference, tmp_path, "--mode", "framework")
     assert '@per_request(states="states")' in (model_dir / "models" / f"modeling_{name}.py").read_text()

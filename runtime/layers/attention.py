@@ -676,9 +676,8 @@ def cache_info_of(model: nn.Module, dtype: torch.dtype):
     if not owners:
         raise UserError(
             f"{type(model).__name__} holds no runtime Attention layer, so the runtime has no cache to give it: its "
-            "attention is built in a way the migrator's rules do not rewrite (a layer handed to another's "
-            "constructor, as Zamba's shared transformer), or it has none. Port the attention to "
-            "runtime.layers.attention.Attention by hand."
+            "attention is built in a way the migrator's rules do not rewrite, or it has none. Port the attention "
+            "to runtime.layers.attention.Attention by hand."
         )
     return ModelCacheInfo(
         [

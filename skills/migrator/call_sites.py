@@ -70,27 +70,54 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
     return found
 
 
-def mixed_lists(init: cst.FunctionDef, local: set[str]) -> dict[str, set[str]]:
+def builders(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    """The class's own methods its __init__ calls (`self.layers = self.get_layers()`: Zamba2 builds its layers
+    in one), by name: they construct on __init__'s behalf."""
+    init = method(cls, "__init__")
+    called = {c.func.attr.value for c in m.findall(init, m.Call(SELF_ATTR))} if init else set()
+    return {
+        f.name.value: f
+        for f in cls.body.body
+        if isinstance(f, cst.FunctionDef) and f.name.value in called - {"__init__", "forward"}
+    }
+
+
+MODULE_LIST = m.Call(m.Attribute(attr=m.Name("ModuleList")), [m.Arg(m.Name())])
+
+
+def mixed_lists(cls: cst.ClassDef, local: set[str]) -> dict[str, set[str]]:
     """`self.a = nn.ModuleList(items)` of a list `items` that `items.append(...)` fills with instances of more
     than one in-file class (built in the call, or by a local: Zamba's `mamba = ZambaMambaDecoderLayer(...)`)
-    -> a: those classes."""
+    -> a: those classes. The list may be built by a builder method (`self.a = self.get_layers()`, which returns
+    `nn.ModuleList(items)`)."""
+    init = method(cls, "__init__")
+    found = {}
+    for a in m.findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], MODULE_LIST)) if init else ():
+        found[a.targets[0].target.attr.value] = _appended_kinds(init, a.value.args[0].value.value, local)
+    for name, fn in builders(cls).items():
+        built_by = m.Assign([m.AssignTarget(SELF_ATTR)], m.Call(m.Attribute(m.Name("self"), m.Name(name))))
+        for a in m.findall(init, built_by):
+            for r in m.findall(fn, m.Return(MODULE_LIST)):
+                found[a.targets[0].target.attr.value] = _appended_kinds(
+                    fn, r.value.args[0].value.value, local
+                )
+    return {attr: kinds for attr, kinds in found.items() if len(kinds) > 1}
+
+
+def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str]:
+    """The in-file classes fn's `items.append(...)` calls add instances of."""
     built = m.Call(m.Name(m.MatchIfTrue(lambda n: n in local)))
     made = defaultdict(set)  # local -> the classes assigned to it
-    for a in m.findall(init, m.Assign([m.AssignTarget(m.Name())], built)):
+    for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], built)):
         made[a.targets[0].target.value].add(a.value.func.value)
-    appended: dict[str, set[str]] = defaultdict(set)
-    for c in m.findall(init, m.Call(m.Attribute(m.Name(), m.Name("append")), [m.Arg()])):
+    kinds = set()
+    for c in m.findall(fn, m.Call(m.Attribute(m.Name(items), m.Name("append")), [m.Arg()])):
         for item in choices(c.args[0].value):
             if m.matches(item, built):
-                appended[c.func.value.value].add(item.func.value)
+                kinds.add(item.func.value)
             elif isinstance(item, cst.Name):
-                appended[c.func.value.value] |= made.get(item.value, set())
-    held = m.Call(m.Attribute(attr=m.Name("ModuleList")), [m.Arg(m.Name())])
-    return {
-        a.targets[0].target.attr.value: kinds
-        for a in m.findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], held))
-        if len(kinds := appended.get(a.value.args[0].value.value, set())) > 1
-    }
+                kinds |= made.get(item.value, set())
+    return kinds
 
 
 class _Index(cst.CSTVisitor):
@@ -196,7 +223,7 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
             explained |= index.member_reads | index.none_tests
             if any(id(u) not in explained for u in uses) or attr in index.other_attrs:
                 sites[target].instances_escape = True
-        for attr, kinds in (mixed_lists(init, set(local)) if init else {}).items():
+        for attr, kinds in mixed_lists(cls, set(local)).items():
             calls = [
                 c
                 for loop in index.loops[(owner, attr)]

@@ -252,6 +252,53 @@ def test_layers_gathered_in_a_local_list_get_their_list_prefix(run_rule):
     assert run_rule(rule, out, entry_class="ModelForCausalLM") == out
 
 
+def test_a_builder_method_init_calls_takes_the_contract_and_passes_it_down(run_rule):
+    # Zamba2Model (v5): `self.layers = self.get_layers()`, a method that appends the layers to a list
+    code = dedent("""\
+        class Layer(nn.Module):
+            def __init__(self, config, layer_idx):
+                super().__init__()
+                self.mlp = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+        class Model(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.config = config
+                self.layers = self.get_layers()
+
+            def get_layers(self):
+                layers = []
+                for layer_id in range(self.config.num_hidden_layers):
+                    layers.append(Layer(self.config, layer_id))
+                return nn.ModuleList(layers)
+
+
+        class ModelForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.model = Model(config)
+        """)
+    out = run_rule(rule, code, entry_class="ModelForCausalLM")
+    assert (
+        "self.layers = self.get_layers(infer_config=infer_config, comm_manager=comm_manager, prefix=prefix)"
+        in out
+    )
+    assert (
+        "def get_layers(self, infer_config: InferenceConfig, comm_manager: CommManager | None = None" in out
+    )
+    assert 'prefix=join_prefix(prefix, f"layers.{layer_id}")' in out
+    assert run_rule(rule, out, entry_class="ModelForCausalLM") == out
+    # a method that builds no module keeps its signature
+    plain = code.replace(
+        "        self.layers = self.get_layers()\n",
+        "        self.layers = self.get_layers()\n        self.reset()\n\n    def reset(self):\n        self.count = 0\n",
+    )
+    assert "def reset(self):" in plain
+    out = run_rule(rule, plain, entry_class="ModelForCausalLM")
+    assert "def reset(self):" in out and "        self.reset()\n" in out
+
+
 def test_stacked_expert_parameters_count_as_weights():
     """An experts module holding `[num_experts, ...]` parameters is plumbed, and so is the MoE block building it;
     a module of 2-D parameters only (a router) is not."""

@@ -843,3 +843,15 @@ def test_a_positional_argument_the_classes_bind_differently_is_refused(run_rule,
         "the layers of one list (HybridLayer, MambaLayer) are called with argument `None`, which some of them "
         "take as an HF-only parameter (folded away) and others keep: give them the same signature"
     )
+
+
+def test_a_mixed_list_a_builder_method_returns_counts_too(run_rule):
+    # Zamba2Model (v5) builds the same list in `get_layers`, which `__init__` calls
+    code = MIXED_LAYERS.replace(
+        "        layers = []\n",
+        "        self.layers = self.get_layers(config)\n\n    def get_layers(self, config):\n        layers = []\n",
+    ).replace("        self.layers = nn.ModuleList(layers)\n", "        return nn.ModuleList(layers)\n")
+    assert "def get_layers" in code and "return nn.ModuleList(layers)" in code
+    out = run_rule(rule, code)
+    assert out.count("def forward(self, hidden_states, layer_idx=None, causal_mask=None):") == 2
+    assert "hidden_states = layer(hidden_states, i, None)" in out

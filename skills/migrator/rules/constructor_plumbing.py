@@ -5,6 +5,7 @@ contract `(..., infer_config, comm_manager, prefix)` and pass it down, with `pre
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.call_sites import MODULE_LIST, builders
 from skills.migrator.cst_utils import (
     SELF_ATTR,
     called_name,
@@ -32,8 +33,10 @@ def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
             init = method(cls, "__init__")
             if init is None:
                 continue
-            callees = {called_name(c) for c in m.findall(init, m.Call())}
-            for c in m.findall(init, m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, tables or {""}))))):
+            built = [init, *builders(cls).values()]
+            callees = {called_name(c) for fn in built for c in m.findall(fn, m.Call())}
+            table_calls = m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, tables or {""}))))
+            for c in (c for fn in built for c in m.findall(fn, table_calls)):
                 callees |= tables[c.func.value.value]  # `TABLE[kind](...)` builds any of its classes
             if callees & (WEIGHTED | plumbed) or expert_params(init):
                 grown.add(name)
@@ -42,9 +45,9 @@ def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
         plumbed = grown
 
 
-def _new_params(init: cst.FunctionDef) -> cst.Parameters:
+def _new_params(init: cst.FunctionDef, required: bool = False) -> cst.Parameters:
     params = init.params
-    defaulted = any(p.default is not None for p in params.params)
+    defaulted = not required and any(p.default is not None for p in params.params)
     add = [
         cst.Param(
             cst.Name("infer_config"),
@@ -64,21 +67,22 @@ def _new_params(init: cst.FunctionDef) -> cst.Parameters:
 class _PassDown(cst.CSTTransformer):
     """Adds the contract kwargs to constructor calls of plumbed classes inside one __init__."""
 
-    def __init__(self, plumbed: set[str], tables: set[str]):
+    def __init__(self, plumbed: set[str], tables: set[str], returned_to: str = ""):
         self.plumbed, self.tables = plumbed, tables
+        self.returned_to = returned_to  # a builder's: the attribute its caller assigns the result to
         self.path: list[str] = []  # attribute being assigned, then comprehension loop variables
         self.loop_vars: list[str] = []  # enclosing `for` targets
-        self.held: dict[
-            str, str
-        ] = {}  # local -> the list attribute it ends in (`self.layers = nn.ModuleList(x)`)
+        # local -> the list attribute it ends in (`self.layers = nn.ModuleList(x)`)
+        self.held: dict[str, str] = {}
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        held = m.Assign(
-            [m.AssignTarget(SELF_ATTR)], m.Call(m.Attribute(attr=m.Name("ModuleList")), [m.Arg(m.Name())])
-        )
+        held = m.Assign([m.AssignTarget(SELF_ATTR)], MODULE_LIST)
         self.held = {
             a.value.args[0].value.value: a.targets[0].target.attr.value for a in m.findall(node, held)
         }
+        # a builder's `return nn.ModuleList(x)`
+        for r in m.findall(node, m.Return(MODULE_LIST)) if self.returned_to else ():
+            self.held[r.value.args[0].value.value] = self.returned_to
         append = m.Call(m.Attribute(m.Name(), m.Name("append")), [m.Arg()])
         for c in m.findall(node, append):  # `mamba = Layer(...)`, later `layers.append(mamba)`
             if (attr := self.held.get(c.func.value.value)) is not None:
@@ -160,9 +164,39 @@ class _Plumb(cst.CSTTransformer):
         init = method(updated, "__init__")
         if updated.name.value not in self.plumbed or init is None or "infer_config" in param_names(init):
             return updated
+        helpers = {n: f for n, f in builders(updated).items() if self._constructs(f)}
         new_init = init.with_changes(params=_new_params(init)).visit(_PassDown(self.plumbed, self.tables))
-        body = [new_init if s is init else s for s in updated.body.body]
+        new_init = new_init.visit(_PassContract(set(helpers)))
+        done = {id(init): new_init}
+        for name, fn in helpers.items():
+            assigned = m.Assign(
+                [m.AssignTarget(SELF_ATTR)], m.Call(m.Attribute(m.Name("self"), m.Name(name)))
+            )
+            attrs = [a.targets[0].target.attr.value for a in m.findall(init, assigned)]
+            down = _PassDown(self.plumbed, self.tables, attrs[0] if len(attrs) == 1 else "")
+            done[id(fn)] = fn.with_changes(params=_new_params(fn, required=True)).visit(down)
+        body = [done.get(id(s), s) for s in updated.body.body]
         return updated.with_changes(body=updated.body.with_changes(body=body))
+
+    def _constructs(self, fn: cst.FunctionDef) -> bool:
+        """fn builds a module that takes the contract (or a weighted layer the parallel rules will make one)."""
+        tabled = m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, self.tables or {""}))))
+        callees = {called_name(c) for c in m.findall(fn, m.Call())}
+        return bool(callees & (self.plumbed | WEIGHTED)) or bool(m.findall(fn, tabled))
+
+
+class _PassContract(cst.CSTTransformer):
+    """`self.<builder>(...)` calls in __init__ pass the contract on, prefix unchanged: the builder's children are
+    the class's own."""
+
+    def __init__(self, helpers: set[str]):
+        self.helpers = helpers
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if not m.matches(updated.func, SELF_ATTR) or updated.func.attr.value not in self.helpers:
+            return updated
+        extra = cst.parse_expression("f(infer_config=infer_config, comm_manager=comm_manager, prefix=prefix)")
+        return updated.with_changes(args=[*updated.args, *extra.args])
 
 
 def _aliased(
