@@ -40,6 +40,11 @@ def make_model_dir(
 def prefill_logits(model_dir: Path, prompts_ids: list[list[int]]):
     """Last-position logits [B, V] of one packed prefill of prompts_ids, run by the runtime on model_dir (on the
     device it picks), returned on the host beside transformers' reference."""
+    return prefilled(model_dir, prompts_ids)[1]
+
+
+def prefilled(model_dir: Path, prompts_ids: list[list[int]]):
+    """(the engine, prefill_logits) after one packed prefill of prompts_ids on model_dir."""
     from runtime.config import InferenceConfig
     from runtime.distributed import init_distributed
     from runtime.engine.execution_engine import ExecutionEngine
@@ -51,4 +56,4 @@ def prefill_logits(model_dir: Path, prompts_ids: list[list[int]]):
     requests = [Request(ids) for ids in prompts_ids]
     for r in requests:
         assert engine.kv.allocate_slots(r.request_id, 0, r.num_tokens)
-    return engine.forward_batch(Batch(requests, is_prefill=True))["logits"][:, 0].cpu()
+    return engine, engine.forward_batch(Batch(requests, is_prefill=True))["logits"][:, 0].cpu()

@@ -191,3 +191,22 @@ def test_sizing():
         blocks_for_memory(free_bytes=1000, fraction=0.1, bytes_per_block=100)
     with pytest.raises(ValueError):
         blocks_for_memory(free_bytes=1000, fraction=0.0, bytes_per_block=100)
+
+
+def test_the_pool_leaves_room_for_the_per_request_states(monkeypatch):
+    from types import SimpleNamespace
+
+    from runtime.engine import model_worker
+    from runtime.engine.model_worker import ModelWorker
+
+    monkeypatch.setattr(model_worker, "free_memory_bytes", lambda device: 10_000)
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(mem_fraction_static=0.5, block_size=16),
+        batch_size_per_dp_rank=64,
+        max_seq_len=1024,
+    )
+    worker = ModelWorker.__new__(ModelWorker)
+    worker.config, worker.dist, worker.state_bytes = config, SimpleNamespace(device="cpu"), 0
+    assert worker._blocks_from_memory(bytes_per_block=100) == 50
+    worker.state_bytes = 4_000  # what the engine set aside after its start-up probe
+    assert worker._blocks_from_memory(bytes_per_block=100) == 30

@@ -16,7 +16,7 @@ from hf_reference import (
     prompts_args,
     run_json,
 )
-from model_dirs import prefill_logits
+from model_dirs import prefill_logits, prefilled
 from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoModelForCausalLM
 
@@ -363,8 +363,14 @@ def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name
     model_dir = migrate(reference, tmp_path, "--mode", "framework")
     assert '@per_request(states="states")' in (model_dir / "models" / f"modeling_{name}.py").read_text()
     assert_framework_run_matches(reference, model_dir)
-    torch.testing.assert_close(
-        prefill_logits(model_dir, reference["ids"]), reference["logits"], atol=1e-4, rtol=0
+    engine, logits = prefilled(model_dir, reference["ids"])
+    torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
+    # the memory set aside beside the KV pool: as many requests' states as the scheduler holds, each the size
+    # a prefilled request's states have (the start-up probe's one token measured them)
+    sizes = set(engine.states.nbytes().values())
+    assert (
+        len(sizes) == 1
+        and engine.worker.state_bytes == sizes.pop() * engine.config.batch_size_per_dp_rank > 0
     )
     split = parallelize(model_dir, parallel_yaml(tmp_path / "dp.yaml", 2, 1, 2, 2, 2))
     assert split.returncode == 2 and "keep state per request" in split.stderr, split.stderr[-2000:]

@@ -61,9 +61,10 @@ class ExecutionEngine:
         self.tokenizer = self.worker.load_tokenizer()
         self.kv = self.worker.init_kvcache()
         held = self.worker.held_bytes()
-        keys = probed_cache_keys(self.dummy_step(probe=True))
-        # the probe may also build weights (MLA's absorbed maps), which the pool must leave room for
-        if self.worker.fit_cache_keys(keys, resize=self.worker.held_bytes() != held):
+        probe = self.dummy_step(probe=True)
+        # the probe may also build weights (MLA's absorbed maps) and states, which the pool must leave room for
+        resize = self._reserve_states(probe.request_states[0].nbytes()) | (self.worker.held_bytes() != held)
+        if self.worker.fit_cache_keys(probed_cache_keys(probe), resize=resize):
             self.kv = self.worker.init_kvcache()
         self.eos_token_ids = eos_token_ids(self.worker.model_path, self.worker.hf_config, self.tokenizer)
         sc = self.config.scheduler_config
@@ -74,6 +75,22 @@ class ExecutionEngine:
         if mc.enable_profiler:
             out = Path(mc.output_path).expanduser() if mc.output_path else Path(self.worker.model_dir or ".")
             self.profiler = StepProfiler(out, self.device)
+
+    def _reserve_states(self, per_request: int) -> bool:
+        """Sets aside, outside the KV pool, the states layers keep per request (as the probe's one-token request
+        left them: a convolution's window and a recurrence have a fixed size) for the most requests the scheduler
+        holds at once; True when there are any."""
+        if not per_request:
+            return False
+        requests = self.config.batch_size_per_dp_rank
+        self.worker.state_bytes = per_request * requests
+        logger.info(
+            "[Main] per-request states: %.1f KiB a request, %.1f MiB set aside for %d requests",
+            per_request / 2**10,
+            self.worker.state_bytes / 2**20,
+            requests,
+        )
+        return True
 
     # --- the request API -------------------------------------------------------------------------------------
     def add_request(

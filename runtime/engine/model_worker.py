@@ -49,6 +49,7 @@ class ModelWorker:
         self.decode_model = None  # the model, or its compiled decode graph (exe_mode)
         self.hf_config: PretrainedConfig | None = None
         self.comm_manager: CommManager | None = None
+        self.state_bytes = 0  # set aside outside the KV pool for the layers' per-request states
 
     def resolve_classes(self):
         mc = self.config.model_config
@@ -207,10 +208,11 @@ class ModelWorker:
         return bool(changed) or resize
 
     def _blocks_from_memory(self, bytes_per_block: int) -> int:
-        """``mem_fraction_static`` of the memory free after the weights, but no more blocks than the scheduler can
-        ever hold at once (batch_size_per_dp_rank requests of max_seq_len tokens)."""
+        """``mem_fraction_static`` of the memory free after the weights and the per-request states
+        (``state_bytes``), but no more blocks than the scheduler can ever hold at once (batch_size_per_dp_rank
+        requests of max_seq_len tokens)."""
         sc = self.config.scheduler_config
-        free = free_memory_bytes(self.dist.device)
+        free = max(free_memory_bytes(self.dist.device) - self.state_bytes, 0)
         fits = blocks_for_memory(free, sc.mem_fraction_static, bytes_per_block)
         most = blocks_for_batch(self.config.batch_size_per_dp_rank, self.config.max_seq_len, sc.block_size)
         return min(fits, most)

@@ -59,6 +59,9 @@ class RequestStates:
         self.recurrent[(layer_idx, state_idx)] = recurrent_states.clone()
         return self.recurrent[(layer_idx, state_idx)]
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
+
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         """The runtime never rolls a request back (no speculative tokens), so it keeps no past beyond the state."""
         return False
@@ -100,6 +103,10 @@ class StateStore:
 
     def __len__(self) -> int:
         return len(self._states)
+
+    def nbytes(self) -> dict[Hashable, int]:
+        """Each live request's states, in bytes."""
+        return {r: s.nbytes() for r, s in self._states.items()}
 
 
 def _request_bounds(md: ForwardMetaData) -> list[int]:
