@@ -84,6 +84,46 @@ def test_a_packed_step_gives_what_each_request_gives_alone():
         )
 
 
+class ShortConv(torch.nn.Module):
+    """A toy short convolution written as HF writes them: the window through the cache API, and in decode updated
+    in place in the tensor `get_conv_state` returns, as `causal_conv1d_update` does."""
+
+    calls = 0
+
+    @per_request(states="states")
+    def forward(self, x: torch.Tensor, states: RequestStates | None = None):
+        self.calls += 1
+        window = states.get_conv_state(0)
+        if window is None or x.shape[1] > 1:
+            window = states.update_conv_state(x.transpose(1, 2), 0, conv_kernel_size=3)
+            return window.cumsum(-1)[..., -x.shape[1] :].transpose(1, 2)
+        window.copy_(window.roll(-1, -1))
+        window[..., -1] = x[:, 0]
+        return window.sum(-1, keepdim=True).transpose(1, 2)
+
+
+def test_a_decode_step_runs_once_on_the_stacked_states_and_hands_each_request_its_row():
+    torch.manual_seed(0)
+    layer, store = ShortConv(), StateStore()
+    prompts = [torch.randn(1, n, 2) for n in (3, 1, 4)]
+    md = _metadata([3, 1, 4], store.for_step([0, 1, 2], True, 3), True)
+    layer(torch.cat(prompts, 1), forward_metadata=md)
+    alone = [_metadata([p.shape[1]], [RequestStates()], True) for p in prompts]
+    for p, a in zip(prompts, alone):
+        layer(p, forward_metadata=a)
+    for _ in range(2):  # two decode steps, each request's window moved on in place
+        tokens = [torch.randn(1, 1, 2) for _ in prompts]
+        rows = store.for_step([0, 1, 2], False, 4)  # a fourth row padded past the batch, with no states
+        calls = layer.calls
+        step = layer(torch.cat([*tokens, tokens[0]], 1), forward_metadata=_metadata([1] * 4, rows, False))
+        assert layer.calls == calls + 1  # once for the four rows
+        for i, (t, a) in enumerate(zip(tokens, alone)):
+            one = layer(t, forward_metadata=_metadata([1], a.request_states, False))
+            torch.testing.assert_close(step[:, i : i + 1], one)
+            torch.testing.assert_close(rows[i].get_conv_state(0), a.request_states[0].get_conv_state(0))
+        assert rows[3].get_conv_state(0) is not None  # the padded row read zeros and kept its own
+
+
 def test_states_start_afresh_at_prefill_and_go_at_release():
     store = StateStore()
     first = store.for_step([7, 8], is_prefill=True, rows=3)

@@ -67,6 +67,46 @@ class RequestStates:
         return False
 
 
+class _Stacked(RequestStates):
+    """The states of a decode step's requests stacked along the batch (HF's ``[B, ...]`` cache rows), so that a
+    layer runs once on all of them; ``unstack`` hands each request its row back. A row that has no state yet for
+    a key while others do (a row padded past the batch) reads zeros."""
+
+    def __init__(self, rows: list[RequestStates]) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def _stacked(self, kept: str, key: tuple[int, int]) -> torch.Tensor | None:
+        own = getattr(self, kept)
+        if key not in own:
+            parts = [getattr(r, kept).get(key) for r in self.rows]
+            like = next((p for p in parts if p is not None), None)
+            if like is None:
+                return None
+            own[key] = torch.cat([torch.zeros_like(like) if p is None else p for p in parts])
+            if kept == "conv":
+                self.conv_width[key] = next(r.conv_width[key] for r in self.rows if key in r.conv_width)
+        return own[key]
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._stacked("conv", (layer_idx, state_idx))
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self._stacked("conv", (layer_idx, state_idx))
+        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._stacked("recurrent", (layer_idx, state_idx))
+
+    def unstack(self) -> None:
+        for i, row in enumerate(self.rows):
+            for key, state in self.conv.items():
+                row.conv[key] = state[i : i + 1].clone()
+                row.conv_width[key] = self.conv_width[key]
+            for key, state in self.recurrent.items():
+                row.recurrent[key] = state[i : i + 1].clone()
+
+
 class _NotCarried(RequestStates):
     """The states of a request whose prefill ran elsewhere: a layer that reads them cannot go on."""
 
@@ -125,6 +165,18 @@ def _rows(x: Any, start: int, end: int, tokens: int) -> Any:
     return x
 
 
+def _as_batch(x: Any, tokens: int, back: bool = False) -> Any:
+    """Arguments laid out [1, T, ...] as [T, 1, ...], one row per request of a decode step (in tuples and keyword
+    dicts too); with ``back``, outputs [T, 1, ...] as [1, T, ...]."""
+    if isinstance(x, tuple):
+        return tuple(_as_batch(e, tokens, back) for e in x)
+    if isinstance(x, dict):
+        return {k: _as_batch(v, tokens, back) for k, v in x.items()}
+    if back and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (tokens, 1):
+        return x.transpose(0, 1)
+    return x.transpose(0, 1) if not back and _holds_tokens(x, tokens) else x
+
+
 def _holds_tokens(x: Any, tokens: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (1, tokens)
 
@@ -168,6 +220,12 @@ def per_request(states: str) -> Callable:
                     "(attention data parallelism beside dense TP) is not supported for such layers."
                 )
             assert len(rows) == forward_metadata.batch_size, "the step carries one RequestStates per row"
+            if not forward_metadata.is_prefill and tokens == len(rows) > 1:  # a token each: HF's [B, 1, ...]
+                call = signature.bind(self, *_as_batch(args, tokens), **_as_batch(kwargs, tokens))
+                call.arguments[states] = stacked = _Stacked(rows)
+                out = forward(*call.args, **call.kwargs)
+                stacked.unstack()
+                return _as_batch(out, tokens, back=True)
             bounds = _request_bounds(forward_metadata)
             outputs = []
             for request, start, end in zip(rows, bounds, bounds[1:]):
