@@ -50,7 +50,7 @@ def moe_arch(request, tmp_path_factory):
     return build_reference(request.param, tmp_path_factory)
 
 
-def assert_framework_run_matches(reference: dict, model_dir: Path) -> None:
+def assert_framework_run_matches(reference: dict, model_dir: Path, *flags: str) -> None:
     out = run_json(
         [
             sys.executable,
@@ -58,6 +58,7 @@ def assert_framework_run_matches(reference: dict, model_dir: Path) -> None:
             "skills.cli",
             "run",
             str(model_dir),
+            *flags,
             "--json",
             "--raw",
             "--max-new-tokens",
@@ -358,7 +359,8 @@ def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name
     and Zamba / Zamba2 (Mamba layers, and shared attention blocks tied across the hybrid ones, built in a method for
     Zamba2; `-m slow`) keep their conv / recurrent states in the cache: the migrated layers run per request of the
     packed step with the runtime's states (MG035), four prompts of different lengths prefilled and decoded
-    together. A parallel layout that splits a step's tokens across ranks is refused before any rank starts."""
+    together. A parallel layout that splits a step's tokens across ranks is refused before any rank starts; Zamba
+    at TP 2 matches too."""
     reference = build_reference(name, tmp_path_factory)
     model_dir = migrate(reference, tmp_path, "--mode", "framework")
     assert '@per_request(states="states")' in (model_dir / "models" / f"modeling_{name}.py").read_text()
@@ -374,3 +376,9 @@ def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name
     )
     split = parallelize(model_dir, parallel_yaml(tmp_path / "dp.yaml", 2, 1, 2, 2, 2))
     assert split.returncode == 2 and "keep state per request" in split.stderr, split.stderr[-2000:]
+    if name == "zamba":  # its tied shared blocks sharded at TP 2, every rank sharing them as it loads
+        tp = parallelize(model_dir, parallel_yaml(tmp_path / "tp.yaml", 2, 2, 2, 2, 2))
+        assert tp.returncode == 0, tp.stderr[-2000:]
+        assert_framework_run_matches(
+            reference, model_dir, "--yaml", str(model_dir / "config" / "zamba_rank_2_2tp.yaml")
+        )

@@ -27,6 +27,7 @@ from runtime.engine.registry import resolve_model
 from runtime.errors import ConfigError, UserError
 from runtime.layers.attention import cache_info_of
 from runtime.layers.token_layout import needs_sharded_layout
+from runtime.layers.weights import tie_declared_weights
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
@@ -108,6 +109,7 @@ def _measure(model_dir: Path, config: InferenceConfig, world_size: int) -> list[
             model = model_cls(
                 hf_config, config, CommManager(world_size, rank, create_groups=False), prefix=""
             )
+        tie_declared_weights(model)  # as loading shares them
         kv = cache_info_of(model, config.model_config.torch_dtype).bytes_per_block(1)  # one token, all layers
         sizes.append((param_bytes(model), kv))
     return sizes
