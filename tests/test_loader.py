@@ -299,3 +299,12 @@ def test_a_tie_pattern_that_matches_no_parameter_is_a_user_error():
 
     with pytest.raises(UserError, match="ties 'nothing' to 'layers.0.shared'.*fix the pattern"):
         tie_declared_weights(_Tying(tie=True, pattern="nothing"))
+
+
+def test_a_tie_between_parameters_of_different_shapes_is_a_user_error():
+    from runtime.layers.weights import tie_declared_weights
+
+    model = _Tying(tie=True)
+    model.layers[2]["shared"].proj = torch.nn.Linear(2, 3, bias=False)
+    with pytest.raises(UserError, match=r"ties 'layers.2.shared.proj.weight' \[3, 2\].*shapes differ"):
+        tie_declared_weights(model)

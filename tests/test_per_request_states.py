@@ -122,6 +122,9 @@ def test_a_decode_step_runs_once_on_the_stacked_states_and_hands_each_request_it
             torch.testing.assert_close(step[:, i : i + 1], one)
             torch.testing.assert_close(rows[i].get_conv_state(0), a.request_states[0].get_conv_state(0))
         assert rows[3].get_conv_state(0) is not None  # the padded row read zeros and kept its own
+    elsewhere = store.for_step([0, 9], False, 2)  # request 9 was prefilled by another engine
+    with pytest.raises(UserError, match="without prefill-decode disaggregation"):
+        layer(torch.randn(1, 2, 2), forward_metadata=_metadata([1, 1], elsewhere, False))
 
 
 def test_states_start_afresh_at_prefill_and_go_at_release():

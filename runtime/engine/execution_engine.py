@@ -63,8 +63,10 @@ class ExecutionEngine:
         held = self.worker.held_bytes()
         probe = self.dummy_step(probe=True)
         # the probe may also build weights (MLA's absorbed maps) and states, which the pool must leave room for
-        resize = self._reserve_states(probe.request_states[0].nbytes()) | (self.worker.held_bytes() != held)
-        if self.worker.fit_cache_keys(probed_cache_keys(probe), resize=resize):
+        keys, state_bytes = probed_cache_keys(probe), probe.request_states[0].nbytes()
+        del probe
+        reserved = self._reserve_states(state_bytes)
+        if self.worker.fit_cache_keys(keys, resize=reserved or self.worker.held_bytes() != held):
             self.kv = self.worker.init_kvcache()
         self.eos_token_ids = eos_token_ids(self.worker.model_path, self.worker.hf_config, self.tokenizer)
         sc = self.config.scheduler_config

@@ -178,10 +178,9 @@ def checkpoint_quantization(model_path: Path) -> CheckpointScheme | None:
 
 
 def prepare_for_checkpoint(model: nn.Module, model_path: Path) -> CheckpointScheme | None:
-    """Shares the parameters the model ties (the checkpoint holds them once), and gives the layers a checkpoint
-    holds quantized their weights and scales in that form, whether convert-weights saved them so or
-    compressed-tensors did; returns the compressed-tensors scheme, whose storage the loading decodes."""
-    tie_declared_weights(model)
+    """Gives the layers a checkpoint holds quantized their weights and scales in that form, whether convert-weights
+    saved them so or compressed-tensors did, then shares the parameters the model ties (the checkpoint holds them
+    once); returns the compressed-tensors scheme, whose storage the loading decodes."""
     if (saved := converted_quant_method(model_path)) not in (None, "none"):
         quantize_online(model, saved, prequantized=True)
     scheme = checkpoint_quantization(model_path)
@@ -189,6 +188,9 @@ def prepare_for_checkpoint(model: nn.Module, model_path: Path) -> CheckpointSche
         layers, device = prepare_model(model, scheme), next(model.parameters()).device
         kernels = "" if device.type == "meta" else f"; {scheme.method().describe(device)}"
         logger.info("[Main] %d linear layers read as %s%s", layers, scheme.describe(), kernels)
+    tie_declared_weights(
+        model
+    )  # after the layers took their quantized form, whose parameters are shared then
     return scheme
 
 

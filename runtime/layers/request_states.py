@@ -70,10 +70,13 @@ class RequestStates:
 class _Stacked(RequestStates):
     """The states of a decode step's requests stacked along the batch (HF's ``[B, ...]`` cache rows), so that a
     layer runs once on all of them; ``unstack`` hands each request its row back. A row that has no state yet for
-    a key while others do (a row padded past the batch) reads zeros."""
+    a key while others do (a row padded past the batch) reads zeros; a request prefilled elsewhere is refused."""
 
     def __init__(self, rows: list[RequestStates]) -> None:
         super().__init__()
+        for row in rows:
+            if isinstance(row, _NotCarried):
+                row.get_conv_state(0)  # refuses
         self.rows = rows
 
     def _stacked(self, kept: str, key: tuple[int, int]) -> torch.Tensor | None:
@@ -91,9 +94,16 @@ class _Stacked(RequestStates):
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._stacked("conv", (layer_idx, state_idx))
 
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         self._stacked("conv", (layer_idx, state_idx))
-        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+        return super().update_conv_state(conv_states, layer_idx, state_idx, conv_kernel_size, **kwargs)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._stacked("recurrent", (layer_idx, state_idx))
@@ -153,28 +163,29 @@ def _request_bounds(md: ForwardMetaData) -> list[int]:
     return md.memo("request_bounds", lambda: md.actual_seq_lengths_cu_q.tolist())
 
 
+def _map_laid_out(x: Any, layout: tuple[int, int], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """fn of each tensor laid out ``layout`` in its first two dimensions, in tuples and keyword dicts too; anything
+    else as it is."""
+    if isinstance(x, tuple):
+        return tuple(_map_laid_out(e, layout, fn) for e in x)
+    if isinstance(x, dict):
+        return {k: _map_laid_out(v, layout, fn) for k, v in x.items()}
+    return fn(x) if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == layout else x
+
+
 def _rows(x: Any, start: int, end: int, tokens: int) -> Any:
-    """A request's slice [1, start:end] of each argument laid out in HF's packed [1, T, ...] (in tuples and keyword
-    dicts too); others as they are."""
-    if isinstance(x, tuple):
-        return tuple(_rows(e, start, end, tokens) for e in x)
-    if isinstance(x, dict):
-        return {k: _rows(v, start, end, tokens) for k, v in x.items()}
-    if _holds_tokens(x, tokens):
-        return x[:, start:end]
-    return x
+    """A request's slice [1, start:end] of each argument laid out in HF's packed [1, T, ...]."""
+    return _map_laid_out(x, (1, tokens), lambda t: t[:, start:end])
 
 
-def _as_batch(x: Any, tokens: int, back: bool = False) -> Any:
-    """Arguments laid out [1, T, ...] as [T, 1, ...], one row per request of a decode step (in tuples and keyword
-    dicts too); with ``back``, outputs [T, 1, ...] as [1, T, ...]."""
-    if isinstance(x, tuple):
-        return tuple(_as_batch(e, tokens, back) for e in x)
-    if isinstance(x, dict):
-        return {k: _as_batch(v, tokens, back) for k, v in x.items()}
-    if back and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (tokens, 1):
-        return x.transpose(0, 1)
-    return x.transpose(0, 1) if not back and _holds_tokens(x, tokens) else x
+def _one_row_each(x: Any, tokens: int) -> Any:
+    """Arguments laid out [1, T, ...] as [T, 1, ...]: a decode step's requests as HF's batch rows."""
+    return _map_laid_out(x, (1, tokens), lambda t: t.transpose(0, 1))
+
+
+def _packed(x: Any, tokens: int) -> Any:
+    """Outputs [T, 1, ...] of a decode step's requests back as [1, T, ...]."""
+    return _map_laid_out(x, (tokens, 1), lambda t: t.transpose(0, 1))
 
 
 def _holds_tokens(x: Any, tokens: int) -> bool:
@@ -221,11 +232,11 @@ def per_request(states: str) -> Callable:
                 )
             assert len(rows) == forward_metadata.batch_size, "the step carries one RequestStates per row"
             if not forward_metadata.is_prefill and tokens == len(rows) > 1:  # a token each: HF's [B, 1, ...]
-                call = signature.bind(self, *_as_batch(args, tokens), **_as_batch(kwargs, tokens))
+                call = signature.bind(self, *_one_row_each(args, tokens), **_one_row_each(kwargs, tokens))
                 call.arguments[states] = stacked = _Stacked(rows)
                 out = forward(*call.args, **call.kwargs)
                 stacked.unstack()
-                return _as_batch(out, tokens, back=True)
+                return _packed(out, tokens)
             bounds = _request_bounds(forward_metadata)
             outputs = []
             for request, start, end in zip(rows, bounds, bounds[1:]):

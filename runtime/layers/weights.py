@@ -54,8 +54,8 @@ def tie_declared_weights(model: nn.Module) -> int:
             continue
         names = sorted(n for n, _ in module.named_parameters(remove_duplicate=False))
         for target, source in declared.items():
-            sources = [n for n in names if re.search(f"^{source}", n)]
-            targets = [n for n in names if re.search(f"^{target}", n)]
+            sources = [n for n in names if re.match(f"(?:{source})(?=\\.|$)", n)]
+            targets = [n for n in names if re.match(f"(?:{target})(?=\\.|$)", n)]
             if not sources or not targets or len(targets) % len(sources):
                 raise UserError(
                     f"{type(module).__name__} ({prefix or 'the model'}) ties {target!r} to {source!r} in "
@@ -65,8 +65,14 @@ def tie_declared_weights(model: nn.Module) -> int:
                 )
             for i, name in enumerate(targets):
                 owner, _, attr = name.rpartition(".")
-                shared = module.get_parameter(sources[i % len(sources)])
-                if module.get_parameter(name) is not shared:
+                shared, own = module.get_parameter(sources[i % len(sources)]), module.get_parameter(name)
+                if shared.shape != own.shape:
+                    raise UserError(
+                        f"{type(module).__name__} ({prefix or 'the model'}) ties {name!r} "
+                        f"{list(own.shape)} to {sources[i % len(sources)]!r} {list(shared.shape)}: their shapes "
+                        "differ; fix _tied_weights_keys."
+                    )
+                if own is not shared:
                     setattr(module.get_submodule(owner), attr, shared)
                     tied += 1
     return tied

@@ -289,6 +289,13 @@ def test_a_builder_method_init_calls_takes_the_contract_and_passes_it_down(run_r
     )
     assert 'prefix=join_prefix(prefix, f"layers.{layer_id}")' in out
     assert run_rule(rule, out, entry_class="ModelForCausalLM") == out
+    # a builder with a defaulted parameter takes the contract defaulted too (still valid Python)
+    defaulted = code.replace("self.get_layers()", "self.get_layers(2)").replace(
+        "def get_layers(self):", "def get_layers(self, count=None):"
+    )
+    out = run_rule(rule, defaulted, entry_class="ModelForCausalLM")
+    assert "def get_layers(self, count=None, infer_config: InferenceConfig = None" in out
+    compile(out, "modeling.py", "exec")
     # a method that builds no module keeps its signature
     plain = code.replace(
         "        self.layers = self.get_layers()\n",

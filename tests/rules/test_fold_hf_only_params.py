@@ -855,3 +855,4 @@ def test_a_mixed_list_a_builder_method_returns_counts_too(run_rule):
     out = run_rule(rule, code)
     assert out.count("def forward(self, hidden_states, layer_idx=None, causal_mask=None):") == 2
     assert "hidden_states = layer(hidden_states, i, None)" in out
+    assert run_rule(rule, out) == out

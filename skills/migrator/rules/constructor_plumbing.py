@@ -23,6 +23,15 @@ from skills.migrator.rule import Rule
 WEIGHTED = {"nn.Linear", "Linear", "Conv1D", "Attention", "nn.Embedding", "Embedding"}
 
 
+def _built(fns: list[cst.FunctionDef], tables: dict[str, set[str]]) -> set[str]:
+    """The classes the functions construct: called by name, or any class of a table `TABLE[kind](...)` indexes."""
+    callees = {called_name(c) for fn in fns for c in m.findall(fn, m.Call())}
+    table_calls = m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, tables or {""}))))
+    for c in (c for fn in fns for c in m.findall(fn, table_calls)):
+        callees |= tables[c.func.value.value]
+    return callees
+
+
 def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
     local = classes(module)
     tables = class_table_members(module, set(local))
@@ -33,21 +42,16 @@ def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
             init = method(cls, "__init__")
             if init is None:
                 continue
-            built = [init, *builders(cls).values()]
-            callees = {called_name(c) for fn in built for c in m.findall(fn, m.Call())}
-            table_calls = m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, tables or {""}))))
-            for c in (c for fn in built for c in m.findall(fn, table_calls)):
-                callees |= tables[c.func.value.value]  # `TABLE[kind](...)` builds any of its classes
-            if callees & (WEIGHTED | plumbed) or expert_params(init):
+            if _built([init, *builders(cls).values()], tables) & (WEIGHTED | plumbed) or expert_params(init):
                 grown.add(name)
         if grown == plumbed:
             return plumbed
         plumbed = grown
 
 
-def _new_params(init: cst.FunctionDef, required: bool = False) -> cst.Parameters:
+def _new_params(init: cst.FunctionDef) -> cst.Parameters:
     params = init.params
-    defaulted = not required and any(p.default is not None for p in params.params)
+    defaulted = any(p.default is not None for p in params.params)
     add = [
         cst.Param(
             cst.Name("infer_config"),
@@ -157,15 +161,18 @@ class _PassDown(cst.CSTTransformer):
 
 
 class _Plumb(cst.CSTTransformer):
-    def __init__(self, plumbed: set[str], tables: set[str]):
+    def __init__(self, plumbed: set[str], tables: dict[str, set[str]]):
         self.plumbed, self.tables = plumbed, tables
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         init = method(updated, "__init__")
         if updated.name.value not in self.plumbed or init is None or "infer_config" in param_names(init):
             return updated
-        helpers = {n: f for n, f in builders(updated).items() if self._constructs(f)}
-        new_init = init.with_changes(params=_new_params(init)).visit(_PassDown(self.plumbed, self.tables))
+        builds = self.plumbed | WEIGHTED
+        helpers = {n: f for n, f in builders(updated).items() if _built([f], self.tables) & builds}
+        new_init = init.with_changes(params=_new_params(init)).visit(
+            _PassDown(self.plumbed, set(self.tables))
+        )
         new_init = new_init.visit(_PassContract(set(helpers)))
         done = {id(init): new_init}
         for name, fn in helpers.items():
@@ -173,16 +180,10 @@ class _Plumb(cst.CSTTransformer):
                 [m.AssignTarget(SELF_ATTR)], m.Call(m.Attribute(m.Name("self"), m.Name(name)))
             )
             attrs = [a.targets[0].target.attr.value for a in m.findall(init, assigned)]
-            down = _PassDown(self.plumbed, self.tables, attrs[0] if len(attrs) == 1 else "")
-            done[id(fn)] = fn.with_changes(params=_new_params(fn, required=True)).visit(down)
+            down = _PassDown(self.plumbed, set(self.tables), attrs[0] if len(attrs) == 1 else "")
+            done[id(fn)] = fn.with_changes(params=_new_params(fn)).visit(down)
         body = [done.get(id(s), s) for s in updated.body.body]
         return updated.with_changes(body=updated.body.with_changes(body=body))
-
-    def _constructs(self, fn: cst.FunctionDef) -> bool:
-        """fn builds a module that takes the contract (or a weighted layer the parallel rules will make one)."""
-        tabled = m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, self.tables or {""}))))
-        callees = {called_name(c) for c in m.findall(fn, m.Call())}
-        return bool(callees & (self.plumbed | WEIGHTED)) or bool(m.findall(fn, tabled))
 
 
 class _PassContract(cst.CSTTransformer):
@@ -253,7 +254,10 @@ class ConstructorPlumbing(Rule):
                 f"`{node.value}` is built through an alias (a name, dict or conditional holding the class); the "
                 f"rules pass the runtime contract to direct `{node.value}(...)` calls only",
             )
-        new = module.visit(_Plumb(plumbed, set(tables)))
+        members = {
+            n: k for n, k in class_table_members(module, plumbed - {ctx.entry_class}).items() if n in tables
+        }
+        new = module.visit(_Plumb(plumbed, members))
         if new.deep_equals(module):
             return module
         self.add_needed_imports(

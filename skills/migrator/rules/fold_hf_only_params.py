@@ -329,13 +329,18 @@ class _Fold(cst.CSTTransformer):
         return updated.with_changes(params=new_params, body=_block(updated.body, body))
 
 
+def _forward_of(cls: cst.ClassDef) -> cst.FunctionDef | None:
+    """What calling an instance runs: its forward, unless it defines __call__."""
+    return None if method(cls, "__call__") else method(cls, "forward")
+
+
 def _bound_to_hf_only(module: cst.Module) -> set[int]:
     """ids of the arguments in-file calls bind to the HF-only parameters of in-file classes' methods and
     functions, whatever the argument's name (OPT passes its position mask to its embedding positionally): they go
     too."""
     local, doomed = classes(module), set()
     for name, where in call_sites(module).items():
-        forward = None if method(local[name], "__call__") else method(local[name], "forward")
+        forward = _forward_of(local[name])
         for fn, calls in ((method(local[name], "__init__"), where.constructed), (forward, where.called)):
             for param in named_params(fn) if fn is not None else ():
                 if param.name.value in HF_ONLY:
@@ -355,7 +360,7 @@ def _mixed_list_bindings(module: cst.Module) -> tuple[set[int], list[tuple[str, 
     argument some bind to one and others not, which no removal keeps right for all."""
     local, shared = classes(module), {}
     for name, where in call_sites(module).items():
-        forward = None if method(local[name], "__call__") else method(local[name], "forward")
+        forward = _forward_of(local[name])
         for c in where.shared:
             shared.setdefault(id(c), (c, {}))[1][name] = forward
     doomed, conflicts = set(), []

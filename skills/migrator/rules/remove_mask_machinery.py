@@ -41,15 +41,15 @@ class _DropTaintedArgs(cst.CSTTransformer):
         for a in updated.args:
             if not names_in(a.value) & self.tainted or a.star:
                 args.append(a)
-            elif not a.keyword and self._is_mask(a.value):
+            elif not a.keyword and self._carries_mask(a.value):
                 args.append(a.with_changes(value=cst.Name("None")))
             elif not a.keyword:
                 args.append(a)
         return with_args(updated, args) if args != list(updated.args) else updated
 
-    def _is_mask(self, value: cst.BaseExpression) -> bool:
+    def _carries_mask(self, value: cst.BaseExpression) -> bool:
         """A mask itself: a tainted name, or an entry of a tainted mapping (`causal_mask_mapping["full"]`)."""
-        if isinstance(value, cst.Subscript):
+        while isinstance(value, cst.Subscript):
             value = value.value
         return isinstance(value, cst.Name) and value.value in self.tainted
 
