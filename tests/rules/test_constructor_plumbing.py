@@ -221,15 +221,26 @@ def test_for_loop_append_prefix(run_rule):
     assert 'prefix=join_prefix(prefix, f"layers.{layer_idx}")' in out
 
 
-def test_layers_gathered_in_a_local_list_get_their_list_prefix(run_rule):
-    # ZambaModel (v5): layers built into a local, appended to a list, which a ModuleList then holds
-    code = dedent("""\
+def _between_layer_and_entry(model: str) -> str:
+    """A `Model` class's code between a weighted `Layer` it builds and the entry class that builds it."""
+    layer = dedent("""\
         class Layer(nn.Module):
             def __init__(self, config, layer_idx):
                 super().__init__()
                 self.mlp = nn.Linear(config.hidden_size, config.hidden_size)
+        """)
+    entry = dedent("""\
+        class ModelForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.model = Model(config)
+        """)
+    return "\n\n".join([layer, dedent(model), entry])
 
 
+def test_layers_gathered_in_a_local_list_get_their_list_prefix(run_rule):
+    # ZambaModel (v5): layers built into a local, appended to a list, which a ModuleList then holds
+    code = _between_layer_and_entry("""\
         class Model(nn.Module):
             def __init__(self, config):
                 super().__init__()
@@ -239,12 +250,6 @@ def test_layers_gathered_in_a_local_list_get_their_list_prefix(run_rule):
                     layers.append(Layer(config, layer_id) if kind else layer)
                 self.layers = nn.ModuleList(layers)
                 self.norm = Layer(config, 0)
-
-
-        class ModelForCausalLM(nn.Module):
-            def __init__(self, config):
-                super().__init__()
-                self.model = Model(config)
         """)
     out = run_rule(rule, code, entry_class="ModelForCausalLM")
     assert out.count('prefix=join_prefix(prefix, f"layers.{layer_id}")') == 2
@@ -254,13 +259,7 @@ def test_layers_gathered_in_a_local_list_get_their_list_prefix(run_rule):
 
 def test_a_builder_method_init_calls_takes_the_contract_and_passes_it_down(run_rule):
     # Zamba2Model (v5): `self.layers = self.get_layers()`, a method that appends the layers to a list
-    code = dedent("""\
-        class Layer(nn.Module):
-            def __init__(self, config, layer_idx):
-                super().__init__()
-                self.mlp = nn.Linear(config.hidden_size, config.hidden_size)
-
-
+    code = _between_layer_and_entry("""\
         class Model(nn.Module):
             def __init__(self, config):
                 super().__init__()
@@ -272,12 +271,6 @@ def test_a_builder_method_init_calls_takes_the_contract_and_passes_it_down(run_r
                 for layer_id in range(self.config.num_hidden_layers):
                     layers.append(Layer(self.config, layer_id))
                 return nn.ModuleList(layers)
-
-
-        class ModelForCausalLM(nn.Module):
-            def __init__(self, config):
-                super().__init__()
-                self.model = Model(config)
         """)
     out = run_rule(rule, code, entry_class="ModelForCausalLM")
     assert (
