@@ -142,6 +142,23 @@ def test_states_start_afresh_at_prefill_and_go_at_release():
         elsewhere.get_conv_state(0)
 
 
+def test_a_request_s_states_are_handed_over_and_go_on_elsewhere():
+    # prefill-decode disaggregation: the prefill engine takes a finished request's states, the decode engine
+    # adopts them under its own request id and decodes from them as the prefill engine would have
+    torch.manual_seed(0)
+    layer, prefill, decode = ShortConv(), StateStore(), StateStore()
+    prompt, token = torch.randn(1, 3, 2), torch.randn(1, 1, 2)
+    layer(prompt, forward_metadata=_metadata([3], prefill.for_step([1], True, 1), True))
+    kept = prefill.for_step([1], False, 1)[0].get_conv_state(0).clone()
+    sent = prefill.take(1)
+    assert prefill.take(1) is None and len(prefill) == 0
+    decode.adopt(7, sent, torch.device("cpu"))
+    got = layer(token, forward_metadata=_metadata([1], decode.for_step([7], False, 1), False))
+    alone = RequestStates()
+    alone.conv[(0, 0)], alone.conv_width[(0, 0)] = kept, 3
+    torch.testing.assert_close(got, layer(token, forward_metadata=_metadata([1], [alone], False)))
+
+
 def test_states_go_where_the_caller_left_them_and_a_caller_passing_its_own_is_told_to_stop():
     md = _metadata([1], [RequestStates()], True)
     x, scale = torch.ones(1, 1, 2), (torch.ones(1, 1, 2), 1.0)

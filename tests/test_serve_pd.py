@@ -119,3 +119,40 @@ def test_lost_kv_bad_requests_and_a_dead_decode_instance(pd):
     assert time.monotonic() - start < 10
     assert httpx.get(f"{router.url}/health", timeout=30).status_code == 503
     assert all(p.wait_idle()["skill_kv_cache_used_blocks"] == 0 for p in pd.prefills)
+
+
+@pytest.mark.slow  # a migration and three servers: the state hand-over's own mechanics are unit-tested
+def test_a_hybrid_s_layer_states_go_with_its_kv(tmp_path_factory):
+    """LFM2's short convolutions keep a window per request: the prefill instance sends it with the prompt's KV,
+    and the decode instance goes on from it, answering as the offline run."""
+    from hf_reference import build_reference, migrate
+    from serve_harness import offline_outputs
+
+    model_dir = migrate(build_reference("lfm2", tmp_path_factory), tmp_path_factory.mktemp("lfm2") / "models")
+    offline = [
+        o["text"]
+        for flags in (["--raw"], [])
+        for o in offline_outputs(model_dir, PARITY_PROMPTS, NEW_TOKENS, *flags)
+    ]
+    logs, bootstrap = tmp_path_factory.mktemp("pd_hybrid_logs"), str(free_port())
+    pd_args = ["--kv-timeout", "30", "--bootstrap-port", bootstrap]
+    with ExitStack() as stack:
+        prefill = stack.enter_context(
+            serving(model_dir, logs / "prefill.log", "--pd-role", "prefill", *pd_args)
+        )
+        decode = stack.enter_context(serving(model_dir, logs / "decode.log", "--pd-role", "decode", *pd_args))
+        router = stack.enter_context(
+            serving(
+                None,
+                logs / "router.log",
+                "--pd-role",
+                "router",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+            )
+        )
+        n = len(PARITY_PROMPTS)
+        assert served_texts(router.url, "default", NEW_TOKENS) == offline[:n] * 2 + offline[n:]
+        assert decode.wait_idle()["skill_generation_tokens_total"] > 3 * n

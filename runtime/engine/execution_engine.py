@@ -112,14 +112,17 @@ class ExecutionEngine:
         sampling: SamplingParams,
         first_token: int,
         write_kv: Callable[[dict[str, list[list[int]]]], None],
+        states: RequestStates | None = None,
     ) -> StepOutput | None:
         """A request prefilled elsewhere joins the running batch with its first token; write_kv(block tables)
-        fills its fresh blocks with the prompt's KV. None while there is no room (try again later)."""
+        fills its fresh blocks with the prompt's KV, and ``states`` are its layers' states after the prompt. None while there is no room (try again later)."""
         request = Request(list(prompt_token_ids), sampling)
         request.output_token_ids.append(first_token)
         if not self.scheduler.admit_running(request):
             return None
         write_kv(self.kv.block_tables([request.request_id]))
+        if states is not None:
+            self.states.adopt(request.request_id, states, self.device)
         finished = self.scheduler.finish_if_done(request)
         if not finished:
             self.requests[request.request_id] = request
@@ -170,7 +173,8 @@ class ExecutionEngine:
             )
             if done:
                 self.sampler.release(r)
-                self.states.release(r.request_id)
+                if not self.scheduler.holds_finished:  # else its states go with its KV (take_states)
+                    self.states.release(r.request_id)
                 self.requests.pop(r.request_id, None)
         return outputs
 

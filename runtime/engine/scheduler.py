@@ -127,5 +127,8 @@ class Scheduler:
             self.release_finished(request)
         return reason is not None
 
+    # whether finished requests keep what they hold (KV blocks, layer states) for their caller to take
+    holds_finished = False
+
     def release_finished(self, request: Request) -> None:
         self.kv.free(request.request_id)

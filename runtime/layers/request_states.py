@@ -118,7 +118,7 @@ class _Stacked(RequestStates):
 
 
 class _NotCarried(RequestStates):
-    """The states of a request whose prefill ran elsewhere: a layer that reads them cannot go on."""
+    """The states of a request whose prefill ran elsewhere and sent none: a layer that reads them cannot go on."""
 
     def __init__(self, request_id: Hashable) -> None:
         super().__init__()
@@ -126,9 +126,9 @@ class _NotCarried(RequestStates):
 
     def _refuse(self, *args, **kwargs):
         raise UserError(
-            f"request {self.request_id} was prefilled by another engine, which hands over keys and values but not "
-            "the conv / recurrent states of this model's layers; serve this model without prefill-decode "
-            "disaggregation."
+            f"request {self.request_id} was prefilled by another engine, which handed over keys and values but not "
+            "the conv / recurrent states of this model's layers (an older prefill instance?); run the same "
+            "version on both sides, or serve this model without prefill-decode disaggregation."
         )
 
     get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _refuse
@@ -150,6 +150,18 @@ class StateStore:
 
     def release(self, request_id: Hashable) -> None:
         self._states.pop(request_id, None)
+
+    def take(self, request_id: Hashable) -> "RequestStates | None":
+        """A finished request's states, handed over (prefill-decode disaggregation sends them with its KV)."""
+        return self._states.pop(request_id, None)
+
+    def adopt(self, request_id: Hashable, states: RequestStates, device: torch.device) -> None:
+        """The states of a request prefilled elsewhere, moved to this engine's device."""
+        own = RequestStates()
+        own.conv = {k: t.to(device) for k, t in states.conv.items()}
+        own.recurrent = {k: t.to(device) for k, t in states.recurrent.items()}
+        own.conv_width = dict(states.conv_width)
+        self._states[request_id] = own
 
     def __len__(self) -> int:
         return len(self._states)

@@ -140,6 +140,7 @@ class DecodeSide:
                 add.sampling,
                 payload.first_token,
                 lambda tables, kv=payload.kv: self.pages.write(tables, kv, tp, rank),
+                payload.states,
             )
             if out is None:
                 break  # no room yet; the same on every rank, so all try again next turn

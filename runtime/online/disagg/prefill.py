@@ -66,11 +66,11 @@ class PrefillSide:
                 dist.gather_object(local, gathered, dst=self.worker.tp_leader, group=self.worker.tp_group)
                 local = merge_heads(gathered, self.total_heads) if self.worker.is_leader else None
             self.engine.kv.free(request.request_id)
+            states = self.engine.states.take(request.request_id)  # every rank's are whole and alike
             room = self.rooms.pop(request.request_id)
             if self.transfer:
-                self.transfer.stage(
-                    KVPayload(room, request.output_token_ids[0], logprobs.get(request.request_id), local)
-                )
+                first, lp = request.output_token_ids[0], logprobs.get(request.request_id)
+                self.transfer.stage(KVPayload(room, first, lp, local, states))
 
     def poll(self) -> list:
         if self.transfer:

@@ -5,6 +5,8 @@ from runtime.engine.scheduler import Scheduler
 
 
 class PrefillDisaggScheduler(Scheduler):
+    holds_finished = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.held: list[Request] = []

@@ -12,6 +12,7 @@ import zmq
 
 from runtime.engine.request import TokenLogprob
 from runtime.errors import UserError
+from runtime.layers.request_states import RequestStates
 from runtime.online.disagg.kv_pages import RequestKV
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,7 @@ class KVPayload:
     first_token: int
     first_logprob: TokenLogprob | None
     kv: RequestKV  # all heads
+    states: RequestStates | None = None  # the layers' states after the prompt (hybrids)
 
 
 @dataclass(frozen=True)
