@@ -115,17 +115,18 @@ class ExecutionEngine:
         states: RequestStates | None = None,
     ) -> StepOutput | None:
         """A request prefilled elsewhere joins the running batch with its first token; write_kv(block tables)
-        fills its fresh blocks with the prompt's KV, and ``states`` are its layers' states after the prompt. None while there is no room (try again later)."""
+        fills its fresh blocks with the prompt's KV; ``states``: its layers' states after the prompt (hybrids).
+        None while there is no room (try again later)."""
         request = Request(list(prompt_token_ids), sampling)
         request.output_token_ids.append(first_token)
         if not self.scheduler.admit_running(request):
             return None
         write_kv(self.kv.block_tables([request.request_id]))
-        if states is not None:
-            self.states.adopt(request.request_id, states, self.device)
         finished = self.scheduler.finish_if_done(request)
         if not finished:
             self.requests[request.request_id] = request
+            if states is not None:
+                self.states.adopt(request.request_id, states, self.device)
         return StepOutput(request.request_id, [first_token], finished, request.finish_reason)
 
     def abort(self, request_id: int) -> bool:
@@ -173,7 +174,7 @@ class ExecutionEngine:
             )
             if done:
                 self.sampler.release(r)
-                if not self.scheduler.holds_finished:  # else its states go with its KV (take_states)
+                if not self.scheduler.holds_finished:  # else its states go with its KV (StateStore.take)
                     self.states.release(r.request_id)
                 self.requests.pop(r.request_id, None)
         return outputs
