@@ -20,6 +20,12 @@ from runtime.launch import free_port
 KV_TIMEOUT = "3"
 
 
+def _router(logs, prefills, decode):
+    """A router in front of the prefill instances and the decode instance (a context manager, as `serving`)."""
+    backends = [a for p in prefills for a in ("--prefill", p.url)] + ["--decode", decode.url]
+    return serving(None, logs / "router.log", "--pd-role", "router", *backends)
+
+
 @pytest.fixture(scope="module")
 def pd(served_llama, tmp_path_factory):
     model_dir, yamls, offline = served_llama
@@ -56,20 +62,7 @@ def pd(served_llama, tmp_path_factory):
                 model_dir, logs / "decode.log", "--pd-role", "decode", *pd_args, "--bootstrap-port", bootstrap
             )
         )
-        router = stack.enter_context(
-            serving(
-                None,
-                logs / "router.log",
-                "--pd-role",
-                "router",
-                "--prefill",
-                p1.url,
-                "--prefill",
-                p2.url,
-                "--decode",
-                decode.url,
-            )
-        )
+        router = stack.enter_context(_router(logs, [p1, p2], decode))
         yield SimpleNamespace(prefills=[p1, p2], decode=decode, router=router, offline=offline)
 
 
@@ -141,18 +134,7 @@ def test_a_hybrid_s_layer_states_go_with_its_kv(tmp_path_factory):
             serving(model_dir, logs / "prefill.log", "--pd-role", "prefill", *pd_args)
         )
         decode = stack.enter_context(serving(model_dir, logs / "decode.log", "--pd-role", "decode", *pd_args))
-        router = stack.enter_context(
-            serving(
-                None,
-                logs / "router.log",
-                "--pd-role",
-                "router",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-            )
-        )
+        router = stack.enter_context(_router(logs, [prefill], decode))
         n = len(PARITY_PROMPTS)
         assert served_texts(router.url, "default", NEW_TOKENS) == offline[:n] * 2 + offline[n:]
         assert decode.wait_idle()["skill_generation_tokens_total"] > 3 * n
