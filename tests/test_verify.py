@@ -196,3 +196,27 @@ def test_each_cached_step_is_told_its_position(tiny_llama_dir):
 
     greedy_reference(Recording(), [1, 5, 9, 3], 4)
     assert seen == [None, [[4]], [[5]], [[6]]]
+
+
+def test_each_prompt_is_answered_as_a_freshly_loaded_model_answers_it():
+    """transformers' dynamic NTK RoPE keeps the frequencies it grew for the longest sequence it has seen; the
+    runtime answers each request as a fresh model does, so the reference puts them back after each prompt."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompt = list(range(1, 11))  # past the 8 positions: the frequencies grow
+    alone = greedy_reference(model, prompt, 3)
+    greedy_reference(model, list(range(20, 40)), 8)  # grows them further
+    after = greedy_reference(model, prompt, 3)
+    assert after.tokens == alone.tokens
+    torch.testing.assert_close(after.logprobs, alone.logprobs, rtol=0, atol=0)

@@ -1,5 +1,6 @@
 """transformers' side of `skill verify`: a plain greedy loop over the checkpoint (no generation config, no
-logits processors, no EOS stop), keeping every step's log-probabilities."""
+logits processors, no EOS stop), keeping every step's log-probabilities, each prompt answered as a freshly loaded
+model answers it alone."""
 
 import inspect
 from dataclasses import dataclass
@@ -31,8 +32,45 @@ def load_reference_model(model_path: Path, dtype: torch.dtype, trust_remote_code
         ) from e
 
 
-@torch.inference_mode()
+GROWN = "max_seq_len_cached"
+
+
+class _GrownRope:
+    """What transformers' dynamic RoPE keeps on its rotary modules from one forward to the next (the frequencies grown
+    for the longest sequence seen, that length, the attention scaling), to put back: otherwise a prompt's answer
+    depends on how long the prompts before it ran, where the runtime answers each request as a fresh model does."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.saved = [
+            (
+                module,
+                {k: v.clone() for k, v in module._buffers.items() if v is not None},
+                {k: v for k, v in vars(module).items() if k.endswith(GROWN) or k == "attention_scaling"},
+            )
+            for module in model.modules()
+            if any(k.endswith(GROWN) for k in vars(module))
+        ]
+
+    def restore(self) -> None:
+        for module, buffers, attrs in self.saved:
+            for name, value in buffers.items():
+                persistent = name not in module._non_persistent_buffers_set
+                module.register_buffer(name, value.clone(), persistent=persistent)
+            for name, value in attrs.items():
+                setattr(module, name, value)
+
+
 def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
+    """The greedy loop, leaving the model's RoPE state as it found it."""
+    rope = _GrownRope(model)
+    try:
+        return _greedy(model, prompt_ids, steps)
+    finally:
+        rope.restore()
+
+
+@torch.inference_mode()
+def _greedy(model, prompt_ids: list[int], steps: int) -> Reference:
     # transformers 5.x renamed `past_key_values` to `cache` in forward() and its outputs, model by model;
     # a model without either (GPT-1) reads the whole sequence at every step
     params = inspect.signature(model.forward).parameters
