@@ -13,10 +13,13 @@ _STATEFUL = frozenset(
 # tensor methods returning a new value (in-place ones end in `_`); not read off `self`, which may be a module
 TENSOR_METHODS = frozenset(
     {
-        "abs", "bool", "chunk", "clamp", "clone", "contiguous", "cos", "cumsum", "detach", "exp", "expand",
-        "expand_as", "flatten", "float", "half", "bfloat16", "int", "long", "masked_fill", "max", "mean", "min",
-        "narrow", "neg", "permute", "pow", "reciprocal", "repeat", "reshape", "rsqrt", "sin", "size", "split",
-        "sqrt", "squeeze", "sum", "t", "to", "transpose", "type_as", "unflatten", "unsqueeze", "view", "view_as",
+        "abs", "all", "any", "bool", "chunk", "clamp", "clone", "contiguous", "cos", "cumsum", "detach", "dim",
+        "eq", "exp", "expand", "expand_as", "flatten", "flip", "float", "ge", "gt", "half", "bfloat16", "int",
+        "le", "log", "logical_and", "logical_not", "logical_or", "long", "lt", "masked_fill", "max", "mean",
+        "min", "narrow", "ne", "neg", "new_empty", "new_full", "new_ones", "new_zeros", "numel", "permute", "pow",
+        "reciprocal", "repeat", "repeat_interleave", "reshape", "rsqrt", "sigmoid", "sin", "size", "split",
+        "sqrt", "squeeze", "sum", "t", "tanh", "to", "transpose", "tril", "triu", "type_as", "unflatten",
+        "unsqueeze", "view", "view_as",
     }
 )  # fmt: skip
 BUILTINS = frozenset(

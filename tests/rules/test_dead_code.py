@@ -302,3 +302,32 @@ def test_an_if_left_with_pass_on_both_sides_goes_when_its_test_only_asks(run_rul
     assert run_rule(rule, after) == after
     kept = before.replace("is_flash_attention_requested(self.config)", "self.setup(input_ids)")
     assert run_rule(rule, kept) == kept  # a test that may change something stays
+
+
+def test_a_hand_built_mask_nothing_reads_goes_with_the_if_and_the_locals_only_it_read(run_rule):
+    # Remote code that builds its own causal mask, once the attention calls no longer take it.
+    before = (
+        dedent("""\
+        class LlamaModel(nn.Module):
+            def forward(self, input_ids):
+                past = 0
+                mask = None
+                if input_ids.shape[1] > 1 and past > 0:
+                    total = past + input_ids.shape[1]
+                    mask = torch.ones(input_ids.shape[1], total, dtype=torch.bool).tril(past).logical_not()
+                return self.embed(input_ids)
+        """)
+        + ENTRY
+    )
+    after = (
+        dedent("""\
+        class LlamaModel(nn.Module):
+            def forward(self, input_ids):
+                return self.embed(input_ids)
+        """)
+        + ENTRY
+    )
+    assert run_rule(rule, before) == after
+    assert run_rule(rule, after) == after
+    in_place = before.replace(".tril(past)", ".tril_(past)")
+    assert run_rule(rule, in_place) == in_place  # an in-place method may change what it is called on
