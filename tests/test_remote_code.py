@@ -1,5 +1,6 @@
-"""A checkpoint whose model code ships with it (`auto_map`) and that no transformers release knows: `skill migrate`
-parses that code (never executes it), converts it, and, trusted, matches transformers running it."""
+"""Checkpoints whose model code ships with them (`auto_map`) and that no transformers release knows: `skill
+migrate` parses that code (never executes it) and converts it, and, trusted, the result matches transformers
+running it, on one rank and sharded."""
 
 import importlib.util
 import json
@@ -8,71 +9,97 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tiny_checkpoint import greedy_margin, make_tokenizer
 
 from skills.verify.verify import DEFAULT_PROMPTS
 
-FIXTURE = Path(__file__).parent / "fixtures" / "remote_packlm"
+FIXTURES = Path(__file__).parent / "fixtures"
+# model name -> what the converted code must show of the constructs its fixture is written with
+CONVERTED = {
+    # q/k/v in one `W_pack` linear, F.scaled_dot_product_attention called directly, a mask built by hand
+    "packlm": ("self.attn = Attention(", "F.scaled_dot_product_attention(", "mask ="),
+    # attention written out on keys repeated per group, a method building the mask from the cache's length
+    "grouplm": ("self.attn = Attention(", "repeat_kv(key_states", "_causal_mask"),
+}
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"remote_packlm.{name}", FIXTURE / f"{name}.py")
+def _load(model: str, name: str):
+    spec = importlib.util.spec_from_file_location(
+        f"remote_{model}.{name}", FIXTURES / f"remote_{model}" / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def _checkpoint(out: Path) -> Path:
+def _checkpoint(model: str, out: Path) -> Path:
     """The fixture's code beside random weights with a clear greedy margin and an offline tokenizer."""
-    _load("configuration_packlm")
-    modeling = _load("modeling_packlm")
-    config = modeling.PackLMConfig()
+    configuration = _load(model, f"configuration_{model}")
+    modeling = _load(model, f"modeling_{model}")
+    config_cls = next(
+        v for k, v in vars(configuration).items() if k.endswith("Config") and k != "PretrainedConfig"
+    )
+    model_cls = next(v for k, v in vars(modeling).items() if k.endswith("ForCausalLM"))
+    config = config_cls()
     config.auto_map = {
-        "AutoConfig": "configuration_packlm.PackLMConfig",
-        "AutoModelForCausalLM": "modeling_packlm.PackLMForCausalLM",
+        "AutoConfig": f"configuration_{model}.{config_cls.__name__}",
+        "AutoModelForCausalLM": f"modeling_{model}.{model_cls.__name__}",
     }
     ids = [
         make_tokenizer(out, config.vocab_size)(p)["input_ids"] for p in DEFAULT_PROMPTS
-    ]  # the prompts migrate verifies on
+    ]  # migrate verifies on them
     for seed in range(20):
         torch.manual_seed(seed)
-        model = modeling.PackLMForCausalLM(config).eval()
+        built = model_cls(config).eval()
         with torch.no_grad():
-            for p in model.parameters():
+            for p in built.parameters():
                 if p.dim() > 1:
                     p.normal_(0, 0.3)
-        if greedy_margin(model, ids, 16) >= 0.02:
+        if greedy_margin(built, ids, 16) >= 0.02:
             break
-    model.save_pretrained(out)
-    for source in FIXTURE.glob("*.py"):
+    built.save_pretrained(out)
+    for source in (FIXTURES / f"remote_{model}").glob("*.py"):
         shutil.copy(source, out / source.name)
     return out
 
 
-def test_remote_code_converts_and_matches_transformers_running_it(tmp_path):
-    checkpoint = _checkpoint(tmp_path / "packlm")
-    out = tmp_path / "out"
+def _skill(*args: str) -> dict:
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "migrate",
-            str(checkpoint),
-            "-o",
-            str(out),
-            "--trust-remote-code",
-        ]
-        + ["--strict", "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
+        [sys.executable, "-m", "skills.cli", *args, "--json"], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
-    assert result["verification"]["status"] == "identical" and result["verification"]["tokens_compared"] == 64
-    code = (Path(result["model_dir"]) / "models" / "modeling_packlm.py").read_text()
-    assert "self.attn = Attention(" in code and "F.scaled_dot_product_attention(" not in code
-    assert "mask =" not in code  # the hand-built mask nothing reads went with the locals only it read
+    return json.loads(proc.stdout)
+
+
+def _migrated(model: str, tmp_path: Path) -> Path:
+    checkpoint = _checkpoint(model, tmp_path / model)
+    result = _skill(
+        "migrate", str(checkpoint), "-o", str(tmp_path / "out"), "--trust-remote-code", "--strict"
+    )
+    verification = result["verification"]
+    assert verification["status"] == "identical" and verification["tokens_compared"] == 64, verification
+    return Path(result["model_dir"])
+
+
+@pytest.mark.parametrize("model", CONVERTED)
+def test_remote_code_converts_and_matches_transformers_running_it(model, tmp_path):
+    code = (_migrated(model, tmp_path) / "models" / f"modeling_{model}.py").read_text()
+    attention, gone, leftover = CONVERTED[model]
+    assert attention in code and gone not in code
+    assert leftover not in code  # what only the folded mask / cache needed went with it
+
+
+@pytest.mark.slow
+def test_remote_code_with_a_fused_per_group_projection_shards_over_two_ranks(tmp_path):
+    """`wqkv` holds whole key-head groups side by side: each rank takes a contiguous share of its rows."""
+    model_dir = _migrated("grouplm", tmp_path)
+    config = tmp_path / "tp2.yaml"
+    config.write_text(
+        "world_size: 2\nattn_tp_size: 2\ndense_tp_size: 2\nembed_tp_size: 2\nlmhead_tp_size: 2\n"
+    )
+    result = _skill("parallelize", str(model_dir), "--config", str(config))
+    assert result["verification"]["status"] == "identical", result["verification"]
+    assert "wqkv -> ColumnParallelLinear by heads" in " ".join(result["rewrites"])

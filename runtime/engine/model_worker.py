@@ -72,7 +72,9 @@ class ModelWorker:
                 "the checkpoint directory."
             )
         if config_cls is not None:
-            return config_cls.from_pretrained(self.model_path)
+            hf_config = config_cls.from_pretrained(self.model_path)
+            hf_config._name_or_path = str(self.model_path)  # as AutoConfig sets it: where remote code lives
+            return hf_config
         return AutoConfig.from_pretrained(
             self.model_path, trust_remote_code=self.config.model_config.trust_remote_code
         )

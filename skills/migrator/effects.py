@@ -27,6 +27,7 @@ BUILTINS = frozenset(
 )
 _SELF = m.Name("self") | m.Attribute(value=m.Name("self"))
 _EFFECTS = m.Global() | m.Nonlocal() | m.Del() | m.Yield() | m.Await() | m.FunctionDef() | m.ClassDef()
+_MODULE_METHODS = frozenset({"__init__", "forward"})  # building or calling a module does more than compute
 _STORE = m.AssignTarget(m.Attribute() | m.Subscript()) | m.AugAssign(target=m.Attribute() | m.Subscript())
 
 
@@ -34,6 +35,8 @@ def _computes(call: cst.Call, functions: frozenset[str] | set[str]) -> bool:
     f = call.func
     if isinstance(f, cst.Name):  # a predicate (`is_flash_attention_requested(config)`) only answers
         return f.value in BUILTINS or f.value in functions or f.value.startswith(("is_", "has_"))
+    if m.matches(f, m.Attribute(value=m.Name("self"))) and f"self.{f.attr.value}" in functions:
+        return True  # a method of the file's classes that only computes
     if not isinstance(f, cst.Attribute) or f.attr.value.endswith("_"):
         return False
     if m.matches(f.value, m.OneOf(*map(m.Name, _VALUE_MODULES))):
@@ -49,11 +52,23 @@ def computes_only(e: cst.CSTNode, functions: frozenset[str] | set[str] = frozens
 
 
 def computing_functions(module: cst.Module) -> set[str]:
-    """The file's top-level functions whose bodies only compute: locals, arithmetic, calls that only compute."""
-    defs = {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef) and not s.decorators}
-    found = {n for n, fn in defs.items() if not m.findall(fn.body, _EFFECTS | _STORE)}
+    """The file's top-level functions whose bodies only compute: locals, arithmetic, calls that only compute; and,
+    as `self.<name>`, the methods that do so in every class of the file defining them (a helper building a mask)."""
+    bodies: dict[str, list[cst.BaseSuite]] = {}
+    for s in module.body:
+        if isinstance(s, cst.FunctionDef) and not s.decorators:
+            bodies[s.name.value] = [s.body]
+        elif isinstance(s, cst.ClassDef):
+            for fn in s.body.body:
+                if isinstance(fn, cst.FunctionDef) and fn.name.value not in _MODULE_METHODS:
+                    bodies.setdefault(f"self.{fn.name.value}", []).append(None if fn.decorators else fn.body)
+    found = {
+        n
+        for n, bs in bodies.items()
+        if all(b is not None and not m.findall(b, _EFFECTS | _STORE) for b in bs)
+    }
     while True:
-        kept = {n for n in found if computes_only(defs[n].body, found)}
+        kept = {n for n in found if all(computes_only(b, found) for b in bodies[n])}
         if kept == found:
             return found
         found = kept

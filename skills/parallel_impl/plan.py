@@ -317,9 +317,11 @@ def _param_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _built_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    # remote code (`auto_map`) only runs here once the YAML trusts it (ModelWorker refuses it otherwise)
+    remote = bool(getattr(hf_config, "auto_map", None))
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote)
     except ValueError as e:
         raise UserError(
             f"transformers cannot build a causal LM for model_type {hf_config.model_type!r} ({e}); "
@@ -634,9 +636,12 @@ def make_plan(
     for name in shapes:
         names.setdefault(_module(name, roles), set()).add(_attr(name))
     modules = set(names)
+    by_heads = modules & (
+        sharded - SHARDABLE - set(roles)
+    )  # projections the rules split by heads, named otherwise
     if not replicated and (
         "o_proj" not in modules
-        or not (s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK})
+        or not (s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK} or by_heads)
     ):
         raise UserError(
             f"{s.model_type} has neither q_proj / k_proj / v_proj, a fused qkv projection nor multi-head "

@@ -331,3 +331,32 @@ def test_a_hand_built_mask_nothing_reads_goes_with_the_if_and_the_locals_only_it
     assert run_rule(rule, after) == after
     in_place = before.replace(".tril(past)", ".tril_(past)")
     assert run_rule(rule, in_place) == in_place  # an in-place method may change what it is called on
+
+
+def test_an_unread_call_of_a_method_that_only_computes_goes_with_the_method(run_rule):
+    # Remote code's mask helper, once the layers no longer take the mask: the call and then the method go.
+    before = (
+        dedent("""\
+        class LlamaModel(nn.Module):
+            def _causal_mask(self, q_len, past, dtype):
+                mask = torch.full((q_len, past + q_len), torch.finfo(dtype).min, dtype=dtype)
+                return torch.triu(mask, diagonal=past + 1)[None, None]
+
+            def forward(self, input_ids):
+                causal = self._causal_mask(input_ids.shape[1], 0, torch.float32)
+                return self.embed(input_ids)
+        """)
+        + ENTRY
+    )
+    after = (
+        dedent("""\
+        class LlamaModel(nn.Module):
+            def forward(self, input_ids):
+                return self.embed(input_ids)
+        """)
+        + ENTRY
+    )
+    assert run_rule(rule, before) == after
+    assert run_rule(rule, after) == after
+    kept = before.replace("return torch.triu(mask", "return torch.triu(self.bias(mask)")
+    assert run_rule(rule, kept) == kept  # a method calling a module may do more than compute

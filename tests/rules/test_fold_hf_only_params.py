@@ -500,6 +500,35 @@ def test_a_past_length_feeding_a_module_without_positions_is_refused(run_rule, m
         assert refused[0].startswith("the past length `cache_length` read from the cache feeds a module")
 
 
+def test_a_past_length_building_what_nothing_reads_once_folded_is_not_refused(run_rule, make_ctx):
+    # Remote code builds its causal mask from the cache's length; the layers' mask parameter folds away, so the
+    # mask is dead code (MG012 removes it), not positions restarting at 0.
+    code = dedent("""\
+        class Layer(nn.Module):
+            def forward(self, hidden_states, attention_mask=None):
+                return self.mlp(hidden_states)
+
+
+        class Model(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.layer = Layer(config)
+
+            def forward(self, input_ids, cache=None):
+                past = cache.get_seq_length() if cache is not None else 0
+                causal = self._causal_mask(input_ids.shape[1], past)
+                return self.layer(self.embed_tokens(input_ids), causal)
+        """)
+    ctx = make_ctx()
+    run_rule(rule, code, ctx)
+    assert ctx.findings == []
+    read = code.replace(
+        "self.layer(self.embed_tokens(input_ids), causal)", "self.embed_tokens(input_ids) + causal"
+    )
+    run_rule(rule, read, ctx)
+    assert ctx.findings[0].what.startswith("the past length `past` read from the cache feeds a module")
+
+
 POSITIONS_FROM_LENGTH = dedent("""\
     class LearnedPositions(nn.Embedding):
         def forward(self, input_ids, past_length=0, position_ids=None):

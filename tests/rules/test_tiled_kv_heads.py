@@ -63,3 +63,67 @@ def test_other_repeats_are_left_alone(make_ctx, before, after):
 
 def test_attention_without_repeats_untouched(make_ctx):
     assert_noop(rule, AFTER.replace(", kv_heads_tiled=True", ""), make_ctx)
+
+
+# Remote code in transformers' older style, after MG005: GQA written out before the heads-first attention call.
+GROUPED_BEFORE = dedent("""\
+    class GroupAttention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.num_key_value_groups = 2
+            self.attn = Attention(num_heads=4, head_dim=16, num_kv_heads=2, scale=0.25)
+
+        def forward(self, hidden_states, *, forward_metadata):
+            q, key_states, value_states = self.project(hidden_states)
+            key_states = repeat_kv(key_states, self.num_key_value_groups)
+            value_states = repeat_kv(value_states, self.num_key_value_groups)
+            out = self.attn.forward_heads_first(q, key_states, value_states, forward_metadata)
+            return self.wo(out)
+    """)
+
+GROUPED_AFTER = dedent("""\
+    class GroupAttention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.num_key_value_groups = 2
+            self.attn = Attention(num_heads=4, head_dim=16, num_kv_heads=2, scale=0.25)
+
+        def forward(self, hidden_states, *, forward_metadata):
+            q, key_states, value_states = self.project(hidden_states)
+            out = self.attn.forward_heads_first(q, key_states, value_states, forward_metadata)
+            return self.wo(out)
+    """)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "repeat_kv({x}, self.num_key_value_groups)",
+        "{x}.repeat_interleave(self.num_key_value_groups, dim=1)",
+        "torch.repeat_interleave({x}, repeats=self.num_key_value_groups, dim=1)",
+    ],
+)
+def test_keys_and_values_repeated_per_group_are_passed_unrepeated(make_ctx, form):
+    """The runtime groups query heads over the cached key heads as these repeats do (head h reads h // n)."""
+    before = GROUPED_BEFORE
+    for x in ("key_states", "value_states"):
+        before = before.replace(f"repeat_kv({x}, self.num_key_value_groups)", form.format(x=x))
+    assert_codemod(rule, before, GROUPED_AFTER, make_ctx)
+
+
+@pytest.mark.parametrize(
+    "before,after",
+    [
+        (
+            "repeat_kv(value_states, self.num_key_value_groups)",
+            "value_states.repeat(1, 2, 1, 1)",
+        ),  # kinds differ
+        ("repeat_kv(value_states, self.num_key_value_groups)", "repeat_kv(value_states, 3)"),  # counts differ
+        (
+            "repeat_kv(key_states, self.num_key_value_groups)",
+            "key_states.repeat_interleave(2, dim=2)",
+        ),  # tokens
+    ],
+)
+def test_other_grouped_repeats_are_left_alone(make_ctx, before, after):
+    assert_noop(rule, GROUPED_BEFORE.replace(before, after), make_ctx)

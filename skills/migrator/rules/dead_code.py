@@ -323,11 +323,13 @@ class _DropMethods(cst.CSTTransformer):
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         gone = self.dead.get(updated.name.value, set())
         body = [s for s in updated.body.body if not (isinstance(s, cst.FunctionDef) and s.name.value in gone)]
-        return (
-            updated.with_deep_changes(updated.body, body=body)
-            if len(body) != len(updated.body.body)
-            else updated
-        )
+        if len(body) == len(updated.body.body):
+            return updated
+        if (
+            body and body[0] is not updated.body.body[0]
+        ):  # the class's first statement went: no blank line above
+            body[0] = body[0].with_changes(leading_lines=[ln for ln in body[0].leading_lines if ln.comment])
+        return updated.with_deep_changes(updated.body, body=body)
 
 
 class DeadCode(Rule):

@@ -501,7 +501,8 @@ class FoldHFOnlyParams(Rule):
         (TrOCR's positional embedding computes them from it), every step's positions would restart at 0."""
         for name, cls in classes(module).items():
             for fn in m.findall(cls.body, m.FunctionDef()):
-                if calls := fed_past_length(fn, lengths := past.get((name, fn.name.value), set())):
+                fed = fed_past_length(fn, lengths := past.get((name, fn.name.value), set()))
+                if calls := [c for c in fed if not _unread(fn, c)]:
                     length = min(free_names(calls[0]) & lengths)
                     self.rewrite.unsupported(
                         name,
@@ -510,6 +511,16 @@ class FoldHFOnlyParams(Rule):
                         "from it) that does not take `position_ids`, which the runtime passes instead",
                     )
                     return
+
+
+def _unread(fn: cst.FunctionDef, call: cst.Call) -> bool:
+    """call's value is bound to locals fn reads nowhere else (a mask built from the past length, once the
+    calls taking it are folded): it goes as dead code, whatever it computed."""
+    for a in m.findall(fn, m.Assign()):
+        if a.value is call:
+            names = assigned_names(a)
+            return all(len(m.findall(fn, m.Name(n))) == len(m.findall(a, m.Name(n))) for n in names)
+    return False
 
 
 def _past_lengths(module: cst.Module) -> dict[tuple, set[str]]:

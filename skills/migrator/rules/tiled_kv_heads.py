@@ -1,9 +1,12 @@
-"""Keys and values tiled across the query heads (`k = k.repeat(1, n, 1, 1)` before `self.attn(q, k, v, md)`,
-as JetMoE does: query head h reads kv head h % kv_heads) are cached once: both repeats go and the layer gets
-`Attention(..., kv_heads_tiled=True)`, which maps the query heads onto the cached ones the same way.
+"""Keys and values repeated over the query heads before the attention call are cached once, unrepeated:
+- tiled (`k = k.repeat(1, n, 1, 1)`, as JetMoE does: query head h reads kv head h % kv_heads): both repeats go
+  and the layer gets `Attention(..., kv_heads_tiled=True)`, which maps the query heads onto the cached ones the
+  same way;
+- grouped (`k = repeat_kv(k, n)`, transformers' helper that remote code copies, or `k.repeat_interleave(n, dim=1)`:
+  query head h reads kv head h // n, the runtime's own grouping): both repeats go.
 
-Only a pair of repeats of the keys and the values the attention call reads, with the same count and only the
-head dimension (1 of HF's [batch, heads, tokens, head_dim]) repeated, is rewritten."""
+Only a pair of repeats of the keys and the values the attention call reads, of one kind with the same count and
+only the head dimension (1 of HF's [batch, heads, tokens, head_dim]) repeated, is rewritten."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -19,22 +22,28 @@ from skills.migrator.cst_utils import (
 from skills.migrator.rule import Rule
 
 ONE = m.Arg(m.Integer("1"), keyword=None)
+HEAD_DIM = m.Arg(m.Integer("1"), keyword=m.Name("dim") | None)
 
 
-def _tile(line: cst.BaseStatement, name: str) -> str | None:
-    """The repeat count of a top-level `name = name.repeat(1, n, 1, 1)`, else None."""
-    pattern = m.SimpleStatementLine(
-        [
-            m.Assign(
-                [m.AssignTarget(m.Name(name))],
-                m.Call(
-                    func=m.Attribute(m.Name(name), m.Name("repeat")),
-                    args=[ONE, m.Arg(keyword=None), ONE, ONE],
-                ),
-            )
-        ]
+def _repeat(line: cst.BaseStatement, name: str) -> tuple[str, str] | None:
+    """("tiled" or "grouped", the count) of a top-level `name = <name repeated over the heads>`, else None."""
+    x, n = m.Arg(m.Name(name), keyword=None), m.Arg(keyword=None) | m.Arg(keyword=m.Name("repeats"))
+    forms = [  # (kind, call, index of the count among its arguments)
+        (
+            "tiled",
+            m.Call(m.Attribute(m.Name(name), m.Name("repeat")), [ONE, m.Arg(keyword=None), ONE, ONE]),
+            1,
+        ),
+        ("grouped", m.Call(m.Name("repeat_kv"), [x, m.Arg(keyword=None)]), 1),
+        ("grouped", m.Call(m.Attribute(m.Name(name), m.Name("repeat_interleave")), [n, HEAD_DIM]), 0),
+        ("grouped", m.Call(m.Attribute(m.Name("torch"), m.Name("repeat_interleave")), [x, n, HEAD_DIM]), 1),
+    ]
+    if not m.matches(line, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])):
+        return None
+    value = line.body[0].value
+    return next(
+        ((kind, code(value.args[i].value)) for kind, call, i in forms if m.matches(value, call)), None
     )
-    return code(line.body[0].value.args[1].value) if m.matches(line, pattern) else None
 
 
 def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
@@ -43,25 +52,33 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     if layer is None or any(kwarg(layer[1].body[0].value, k) for k in ("kv_heads_tiled", "latent_dim")):
         return None
     attr, attn_line = layer
-    calls = m.findall(fwd, m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)), args=[m.Arg()] * 4))
+    own = m.Attribute(m.Name("self"), m.Name(attr))
+    calls = m.findall(
+        fwd, m.Call(func=own | m.Attribute(own, m.Name("forward_heads_first")), args=[m.Arg()] * 4)
+    )
     if len(calls) != 1 or not all(isinstance(a.value, cst.Name) for a in calls[0].args[1:3]):
         return None
     k, v = (a.value.value for a in calls[0].args[1:3])
-    repeats = {name: [s for s in fwd.body.body if _tile(s, name)] for name in (k, v)}
+    repeats = {name: [s for s in fwd.body.body if _repeat(s, name)] for name in (k, v)}
     if k == v or any(len(r) != 1 for r in repeats.values()):
         return None
-    if _tile(repeats[k][0], k) != _tile(repeats[v][0], v):
+    kind = _repeat(repeats[k][0], k)
+    if kind != _repeat(repeats[v][0], v):
         return None
     doomed = {id(r[0]) for r in repeats.values()}
     new_fwd = fwd.with_changes(
         body=fwd.body.with_changes(body=[s for s in fwd.body.body if id(s) not in doomed])
     )
+    if kind[0] == "grouped":
+        return cls.deep_replace(fwd, new_fwd)
     return with_attention_kwarg(cls, attn_line, "kv_heads_tiled", "True", fwd, new_fwd)
 
 
 class TiledKVHeads(Rule):
     ID = "MG020"
-    DESCRIPTION = "Keys and values tiled over the query heads with .repeat are cached once (kv_heads_tiled)."
+    DESCRIPTION = (
+        "Keys and values repeated over the query heads before attention are cached once, unrepeated."
+    )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         return rewrite_classes(module, _rewrite)
