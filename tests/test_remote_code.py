@@ -22,6 +22,8 @@ CONVERTED = {
     "packlm": ("self.attn = Attention(", "F.scaled_dot_product_attention(", "mask ="),
     # attention written out on keys repeated per group, a method building the mask from the cache's length
     "grouplm": ("self.attn = Attention(", "repeat_kv(key_states", "_causal_mask"),
+    # attention in a helper returning its last product, scaled by a 0-d tensor, masked by a causal buffer
+    "qwenish": ("self.attn = Attention(", "def _attn(", "torch.tril("),
 }
 
 
@@ -42,7 +44,7 @@ def _checkpoint(model: str, out: Path) -> Path:
     config_cls = next(
         v for k, v in vars(configuration).items() if k.endswith("Config") and k != "PretrainedConfig"
     )
-    model_cls = next(v for k, v in vars(modeling).items() if k.endswith("ForCausalLM"))
+    model_cls = next(v for k, v in vars(modeling).items() if k.endswith(("ForCausalLM", "LMHeadModel")))
     config = config_cls()
     config.auto_map = {
         "AutoConfig": f"configuration_{model}.{config_cls.__name__}",

@@ -322,3 +322,34 @@ def test_alibi_chosen_per_call_without_a_config_switch_is_refused(make_ctx):
     ctx = make_ctx()
     assert run_codemod(rule, per_call, ctx) == per_call
     assert "ALiBi used or not per call (`alibi is None`), with no config switch found" in ctx.findings[0].what
+
+
+# Qwen (remote code): the helper returns its last product, and scales by a 0-d tensor of the divisor.
+RETURNED = (
+    HEADER
+    + dedent("""\
+    class Attn(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.head_dim = config.hidden_size // config.num_heads
+
+        def _attn(self, query, key, value):
+            attn_weights = torch.matmul(query, key.transpose(-1, -2))
+            attn_weights = attn_weights / torch.full([], value.size(-1) ** 0.5, dtype=attn_weights.dtype)
+            attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+            return torch.matmul(attn_weights.type(value.dtype), value)
+
+        def forward(self, hidden_states):
+            query, key, value = self._split(hidden_states)
+            attn_output = self._attn(query, key, value)
+            return self.c_proj(attn_output)
+    """)
+    + ENTRY
+)
+
+
+def test_a_helper_returning_its_product_folds_and_a_0_d_tensor_scale_is_its_value(make_ctx):
+    helper = RETURNED[RETURNED.index("    def _attn") : RETURNED.index("    def forward")]
+    call = "attn_output = heads_first_attention(self, query, key, value, scaling=1 / (attention_head_dim ** 0.5))"
+    after = RETURNED.replace(helper, "").replace("attn_output = self._attn(query, key, value)", call)
+    assert_codemod(rule, RETURNED, after, make_ctx)

@@ -187,11 +187,26 @@ class _Scores:
                 self.add_bias(other, [] if op is cst.Add else ["-1"])
         elif op is cst.Multiply:
             if not self.is_mask(other):  # GPT-1: `w * b + -1e4 * (1 - b)` with b the causal buffer
-                self.factors.append(code(other))
+                self.factors.append(code(_scalar(other)))
         elif op is cst.Divide and left:
-            self.factors.append(f"1 / ({code(other)})")
+            self.factors.append(f"1 / ({code(_scalar(other))})")
         else:
             raise Refused(f"`{code(e)}` on the attention scores")
+
+
+# a 0-d tensor of a value (`torch.full([], v ** 0.5, dtype=w.dtype)`, GPT-2's old divisor): the value scales alike
+_SCALAR_TENSOR = m.Call(
+    func=m.Attribute(m.Name("torch"), m.Name("full")),
+    args=[m.Arg(m.List([]), keyword=None), m.Arg(), m.ZeroOrMore()],
+) | m.Call(
+    func=m.Attribute(m.Name("torch"), m.Name("tensor") | m.Name("scalar_tensor")),
+    args=[m.Arg(keyword=None), m.ZeroOrMore(m.Arg(keyword=m.Name()))],
+)
+
+
+def _scalar(e: cst.BaseExpression) -> cst.BaseExpression:
+    """The value a 0-d tensor is built of, or e."""
+    return e.args[1 if called_name(e) == "torch.full" else 0].value if m.matches(e, _SCALAR_TENSOR) else e
 
 
 def _init_buffers(init: cst.FunctionDef | None) -> set[str]:
@@ -731,9 +746,10 @@ def _fold_helper(cls: cst.ClassDef, fwd: cst.FunctionDef, rewriter: _Rewriter) -
         helper = method(cls, name)
         calls = m.findall(cls, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name))))
         body = list(helper.body.body)
-        ret = body[-1] if body else None
-        if not m.matches(ret, m.SimpleStatementLine([m.Return()])):
+        if not body or not m.matches(body[-1], m.SimpleStatementLine([m.Return(m.DoNotCare())])):
             continue
+        body = _named_return(body, helper)
+        ret = body[-1]
         _, region = rewriter.block(body[:-1], free_names(ret))
         if region is None:
             continue
@@ -752,6 +768,18 @@ def _fold_helper(cls: cst.ClassDef, fwd: cst.FunctionDef, rewriter: _Rewriter) -
             new_fwd = _wrapped_at_call(new_fwd, marker, region)
         return _replaced(_replaced(cls, fwd, new_fwd), helper, None)
     return cls
+
+
+def _named_return(body: list, helper: cst.FunctionDef) -> list:
+    """`return <expression>` as `attn_output = <expression>` then `return attn_output` (Qwen's `return
+    torch.matmul(attn_weights, value)`), so that the computation ends at a name as a region does."""
+    value = body[-1].body[0].value
+    if m.matches(value, m.Name() | m.Tuple() | m.List()):
+        return body
+    name = "attn_output"
+    while name in free_names(helper) | assigned_names(helper):
+        name += "_"
+    return [*body[:-1], stmt(f"{name} = {code(value)}\n"), stmt(f"return {name}\n")]
 
 
 def _wrapped_at_call(fwd: cst.FunctionDef, marker: cst.Call, region: _Region) -> cst.FunctionDef:
