@@ -3,6 +3,8 @@ down projection -> RowParallelLinear, a TPRegion around forward; anything else s
 
 from textwrap import dedent
 
+import pytest
+
 from skills.parallel_impl.rules.mlp import ShardMLP as rule
 
 BEFORE = dedent("""\
@@ -332,3 +334,114 @@ def test_mlp_split_over_two_modules_that_mixes_columns_stays_replicated(run_rule
         ctx = make_ctx()
         assert run_rule(rule, code, ctx) == code
         assert ctx.rewrites == ctx.findings == []
+
+
+# InternLM2's MLP: named otherwise, found by what forward does (two columns on the input, multiplied after an
+# activation, the row on their product): each column split along its outputs as it is, unfused.
+FLOW_GATED = dedent("""\
+    class InternLM2MLP(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    """)
+
+FLOW_GATED_AFTER = dedent("""\
+    from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import TPRegion
+
+    class InternLM2MLP(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.w1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=False, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "w1"))
+            self.w3 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=False, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "w3"))
+            self.w2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, reduce_results=False, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "w2"))
+            self.tp_region = TPRegion(comm_manager, "dense_tp_group")
+
+        def forward(self, x):
+            x = self.tp_region.enter(x)
+            return self.tp_region.exit(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+    """)
+
+# GPT-J's: one name rebound through the column, the activation and the row.
+FLOW_PLAIN = dedent("""\
+    class GPTJMLP(nn.Module):
+        def __init__(self, intermediate_size, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.fc_in = nn.Linear(config.n_embd, intermediate_size)
+            self.fc_out = nn.Linear(intermediate_size, config.n_embd)
+            self.act = ACT2FN[config.activation_function]
+
+        def forward(self, hidden_states):
+            hidden_states = self.fc_in(hidden_states)
+            hidden_states = self.act(hidden_states)
+            hidden_states = self.fc_out(hidden_states)
+            return hidden_states
+    """)
+
+FLOW_PLAIN_AFTER = dedent("""\
+    from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from runtime.layers.prefix import join_prefix
+    from runtime.layers.token_layout import TPRegion
+
+    class GPTJMLP(nn.Module):
+        def __init__(self, intermediate_size, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.fc_in = ColumnParallelLinear(config.n_embd, intermediate_size, bias=True, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "fc_in"))
+            self.fc_out = RowParallelLinear(intermediate_size, config.n_embd, bias=True, reduce_results=False, comm_manager=comm_manager, tp_group="dense_tp_group", prefix=join_prefix(prefix, "fc_out"))
+            self.act = ACT2FN[config.activation_function]
+            self.tp_region = TPRegion(comm_manager, "dense_tp_group")
+
+        def forward(self, hidden_states):
+            hidden_states = self.tp_region.enter(hidden_states)
+            hidden_states = self.fc_in(hidden_states)
+            hidden_states = self.act(hidden_states)
+            hidden_states = self.fc_out(hidden_states)
+            return self.tp_region.exit(hidden_states)
+    """)
+
+
+@pytest.mark.parametrize(
+    "before,after,columns,row",
+    [(FLOW_GATED, FLOW_GATED_AFTER, "w1/w3", "w2"), (FLOW_PLAIN, FLOW_PLAIN_AFTER, "fc_in", "fc_out")],
+    ids=["gated", "plain"],
+)
+def test_an_mlp_named_otherwise_is_found_by_its_forward_and_sharded(
+    run_rule, make_ctx, before, after, columns, row
+):
+    ctx = make_ctx()
+    assert run_rule(rule, before, ctx) == after
+    name = before.split("class ")[1].split("(")[0]
+    assert ctx.rewrites == [
+        f"{name}: {columns} -> ColumnParallelLinear (dense_tp_group)",
+        f"{name}: {row} -> RowParallelLinear (dense_tp_group)",
+    ]
+    assert run_rule(rule, after) == after
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        (
+            "F.silu(self.w1(x)) * self.w3(x)",
+            "F.softmax(self.w1(x), dim=-1) * self.w3(x)",
+        ),  # mixes the columns
+        (
+            "F.silu(self.w1(x)) * self.w3(x)",
+            "F.silu(self.w1(x)) * self.w3(x) * self.scale",
+        ),  # reads another value
+        (
+            "F.silu(self.w1(x)) * self.w3(x)",
+            "F.silu(self.w1(x)) * self.w3(self.w1(x))",
+        ),  # a column called twice
+        ("return self.w2(", "return x + self.w2("),  # the row's output mixed with the input
+    ],
+)
+def test_an_mlp_whose_forward_does_more_than_act_element_wise_stays_replicated(run_rule, change):
+    code = FLOW_GATED.replace(*change)
+    assert run_rule(rule, code) == code

@@ -25,6 +25,7 @@ from skills.migrator.cst_utils import (
     method,
 )
 from skills.migrator.rule import Rule
+from skills.parallel_impl.rules._mlp_flow import flow_unit
 from skills.parallel_impl.rules._split_unit import applied_first, closed, closing_half
 from skills.parallel_impl.rules._units import (
     LINEAR,
@@ -113,8 +114,11 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
     """The sharded class (the layer classes it uses added to `used`), None to leave it replicated."""
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     linears = self_layers(init, LINEAR)
-    unit = _unit(linears)
-    if unit is None or fwd is None or not plumbed(init):
+    if fwd is None or not plumbed(init):
+        return None
+    named = _unit(linears)
+    unit = named or flow_unit(init, fwd, linears)  # found by its names, else by what forward does
+    if unit is None:
         return None
     columns, row = unit
     args: dict[str, LinearArgs | None] = {a: linear_args(linears[a].call) for a in (*columns, row)}
@@ -126,7 +130,11 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
     width = code(half) if half is not None else first.out_features
     if _sized_by(init, [linears[a].line for a in (*columns, row)], width):
         return None
-    if len(columns) == 2:
+    if named is None:  # each column split along its outputs as it is, the row summed
+        if len({args[a].out_features for a in columns}) != 1 or _SPLITS.search(code(fwd.body)):
+            return None
+        attr, ctor, out = columns[0], "ColumnParallelLinear", first.out_features
+    elif len(columns) == 2:
         up = args["up_proj"]
         if (first.in_features, first.bias, first.transposed) != (
             up.in_features,
@@ -154,7 +162,13 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
     fwd = wrap_region(fwd, exit_at)
     if fwd is None:
         return None
-    changes = {id(linears[a].line): [] for a in columns[1:]}
+    fused = named is not None
+    changes = {
+        id(linears[a].line): []
+        if fused
+        else [parallel_layer(a, ctor, args[a].layer_args(), GROUP, linears[a].line)]
+        for a in columns[1:]
+    }
     changes[id(linears[columns[0]].line)] = [
         parallel_layer(attr, ctor, first.layer_args(out), GROUP, linears[columns[0]].line)
     ]
@@ -168,7 +182,7 @@ def _rewrite(cls: cst.ClassDef, ctx: ParallelRewriteContext, used: set[str]) -> 
         f"{name}: {'/'.join(columns)} -> {ctor}{fused_name} ({GROUP})",
         f"{name}: {row} -> RowParallelLinear ({GROUP})",
     ]
-    if len(columns) == 2:
+    if fused and len(columns) == 2:
         ctx.fused += [s for s in STACKED if s not in ctx.fused]
     used |= {ctor, "RowParallelLinear"}
     return replace_methods(cls, {"__init__": edit_body(init, changes, [region(GROUP)]), "forward": fwd})
