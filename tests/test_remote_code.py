@@ -96,7 +96,8 @@ def test_remote_code_converts_and_matches_transformers_running_it(model, tmp_pat
 
 @pytest.mark.slow
 def test_remote_code_with_a_fused_per_group_projection_shards_over_two_ranks(tmp_path):
-    """`wqkv` holds whole key-head groups side by side: each rank takes a contiguous share of its rows."""
+    """`wqkv` holds whole key-head groups side by side: each rank takes a contiguous share of its rows; the MLP's
+    `w1` / `w3` / `w2` are split as gate, up and down."""
     model_dir = _migrated("grouplm", tmp_path)
     config = tmp_path / "tp2.yaml"
     config.write_text(
@@ -104,4 +105,6 @@ def test_remote_code_with_a_fused_per_group_projection_shards_over_two_ranks(tmp
     )
     result = _skill("parallelize", str(model_dir), "--config", str(config))
     assert result["verification"]["status"] == "identical", result["verification"]
-    assert "wqkv -> ColumnParallelLinear by heads" in " ".join(result["rewrites"])
+    rewrites = " ".join(result["rewrites"])
+    assert "wqkv -> ColumnParallelLinear by heads" in rewrites
+    assert "GroupMLP: w1/w3 -> ColumnParallelLinear" in rewrites  # found by what its forward does
