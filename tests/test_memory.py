@@ -56,3 +56,23 @@ def test_available_cpu_memory():
     if not Path("/proc/meminfo").exists():
         pytest.skip("needs Linux /proc/meminfo")
     assert available_memory(torch.device("cpu")) > 0
+
+
+def test_weights_are_counted_from_the_checkpoint_and_other_config_names_give_no_kv_figure(tmp_path):
+    """Remote code's config names its sizes its own way (`num_layers`, `kv_channels`): the weights come from the
+    checkpoint's tensor headers, and the KV cache is left to the runtime's pool sizing instead of a crash."""
+    from safetensors.torch import save_file
+    from transformers import PretrainedConfig
+
+    save_file(
+        {"a.weight": torch.zeros(3, 5), "b.weight": torch.zeros(7)}, str(tmp_path / "model.safetensors")
+    )
+    config = PretrainedConfig(num_layers=2, kv_channels=16, padded_vocab_size=512)
+    estimate = estimate_memory(config, torch.float32, batch_size=1, max_seq_len=8, checkpoint=tmp_path)
+    assert (estimate.params, estimate.param_bytes, estimate.kv_bytes) == (22, 88, 0)
+    llama = AutoConfig.for_model("llama", **COMMON)
+    from_config = estimate_memory(llama, torch.float32, batch_size=1, max_seq_len=8)
+    assert (
+        estimate_memory(llama, torch.float32, 1, 8, checkpoint=tmp_path).params == 22
+    )  # the checkpoint wins
+    assert from_config.params > 22 and from_config.kv_bytes > 0

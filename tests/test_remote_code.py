@@ -24,7 +24,15 @@ CONVERTED = {
     "grouplm": ("self.attn = Attention(", "repeat_kv(key_states", "_causal_mask"),
     # attention in a helper returning its last product, scaled by a 0-d tensor, masked by a causal buffer
     "qwenish": ("self.attn = Attention(", "def _attn(", "torch.tril("),
+    # states [tokens, batch, hidden], key heads under a name of its own, the output layer in the inner model
+    "glmish": (
+        "num_kv_heads=self.num_multi_query_groups_per_partition",
+        "F.scaled_dot_product_attention(",
+        "out.last_hidden_state",
+    ),
 }
+# two in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
+IN_MAKE_TEST = ("packlm", "glmish")
 
 
 def _load(model: str, name: str):
@@ -44,7 +52,11 @@ def _checkpoint(model: str, out: Path) -> Path:
     config_cls = next(
         v for k, v in vars(configuration).items() if k.endswith("Config") and k != "PretrainedConfig"
     )
-    model_cls = next(v for k, v in vars(modeling).items() if k.endswith(("ForCausalLM", "LMHeadModel")))
+    model_cls = next(
+        v
+        for k, v in vars(modeling).items()
+        if k.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+    )
     config = config_cls()
     config.auto_map = {
         "AutoConfig": f"configuration_{model}.{config_cls.__name__}",
@@ -86,7 +98,9 @@ def _migrated(model: str, tmp_path: Path) -> Path:
     return Path(result["model_dir"])
 
 
-@pytest.mark.parametrize("model", CONVERTED)
+@pytest.mark.parametrize(
+    "model", [m if m in IN_MAKE_TEST else pytest.param(m, marks=pytest.mark.slow) for m in CONVERTED]
+)
 def test_remote_code_converts_and_matches_transformers_running_it(model, tmp_path):
     code = (_migrated(model, tmp_path) / "models" / f"modeling_{model}.py").read_text()
     attention, gone, leftover = CONVERTED[model]

@@ -220,3 +220,18 @@ def test_each_prompt_is_answered_as_a_freshly_loaded_model_answers_it():
     after = greedy_reference(model, prompt, 3)
     assert after.tokens == alone.tokens
     torch.testing.assert_close(after.logprobs, alone.logprobs, rtol=0, atol=0)
+
+
+def test_a_reference_model_that_cannot_run_is_named_not_a_traceback():
+    """Remote code that fails under the installed transformers leaves verify nothing to compare with: it says so
+    (the check is then skipped with that reason) instead of crashing."""
+    from skills.verify.reference import ReferenceFailed
+
+    class Broken(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False, cache=None):
+            raise AttributeError("'GLMConfig' object has no attribute 'num_hidden_layers'")
+
+    with pytest.raises(
+        ReferenceFailed, match="transformers' own run of Broken failed .AttributeError: 'GLMConfig'"
+    ):
+        greedy_reference(Broken(), [1, 2], 3)

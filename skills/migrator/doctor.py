@@ -109,9 +109,9 @@ def _fits(doc: dict) -> tuple[bool, int]:
     """Whether the YAML's run fits this device, and the smallest power-of-two card count that would."""
     dtype = getattr(torch, doc["model_config"]["dtype"])
     sc, dc = doc["scheduler_config"], doc["data_config"]
-    est = estimate_memory(
-        _hf_config(doc), dtype, sc["batch_size"], dc["input_truncated_len"] + sc["max_new_tokens"]
-    )
+    seq_len = dc["input_truncated_len"] + sc["max_new_tokens"]
+    checkpoint = Path(doc["model_config"]["model_path"])
+    est = estimate_memory(_hf_config(doc), dtype, sc["batch_size"], seq_len, checkpoint)
     avail = available_memory(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     cards = 1
     while est.param_bytes / cards + est.kv_bytes / cards > 0.9 * avail and cards < 1024:

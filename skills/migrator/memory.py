@@ -1,13 +1,16 @@
-"""Will a model fit on one device? Weights + KV cache estimated from config shapes, never by building the model."""
+"""Will a model fit on one device? Weights (from the checkpoint's tensor headers, or config shapes) + KV cache
+estimated, never by building the model."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from runtime.errors import UserError
@@ -60,20 +63,43 @@ def _shapes(hf_config: PretrainedConfig) -> tuple[PretrainedConfig, int, int]:
 
 
 def estimate_memory(
-    hf_config: PretrainedConfig, dtype: torch.dtype, batch_size: int, max_seq_len: int
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    batch_size: int,
+    max_seq_len: int,
+    checkpoint: Path | None = None,
 ) -> MemoryEstimate:
-    """Weights (embeddings, layers, final norm, untied lm_head) and a full-length KV cache, in `dtype`."""
-    cfg, head_dim, kv_heads = _shapes(hf_config)
-    embeddings = cfg.vocab_size * cfg.hidden_size
-    tied = getattr(hf_config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))
-    params = (
-        embeddings * (1 if tied else 2)
-        + cfg.hidden_size
-        + sum(_layer_params(cfg, i, head_dim, kv_heads) for i in range(cfg.num_hidden_layers))
-    )
-    kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * batch_size * max_seq_len * dtype.itemsize
+    """Weights in `dtype` (the checkpoint's own tensors where its safetensors list them, else embeddings, layers,
+    final norm and untied lm_head from the config's shapes) and a full-length KV cache. A config naming its sizes
+    otherwise than transformers' (remote code's `num_layers`, `kv_channels`) gives no KV figure: the runtime
+    sizes its pool from the memory the weights leave."""
+    try:
+        cfg, head_dim, kv_heads = _shapes(hf_config)
+        layers = cfg.num_hidden_layers
+        kv_bytes = 2 * layers * kv_heads * head_dim * batch_size * max_seq_len * dtype.itemsize
+    except AttributeError:
+        cfg, kv_bytes = None, 0
+    params = _checkpoint_params(checkpoint) if checkpoint is not None else 0
+    if not params and cfg is not None:
+        embeddings = cfg.vocab_size * cfg.hidden_size
+        tied = getattr(hf_config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))
+        params = (
+            embeddings * (1 if tied else 2)
+            + cfg.hidden_size
+            + sum(_layer_params(cfg, i, head_dim, kv_heads) for i in range(layers))
+        )
     param_bytes = params * dtype.itemsize
     return MemoryEstimate(params, param_bytes, kv_bytes, param_bytes + kv_bytes)
+
+
+def _checkpoint_params(checkpoint: Path) -> int:
+    """Elements of every tensor the checkpoint's safetensors hold (headers only); 0 without them."""
+    total = 0
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            names = f.keys()  # a safe_open handle is not iterable
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in names)
+    return total
 
 
 MEMORY_LIMIT_ENV = "SKILL_MEMORY_LIMIT_BYTES"

@@ -60,11 +60,21 @@ class _GrownRope:
                 setattr(module, name, value)
 
 
+class ReferenceFailed(UserError):
+    """transformers' own run of the checkpoint raised: there is nothing to compare with."""
+
+
 def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
     """The greedy loop, leaving the model's RoPE state as it found it."""
     rope = _GrownRope(model)
     try:
         return _greedy(model, prompt_ids, steps)
+    except Exception as e:  # the checkpoint's code (remote code above all) under the installed transformers
+        raise ReferenceFailed(
+            f"transformers' own run of {type(model).__name__} failed ({type(e).__name__}: {str(e)[:300]}), so "
+            "there is no reference to compare with; check that the checkpoint's code runs under the installed "
+            "transformers (`generate` on it fails the same way)."
+        ) from e
     finally:
         rope.restore()
 

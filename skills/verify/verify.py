@@ -19,7 +19,7 @@ from runtime.errors import UserError
 from skills.migrator.memory import available_memory
 from skills.migrator.pipeline import checkpoint_dtype
 from skills.verify.compare import LOGPROB_ATOL, Verification, compare, logprob_atol
-from skills.verify.reference import greedy_reference, load_reference_model
+from skills.verify.reference import ReferenceFailed, greedy_reference, load_reference_model
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -143,7 +143,10 @@ def verify(
     outputs = _run_migrated(model_dir, yaml_file, prompts, tokens, dtype, trust_remote_code)
     log("running transformers on the same weights and prompt tokens")
     model = load_reference_model(Path(config.model_config.model_path), torch_dtype, trust_remote_code)
-    references = [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
+    try:
+        references = [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
+    except ReferenceFailed as e:
+        return replace(result, reason=str(e))
     from transformers import AutoTokenizer, __version__
 
     tokenizer = AutoTokenizer.from_pretrained(

@@ -317,3 +317,36 @@ def test_what_the_head_is_applied_to_stays_unless_it_reads_dropped_names(run_rul
     out = run_rule(rule, code, **GEMMA3)
     assert f"        logits = {kept}\n" in out
     assert run_rule(rule, out, **GEMMA3) == out
+
+
+# ChatGLM (remote code): the output layer lives in the inner model, whose states are [tokens, batch, hidden].
+SEQ_FIRST = dedent("""\
+    class GLMModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+
+
+    class GLMForConditionalGeneration(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.transformer = GLMModel(config)
+
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            out = self.transformer(input_ids, position_ids=position_ids)
+            logits = self.transformer.output_layer(out).transpose(0, 1).float()
+            return CausalLMOutputWithPast(logits=logits)
+    """)
+
+
+@pytest.mark.parametrize("swap", [".transpose(0, 1)", ""], ids=["seq_first", "batch_first"])
+def test_a_head_the_inner_model_builds_is_found_and_a_swapped_result_picks_along_the_first_dim(
+    run_rule, make_ctx, swap
+):
+    ctx = make_ctx(entry_class="GLMForConditionalGeneration")
+    out = run_rule(rule, SEQ_FIRST.replace(".transpose(0, 1)", swap), ctx)
+    assert ctx.findings == []
+    picked = "forward_metadata.last_token_indices, 0" if swap else "0, forward_metadata.last_token_indices"
+    assert f"hidden_states = hidden_states[{picked}]" in out
+    assert "logits = self.transformer.output_layer(hidden_states)\n        return logits[:, None, :]" in out
+    assert run_rule(rule, out, make_ctx(entry_class="GLMForConditionalGeneration")) == out

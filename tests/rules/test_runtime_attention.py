@@ -608,3 +608,32 @@ def test_layers_appended_to_a_list_a_module_list_then_holds_are_found():
             """)
     ).body[0]
     assert _attention_attrs(cls, {"DecoderLayer"}, {}) == {"layers": False}
+
+
+GLM_ATTENTION = dedent("""\
+
+
+    class LlamaAttention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.heads = config.num_attention_heads
+            self.groups = config.multi_query_group_num
+            self.size_per_head = config.kv_channels
+
+        def forward(self, hidden_states, **kwargs):
+            q, k, v = self.query_key_value(hidden_states).split(self.sizes, dim=-1)
+            q = q.view(q.size()[:-1] + (self.heads, self.size_per_head))
+            k = k.view(k.size()[:-1] + (self.groups, self.size_per_head))
+            v = v.view(v.size()[:-1] + (self.groups, self.size_per_head))
+            out = heads_first_attention(self, q.transpose(1, 2), k, v)
+            return self.dense(out)
+    """)
+
+
+def test_key_heads_and_head_size_named_otherwise_are_read_from_how_forward_views_them(run_rule):
+    """ChatGLM's `multi_query_group_num` key heads of `kv_channels` each: none of the names the layer knows."""
+    out = run_rule(rule, HEADER + GLM_ATTENTION + CALLERS)
+    ctor = ctor_line(out)
+    assert "head_dim=self.size_per_head" in ctor and "num_kv_heads=self.groups" in ctor
+    same = GLM_ATTENTION.replace("(self.groups, self.size_per_head)", "(self.heads, self.size_per_head)")
+    assert "num_kv_heads" not in ctor_line(run_rule(rule, HEADER + same + CALLERS))  # as many as the queries

@@ -26,8 +26,10 @@ def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_m
             **kwargs) -> torch.Tensor:
     hidden_states = self.{inner}(input_ids=input_ids[None], position_ids=position_ids[None],
                                 forward_metadata=forward_metadata, **kwargs)
-    hidden_states = hidden_states[0, forward_metadata.last_token_indices]
+    hidden_states = hidden_states[{picked}]
 """
+LAST_POSITIONS = "0, forward_metadata.last_token_indices"
+LAST_POSITIONS_SEQ_FIRST = "forward_metadata.last_token_indices, 0"  # the model's states are [T, 1, hidden]
 LOAD_WEIGHTS = """
 def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     return load_named_weights(self, weights{ignored})
@@ -96,24 +98,58 @@ def _ignored_keys(cls: cst.ClassDef, module: cst.Module) -> str:
     return ""
 
 
-def _vocab_projection(init: cst.FunctionDef) -> str:
-    """The attribute holding the output projection: `lm_head`, else a Linear layer sized by vocab_size."""
+def _vocab_linears(init: cst.FunctionDef | None) -> list[str]:
+    """The attributes init sets to a Linear layer sized by the vocabulary."""
     names = []
-    for a in m.findall(
-        init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
+    for a in (
+        m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call()))
+        if init is not None
+        else []
     ):
-        if called_name(a.value).split(".")[-1] == "Linear" and "vocab_size" in cst.Module([]).code_for_node(
-            a.value
-        ):
+        if called_name(a.value).split(".")[-1] == "Linear" and "vocab_size" in code(a.value):
             names.append(a.targets[0].target.attr.value)
-    return "lm_head" if "lm_head" in names or not names else names[0]
+    return names
+
+
+def _vocab_projection(cls: cst.ClassDef, fwd: cst.FunctionDef, inner: str | None, module: cst.Module) -> str:
+    """The output projection, as a path under `self`: `lm_head`, else a Linear layer sized by the vocabulary that
+    the entry builds, else one the inner model builds and forward applies (ChatGLM's `transformer.output_layer`)."""
+    names = _vocab_linears(method(cls, "__init__"))
+    if "lm_head" in names or names:
+        return "lm_head" if "lm_head" in names else names[0]
+    built = _inner_class(cls, module, inner)
+    for attr in _vocab_linears(method(built, "__init__") if built is not None else None):
+        if _head_calls(fwd, f"{inner}.{attr}"):
+            return f"{inner}.{attr}"
+    return "lm_head"
+
+
+def _inner_class(cls: cst.ClassDef, module: cst.Module, inner: str | None) -> cst.ClassDef | None:
+    target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name(inner or "")))
+    built = m.findall(method(cls, "__init__"), m.Assign([target], m.Call()))
+    return classes(module).get(called_name(built[0].value)) if built else None
+
+
+def _head_calls(node: cst.CSTNode, head: str) -> list[cst.Call]:
+    return [c for c in m.findall(node, m.Call(func=m.Attribute())) if code(c.func) == f"self.{head}"]
+
+
+def _seq_first(fwd: cst.FunctionDef, head: str) -> bool:
+    """forward swaps the first two dimensions of the output projection's result (`.transpose(0, 1)`): the model's
+    states are [tokens, batch, hidden] (ChatGLM), so the last positions are picked along the first."""
+    pairs = ([m.Arg(m.Integer(a)), m.Arg(m.Integer(b))] for a, b in (("0", "1"), ("1", "0")))
+    swap = m.Call(func=m.Attribute(attr=m.Name("transpose")), args=m.OneOf(*pairs))
+    calls = _head_calls(fwd, head)
+    return any(
+        any(c is x for c in calls for x in m.findall(t.func.value, m.Call())) for t in m.findall(fwd, swap)
+    )
 
 
 def _head_input(line: cst.BaseStatement, head: str) -> str:
     """What the output projection is applied to: its argument where that is computed from the hidden states alone
     (ModernBERT-decoder's `self.decoder(self.lm_head(hidden_states))` keeps its prediction head), else the
     hidden states (the runtime has already picked the positions HF slices with `logits_to_keep`)."""
-    call = m.findall(line, m.Call(func=m.Attribute(m.Name("self"), m.Name(head))))
+    call = _head_calls(line, head)
     if len(call) == 1 and len(call[0].args) == 1 and not call[0].args[0].keyword:
         arg = call[0].args[0].value
         if "hidden_states" in (names := free_names(arg)) and names <= {"self", "hidden_states"}:
@@ -125,9 +161,7 @@ def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseSt
     """The output projection (fed the last positions) with the per-token processing of the hidden states
     before it (MiniCPM's `hidden_states / logits_scaling`) and of the logits after it."""
     body = list(fwd.body.body)
-    idx = next(
-        (i for i, s in enumerate(body) if m.findall(s, m.Call(func=m.Attribute(attr=m.Name(head))))), None
-    )
+    idx = next((i for i, s in enumerate(body) if _head_calls(s, head)), None)
     if idx is None:
         return None
     head = stmt(f"logits = self.{head}({_head_input(body[idx], head)})\n")
@@ -166,14 +200,15 @@ class CausalLMEntry(Rule):
         if "forward_metadata" in cst.Module([]).code_for_node(fwd):
             return module  # already in contract form
         inner = _inner_model_attr(cls, module)
-        head = _vocab_projection(init)
+        head = _vocab_projection(cls, fwd, inner, module)
         tail = None if inner is None else _logits_tail(fwd, inner, head)
         if inner is None or tail is None:
             ctx.unsupported(
                 ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward"
             )
             return module
-        new_fwd = cst.parse_module(FORWARD.format(inner=inner)).body[0]
+        picked = LAST_POSITIONS_SEQ_FIRST if _seq_first(fwd, head) else LAST_POSITIONS
+        new_fwd = cst.parse_module(FORWARD.format(inner=inner, picked=picked)).body[0]
         new_fwd = new_fwd.with_changes(
             body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),
             leading_lines=[cst.EmptyLine(indent=False)],

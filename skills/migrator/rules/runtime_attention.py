@@ -146,13 +146,43 @@ def _forward_kv_heads(fwd: cst.FunctionDef) -> str | None:
     return None
 
 
+def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression) -> tuple[str, str] | None:
+    """(heads, head size) forward views the tensor it names x with (`x.view(x.size()[:-1] + (self.groups,
+    self.size))`, `x.view(b, t, self.heads, self.size)`), where both read only module attributes or the config."""
+    moved = m.Call(func=m.Attribute(attr=m.Name("transpose") | m.Name("permute") | m.Name("contiguous")))
+    while m.matches(x, moved):
+        x = x.func.value  # moving the heads does not change their count
+    viewed = m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape")))
+    for a in (
+        m.findall(fwd, m.Assign([m.AssignTarget(m.Name(x.value))], viewed)) if isinstance(x, cst.Name) else []
+    ):
+        dims = [d.value for d in a.value.args]
+        if len(dims) == 1 and m.matches(dims[0], m.BinaryOperation(right=m.Tuple()) | m.Tuple()):
+            dims = [
+                e.value
+                for e in (dims[0].right if isinstance(dims[0], cst.BinaryOperation) else dims[0]).elements
+            ]
+        if len(dims) >= 2 and all(pure(d) and free_names(d) <= {"self", "config"} for d in dims[-2:]):
+            return code(dims[-2]), code(dims[-1])
+    return None
+
+
+def _viewed_kv_heads(fwd: cst.FunctionDef, q: cst.BaseExpression, k: cst.BaseExpression) -> str | None:
+    """The keys' head count as forward views them, where it views the queries with another."""
+    keys = _viewed(fwd, k)
+    return keys[0] if keys is not None and keys != _viewed(fwd, q) else None
+
+
 def _attention_ctor(
     call: cst.Call, init: cst.FunctionDef, fwd: cst.FunctionDef, ctx: RewriteContext, scope: str, attr: str
 ) -> cst.BaseStatement:
     init_code = cst.Module([]).code_for_node(init)
+    queries = _viewed(fwd, call.args[1].value) if len(call.args) > 1 else None
     head_dim = next(
         (f"self.{a}" for a in ("qk_head_dim", "head_dim", "head_size") if f"self.{a} =" in init_code),
-        "config.hidden_size // config.num_attention_heads",
+        queries[1]
+        if queries
+        else "config.hidden_size // config.num_attention_heads",  # as forward views them
     )
     heads = "config.num_attention_heads" if "config" in param_names(init) else "self.num_heads"
     args = [f"num_heads={heads}", f"head_dim={head_dim}"]
@@ -168,6 +198,8 @@ def _attention_ctor(
         args.append("num_kv_heads=config.num_key_value_heads")
     elif kv_attr:  # e.g. `self.kv_heads = 1 if self.multi_query else self.num_heads`
         args.append(f"num_kv_heads=self.{kv_attr}")
+    elif len(call.args) > 3 and (viewed := _viewed_kv_heads(fwd, call.args[1].value, call.args[2].value)):
+        args.append(f"num_kv_heads={viewed}")  # ChatGLM's `multi_query_group_num` key heads
     for a in call.args:
         key = a.keyword.value if a.keyword else None
         if key == "indices" and PICKS_RULE not in ctx.applied:
