@@ -28,7 +28,7 @@ CONVERTED = {
     "glmish": (
         "num_kv_heads=self.num_multi_query_groups_per_partition",
         "F.scaled_dot_product_attention(",
-        "out.last_hidden_state",
+        "kv_cache=",
     ),
 }
 # two in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each

@@ -3,6 +3,7 @@
 from skills.migrator.rules.absolute_imports import AbsoluteImports
 from skills.migrator.rules.attention_class_table import AttentionClassTable
 from skills.migrator.rules.cache_keys import CacheKeys
+from skills.migrator.rules.cache_params import CacheParams
 from skills.migrator.rules.causal_lm_entry import CausalLMEntry
 from skills.migrator.rules.checkpoint_branches import CheckpointBranches
 from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
@@ -40,6 +41,7 @@ MODELING_RULES = [
     AbsoluteImports,
     StripHFDecorators,
     RemoveMaskMachinery,
+    CacheParams,
     CacheKeys,
     SparseIndexer,
     PerRequestStates,
