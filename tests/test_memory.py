@@ -76,3 +76,17 @@ def test_weights_are_counted_from_the_checkpoint_and_other_config_names_give_no_
         estimate_memory(llama, torch.float32, 1, 8, checkpoint=tmp_path).params == 22
     )  # the checkpoint wins
     assert from_config.params > 22 and from_config.kv_bytes > 0
+
+
+def test_a_sharded_checkpoint_counts_the_shards_its_index_names(tmp_path):
+    """Mistral-style folders keep a consolidated copy beside the shards: it is not counted twice."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import PretrainedConfig
+
+    save_file({"a.weight": torch.zeros(4)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    save_file({"a.weight": torch.zeros(4)}, str(tmp_path / "consolidated.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert estimate_memory(PretrainedConfig(), torch.float32, 1, 1, checkpoint=tmp_path).params == 4

@@ -3,6 +3,7 @@ estimated, never by building the model."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -93,9 +94,15 @@ def estimate_memory(
 
 
 def _checkpoint_params(checkpoint: Path) -> int:
-    """Elements of every tensor the checkpoint's safetensors hold (headers only); 0 without them."""
+    """Elements of every tensor the checkpoint's safetensors hold (headers only; the shards its index names where
+    it has one, not a consolidated copy beside them); 0 without them."""
+    index = Path(checkpoint) / "model.safetensors.index.json"
+    if index.is_file():
+        paths = sorted({Path(checkpoint) / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        paths = sorted(Path(checkpoint).glob("*.safetensors"))
     total = 0
-    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+    for path in paths:
         with safe_open(path, framework="pt") as f:
             names = f.keys()  # a safe_open handle is not iterable
             total += sum(math.prod(f.get_slice(k).get_shape()) for k in names)

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import torch
 from rich.table import Table
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
 
 from runtime.config import ParallelConfig
 from runtime.config.comm_manager import group_layout
@@ -317,8 +317,9 @@ def _param_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _built_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    # remote code (`auto_map`) only runs here once the YAML trusts it (ModelWorker refuses it otherwise)
-    remote = bool(getattr(hf_config, "auto_map", None))
+    # a type transformers does not know is remote code, which ModelWorker loaded only as the YAML trusts it; a known
+    # type is built as transformers' own, whatever `auto_map` a checkpoint still carries
+    remote = bool(getattr(hf_config, "auto_map", None)) and hf_config.model_type not in CONFIG_MAPPING
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=remote)

@@ -69,14 +69,21 @@ def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
     rope = _GrownRope(model)
     try:
         return _greedy(model, prompt_ids, steps)
-    except Exception as e:  # the checkpoint's code (remote code above all) under the installed transformers
+    finally:
+        rope.restore()
+
+
+def _forward(model, *args, **kwargs):
+    """The model's own forward; what it raises (the checkpoint's code, remote code above all, under the installed
+    transformers) means there is nothing to compare with."""
+    try:
+        return model(*args, **kwargs)
+    except Exception as e:
         raise ReferenceFailed(
             f"transformers' own run of {type(model).__name__} failed ({type(e).__name__}: {str(e)[:300]}), so "
             "there is no reference to compare with; check that the checkpoint's code runs under the installed "
             "transformers (`generate` on it fails the same way)."
         ) from e
-    finally:
-        rope.restore()
 
 
 @torch.inference_mode()
@@ -86,7 +93,7 @@ def _greedy(model, prompt_ids: list[int], steps: int) -> Reference:
     params = inspect.signature(model.forward).parameters
     cache_arg = next((a for a in ("cache", "past_key_values") if a in params), None)
     ids = list(prompt_ids)
-    out = model(torch.tensor([ids]), **({"use_cache": True} if cache_arg else {}))
+    out = _forward(model, torch.tensor([ids]), **({"use_cache": True} if cache_arg else {}))
     tokens, logprobs = [], []
     for step in range(steps):
         logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
@@ -99,10 +106,14 @@ def _greedy(model, prompt_ids: list[int], steps: int) -> Reference:
             # the token's position given, as generate() gives it: Bamba numbers a forward's tokens from 0 when
             # not told their positions, whatever its cache holds
             position = {"position_ids": torch.tensor([[len(ids) + step]])} if "position_ids" in params else {}
-            out = model(
-                torch.tensor([[token]]), use_cache=True, **position, **{cache_arg: getattr(out, cache_arg)}
+            out = _forward(
+                model,
+                torch.tensor([[token]]),
+                use_cache=True,
+                **position,
+                **{cache_arg: getattr(out, cache_arg)},
             )
         else:
             ids.append(token)
-            out = model(torch.tensor([ids]))
+            out = _forward(model, torch.tensor([ids]))
     return Reference(tokens, torch.stack(logprobs))

@@ -69,3 +69,17 @@ def test_what_is_not_a_cache_is_left_alone(make_ctx):
     assert "kv_cache=None, past_key_values" in held
     out = run_codemod(rule, held, make_ctx())
     assert "kv_cache" in out and "past_key_values.update" not in out  # its callers' keyword must match
+
+
+def test_a_closure_reads_the_renamed_cache_and_a_name_another_function_takes_otherwise_stays(make_ctx):
+    closure = BEFORE.replace(
+        "        return self.self_attention(hidden_states, kv_cache=kv_cache)",
+        "        def run(x):\n            return self.self_attention(x, kv_cache=kv_cache)\n\n        return run(hidden_states)",
+    )
+    out = run_codemod(rule, closure, make_ctx())
+    assert "return self.self_attention(x, past_key_values=past_key_values)" in out and "kv_cache=" not in out
+    flag = (
+        BEFORE
+        + "\n\nclass Other(nn.Module):\n    def forward(self, x, kv_cache: bool = False):\n        return x if kv_cache else -x\n"
+    )
+    assert run_codemod(rule, flag, make_ctx()) == flag  # renamed everywhere or nowhere

@@ -350,3 +350,18 @@ def test_a_head_the_inner_model_builds_is_found_and_a_swapped_result_picks_along
     assert f"hidden_states = hidden_states[{picked}]" in out
     assert "logits = self.transformer.output_layer(hidden_states)\n        return logits[:, None, :]" in out
     assert run_rule(rule, out, make_ctx(entry_class="GLMForConditionalGeneration")) == out
+
+
+def test_logits_swapped_back_on_a_line_of_their_own_keep_their_name_and_lose_the_swap(run_rule, make_ctx):
+    """ChatGLM2/3 write the swap apart: `lm_logits = lm_logits.transpose(0, 1).contiguous()`."""
+    two_lines = SEQ_FIRST.replace(
+        "        logits = self.transformer.output_layer(out).transpose(0, 1).float()\n",
+        "        lm_logits = self.transformer.output_layer(out)\n        lm_logits = lm_logits.transpose(0, 1).contiguous()\n",
+    ).replace("logits=logits", "logits=lm_logits")
+    assert "lm_logits.transpose(0, 1)" in two_lines
+    out = run_rule(rule, two_lines, make_ctx(entry_class="GLMForConditionalGeneration"))
+    assert "hidden_states = hidden_states[forward_metadata.last_token_indices, 0]" in out
+    assert (
+        "lm_logits = self.transformer.output_layer(hidden_states)\n        return lm_logits[:, None, :]"
+        in out
+    )

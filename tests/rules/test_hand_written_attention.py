@@ -353,3 +353,12 @@ def test_a_helper_returning_its_product_folds_and_a_0_d_tensor_scale_is_its_valu
     call = "attn_output = heads_first_attention(self, query, key, value, scaling=1 / (attention_head_dim ** 0.5))"
     after = RETURNED.replace(helper, "").replace("attn_output = self._attn(query, key, value)", call)
     assert_codemod(rule, RETURNED, after, make_ctx)
+
+
+def test_a_helper_returning_a_direct_sdpa_call_is_left_whole_not_a_crash(make_ctx):
+    sdpa = RETURNED.replace(
+        "return torch.matmul(attn_weights.type(value.dtype), value)",
+        "return F.scaled_dot_product_attention(query, key, value, is_causal=True)",
+    )
+    sdpa = sdpa.replace("            attn_weights = nn.functional.softmax(attn_weights, dim=-1)\n", "")
+    run_codemod(rule, sdpa, make_ctx())  # left to MG005, which names what it cannot convert

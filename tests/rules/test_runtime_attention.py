@@ -637,3 +637,8 @@ def test_key_heads_and_head_size_named_otherwise_are_read_from_how_forward_views
     assert "head_dim=self.size_per_head" in ctor and "num_kv_heads=self.groups" in ctor
     same = GLM_ATTENTION.replace("(self.groups, self.size_per_head)", "(self.heads, self.size_per_head)")
     assert "num_kv_heads" not in ctor_line(run_rule(rule, HEADER + same + CALLERS))  # as many as the queries
+
+
+def test_a_view_by_whatever_is_left_is_no_head_count(run_rule):
+    minus_one = GLM_ATTENTION.replace("(self.groups, self.size_per_head)", "(-1, self.size_per_head)")
+    assert "num_kv_heads" not in ctor_line(run_rule(rule, HEADER + minus_one + CALLERS))

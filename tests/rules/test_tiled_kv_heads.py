@@ -127,3 +127,11 @@ def test_keys_and_values_repeated_per_group_are_passed_unrepeated(make_ctx, form
 )
 def test_other_grouped_repeats_are_left_alone(make_ctx, before, after):
     assert_noop(rule, GROUPED_BEFORE.replace(before, after), make_ctx)
+
+
+def test_grouped_repeats_stay_where_the_layer_is_not_told_its_key_heads_or_the_helper_tiles(make_ctx):
+    assert_noop(rule, GROUPED_BEFORE.replace(", num_kv_heads=2", ""), make_ctx)
+    tiling = "def repeat_kv(x, n):\n    return x.repeat(1, n, 1, 1)\n\n\n" + GROUPED_BEFORE
+    assert_noop(rule, tiling, make_ctx)
+    interleaving = tiling.replace("x.repeat(1, n, 1, 1)", "x.repeat_interleave(n, dim=1)")
+    assert_codemod(rule, interleaving, interleaving[: interleaving.index("class")] + GROUPED_AFTER, make_ctx)

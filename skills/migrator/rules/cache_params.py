@@ -17,7 +17,8 @@ LENGTHS = m.Name("get_seq_length") | m.Name("get_mask_sizes")
 
 def _used_as_cache(fn: cst.FunctionDef, name: str) -> bool:
     """Keys and values go into it (two arguments at least: a dict's `update` takes one) or its length is read."""
-    update = m.Call(m.Attribute(m.Name(name), m.Name("update")), [m.Arg(), m.Arg(), m.ZeroOrMore()])
+    key_value = [m.Arg(keyword=None), m.Arg(keyword=None), m.ZeroOrMore()]
+    update = m.Call(m.Attribute(m.Name(name), m.Name("update")), key_value)
     return bool(m.findall(fn.body, update | m.Call(m.Attribute(m.Name(name), LENGTHS))))
 
 
@@ -27,21 +28,24 @@ def _handed_on(fn: cst.FunctionDef, name: str, caches: set[str]) -> bool:
 
 
 def cache_params(module: cst.Module) -> set[str]:
-    """The parameter names, other than transformers', that hold a cache somewhere in module."""
+    """The parameter names, other than transformers', that hold a cache wherever module takes them."""
     every = m.findall(module, m.FunctionDef())
-    fns = [fn for fn in every if CANONICAL not in _names(fn)]
     # a name some function holding `past_key_values` already takes too stays: its callers' keywords must match
-    taken = {p.name.value for fn in every if CANONICAL in _names(fn) for p in named_params(fn)}
-    params = {
-        (id(fn), p.name.value) for fn in fns for p in named_params(fn) if p.name.value not in CACHES | taken
-    }
-    by_id = {id(fn): fn for fn in fns}
-    found = {name for key, name in params if _used_as_cache(by_id[key], name)}
+    kept = {p.name.value for fn in every if CANONICAL in _names(fn) for p in named_params(fn)} | CACHES
+    fns = [fn for fn in every if CANONICAL not in _names(fn)]
+    params = [(fn, p.name.value) for fn in fns for p in named_params(fn)]
     while True:
-        more = {name for key, name in params if name not in found and _handed_on(by_id[key], name, found)}
-        if not more:
+        found = {name for fn, name in params if name not in kept and _used_as_cache(fn, name)}
+        while more := {n for fn, n in params if n not in found | kept and _handed_on(fn, n, found)}:
+            found |= more
+        # renamed everywhere or nowhere: a name some function takes for something else stays, and so do those
+        # handed on to it
+        other = {
+            n for fn, n in params if n in found and not (_used_as_cache(fn, n) or _handed_on(fn, n, found))
+        }
+        if not other:
             return found
-        found |= more
+        kept |= other
 
 
 def _names(fn: cst.FunctionDef) -> set[str]:
@@ -55,7 +59,8 @@ class _Renamed(cst.CSTTransformer):
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         own = {p.name.value for p in named_params(node)} & self.caches
-        self.inside.append(bool(own) and CANONICAL not in _names(node))
+        enclosing = bool(self.inside) and self.inside[-1]  # a closure reads the enclosing function's names
+        self.inside.append((bool(own) or enclosing) and CANONICAL not in _names(node))
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         self.inside.pop()

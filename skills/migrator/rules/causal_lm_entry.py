@@ -134,15 +134,34 @@ def _head_calls(node: cst.CSTNode, head: str) -> list[cst.Call]:
     return [c for c in m.findall(node, m.Call(func=m.Attribute())) if code(c.func) == f"self.{head}"]
 
 
+_PAIRS = ([m.Arg(m.Integer(a)), m.Arg(m.Integer(b))] for a, b in (("0", "1"), ("1", "0")))
+SWAP = m.Call(func=m.Attribute(attr=m.Name("transpose")), args=m.OneOf(*_PAIRS))
+
+
+def _logits_name(line: cst.BaseStatement) -> str:
+    """The name the output projection's line binds its logits to (ChatGLM's `lm_logits`), else `logits`."""
+    single = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])])
+    return line.body[0].targets[0].target.value if m.matches(line, single) else "logits"
+
+
+def _swapped(s: cst.BaseStatement, name: str) -> bool:
+    """s is `name = name.transpose(0, 1)` (then `.contiguous()`, `.float()`, ...): the logits swapped back."""
+    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])
+    return m.matches(s, line) and bool(m.findall(s, SWAP)) and free_names(s.body[0].value) == {name}
+
+
 def _seq_first(fwd: cst.FunctionDef, head: str) -> bool:
-    """forward swaps the first two dimensions of the output projection's result (`.transpose(0, 1)`): the model's
-    states are [tokens, batch, hidden] (ChatGLM), so the last positions are picked along the first."""
-    pairs = ([m.Arg(m.Integer(a)), m.Arg(m.Integer(b))] for a, b in (("0", "1"), ("1", "0")))
-    swap = m.Call(func=m.Attribute(attr=m.Name("transpose")), args=m.OneOf(*pairs))
+    """forward swaps the first two dimensions of the output projection's result (`.transpose(0, 1)`, on the call
+    or on the name a line binds it to): the model's states are [tokens, batch, hidden] (ChatGLM), so the last
+    positions are picked along the first."""
     calls = _head_calls(fwd, head)
-    return any(
-        any(c is x for c in calls for x in m.findall(t.func.value, m.Call())) for t in m.findall(fwd, swap)
-    )
+    if any(
+        any(c is x for c in calls for x in m.findall(t.func.value, m.Call())) for t in m.findall(fwd, SWAP)
+    ):
+        return True
+    body = list(fwd.body.body)
+    at = next((i for i, s in enumerate(body) if _head_calls(s, head)), None)
+    return at is not None and any(_swapped(s, _logits_name(body[at])) for s in body[at + 1 :])
 
 
 def _head_input(line: cst.BaseStatement, head: str) -> str:
@@ -164,9 +183,10 @@ def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseSt
     idx = next((i for i, s in enumerate(body) if _head_calls(s, head)), None)
     if idx is None:
         return None
-    head = stmt(f"logits = self.{head}({_head_input(body[idx], head)})\n")
+    logits = _logits_name(body[idx])
+    head = stmt(f"{logits} = self.{head}({_head_input(body[idx], head)})\n")
     dropped = {n for s in body[:idx] for n in assigned_names(s)} | set(param_names(fwd)) | {"loss", "outputs"}
-    dropped -= {"self", "hidden_states", "logits", "input_ids", "position_ids", "kwargs"}
+    dropped -= {"self", "hidden_states", logits, "input_ids", "position_ids", "kwargs"}
     model_call = m.Call(func=m.Attribute(m.Name("self"), m.Name(inner)))
     position_slice = m.Call(
         func=m.Name("slice_logits_to_keep")
@@ -181,9 +201,13 @@ def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseSt
     after = [
         s
         for s in body[idx + 1 :]
-        if not (m.matches(s, m.SimpleStatementLine([m.Return()])) or free_names(s) & dropped)
+        if not (
+            m.matches(s, m.SimpleStatementLine([m.Return()]))
+            or free_names(s) & dropped
+            or _swapped(s, logits)
+        )
     ]
-    return [*before, head, *after, stmt("return logits[:, None, :]\n")]
+    return [*before, head, *after, stmt(f"return {logits}[:, None, :]\n")]
 
 
 class CausalLMEntry(Rule):

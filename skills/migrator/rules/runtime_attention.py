@@ -162,7 +162,8 @@ def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression) -> tuple[str, str] | No
                 e.value
                 for e in (dims[0].right if isinstance(dims[0], cst.BinaryOperation) else dims[0]).elements
             ]
-        if len(dims) >= 2 and all(pure(d) and free_names(d) <= {"self", "config"} for d in dims[-2:]):
+        sized = [d for d in dims[-2:] if pure(d) and free_names(d) and free_names(d) <= {"self", "config"}]
+        if len(dims) >= 2 and len(sized) == 2:  # not a literal (`-1`: whatever is left) nor a run-time size
             return code(dims[-2]), code(dims[-1])
     return None
 

@@ -8,6 +8,8 @@
 Only a pair of repeats of the keys and the values the attention call reads, of one kind with the same count and
 only the head dimension (1 of HF's [batch, heads, tokens, head_dim]) repeated, is rewritten."""
 
+from functools import partial
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -46,7 +48,18 @@ def _repeat(line: cst.BaseStatement, name: str) -> tuple[str, str] | None:
     )
 
 
-def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
+def _grouping_repeat_kv(module: cst.Module) -> bool:
+    """The file's own `repeat_kv`, if it has one, repeats each head in place as transformers' does (`expand` or
+    `repeat_interleave`), not the whole run of heads (`.repeat`), which would be tiling."""
+    own = [f for f in module.body if m.matches(f, m.FunctionDef(m.Name("repeat_kv")))]
+    interleaves = m.Call(func=m.Attribute(attr=m.Name("expand") | m.Name("repeat_interleave")))
+    return all(
+        m.findall(f, interleaves) and not m.findall(f, m.Call(func=m.Attribute(attr=m.Name("repeat"))))
+        for f in own
+    )
+
+
+def _rewrite(cls: cst.ClassDef, helper_groups: bool = True) -> cst.ClassDef | None:
     init, fwd = method(cls, "__init__"), method(cls, "forward")
     layer = attention_layer(init) if init is not None and fwd is not None else None
     if layer is None or any(kwarg(layer[1].body[0].value, k) for k in ("kv_heads_tiled", "latent_dim")):
@@ -69,8 +82,10 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     new_fwd = fwd.with_changes(
         body=fwd.body.with_changes(body=[s for s in fwd.body.body if id(s) not in doomed])
     )
-    if kind[0] == "grouped":
-        return cls.deep_replace(fwd, new_fwd)
+    if kind[0] == "grouped":  # the layer must cache the unrepeated heads, as it is told
+        helper = any(m.findall(r[0], m.Call(m.Name("repeat_kv"))) for r in repeats.values())
+        told = kwarg(layer[1].body[0].value, "num_kv_heads") is not None
+        return cls.deep_replace(fwd, new_fwd) if told and (helper_groups or not helper) else None
     return with_attention_kwarg(cls, attn_line, "kv_heads_tiled", "True", fwd, new_fwd)
 
 
@@ -81,4 +96,4 @@ class TiledKVHeads(Rule):
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        return rewrite_classes(module, _rewrite)
+        return rewrite_classes(module, partial(_rewrite, helper_groups=_grouping_repeat_kv(module)))
