@@ -637,9 +637,8 @@ def make_plan(
     for name in shapes:
         names.setdefault(_module(name, roles), set()).add(_attr(name))
     modules = set(names)
-    by_heads = modules & (
-        sharded - SHARDABLE - set(roles)
-    )  # projections the rules split by heads, named otherwise
+    # projections the rules split by heads under names of their own
+    by_heads = modules & (sharded - SHARDABLE - set(roles))
     if not replicated and (
         "o_proj" not in modules
         or not (s.mla or {"q_proj", "k_proj", "v_proj"} <= modules or modules & {*FUSED_ON_DISK} or by_heads)

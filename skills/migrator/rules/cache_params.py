@@ -30,9 +30,10 @@ def _handed_on(fn: cst.FunctionDef, name: str, caches: set[str]) -> bool:
 def cache_params(module: cst.Module) -> set[str]:
     """The parameter names, other than transformers', that hold a cache wherever module takes them."""
     every = m.findall(module, m.FunctionDef())
+    holding = [CANONICAL in _names(fn) for fn in every]
     # a name some function holding `past_key_values` already takes too stays: its callers' keywords must match
-    kept = {p.name.value for fn in every if CANONICAL in _names(fn) for p in named_params(fn)} | CACHES
-    fns = [fn for fn in every if CANONICAL not in _names(fn)]
+    kept = {p.name.value for fn, h in zip(every, holding) if h for p in named_params(fn)} | CACHES
+    fns = [fn for fn, h in zip(every, holding) if not h]
     params = [(fn, p.name.value) for fn in fns for p in named_params(fn)]
     while True:
         found = {name for fn, name in params if name not in kept and _used_as_cache(fn, name)}

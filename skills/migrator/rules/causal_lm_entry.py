@@ -115,7 +115,7 @@ def _vocab_projection(cls: cst.ClassDef, fwd: cst.FunctionDef, inner: str | None
     """The output projection, as a path under `self`: `lm_head`, else a Linear layer sized by the vocabulary that
     the entry builds, else one the inner model builds and forward applies (ChatGLM's `transformer.output_layer`)."""
     names = _vocab_linears(method(cls, "__init__"))
-    if "lm_head" in names or names:
+    if names:
         return "lm_head" if "lm_head" in names else names[0]
     built = _inner_class(cls, module, inner)
     for attr in _vocab_linears(method(built, "__init__") if built is not None else None):

@@ -39,7 +39,7 @@ def _activation_attrs(init: cst.FunctionDef) -> set[str]:
     found = set()
     for a in m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))])):
         name = called_name(a.value).split(".")[-1].lower() if isinstance(a.value, cst.Call) else ""
-        if m.matches(a.value, _ACTIVATION_TABLE) or name in ACTIVATIONS or name in {"silu", "gelu", "relu"}:
+        if m.matches(a.value, _ACTIVATION_TABLE) or name in ACTIVATIONS:
             found.add(a.targets[0].target.attr.value)
     return found
 
