@@ -62,9 +62,17 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
             call = call.body if isinstance(call.body, cst.Call) else call.orelse
         if m.matches(call.func, m.Name()) and call.func.value in local:
             found[attr] = (call.func.value, False)
-        elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))) and call.args:
-            items = m.findall(call.args[0].value, m.Call(func=m.Name()))
-            kinds = {c.func.value for c in items if c.func.value in local}
+        elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))):
+            if not call.args:  # `self.a = nn.ModuleList()`, then `self.a.append(C(...))`
+                kinds = _appended_kinds(init, f"self.{attr}", local)
+            elif isinstance(
+                listed := call.args[0].value, cst.Name
+            ):  # `nn.ModuleList(items)`, `items.append(...)`
+                kinds = _appended_kinds(init, listed.value, local)
+            else:
+                kinds = {
+                    c.func.value for c in m.findall(listed, m.Call(func=m.Name())) if c.func.value in local
+                }
             if len(kinds) == 1:
                 found[attr] = (kinds.pop(), True)
     return found
@@ -105,13 +113,15 @@ def mixed_lists(cls: cst.ClassDef, local: set[str]) -> dict[str, set[str]]:
 
 
 def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str]:
-    """The in-file classes fn's `items.append(...)` calls add instances of."""
+    """The in-file classes fn's `<items>.append(...)` calls add instances of (items: a local's name, or
+    `self.<attr>`)."""
     built = m.Call(m.Name(m.MatchIfTrue(lambda n: n in local)))
     made = defaultdict(set)  # local -> the classes assigned to it
     for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], built)):
         made[a.targets[0].target.value].add(a.value.func.value)
     kinds = set()
-    for c in m.findall(fn, m.Call(m.Attribute(m.Name(items), m.Name("append")), [m.Arg()])):
+    held = m.Name(items) if "." not in items else m.Attribute(m.Name("self"), m.Name(items.split(".")[1]))
+    for c in m.findall(fn, m.Call(m.Attribute(held, m.Name("append")), [m.Arg()])):
         for item in choices(c.args[0].value):
             if m.matches(item, built):
                 kinds.add(item.func.value)

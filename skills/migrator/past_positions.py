@@ -62,6 +62,16 @@ def _takes_positions(call: cst.Call, callee: cst.ClassDef | None, lengths: set[s
     return True
 
 
+def _sliced_by_length(fn: cst.FunctionDef, lengths: set[str]) -> list[cst.Subscript]:
+    """fn's `table[L : L + n]` subscripts (or `[L : n + L]`), L a past length: the rows of the current tokens'
+    positions in a table indexed by position (Meta's `self.freqs_cis[start_pos : start_pos + seqlen]`)."""
+    length = m.OneOf(*map(m.Name, lengths))
+    upper = m.BinaryOperation(length, m.Add()) | m.BinaryOperation(operator=m.Add(), right=length)
+    rows = m.SubscriptElement(m.Slice(lower=length, upper=upper, step=None))
+    found = m.findall(fn, m.Subscript(slice=[rows])) if lengths else []
+    return [s for s in found if s.slice[0].slice.lower.value in free_names(s.slice[0].slice.upper)]
+
+
 def _fed_attrs(cls: cst.ClassDef, lengths: set[str]) -> set[str]:
     fns = [f for f in cls.body.body if isinstance(f, cst.FunctionDef)]
     return {c.func.attr.value for f in fns for c in fed_past_length(f, lengths)}
@@ -100,7 +110,12 @@ class _PassPositions(cst.CSTTransformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         lengths = self.lengths.get((self.cls.name.value, original.name.value), set()) if self.cls else set()
         init = method(self.cls, "__init__") if self.cls else None
-        changed = {}
+        changed = {
+            sliced: sliced.with_changes(
+                slice=[cst.SubscriptElement(cst.Index(cst.parse_expression("position_ids[0]")))]
+            )
+            for sliced in _sliced_by_length(updated, lengths)
+        }
         for call in fed_past_length(updated, lengths):
             names = _built(init, call.func.attr.value)
             callees = [self.local.get(c) for c in names]

@@ -365,3 +365,43 @@ def test_logits_swapped_back_on_a_line_of_their_own_keep_their_name_and_lose_the
         "lm_logits = self.transformer.output_layer(hidden_states)\n        return lm_logits[:, None, :]"
         in out
     )
+
+
+# Meta's reference Llama as remote code: the inner model takes `tokens` and applies its output layer itself.
+APPLIED_INSIDE = dedent("""\
+    class Transformer(nn.Module):
+        def __init__(self, params):
+            super().__init__()
+            self.norm = RMSNorm(params.dim)
+            self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
+
+        def forward(self, tokens, position_ids=None, **kwargs):
+            h = self.layers(self.tok_embeddings(tokens), **kwargs)
+            h = self.norm(h)
+            return self.output(h).float()
+
+
+    class MetaLMForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = Transformer(config)
+
+        def forward(self, input_ids=None, **kwargs):
+            logits = self.model(input_ids, **kwargs)
+            return CausalLMOutputWithPast(logits=logits)
+    """)
+
+
+def test_an_output_layer_the_inner_model_applies_moves_to_the_entry(run_rule, make_ctx):
+    ctx = make_ctx(entry_class="MetaLMForCausalLM")
+    out = run_rule(rule, APPLIED_INSIDE, ctx)
+    assert ctx.findings == []
+    assert "h = self.norm(h)\n        return h\n" in out and "return self.output(" not in out
+    assert "self.model(tokens=input_ids[None]," in out  # the inner model's own name for the ids
+    assert "logits = self.model.output(hidden_states)\n        return logits[:, None, :]" in out
+    assert run_rule(rule, out, make_ctx(entry_class="MetaLMForCausalLM")) == out
+    # a return that does more than apply (and cast) the output layer is not the logits alone
+    mixed = APPLIED_INSIDE.replace("return self.output(h).float()", "return self.output(h).float() + h.sum()")
+    ctx = make_ctx(entry_class="MetaLMForCausalLM")
+    assert run_rule(rule, mixed, ctx) == mixed
+    assert ctx.findings[0].what.startswith("expected `self.<model>(...)` followed by")

@@ -617,6 +617,33 @@ def test_a_module_reading_the_past_length_beside_given_positions_keeps_the_refus
     assert "position_ids=position_ids" not in out and len(ctx.findings) == 1
 
 
+SLICED_TABLE = dedent("""\
+    class Transformer(nn.Module):
+        def forward(self, tokens, cache=None):
+            seqlen = tokens.shape[1]
+            start_pos = cache.get_seq_length() if cache is not None else 0
+            freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
+            return self.layers(self.tok_embeddings(tokens), freqs_cis)
+    """)
+
+
+def test_a_table_sliced_from_the_past_length_reads_the_rows_of_the_given_positions(make_ctx):
+    # Meta's reference Llama: the rotary table's rows [start_pos, start_pos + seqlen) are the current tokens'
+    # positions, which the runtime gives (one row of [1, T])
+    after = dedent("""\
+        class Transformer(nn.Module):
+            def forward(self, tokens, position_ids=None):
+                seqlen = tokens.shape[1]
+                start_pos = 0
+                freqs_cis = self.freqs_cis[position_ids[0]]
+                return self.layers(self.tok_embeddings(tokens), freqs_cis)
+        """)
+    assert_codemod(rule, SLICED_TABLE, after, make_ctx)
+    for other in ("[start_pos : seqlen]", "[start_pos : start_pos + seqlen : 2]", "[0 : start_pos + seqlen]"):
+        kept = SLICED_TABLE.replace("[start_pos : start_pos + seqlen]", other)  # not the current tokens' rows
+        assert "position_ids" not in run_codemod(rule, kept, make_ctx())
+
+
 def test_return_dict_folds_to_the_hidden_states_form(run_rule):
     """The runtime reads hidden states, never HF's tuple form: `return_dict` is True (Falcon, BLOOM, MPT)."""
     before = dedent("""\

@@ -642,3 +642,49 @@ def test_key_heads_and_head_size_named_otherwise_are_read_from_how_forward_views
 def test_a_view_by_whatever_is_left_is_no_head_count(run_rule):
     minus_one = GLM_ATTENTION.replace("(self.groups, self.size_per_head)", "(-1, self.size_per_head)")
     assert "num_kv_heads" not in ctor_line(run_rule(rule, HEADER + minus_one + CALLERS))
+
+
+def test_query_heads_named_otherwise_are_read_from_how_forward_views_the_queries(run_rule, make_ctx):
+    """Meta's reference Llama: `__init__(self, args, layer_id)`, no `config` and no `self.num_heads`; forward
+    views the queries by `self.n_local_heads`, which the layer is built with."""
+    meta = (
+        GLM_ATTENTION.replace("def __init__(self, config, layer_idx):", "def __init__(self, args, layer_id):")
+        .replace("config.", "args.")
+        .replace("self.heads", "self.n_local_heads")
+    )
+    ctor = ctor_line(run_rule(rule, HEADER + meta + CALLERS))
+    assert "num_heads=self.n_local_heads" in ctor and "num_kv_heads=self.groups" in ctor
+    assert run_rule(rule, HEADER + meta + CALLERS, make_ctx()).count("self.attn = Attention(") == 1
+    # queries viewed by a size computed at run time: no head count the layer can be built with
+    unsized = meta.replace(
+        "(self.n_local_heads, self.size_per_head)", "(q.shape[-1] // 8, self.size_per_head)"
+    )
+    ctx = make_ctx()
+    assert "self.attn = Attention(" not in run_rule(rule, HEADER + unsized + CALLERS, ctx)
+    (finding,) = ctx.findings
+    assert "queries viewed by a head count it holds" in finding.what and finding.scope == "LlamaAttention"
+
+
+def test_layers_appended_to_the_module_list_attribute_itself_are_found():
+    # Meta's reference Llama: `self.layers = torch.nn.ModuleList()`, then `self.layers.append(Block(...))`
+    import libcst as cst
+
+    from skills.migrator.call_sites import instance_attrs
+    from skills.migrator.rules.runtime_attention import _attention_attrs
+
+    cls = cst.parse_module(
+        dedent("""\
+            class Model(nn.Module):
+                def __init__(self, params):
+                    self.layers = torch.nn.ModuleList()
+                    for layer_id in range(params.n_layers):
+                        self.layers.append(TransformerBlock(layer_id, params))
+                    self.norm = Norm(params)
+            """)
+    ).body[0]
+    assert _attention_attrs(cls, {"TransformerBlock"}, {}) == {"layers": False}
+    init = cls.body.body[0]
+    assert instance_attrs(init, {"TransformerBlock", "Norm"}) == {
+        "layers": ("TransformerBlock", True),
+        "norm": ("Norm", False),
+    }

@@ -3,7 +3,7 @@ a forward would swallow into an unread **kwargs are dropped; whatever the file a
 
 from textwrap import dedent
 
-from codemod_harness import assert_codemod, assert_noop
+from codemod_harness import assert_codemod, assert_noop, run_codemod
 
 from skills.migrator.rules.unused_parameters import UnusedParameters as rule
 
@@ -106,3 +106,36 @@ def test_what_the_file_cannot_prove_untouched(make_ctx):
         isinstance(Other, type)  # the class escapes: its constructor keeps `kind`
         """)
     assert_noop(rule, code, make_ctx)
+
+
+SPLAT = dedent("""\
+    class Attention(nn.Module):
+        def forward(self, x, freqs_cis, mask, *, forward_metadata):
+            return x * freqs_cis
+
+
+    class Block(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.attention = Attention()
+
+        def forward(self, x, freqs_cis, mask, **kwargs):
+            return self.attention(x, freqs_cis, mask, **kwargs)
+    """)
+
+
+def test_a_parameter_every_call_binds_itself_goes_beside_a_keyword_splat(make_ctx):
+    # Meta's reference attention takes no **kwargs; the call's `**kwargs` cannot bind `mask`, which it passes
+    after = SPLAT.replace("freqs_cis, mask, *,", "freqs_cis, *,").replace(
+        "self.attention(x, freqs_cis, mask, **kwargs)", "self.attention(x, freqs_cis, **kwargs)"
+    )
+    assert_codemod(
+        rule, SPLAT, after.replace("freqs_cis, mask, **kwargs):", "freqs_cis, **kwargs):"), make_ctx
+    )
+    # a call that does not pass `mask` could pass it in the splat: it stays
+    unbound = SPLAT.replace("mask, *,", "mask=None, *,").replace(
+        "freqs_cis, mask, **kwargs)\n", "freqs_cis, **kwargs)\n"
+    )
+    assert "def forward(self, x, freqs_cis, mask=None, *, forward_metadata):" in run_codemod(
+        rule, unbound, make_ctx()
+    )

@@ -24,10 +24,11 @@ from skills.migrator.rule import Rule
 FORWARD = """
 def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata: ForwardMetaData,
             **kwargs) -> torch.Tensor:
-    hidden_states = self.{inner}(input_ids=input_ids[None], position_ids=position_ids[None],
+    hidden_states = self.{inner}({ids}=input_ids[None], position_ids=position_ids[None],
                                 forward_metadata=forward_metadata, **kwargs)
     hidden_states = hidden_states[{picked}]
 """
+CASTS = ("float", "to", "half", "bfloat16", "contiguous")
 LAST_POSITIONS = "0, forward_metadata.last_token_indices"
 LAST_POSITIONS_SEQ_FIRST = "forward_metadata.last_token_indices, 0"  # the model's states are [T, 1, hidden]
 LOAD_WEIGHTS = """
@@ -122,6 +123,31 @@ def _vocab_projection(cls: cst.ClassDef, fwd: cst.FunctionDef, inner: str | None
         if _head_calls(fwd, f"{inner}.{attr}"):
             return f"{inner}.{attr}"
     return "lm_head"
+
+
+def _applied_inside(built: cst.ClassDef | None) -> tuple[str, cst.ClassDef] | None:
+    """(attr, built returning its hidden states) where the inner model's forward ends by applying a Linear layer
+    sized by the vocabulary it builds, `self.<attr>`, to its hidden states, perhaps cast (Meta's reference Llama:
+    `return self.output(h).float()`): it returns logits, not the hidden states the runtime picks positions of."""
+    fwd = method(built, "forward") if built is not None else None
+    last = fwd.body.body[-1] if fwd is not None and fwd.body.body else None
+    if not m.matches(last, m.SimpleStatementLine([m.Return(m.Call())])):
+        return None
+    ret = last.body[0]
+    value = ret.value
+    while m.matches(value, m.Call(m.Attribute(attr=m.OneOf(*map(m.Name, CASTS))), [])):
+        value = value.func.value
+    for attr in _vocab_linears(method(built, "__init__")):
+        if _head_calls(value, attr) == [value] and len(value.args) == 1 and not value.args[0].keyword:
+            return attr, built.deep_replace(ret, ret.with_changes(value=value.args[0].value))
+    return None
+
+
+def _ids_param(built: cst.ClassDef | None) -> str:
+    """The inner model's parameter for the token ids: `input_ids`, else its first (Meta's `tokens`)."""
+    fwd = method(built, "forward") if built is not None else None
+    params = [p for p in param_names(fwd) if p != "self"] if fwd is not None else []
+    return "input_ids" if "input_ids" in params or not params else params[0]
 
 
 def _inner_class(cls: cst.ClassDef, module: cst.Module, inner: str | None) -> cst.ClassDef | None:
@@ -226,13 +252,24 @@ class CausalLMEntry(Rule):
         inner = _inner_model_attr(cls, module)
         head = _vocab_projection(cls, fwd, inner, module)
         tail = None if inner is None else _logits_tail(fwd, inner, head)
+        built = _inner_class(cls, module, inner)
+        if tail is None and (inside := _applied_inside(built)) is not None:
+            attr, hidden = inside  # the entry applies the inner model's output layer to its hidden states
+            tail = [
+                stmt(f"logits = self.{inner}.{attr}(hidden_states)\n"),
+                stmt("return logits[:, None, :]\n"),
+            ]
+            module, built = module.deep_replace(built, hidden), hidden
+            cls, head = classes(module)[ctx.entry_class], f"{inner}.{attr}"
+            fwd, init = method(cls, "forward"), method(cls, "__init__")
         if inner is None or tail is None:
             ctx.unsupported(
                 ctx.entry_class, 0, f"expected `self.<model>(...)` followed by `self.{head}(...)` in forward"
             )
             return module
         picked = LAST_POSITIONS_SEQ_FIRST if _seq_first(fwd, head) else LAST_POSITIONS
-        new_fwd = cst.parse_module(FORWARD.format(inner=inner, picked=picked)).body[0]
+        ids = _ids_param(built)
+        new_fwd = cst.parse_module(FORWARD.format(inner=inner, ids=ids, picked=picked)).body[0]
         new_fwd = new_fwd.with_changes(
             body=new_fwd.body.with_changes(body=[*new_fwd.body.body, *tail]),
             leading_lines=[cst.EmptyLine(indent=False)],

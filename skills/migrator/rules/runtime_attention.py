@@ -5,6 +5,7 @@ arguments HF passed at call time (scaling, sliding window, soft cap), the forwar
 included."""
 
 import re
+from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
@@ -168,6 +169,11 @@ def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression) -> tuple[str, str] | No
     return None
 
 
+def _queries(fwd: cst.FunctionDef, call: cst.Call) -> tuple[str, str] | None:
+    """(heads, head size) forward views the queries it gives the attention call with (see _viewed)."""
+    return _viewed(fwd, call.args[1].value) if len(call.args) > 1 else None
+
+
 def _viewed_kv_heads(fwd: cst.FunctionDef, q: cst.BaseExpression, k: cst.BaseExpression) -> str | None:
     """The keys' head count as forward views them, where it views the queries with another."""
     keys = _viewed(fwd, k)
@@ -178,14 +184,14 @@ def _attention_ctor(
     call: cst.Call, init: cst.FunctionDef, fwd: cst.FunctionDef, ctx: RewriteContext, scope: str, attr: str
 ) -> cst.BaseStatement:
     init_code = cst.Module([]).code_for_node(init)
-    queries = _viewed(fwd, call.args[1].value) if len(call.args) > 1 else None
+    queries = _queries(fwd, call)
     head_dim = next(
         (f"self.{a}" for a in ("qk_head_dim", "head_dim", "head_size") if f"self.{a} =" in init_code),
         queries[1]
         if queries
         else "config.hidden_size // config.num_attention_heads",  # as forward views them
     )
-    heads = "config.num_attention_heads" if "config" in param_names(init) else "self.num_heads"
+    heads = _query_heads(init, queries, ctx.checkpoint_config)
     args = [f"num_heads={heads}", f"head_dim={head_dim}"]
     if "self.v_head_dim =" in init_code:  # MLA: values narrower than queries / keys
         args.append("v_head_dim=self.v_head_dim")
@@ -244,6 +250,21 @@ def _own_head_count(init: cst.FunctionDef) -> bool:
     return all(f"self.{a} =" in code(init) for a in ("num_heads", "head_dim"))
 
 
+def _query_heads(
+    init: cst.FunctionDef, queries: tuple[str, str] | None, checkpoint_config: Any
+) -> str | None:
+    """The query heads' count: the config's `num_attention_heads` where __init__ is given the config under that
+    name and it has the field, else the count forward views the queries with when it reads only the module's
+    attributes (Meta's `xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)`), else the module's own
+    `self.num_heads`; None without any."""
+    named = checkpoint_config is None or hasattr(checkpoint_config, "num_attention_heads")
+    if "config" in param_names(init) and named:
+        return "config.num_attention_heads"
+    if queries and free_names(cst.parse_expression(queries[0])) <= {"self"}:
+        return queries[0]
+    return "self.num_heads" if _own_head_count(init) else None
+
+
 class _Classes(cst.CSTTransformer):
     def __init__(self, ctx: RewriteContext, attn: set[str], tables: dict[str, set[str]]):
         self.ctx, self.attn, self.tables = ctx, attn, tables
@@ -279,17 +300,23 @@ class _Classes(cst.CSTTransformer):
     def _rewrite_attention(self, cls: cst.ClassDef) -> cst.ClassDef:
         name = cls.name.value
         fwd, init = method(cls, "forward"), method(cls, "__init__")
-        if init is None or not ("config" in param_names(init) or _own_head_count(init)):
-            self.ctx.unsupported(
-                name, 0, "attention class without an `__init__(config, ...)` or its own `self.num_heads`"
-            )
-            return cls
         rewriter = _Forward(self.ctx, name)
         new_fwd = with_forward_metadata(fwd.visit(rewriter))
         if rewriter.weights:
             new_fwd = new_fwd.with_changes(returns=None)
         if not rewriter.calls:
             self.ctx.unsupported(name, 0, "attention call whose result is not assigned")
+            return cls
+        if (
+            init is None
+            or _query_heads(init, _queries(fwd, rewriter.calls[0]), self.ctx.checkpoint_config) is None
+        ):
+            self.ctx.unsupported(
+                name,
+                0,
+                "attention class without an `__init__(config, ...)`, its own `self.num_heads` or queries viewed "
+                "by a head count it holds",
+            )
             return cls
         ctors = [
             _attention_ctor(call, init, fwd, self.ctx, name, attention_attr(n))
@@ -311,15 +338,17 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str], tables: dict[str, set[st
     list the attribute then holds (Bamba's decoder layers). Each says whether it may hold another module instead
     (a conditional's other branch, a table's other classes), whose calls stay as they are written."""
     attn = attn | {a.targets[0].target.value for a in m.findall(cls, class_choice(attn))}
-    # `layers.append(Layer(...))`, then `self.layers = nn.ModuleList(layers)`
+    # `layers.append(Layer(...))`, then `self.layers = nn.ModuleList(layers)`; or `self.layers = nn.ModuleList()`,
+    # then `self.layers.append(Layer(...))` (Meta's reference Llama)
     appended: dict[str, list[cst.Call]] = {}
-    for c in m.findall(cls, m.Call(func=m.Attribute(m.Name(), m.Name("append")), args=[m.Arg(m.Call())])):
-        appended.setdefault(c.func.value.value, []).append(c.args[0].value)
+    held = m.Name() | m.Attribute(m.Name("self"), m.Name())
+    for c in m.findall(cls, m.Call(func=m.Attribute(held, m.Name("append")), args=[m.Arg(m.Call())])):
+        appended.setdefault(code(c.func.value), []).append(c.args[0].value)
     found = {}
     for a in m.findall(
         cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call() | m.IfExp())
     ):
-        calls = m.findall(a.value, m.Call())
+        calls = m.findall(a.value, m.Call()) + appended.get(code(a.targets[0].target), [])
         calls += [c for n in m.findall(a.value, m.Name()) for c in appended.get(n.value, ())]
         tabled = {
             k
@@ -456,6 +485,9 @@ class RuntimeAttention(Rule):
         if any("Attention" in top_level_names(s) for s in module.body):  # GPT-1's, hiding the runtime's
             model = re.sub(r"(ForCausalLM|LMHeadModel|Model)$", "", ctx.entry_class) or "Model"
             module = m.replace(module, m.Name("Attention"), cst.Name(f"{model}Attention"))
+            ctx.scope_lines[f"{model}Attention"] = ctx.scope_lines.get(
+                "Attention", 0
+            )  # findings name its line
             attn = attention_classes(module, ctx.entry_class)
         module = module.visit(_Classes(ctx, attn, class_table_members(module, set(classes(module)))))
         imports = [

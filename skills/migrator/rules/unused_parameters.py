@@ -21,16 +21,20 @@ CONTRACT = {"self", "config", "infer_config", "comm_manager", "prefix", "forward
 def _removable(fn: cst.FunctionDef, calls: list[cst.Call]) -> list[tuple[cst.Param, list[cst.Arg]]]:
     """fn's unread non-contract parameters whose arguments at every call can go, with those arguments."""
     stars = {a.star for c in calls for a in c.args}
-    if "*" in stars or ("**" in stars and fn.params.star_kwarg is None):
+    if "*" in stars:
         return []  # a splat could bind the parameter
+    # a `**` splat could bind a parameter a call does not bind itself (which it cannot where it does)
+    splat = "**" in stars and fn.params.star_kwarg is None
     read = free_names(fn.body)
     out = []
     for param in named_params(fn):
         if param.name.value in CONTRACT or param.name.value in read:
             continue
-        args = [a for c in calls if (a := binding(c, fn, param)) is not None]
-        if all(pure(a.value) for a in args):
-            out.append((param, args))
+        args = [binding(c, fn, param) for c in calls]
+        if splat and None in args:
+            continue
+        if all(pure(a.value) for a in args if a is not None):
+            out.append((param, [a for a in args if a is not None]))
     return out
 
 
