@@ -30,6 +30,9 @@ CONVERTED = {
         "F.scaled_dot_product_attention(",
         "kv_cache=",
     ),
+    # Meta's reference Llama: config names of its own, a rotary table sliced from the cache's length, the output
+    # layer applied by the inner model
+    "metalm": ("num_heads=self.n_local_heads", "return self.output(", "start_pos"),
 }
 # two in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
 IN_MAKE_TEST = ("packlm", "glmish")
@@ -108,11 +111,28 @@ def test_remote_code_converts_and_matches_transformers_running_it(model, tmp_pat
     assert leftover not in code  # what only the folded mask / cache needed went with it
 
 
+# model -> what `skill parallelize` must report of how it split the constructs its fixture is written with
+SHARDED = {
+    # `wqkv` holds whole key-head groups side by side: each rank takes a contiguous share of its rows; the MLP's
+    # `w1` / `w3` / `w2` are found by what its forward does
+    "grouplm": ("wqkv -> ColumnParallelLinear by heads", "GroupMLP: w1/w3 -> ColumnParallelLinear"),
+    # head counts and the attention output's width under names of their own, [gate; up] halved by torch.chunk
+    "glmish": (
+        "SelfAttention: query_key_value -> QKVParallelLinear",
+        "MLP: dense_h_to_4h -> MergedColumnParallelLinear",
+    ),
+    # head counts and the FFN width under names of its own, the plan's sizes read off the model, not its config
+    "metalm": (
+        "MetaLMAttention: wq/wk/wv -> ColumnParallelLinear by heads",
+        "FeedForward: w1/w3 -> ColumnParallelLinear",
+    ),
+}
+
+
 @pytest.mark.slow
-def test_remote_code_with_a_fused_per_group_projection_shards_over_two_ranks(tmp_path):
-    """`wqkv` holds whole key-head groups side by side: each rank takes a contiguous share of its rows; the MLP's
-    `w1` / `w3` / `w2` are split as gate, up and down."""
-    model_dir = _migrated("grouplm", tmp_path)
+@pytest.mark.parametrize("model", SHARDED)
+def test_remote_code_shards_over_two_ranks_and_matches_transformers(model, tmp_path):
+    model_dir = _migrated(model, tmp_path)
     config = tmp_path / "tp2.yaml"
     config.write_text(
         "world_size: 2\nattn_tp_size: 2\ndense_tp_size: 2\nembed_tp_size: 2\nlmhead_tp_size: 2\n"
@@ -120,5 +140,4 @@ def test_remote_code_with_a_fused_per_group_projection_shards_over_two_ranks(tmp
     result = _skill("parallelize", str(model_dir), "--config", str(config))
     assert result["verification"]["status"] == "identical", result["verification"]
     rewrites = " ".join(result["rewrites"])
-    assert "wqkv -> ColumnParallelLinear by heads" in rewrites
-    assert "GroupMLP: w1/w3 -> ColumnParallelLinear" in rewrites  # found by what its forward does
+    assert all(r in rewrites for r in SHARDED[model]), rewrites

@@ -31,6 +31,7 @@ from runtime.layers.weights import tie_declared_weights
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.rewrite import check_rule_ids
 from skills.parallel_impl.config import load_parallel_config, yaml_name
+from skills.parallel_impl.model_sizes import with_standard_sizes
 from skills.parallel_impl.plan import COLUMN_QKV, MLP_LAYERS, WHOLE, Plan, make_plan, validate
 from skills.parallel_impl.rewrite import rewrite_sources
 from skills.parallel_impl.rules import PARALLEL_RULES
@@ -343,7 +344,8 @@ def _load(
     yaml_path = base_yaml(model_dir)
     config = InferenceConfig.from_yaml(yaml_path)
     model_cls, hf_config = ModelWorker(config, None, model_dir).model_class_and_config()
-    validate(pc, hf_config)
+    sized = with_standard_sizes(hf_config, model_cls, config)  # the config the plan reads
+    validate(pc, sized)
     sources = _migrated_sources(model_dir)
     if needs_sharded_layout(pc) and any("@per_request(" in text for text in sources.values()):
         raise ConfigError(
@@ -361,7 +363,7 @@ def _load(
     sharded, roles = _layers(code.files, code.fused)
     plan = make_plan(
         pc,
-        hf_config,
+        sized,
         config.model_config.torch_dtype,
         sharded,
         roles,

@@ -1468,3 +1468,94 @@ def test_output_projection_elsewhere_that_cannot_take_partial_heads_is_a_finding
             "no `self.o_proj = nn.Linear(...)` in __init__, nor one in the module its output is handed"
             in (_finding(run_rule, make_ctx, code, "BertSelfAttention"))
         )
+
+
+GLM_BEFORE = dedent("""\
+    class SelfAttention(nn.Module):
+        def __init__(self, config, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.projection_size = config.kv_channels * config.num_attention_heads
+            self.head_size = self.projection_size // config.num_attention_heads
+            self.heads_per_partition = config.num_attention_heads
+            self.groups_per_partition = config.multi_query_group_num
+            qkv_size = self.projection_size + 2 * self.head_size * config.multi_query_group_num
+            self.query_key_value = nn.Linear(config.hidden_size, qkv_size, bias=True)
+            self.dense = nn.Linear(self.projection_size, config.hidden_size, bias=False)
+            self.attn = Attention(
+                num_heads=config.num_attention_heads,
+                head_dim=self.head_size,
+                num_kv_heads=self.groups_per_partition,
+                scale=self.head_size**-0.5,
+            )
+
+        def forward(self, hidden_states, *, forward_metadata):
+            mixed = self.query_key_value(hidden_states)
+            q, k, v = mixed.split(
+                [
+                    self.heads_per_partition * self.head_size,
+                    self.groups_per_partition * self.head_size,
+                    self.groups_per_partition * self.head_size,
+                ],
+                dim=-1,
+            )
+            q = q.view(q.size()[:-1] + (self.heads_per_partition, self.head_size))
+            k = k.view(k.size()[:-1] + (self.groups_per_partition, self.head_size))
+            v = v.view(v.size()[:-1] + (self.groups_per_partition, self.head_size))
+            context = self.attn(q, k, v, forward_metadata)
+            context = context.reshape(*context.size()[:-2], self.projection_size)
+            return self.dense(context)
+    """)
+
+
+def test_head_counts_and_widths_under_names_of_their_own_become_this_ranks(run_rule, make_ctx):
+    """ChatGLM: the head counts forward views q / k / v by are what the Attention call was given, under names of
+    their own, and the attention output is brought to a width set as a product of a head count."""
+    out = _sharded(run_rule, make_ctx, GLM_BEFORE)
+    assert "self.heads_per_partition = self.query_key_value.num_heads\n" in out
+    assert "self.groups_per_partition = self.query_key_value.num_kv_heads\n" in out
+    assert 'self.projection_size = local_width(self.projection_size, comm_manager, "attn_tp_group")' in out
+    assert "self.head_size = " not in out.split("self.attn = Attention(")[1]  # a quotient: every rank's
+    unread = GLM_BEFORE.replace("self.projection_size)\n        return", "-1)\n        return")
+    out = _sharded(run_rule, make_ctx, unread)  # forward no longer reads the width: it stays as built
+    assert "local_width(" not in out and "self.heads_per_partition = self.query_key_value.num_heads" in out
+
+
+META_BEFORE = dedent("""\
+    class MetaLMAttention(nn.Module):
+        def __init__(self, args, infer_config, comm_manager=None, prefix=""):
+            super().__init__()
+            self.n_kv_heads = args.n_kv_heads
+            self.n_local_heads = args.n_heads
+            self.n_local_kv_heads = self.n_kv_heads
+            self.head_dim = args.dim // args.n_heads
+            self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+            self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+            self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+            self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+            self.attn = Attention(num_heads=self.n_local_heads, head_dim=self.head_dim, num_kv_heads=self.n_kv_heads)
+
+        def forward(self, x, *, forward_metadata):
+            bsz, seqlen, _ = x.shape
+            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+            xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+            xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+            xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+            output = self.attn(xq, xk, xv, forward_metadata)
+            return self.wo(output.view(bsz, seqlen, -1))
+    """)
+
+
+def test_projections_sized_by_the_attention_s_own_head_counts_are_split_by_heads(run_rule, make_ctx):
+    """Meta's reference Llama: `wq` / `wk` / `wv` sized by `args.n_heads` (what `self.n_local_heads`, the
+    Attention's query heads, is set to) and `self.n_kv_heads` (its key heads): none of the names the rule knows."""
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, META_BEFORE, ctx)
+    assert ctx.rewrites[0] == "MetaLMAttention: wq/wk/wv -> ColumnParallelLinear by heads (attn_tp_group)"
+    assert 'num_heads=local_heads(self.n_local_heads, comm_manager, "attn_tp_group")' in out
+    assert 'self.n_local_kv_heads = local_heads(self.n_local_kv_heads, comm_manager, "attn_tp_group")' in out
+    literal = META_BEFORE.replace("args.n_heads * self.head_dim, bias=False)\n", "64, bias=False)\n").replace(
+        "self.n_kv_heads * self.head_dim", "32"
+    )
+    assert "no projection whose output size counts the heads" in _finding(
+        run_rule, make_ctx, literal, "MetaLMAttention"
+    )

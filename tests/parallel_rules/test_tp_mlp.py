@@ -172,6 +172,28 @@ def test_gate_and_up_fused_on_disk_keep_their_halves(run_rule, make_ctx):
     assert "MergedColumnParallelLinear(" not in run_rule(rule, read_again)
 
 
+def test_gate_and_up_halved_by_torch_chunk_into_a_new_name_keep_their_halves(run_rule, make_ctx):
+    # ChatGLM's own code: `x = torch.chunk(y, 2, dim=-1)`, then y rebound to the product of the halves
+    code = GLM.replace(
+        "gate, up = self.dense_h_to_4h(x).chunk(2, dim=-1)\n        return self.dense_4h_to_h(F.silu(gate) * up)",
+        "y = self.dense_h_to_4h(x)\n        halves = torch.chunk(y, 2, dim=-1)\n"
+        "        y = F.silu(halves[0]) * halves[1]\n        return self.dense_4h_to_h(y)",
+    )
+    ctx = make_ctx()
+    out = run_rule(rule, code, ctx)
+    assert "self.dense_h_to_4h = MergedColumnParallelLinear(" in out
+    assert "halves = torch.chunk(y, 2, dim=-1)" in out and ctx.findings == []
+    assert run_rule(rule, out) == out
+    for cut in ("torch.chunk(y, 2, dim=0)", "torch.chunk(y, 3, -1)"):  # halves of something else
+        assert run_rule(rule, code.replace("torch.chunk(y, 2, dim=-1)", cut)) == code.replace(
+            "torch.chunk(y, 2, dim=-1)", cut
+        )
+    read_again = code.replace(
+        "return self.dense_4h_to_h(y)", "return self.dense_4h_to_h(y) + y.sum()"
+    ).replace("        y = F.silu", "        z = F.silu")
+    assert run_rule(rule, read_again) == read_again
+
+
 def test_fused_column_cut_otherwise_stays_replicated(run_rule, make_ctx):
     # a contiguous shard of a column cut any other way (thirds, interleaved halves) would mix its parts
     for cut in ("chunk(3, dim=-1)", "chunk(2, dim=0)", "split(2, dim=-1)"):
@@ -445,3 +467,23 @@ def test_an_mlp_named_otherwise_is_found_by_its_forward_and_sharded(
 def test_an_mlp_whose_forward_does_more_than_act_element_wise_stays_replicated(run_rule, change):
     code = FLOW_GATED.replace(*change)
     assert run_rule(rule, code) == code
+
+
+def test_a_width_computed_in_init_is_no_module_sized_by_it(run_rule, make_ctx):
+    # Meta's reference Llama rounds its FFN width in __init__ (`int(...)`): arithmetic, not a module built with it
+    computed = FLOW_GATED.replace("config.intermediate_size", "hidden_dim").replace(
+        "        super().__init__()\n",
+        "        super().__init__()\n"
+        "        hidden_dim = int(2 * config.intermediate_size / 3)\n"
+        "        hidden_dim = 32 * ((hidden_dim + 31) // 32)\n",
+    )
+    ctx = make_ctx()
+    out = run_rule(rule, computed, ctx)
+    assert "self.w1 = ColumnParallelLinear(config.hidden_size, hidden_dim," in out
+    assert ctx.rewrites[0] == "InternLM2MLP: w1/w3 -> ColumnParallelLinear (dense_tp_group)"
+    assert run_rule(rule, out) == out
+    assert "hidden_dim = int(2 * config.intermediate_size / 3)" in computed
+    normed = computed.replace(  # a module built with the width still keeps the MLP whole
+        "        self.w2 =", "        self.sub_norm = RMSNorm(hidden_dim)\n        self.w2 ="
+    )
+    assert "self.sub_norm = RMSNorm(hidden_dim)" in normed and run_rule(rule, normed) == normed

@@ -100,39 +100,77 @@ PER_GROUP = _PER_KEY_HEAD | m.BinaryOperation(_PER_KEY_HEAD, m.Add(), m.Integer(
 HEAD_ATTRS = re.compile("|".join((*HEADS, "n_heads", "n_head")))
 
 
-def _head_attrs(fns: list[cst.FunctionDef], init: cst.FunctionDef) -> list[str]:
+def _head_attrs(fns: list[cst.FunctionDef], init: cst.FunctionDef, counts: Collection[str] = ()) -> list[str]:
     """The head counts `self.x` that fns (the methods other than __init__) read and __init__ sets once, by a
     top-level `self.x = ...` line: they become this rank's share at the end of __init__ (what __init__ built from
-    them is sized for the whole model and sharded by its layer)."""
+    them is sized for the whole model and sharded by its layer). A head count is named as one, or is what the
+    Attention call was given as a head count (counts: their source), under whatever name (ChatGLM's
+    `num_multi_query_groups_per_partition`)."""
     found = []
     for fn in fns:
         for node in m.findall(fn, m.Attribute(m.Name("self"), m.Name())):
             attr = node.attr.value
-            if attr not in found and HEAD_ATTRS.fullmatch(attr) and _set_once(init, attr):
+            if attr in found or (value := _set_once(init, attr)) is None:
+                continue
+            if HEAD_ATTRS.fullmatch(attr) or f"self.{attr}" in counts or code(value) in counts:
                 found.append(attr)
     return found
 
 
-def _set_once(init: cst.FunctionDef, attr: str) -> bool:
+def _attention_head_counts(init: cst.FunctionDef, attention: list[Layer]) -> list[str]:
+    """Sources of the head counts the runtime Attention layers are given, and of the values __init__ sets the
+    attributes among them to once (`num_heads=self.n_local_heads`, `self.n_local_heads = args.n_heads`)."""
+    counts = []
+    for layer in attention:
+        for pos, name in ((0, "num_heads"), (3, "num_kv_heads")):
+            if (given := arg(layer.call, pos, name)) is None:
+                continue
+            counts.append(code(given.value))
+            own = m.matches(given.value, m.Attribute(m.Name("self"), m.Name()))
+            if own and (value := _set_once(init, given.value.attr.value)) is not None:
+                counts.append(code(value))
+    return counts
+
+
+def _reads_any(node: cst.CSTNode, sources: Collection[str]) -> bool:
+    """node reads one of the expressions sources (as written), whole: `args.n_heads` in `args.n_heads * d`."""
+    return any(code(e) in sources for e in m.findall(node, m.Attribute() | m.Name()))
+
+
+def _set_once(init: cst.FunctionDef, attr: str) -> cst.BaseExpression | None:
+    """The value of the one top-level `self.<attr> = value` line of __init__ that sets attr, if only it does."""
     target = m.Attribute(m.Name("self"), m.Name(attr))
     setters = [s for s in init.body.body if m.findall(s, m.AssignTarget(target) | m.AugAssign(target))]
     line = m.SimpleStatementLine([m.Assign([m.AssignTarget(target)])])
-    return len(setters) == 1 and m.matches(setters[0], line)
+    return setters[0].body[0].value if len(setters) == 1 and m.matches(setters[0], line) else None
 
 
-def _localized(attrs: list[str], share: dict[str, str]) -> list[cst.SimpleStatementLine]:
-    """`self.x = <this rank's share of x>` for each head count or output width x: share[x], else local_heads
-    of a head count, local_width of a width."""
+def _counts_heads(value: cst.BaseExpression, counts: Collection[str]) -> bool:
+    """value is a head count: one of counts' sources, or a field named as one (`config.num_attention_heads`)."""
+    named = m.Attribute(attr=m.MatchIfTrue(lambda n: HEAD_COUNTS.fullmatch(n.value) is not None))
+    return code(value) in counts or m.matches(value, named)
+
+
+def _localized(
+    attrs: list[str], share: dict[str, str], widths: Collection[str] = ()
+) -> list[cst.SimpleStatementLine]:
+    """`self.x = <this rank's share of x>` for each head count or output width x (of widths, or named as one):
+    share[x], else local_heads of a head count, local_width of a width."""
     lines = []
     for a in attrs:
-        helper = "local_width" if a in WIDTHS else "local_kv_heads" if a in KV_HEADS else "local_heads"
+        width = a in WIDTHS or a in widths
+        helper = "local_width" if width else "local_kv_heads" if a in KV_HEADS else "local_heads"
         value = share.get(a) or f'{helper}(self.{a}, comm_manager, "{GROUP}")'
         lines.append(stmt(f"self.{a} = {value}\n"))
     return lines
 
 
 def _output_widths(
-    methods: list[cst.FunctionDef], init: cst.FunctionDef, fwd: cst.FunctionDef, out: str | None
+    methods: list[cst.FunctionDef],
+    init: cst.FunctionDef,
+    fwd: cst.FunctionDef,
+    out: str | None,
+    counts: Collection[str] = (),
 ) -> list[str]:
     """The widths `self.x` (WIDTHS, set once in __init__) that the methods other than __init__ read only in
     forward between its runtime Attention call and its output projection's input (its return without one): the
@@ -153,9 +191,14 @@ def _output_widths(
     read = m.Attribute(m.Name("self"), m.Name())
     inside = {id(n) for s in between for n in m.findall(s, read)}
     widths = []
-    for attr in WIDTHS:
+    for attr in dict.fromkeys([*WIDTHS, *(n.attr.value for s in between for n in m.findall(s, read))]):
         reads = [n for f in methods for n in m.findall(f, m.Attribute(m.Name("self"), m.Name(attr)))]
-        if reads and all(id(n) in inside for n in reads) and _set_once(init, attr):
+        if not reads or not all(id(n) in inside for n in reads) or (value := _set_once(init, attr)) is None:
+            continue
+        product = m.matches(value, m.BinaryOperation(operator=m.Multiply())) and any(
+            _counts_heads(side, counts) for side in (value.left, value.right)
+        )
+        if attr in WIDTHS or product:  # ChatGLM's `projection_size = kv_channels * num_attention_heads`
             widths.append(attr)
     return widths
 
@@ -763,8 +806,11 @@ def _rewrite_per_head(
         return why
     if not plumbed(init):
         return "__init__ lacks the migrated `comm_manager` / `prefix` parameters"
+    counts = _attention_head_counts(init, attention)
     per_head = per_head or [
-        a for a, layer in linears.items() if a != out and HEAD_COUNTS.search(code(layer.call))
+        a
+        for a, layer in linears.items()
+        if a != out and (HEAD_COUNTS.search(code(layer.call)) or _reads_any(layer.call, counts))
     ]
     if not per_head:
         return "no q/k/v projections and no projection whose output size counts the heads"
@@ -777,7 +823,7 @@ def _rewrite_per_head(
     skip = [linears[a].line for a in (*per_head, out)] + [a.line for a in attention]
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
-    local, blocks, guard = _head_attrs(_methods(cls), init), [], list(checks)
+    local, blocks, guard = _head_attrs(_methods(cls), init, counts), [], list(checks)
     if viewed:
         scope, groups, block = viewed
         width = _block_width(scope, block)
@@ -943,7 +989,8 @@ def _rewrite(
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     methods = [fwd if f.name.value == "forward" else f for f in _methods(cls)]  # forward as cut above
-    local = _head_attrs(methods, init) + _output_widths(methods, init, fwd, out)
+    widths = _output_widths(methods, init, fwd, out, sizes[1:])
+    local = _head_attrs(methods, init, sizes[1:]) + widths
     if found := _reads_global_size(methods, local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"
     new_fwd = fwd if fused else fuse_calls(fwd, names, "qkv_proj")
@@ -1017,7 +1064,10 @@ def _rewrite(
             **gate_lines,
             **all_head_lines,
         },
-        [*_localized(local, _qkv_shares(init, local, qkv_attr, sizes)), region(GROUP, whole_sequence=True)],
+        [
+            *_localized(local, _qkv_shares(init, local, qkv_attr, sizes), widths),
+            region(GROUP, whole_sequence=True),
+        ],
     )
     new_init = drop_unused_locals(new_init, {n for a in projections for n in free_names(linears[a].call)})
     name = cls.name.value

@@ -75,14 +75,16 @@ def _unit(linears: dict[str, Layer]) -> tuple[tuple[str, ...], str] | None:
 
 
 def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
-    """forward calls `self.<attr>` once and only halves its output, `.chunk(2, dim=-1)` on the call or on the name
-    one top-level statement binds it to."""
+    """forward calls `self.<attr>` once and only halves its output along the last dimension, `.chunk(2, dim=-1)`
+    or `torch.chunk(..., 2, dim=-1)`, on the call or on the name one top-level statement binds it to, which is
+    not read again before it is rebound."""
     call = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
+    last = m.Arg(m.UnaryOperation(m.Minus(), m.Integer("1")), keyword=m.Name("dim") | None)
 
     def halved(of: m.BaseMatcherNode) -> m.Call:
-        minus_one = m.UnaryOperation(m.Minus(), m.Integer("1"))
-        return m.Call(
-            m.Attribute(of, m.Name("chunk")), [m.Arg(m.Integer("2")), m.Arg(minus_one, keyword=m.Name("dim"))]
+        method_form = m.Call(m.Attribute(of, m.Name("chunk")), [m.Arg(m.Integer("2")), last])
+        return method_form | m.Call(
+            m.Attribute(m.Name("torch"), m.Name("chunk")), [m.Arg(of), m.Arg(m.Integer("2")), last]
         )
 
     if self_refs(fwd, attr) != 1:
@@ -96,7 +98,16 @@ def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
     later = [s for s in body[at + 1 :] if m.findall(s, m.Name(y))]
     if not later or not m.matches(later[0], m.SimpleStatementLine([m.Assign(value=halved(m.Name(y)))])):
         return False
-    return y in assigned_names(later[0]) or len(later) == 1  # y rebound by the halving, or never read again
+    for s in later:  # y's whole value is read only by the halving
+        if s is not later[0] and len(m.findall(s, m.Name(y))) > len(m.findall(s, m.AssignTarget(m.Name(y)))):
+            return False
+        if y in assigned_names(s):
+            return True
+    return True
+
+
+# calls that compute a size rather than build a module (Meta's `hidden_dim = int(2 * hidden_dim / 3)`)
+ARITHMETIC = frozenset({"super", "int", "float", "round", "min", "max", "abs", "math.ceil", "math.floor"})
 
 
 def _sized_by(init: cst.FunctionDef, skip: list[cst.BaseStatement], width: str) -> bool:
@@ -106,7 +117,7 @@ def _sized_by(init: cst.FunctionDef, skip: list[cst.BaseStatement], width: str) 
     spellings = [width] + [code(a.value) for a in m.findall(init, m.Assign([m.AssignTarget(m.Name(width))]))]
     pattern = re.compile("|".join(rf"(?<![\w.]){re.escape(w)}(?!\w)" for w in spellings))
     others = [s for s in init.body.body if not any(s is k for k in skip)]
-    calls = [c for s in others for c in m.findall(s, m.Call()) if called_name(c) != "super"]
+    calls = [c for s in others for c in m.findall(s, m.Call()) if called_name(c) not in ARITHMETIC]
     return any(pattern.search(code(c)) for c in calls)
 
 
