@@ -33,6 +33,8 @@ CONVERTED = {
     # Meta's reference Llama: config names of its own, a rotary table sliced from the cache's length, the output
     # layer applied by the inner model
     "metalm": ("num_heads=self.n_local_heads", "return self.output(", "start_pos"),
+    # transformers 4.2x style: a tuple cache grown by torch.cat per layer, blocks zipped with it, tuples returned
+    "tuplelm": ("self.attn = Attention(", "torch.cat((past_key", "presents"),
 }
 # two in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
 IN_MAKE_TEST = ("packlm", "glmish")

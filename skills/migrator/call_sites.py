@@ -65,10 +65,10 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
         elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))):
             if not call.args:  # `self.a = nn.ModuleList()`, then `self.a.append(C(...))`
                 kinds = _appended_kinds(init, f"self.{attr}", local)
-            elif isinstance(
-                listed := call.args[0].value, cst.Name
-            ):  # `nn.ModuleList(items)`, `items.append(...)`
-                kinds = _appended_kinds(init, listed.value, local)
+            elif isinstance(listed := call.args[0].value, cst.Name):  # `items = []`, `items.append(...)`
+                kinds = (
+                    _appended_kinds(init, listed.value, local) if _starts_empty(init, listed.value) else set()
+                )
             else:
                 kinds = {
                     c.func.value for c in m.findall(listed, m.Call(func=m.Name())) if c.func.value in local
@@ -112,6 +112,14 @@ def mixed_lists(cls: cst.ClassDef, local: set[str]) -> dict[str, set[str]]:
     return {attr: kinds for attr, kinds in found.items() if len(kinds) > 1}
 
 
+def _starts_empty(fn: cst.FunctionDef, items: str) -> bool:
+    """fn binds the local `items` once, to `[]`, and adds to it only by `.append(...)`."""
+    bound = m.findall(fn, m.AssignTarget(m.Name(items)) | m.AugAssign(m.Name(items)))
+    other = m.Call(m.Attribute(m.Name(items), m.Name("extend") | m.Name("insert")))
+    initial = m.findall(fn, m.Assign([m.AssignTarget(m.Name(items))], m.List([])))
+    return len(bound) == 1 and len(initial) == 1 and not m.findall(fn, other)
+
+
 def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str]:
     """The in-file classes fn's `<items>.append(...)` calls add instances of (items: a local's name, or
     `self.<attr>`)."""
@@ -121,6 +129,8 @@ def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str
         made[a.targets[0].target.value].add(a.value.func.value)
     kinds = set()
     held = m.Name(items) if "." not in items else m.Attribute(m.Name("self"), m.Name(items.split(".")[1]))
+    if m.findall(fn, m.Call(m.Attribute(held, m.Name("extend") | m.Name("insert"))) | m.AugAssign(held)):
+        return set()  # added to otherwise too
     for c in m.findall(fn, m.Call(m.Attribute(held, m.Name("append")), [m.Arg()])):
         for item in choices(c.args[0].value):
             if m.matches(item, built):
@@ -192,15 +202,25 @@ class _Index(cst.CSTVisitor):
 
 
 def loop_over(loop: cst.For) -> tuple[cst.Attribute, str] | None:
-    """(`self.layers`, the loop variable) of `for layer in self.layers[...]` or `for i, layer in
-    enumerate(self.layers[...])`, else None."""
+    """(`self.layers`, the loop variable) of `for layer in self.layers[...]`, `for i, layer in
+    enumerate(self.layers[...])`, or either over `zip(self.layers, ...)` with the variables unpacked (GPT-2 of
+    transformers 4.2x: `for i, (block, layer_past) in enumerate(zip(self.h, past_key_values))`), else None."""
     over, target = loop.iter, loop.target
     if m.matches(over, m.Call(func=m.Name("enumerate"), args=[m.Arg()])) and m.matches(
-        target, m.Tuple([m.Element(m.Name()), m.Element(m.Name())])
+        target, m.Tuple([m.Element(m.Name()), m.Element()])
     ):
         over, target = over.args[0].value, target.elements[1].value
-    over = over.value if isinstance(over, cst.Subscript) else over
+    if m.matches(over, m.Call(func=m.Name("zip"))) and isinstance(target, cst.Tuple):
+        held = [i for i, a in enumerate(over.args) if m.matches(_unsliced(a.value), SELF_ATTR)]
+        if len(held) != 1 or len(target.elements) != len(over.args) or any(a.star for a in over.args):
+            return None
+        over, target = over.args[held[0]].value, target.elements[held[0]].value
+    over = _unsliced(over)
     return (over, target.value) if isinstance(target, cst.Name) and m.matches(over, SELF_ATTR) else None
+
+
+def _unsliced(e: cst.BaseExpression) -> cst.BaseExpression:
+    return e.value if isinstance(e, cst.Subscript) else e
 
 
 def call_sites(module: cst.Module) -> dict[str, Sites]:

@@ -68,7 +68,9 @@ def _sliced_by_length(fn: cst.FunctionDef, lengths: set[str]) -> list[cst.Subscr
     length = m.OneOf(*map(m.Name, lengths))
     upper = m.BinaryOperation(length, m.Add()) | m.BinaryOperation(operator=m.Add(), right=length)
     rows = m.SubscriptElement(m.Slice(lower=length, upper=upper, step=None))
-    found = m.findall(fn, m.Subscript(slice=[rows])) if lengths else []
+    if not lengths or m.findall(fn, ADDS_BATCH):  # positions of one row, which `[0]` would cut to one
+        return []
+    found = m.findall(fn, m.Subscript(slice=[rows]))
     return [s for s in found if s.slice[0].slice.lower.value in free_names(s.slice[0].slice.upper)]
 
 

@@ -23,12 +23,16 @@ def with_standard_sizes(
     the model (the checkpoint's own config is left as it is)."""
     text = hf_config.get_text_config()
     missing = [n for n in STANDARD if getattr(text, n, None) is None]
-    if not missing:
+    if not set(missing) - {"num_key_value_heads"}:  # the plan reads key heads off the weights first
         return hf_config
     with torch.device("meta"), default_dtype(config.model_config.torch_dtype):
         model = model_cls(hf_config, config, CommManager(1, 0, create_groups=False), prefix="")
     attention = next((m for m in model.modules() if isinstance(m, Attention)), None)
-    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = getattr(text, "vocab_size", None)  # the token embedding, not one of positions
+    embedding = next(
+        (e for e in embeddings if e.num_embeddings == vocab), embeddings[0] if embeddings else None
+    )
     sizes = {}
     if attention is not None:
         sizes |= {"num_attention_heads": attention.num_heads, "num_key_value_heads": attention.num_kv_heads}

@@ -1515,6 +1515,11 @@ def test_head_counts_and_widths_under_names_of_their_own_become_this_ranks(run_r
     assert "self.groups_per_partition = self.query_key_value.num_kv_heads\n" in out
     assert 'self.projection_size = local_width(self.projection_size, comm_manager, "attn_tp_group")' in out
     assert "self.head_size = " not in out.split("self.attn = Attention(")[1]  # a quotient: every rank's
+    keys = GLM_BEFORE.replace(  # a width of the key heads, which ranks may hold copies of: no share of it
+        "self.projection_size = config.kv_channels * config.num_attention_heads",
+        "self.projection_size = config.kv_channels * config.multi_query_group_num",
+    )
+    assert "local_width(" not in run_rule(rule, keys, make_ctx())
     unread = GLM_BEFORE.replace("self.projection_size)\n        return", "-1)\n        return")
     out = _sharded(run_rule, make_ctx, unread)  # forward no longer reads the width: it stays as built
     assert "local_width(" not in out and "self.heads_per_partition = self.query_key_value.num_heads" in out

@@ -184,7 +184,14 @@ def test_gate_and_up_halved_by_torch_chunk_into_a_new_name_keep_their_halves(run
     assert "self.dense_h_to_4h = MergedColumnParallelLinear(" in out
     assert "halves = torch.chunk(y, 2, dim=-1)" in out and ctx.findings == []
     assert run_rule(rule, out) == out
-    for cut in ("torch.chunk(y, 2, dim=0)", "torch.chunk(y, 3, -1)"):  # halves of something else
+    assert "MergedColumnParallelLinear(" in run_rule(
+        rule, code.replace("torch.chunk(y, 2, dim=-1)", "y.chunk(2, -1)")
+    )
+    for cut in (
+        "torch.chunk(y, 2, dim=0)",
+        "torch.chunk(y, 3, -1)",
+        "torch.chunk(y, 2, 1)",
+    ):  # something else
         assert run_rule(rule, code.replace("torch.chunk(y, 2, dim=-1)", cut)) == code.replace(
             "torch.chunk(y, 2, dim=-1)", cut
         )

@@ -405,3 +405,47 @@ def test_an_output_layer_the_inner_model_applies_moves_to_the_entry(run_rule, ma
     ctx = make_ctx(entry_class="MetaLMForCausalLM")
     assert run_rule(rule, mixed, ctx) == mixed
     assert ctx.findings[0].what.startswith("expected `self.<model>(...)` followed by")
+
+
+TUPLE_RETURNED = dedent("""\
+    class TupleLMModel(nn.Module):
+        def forward(self, input_ids, position_ids, **kwargs):
+            hidden_states = self.h(self.wte(input_ids), **kwargs)
+            presents = None
+            return self.ln_f(hidden_states), presents
+
+
+    class TupleLMForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.transformer = TupleLMModel(config)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            hidden_states, presents = self.transformer(input_ids, position_ids=position_ids)
+            lm_logits = self.lm_head(hidden_states)
+            return CausalLMOutputWithPast(logits=lm_logits, past_key_values=presents)
+    """)
+
+
+@pytest.mark.parametrize("read", ["unpacked", "first"])
+def test_an_inner_model_returning_a_tuple_returns_the_hidden_states_the_entry_reads(run_rule, make_ctx, read):
+    # older remote code returns (hidden states, per-layer cache); the entry reads the first
+    code = TUPLE_RETURNED
+    if read == "first":
+        code = code.replace(
+            "hidden_states, presents = self.transformer(input_ids, position_ids=position_ids)\n",
+            "outputs = self.transformer(input_ids, position_ids=position_ids)\n        hidden_states = outputs[0]\n",
+        ).replace("past_key_values=presents", "past_key_values=None")
+    ctx = make_ctx(entry_class="TupleLMForCausalLM")
+    out = run_rule(rule, code, ctx)
+    assert ctx.findings == [] and "return self.ln_f(hidden_states)\n" in out
+    assert run_rule(rule, out, make_ctx(entry_class="TupleLMForCausalLM")) == out
+    # an entry reading more of the tuple than its first element keeps the inner model as it is
+    more = code.replace(
+        "lm_logits = self.lm_head(hidden_states)", "lm_logits = self.lm_head(hidden_states) + outputs[1]"
+    )
+    if read == "first":
+        assert "return self.ln_f(hidden_states), presents" in run_rule(
+            rule, more, make_ctx(entry_class="TupleLMForCausalLM")
+        )

@@ -325,6 +325,45 @@ def test_blocks_called_in_an_enumerate_loop_lose_the_positional_arguments_too(ru
     assert "hidden_states = block(hidden_states, None, position_ids=position_ids)" in out
 
 
+TUPLE_CACHE = dedent("""\
+    class Block(nn.Module):
+        def forward(self, hidden_states, layer_past=None, use_cache=False):
+            return hidden_states, None
+
+
+    class Model(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+
+        def forward(self, hidden_states, past_key_values=None, use_cache=None):
+            past_key_values = tuple([None] * len(self.h))
+            presents = () if use_cache else None
+            for i, (block, layer_past) in enumerate(zip(self.h, past_key_values)):
+                outputs = block(hidden_states, layer_past=layer_past, use_cache=use_cache)
+                hidden_states = outputs[0]
+                if use_cache is True:
+                    presents = presents + (outputs[1],)
+            return hidden_states, presents
+    """)
+
+
+def test_blocks_called_in_a_loop_over_a_zip_with_the_cache_tuple_lose_its_arguments(run_rule):
+    # transformers 4.2x style: `for i, (block, layer_past) in enumerate(zip(self.h, past_key_values))`, and a
+    # flag compared by identity once it is known (`use_cache is True`)
+    out = run_rule(rule, TUPLE_CACHE)
+    assert "def forward(self, hidden_states):" in out  # the block's cache parameters went
+    assert "outputs = block(hidden_states)\n" in out  # with the arguments the loop passed them
+    assert "is True" not in out and "presents + (outputs[1],)" not in out  # `False is True` is False
+    assert run_rule(rule, out) == out
+    for known in ("use_cache is not False", "use_cache is None"):  # False is not False, False is None
+        assert "presents + (outputs[1],)" not in run_rule(
+            rule, TUPLE_CACHE.replace("use_cache is True", known)
+        )
+    unknown = TUPLE_CACHE.replace("use_cache is True", "hidden_states is None")  # a value of the run
+    assert "if hidden_states is None:" in run_rule(rule, unknown)
+
+
 def _findings(run_rule, make_ctx, code: str, **ctx_overrides) -> list[tuple[str, str]]:
     """(scope, what) of each finding the rule makes on code."""
     ctx = make_ctx(**ctx_overrides)
@@ -642,6 +681,11 @@ def test_a_table_sliced_from_the_past_length_reads_the_rows_of_the_given_positio
     for other in ("[start_pos : seqlen]", "[start_pos : start_pos + seqlen : 2]", "[0 : start_pos + seqlen]"):
         kept = SLICED_TABLE.replace("[start_pos : start_pos + seqlen]", other)  # not the current tokens' rows
         assert "position_ids" not in run_codemod(rule, kept, make_ctx())
+    own_row = SLICED_TABLE.replace(  # given one row, to which it adds the batch dimension: `[0]` would cut it
+        "def forward(self, tokens, cache=None):\n",
+        "def forward(self, tokens, position_ids, cache=None):\n        position_ids = position_ids.unsqueeze(0)\n",
+    )
+    assert "self.freqs_cis[position_ids[0]]" not in run_codemod(rule, own_row, make_ctx())
 
 
 def test_return_dict_folds_to_the_hidden_states_form(run_rule):

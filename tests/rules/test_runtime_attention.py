@@ -688,3 +688,14 @@ def test_layers_appended_to_the_module_list_attribute_itself_are_found():
         "layers": ("TransformerBlock", True),
         "norm": ("Norm", False),
     }
+    # a list that starts with other modules, or grows otherwise than by append, holds what the file cannot tell
+    mixed = dedent("""\
+        def __init__(self, params):
+            layers = [Dense(params) for _ in range(2)]
+            layers.append(TransformerBlock(0, params))
+            self.layers = nn.ModuleList(layers)
+            self.blocks = nn.ModuleList()
+            self.blocks.append(TransformerBlock(1, params))
+            self.blocks.extend(others)
+        """)
+    assert instance_attrs(cst.parse_module(mixed).body[0], {"TransformerBlock", "Dense"}) == {}

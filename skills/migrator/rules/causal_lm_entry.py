@@ -143,6 +143,41 @@ def _applied_inside(built: cst.ClassDef | None) -> tuple[str, cst.ClassDef] | No
     return None
 
 
+def _first_returned(built: cst.ClassDef | None, fwd: cst.FunctionDef, inner: str) -> cst.ClassDef | None:
+    """built returning only the first element of the tuples its forward returns (`return self.ln_f(h), presents`,
+    the per-layer cache of older remote code), where the entry reads only that element of what it returns:
+    unpacks it (`hidden_states, presents = self.transformer(...)`) or reads `[0]` off it; None otherwise."""
+    inner_fwd = method(built, "forward") if built is not None else None
+    returns = m.findall(inner_fwd, m.Return(m.Tuple())) if inner_fwd is not None else []
+    if not returns or len(returns) != len(m.findall(inner_fwd, m.Return())):
+        return None
+    call = m.Call(m.Attribute(m.Name("self"), m.Name(inner)))
+    unpacked = m.Assign([m.AssignTarget(m.Tuple())], call)
+    bound = m.findall(fwd, m.Assign([m.AssignTarget(m.Name())], call))
+    first = [
+        n.value.value
+        for n in m.findall(fwd, m.Subscript(m.Name(), [m.SubscriptElement(m.Index(m.Integer("0")))]))
+    ]
+    read_first = (
+        len(bound) == 1
+        and (name := bound[0].targets[0].target.value) in first
+        and len(m.findall(fwd, m.Name(name))) == first.count(name) + 1
+    )
+    if not (m.findall(fwd, unpacked) or read_first):
+        return None
+    return built.deep_replace(inner_fwd, inner_fwd.visit(_FirstReturned()))
+
+
+class _FirstReturned(cst.CSTTransformer):
+    def leave_Return(self, original: cst.Return, updated: cst.Return) -> cst.Return:
+        if isinstance(updated.value, cst.Tuple):
+            return updated.with_changes(value=updated.value.elements[0].value)
+        return updated
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return node.name.value == "forward"  # not the returns of a function defined inside it
+
+
 def _ids_param(built: cst.ClassDef | None) -> str:
     """The inner model's parameter for the token ids: `input_ids`, else its first (Meta's `tokens`)."""
     fwd = method(built, "forward") if built is not None else None
@@ -261,6 +296,10 @@ class CausalLMEntry(Rule):
             ]
             module, built = module.deep_replace(built, hidden), hidden
             cls, head = classes(module)[ctx.entry_class], f"{inner}.{attr}"
+            fwd, init = method(cls, "forward"), method(cls, "__init__")
+        if tail is not None and (first := _first_returned(built, fwd, inner)) is not None:
+            module, built = module.deep_replace(built, first), first
+            cls = classes(module)[ctx.entry_class]
             fwd, init = method(cls, "forward"), method(cls, "__init__")
         if inner is None or tail is None:
             ctx.unsupported(

@@ -49,6 +49,7 @@ HF_ONLY: dict[str, object] = {
     "key_value_states": None,
     "return_dict": True,  # the runtime reads the model's hidden states, never its tuple form
 }
+SINGLETONS = {"True": True, "False": False, "None": None}
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
 ENCODER = {"encoder_hidden_states", "encoder_attention_mask", "key_value_states"}
 # inputs a module computes on, not masks or flags: a value computed for them is an input the model would lose
@@ -119,10 +120,13 @@ class _Env:
             return None if None in (a, b) else a != b
         if isinstance(e, cst.Comparison) and len(e.comparisons) == 1 and isinstance(e.left, cst.Name):
             op, right = e.comparisons[0].operator, e.comparisons[0].comparator
-            if m.matches(right, m.Name("None")) and isinstance(op, (cst.Is, cst.IsNot)):
+            if m.matches(right, m.OneOf(*map(m.Name, SINGLETONS))) and isinstance(op, (cst.Is, cst.IsNot)):
                 found, value = self.known(e.left.value)
-                is_none = value is None if found else False if e.left.value in self.given else None
-                return None if is_none is None else is_none == isinstance(op, cst.Is)
+                if not found and e.left.value in SINGLETONS:  # a literal once folded: `False is True`
+                    found, value = True, SINGLETONS[e.left.value]
+                given = right.value == "None" and e.left.value in self.given  # what the runtime passes
+                same = value is SINGLETONS[right.value] if found else False if given else None
+                return None if same is None else same == isinstance(op, cst.Is)
         return None
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.call_sites import loop_over
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import (
     KwargsPassing,
@@ -257,7 +258,8 @@ def _query_heads(
     name and it has the field, else the count forward views the queries with when it reads only the module's
     attributes (Meta's `xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)`), else the module's own
     `self.num_heads`; None without any."""
-    named = checkpoint_config is None or hasattr(checkpoint_config, "num_attention_heads")
+    text = checkpoint_config.get_text_config() if checkpoint_config is not None else None
+    named = text is None or hasattr(text, "num_attention_heads")
     if "config" in param_names(init) and named:
         return "config.num_attention_heads"
     if queries and free_names(cst.parse_expression(queries[0])) <= {"self"}:
@@ -307,10 +309,8 @@ class _Classes(cst.CSTTransformer):
         if not rewriter.calls:
             self.ctx.unsupported(name, 0, "attention call whose result is not assigned")
             return cls
-        if (
-            init is None
-            or _query_heads(init, _queries(fwd, rewriter.calls[0]), self.ctx.checkpoint_config) is None
-        ):
+        config = self.ctx.checkpoint_config
+        if init is None or any(_query_heads(init, _queries(fwd, c), config) is None for c in rewriter.calls):
             self.ctx.unsupported(
                 name,
                 0,
@@ -381,14 +381,8 @@ class _PassKwargs(KwargsPassing):
         self.loop_vars: dict[str, str] = {}  # name bound by `for` over `self.X` -> X
 
     def visit_For(self, node: cst.For) -> None:
-        source = (
-            node.iter.args[0].value if m.matches(node.iter, m.Call(func=m.Name("enumerate"))) else node.iter
-        )
-        source = source.value if isinstance(source, cst.Subscript) else source
-        if m.matches(source, m.Attribute(value=m.Name("self"))) and source.attr.value in self.attrs:
-            target = node.target.elements[-1].value if isinstance(node.target, cst.Tuple) else node.target
-            if isinstance(target, cst.Name):
-                self.loop_vars[target.value] = source.attr.value
+        if (over := loop_over(node)) is not None and over[0].attr.value in self.attrs:
+            self.loop_vars[over[1]] = over[0].attr.value
 
     def _is_attention_call(self, node, attrs: set[str] | None = None) -> bool:
         """A call of the modules in attrs (default: all this transformer threads kwargs to)."""

@@ -112,7 +112,8 @@ def _head_attrs(fns: list[cst.FunctionDef], init: cst.FunctionDef, counts: Colle
             attr = node.attr.value
             if attr in found or (value := _set_once(init, attr)) is None:
                 continue
-            if HEAD_ATTRS.fullmatch(attr) or f"self.{attr}" in counts or code(value) in counts:
+            given = f"self.{attr}" in counts or (code(value) in counts and not isinstance(value, cst.Integer))
+            if HEAD_ATTRS.fullmatch(attr) or given:  # not any attribute set to a multi-query layer's `1`
                 found.append(attr)
     return found
 
@@ -145,10 +146,11 @@ def _set_once(init: cst.FunctionDef, attr: str) -> cst.BaseExpression | None:
     return setters[0].body[0].value if len(setters) == 1 and m.matches(setters[0], line) else None
 
 
-def _counts_heads(value: cst.BaseExpression, counts: Collection[str]) -> bool:
-    """value is a head count: one of counts' sources, or a field named as one (`config.num_attention_heads`)."""
-    named = m.Attribute(attr=m.MatchIfTrue(lambda n: HEAD_COUNTS.fullmatch(n.value) is not None))
-    return code(value) in counts or m.matches(value, named)
+def _counts_query_heads(value: cst.BaseExpression, queries: str) -> bool:
+    """value is the query heads' count: the Attention layer's source of it, or a field named as one
+    (`config.num_attention_heads`); not the key heads', which ranks may hold copies of."""
+    named = m.Attribute(attr=m.OneOf(*map(m.Name, QUERY_HEADS)))
+    return code(value) == queries or m.matches(value, named)
 
 
 def _localized(
@@ -170,7 +172,7 @@ def _output_widths(
     init: cst.FunctionDef,
     fwd: cst.FunctionDef,
     out: str | None,
-    counts: Collection[str] = (),
+    queries: str = "",
 ) -> list[str]:
     """The widths `self.x` (WIDTHS, set once in __init__) that the methods other than __init__ read only in
     forward between its runtime Attention call and its output projection's input (its return without one): the
@@ -196,7 +198,7 @@ def _output_widths(
         if not reads or not all(id(n) in inside for n in reads) or (value := _set_once(init, attr)) is None:
             continue
         product = m.matches(value, m.BinaryOperation(operator=m.Multiply())) and any(
-            _counts_heads(side, counts) for side in (value.left, value.right)
+            _counts_query_heads(side, queries) for side in (value.left, value.right)
         )
         if attr in WIDTHS or product:  # ChatGLM's `projection_size = kv_channels * num_attention_heads`
             widths.append(attr)
@@ -989,7 +991,7 @@ def _rewrite(
     if whole := _whole_head_module(init, skip):
         return f"`{whole}` is sized for all heads, but each rank keeps only its share of them"
     methods = [fwd if f.name.value == "forward" else f for f in _methods(cls)]  # forward as cut above
-    widths = _output_widths(methods, init, fwd, out, sizes[1:])
+    widths = _output_widths(methods, init, fwd, out, sizes[1])
     local = _head_attrs(methods, init, sizes[1:]) + widths
     if found := _reads_global_size(methods, local):
         return f"a method uses the whole model's `{found}`, which a rank no longer has"

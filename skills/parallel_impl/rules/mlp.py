@@ -79,7 +79,8 @@ def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
     or `torch.chunk(..., 2, dim=-1)`, on the call or on the name one top-level statement binds it to, which is
     not read again before it is rebound."""
     call = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
-    last = m.Arg(m.UnaryOperation(m.Minus(), m.Integer("1")), keyword=m.Name("dim") | None)
+    minus_one = m.UnaryOperation(m.Minus(), m.Integer("1"))
+    last = m.Arg(minus_one, keyword=m.Name("dim")) | m.Arg(minus_one, keyword=None)
 
     def halved(of: m.BaseMatcherNode) -> m.Call:
         method_form = m.Call(m.Attribute(of, m.Name("chunk")), [m.Arg(m.Integer("2")), last])
