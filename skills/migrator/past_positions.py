@@ -62,16 +62,33 @@ def _takes_positions(call: cst.Call, callee: cst.ClassDef | None, lengths: set[s
     return True
 
 
-def _sliced_by_length(fn: cst.FunctionDef, lengths: set[str]) -> list[cst.Subscript]:
-    """fn's `table[L : L + n]` subscripts (or `[L : n + L]`), L a past length: the rows of the current tokens'
-    positions in a table indexed by position (Meta's `self.freqs_cis[start_pos : start_pos + seqlen]`)."""
+def _current_positions(fn: cst.FunctionDef, lengths: set[str]) -> dict[cst.BaseExpression, str]:
+    """What fn computes the current tokens' positions with from a past length L, with what replaces it: the rows
+    `table[L : L + n]` (or `[L : n + L]`) of a table indexed by position (Meta's `self.freqs_cis[start_pos :
+    start_pos + seqlen]`) become `table[position_ids[0]]`, `torch.arange(L, L + n)` (or `(L, n + L)`) becomes
+    `position_ids[0]` (GPT-2 of transformers 4.2x when it is not given positions)."""
+    if not lengths or ("position_ids" in param_names(fn) and m.findall(fn, ADDS_BATCH)):
+        return {}  # given positions of one row, which `[0]` would cut to one
     length = m.OneOf(*map(m.Name, lengths))
     upper = m.BinaryOperation(length, m.Add()) | m.BinaryOperation(operator=m.Add(), right=length)
-    rows = m.SubscriptElement(m.Slice(lower=length, upper=upper, step=None))
-    if not lengths or m.findall(fn, ADDS_BATCH):  # positions of one row, which `[0]` would cut to one
-        return []
-    found = m.findall(fn, m.Subscript(slice=[rows]))
-    return [s for s in found if s.slice[0].slice.lower.value in free_names(s.slice[0].slice.upper)]
+    rows = m.Subscript(slice=[m.SubscriptElement(m.Slice(lower=length, upper=upper, step=None))])
+    found = {
+        s: s.with_changes(slice=[cst.SubscriptElement(cst.Index(cst.parse_expression("position_ids[0]")))])
+        for s in m.findall(fn, rows)
+        if _one_length(s.slice[0].slice.lower, s.slice[0].slice.upper)
+    }
+    arange = m.Call(
+        m.Attribute(m.Name("torch"), m.Name("arange")), [m.Arg(length), m.Arg(upper), m.ZeroOrMore()]
+    )
+    for c in m.findall(fn, arange):
+        if _one_length(c.args[0].value, c.args[1].value) and all(a.keyword for a in c.args[2:]):  # no step
+            found[c] = cst.parse_expression("position_ids[0]")
+    return found
+
+
+def _one_length(lower: cst.Name, upper: cst.BaseExpression) -> bool:
+    """The past length that starts the range is the one added to its end."""
+    return lower.value in free_names(upper)
 
 
 def _fed_attrs(cls: cst.ClassDef, lengths: set[str]) -> set[str]:
@@ -112,12 +129,7 @@ class _PassPositions(cst.CSTTransformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         lengths = self.lengths.get((self.cls.name.value, original.name.value), set()) if self.cls else set()
         init = method(self.cls, "__init__") if self.cls else None
-        changed = {
-            sliced: sliced.with_changes(
-                slice=[cst.SubscriptElement(cst.Index(cst.parse_expression("position_ids[0]")))]
-            )
-            for sliced in _sliced_by_length(updated, lengths)
-        }
+        changed = _current_positions(updated, lengths)
         for call in fed_past_length(updated, lengths):
             names = _built(init, call.func.attr.value)
             callees = [self.local.get(c) for c in names]

@@ -688,6 +688,34 @@ def test_a_table_sliced_from_the_past_length_reads_the_rows_of_the_given_positio
     assert "self.freqs_cis[position_ids[0]]" not in run_codemod(rule, own_row, make_ctx())
 
 
+ARANGED = dedent("""\
+    class Model(nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            if past_key_values is None:
+                past_length = 0
+            else:
+                past_length = past_key_values[0][0].size(-2)
+            position_ids = torch.arange(past_length, input_ids.shape[-1] + past_length, device=input_ids.device)
+            return self.h(self.wte(input_ids) + self.wpe(position_ids.unsqueeze(0)))
+    """)
+
+
+@pytest.mark.parametrize("read", ["past_key_values[0][0].size(-2)", "past_key_values[0][0].shape[2]"])
+def test_positions_ranged_from_a_tuple_cache_s_length_are_the_given_ones(make_ctx, read):
+    # GPT-2 of transformers 4.2x without a position_ids parameter: arange(past, n + past) off the first keys
+    code = ARANGED.replace("past_key_values[0][0].size(-2)", read)
+    after = dedent("""\
+        class Model(nn.Module):
+            def forward(self, input_ids, position_ids=None):
+                past_length = 0
+                position_ids = position_ids[0]
+                return self.h(self.wte(input_ids) + self.wpe(position_ids.unsqueeze(0)))
+        """)
+    assert_codemod(rule, code, after, make_ctx)
+    stepped = code.replace("device=input_ids.device)", "2)")  # every other position: not the tokens'
+    assert "position_ids[0]" not in run_codemod(rule, stepped, make_ctx())
+
+
 def test_return_dict_folds_to_the_hidden_states_form(run_rule):
     """The runtime reads hidden states, never HF's tuple form: `return_dict` is True (Falcon, BLOOM, MPT)."""
     before = dedent("""\

@@ -49,6 +49,7 @@ HF_ONLY: dict[str, object] = {
     "key_value_states": None,
     "return_dict": True,  # the runtime reads the model's hidden states, never its tuple form
 }
+_ZERO = m.SubscriptElement(m.Index(m.Integer("0")))
 SINGLETONS = {"True": True, "False": False, "None": None}
 ALWAYS_GIVEN = {"input_ids", "position_ids", "forward_metadata"}
 ENCODER = {"encoder_hidden_states", "encoder_attention_mask", "key_value_states"}
@@ -528,15 +529,21 @@ def _unread(fn: cst.FunctionDef, call: cst.Call) -> bool:
 
 
 def _past_lengths(module: cst.Module) -> dict[tuple, set[str]]:
-    """(class, function) -> names bound to a past length read from a cache parameter (`cache.get_seq_length()`)."""
+    """(class, function) -> names bound to a past length read from a cache parameter: `cache.get_seq_length()`,
+    or the length of the first layer's keys in a tuple cache (`past_key_values[0][0].size(-2)`, `.shape[2]`)."""
     found: dict[tuple, set[str]] = {}
     for name, cls in classes(module).items():
         for fn in m.findall(cls.body, m.FunctionDef()):
             caches = {p.name.value for p in named_params(fn)} & CACHES
             if not caches:
                 continue
-            read = m.Call(
-                func=m.Attribute(value=m.OneOf(*map(m.Name, caches)), attr=m.Name("get_seq_length"))
+            cache = m.OneOf(*map(m.Name, caches))
+            keys = m.Subscript(m.Subscript(cache, [_ZERO]), [_ZERO])
+            tokens_dim = m.Integer("2") | m.UnaryOperation(m.Minus(), m.Integer("2"))
+            read = (
+                m.Call(func=m.Attribute(value=cache, attr=m.Name("get_seq_length")))
+                | m.Call(m.Attribute(keys, m.Name("size")), [m.Arg(tokens_dim)])
+                | m.Subscript(m.Attribute(keys, m.Name("shape")), [m.SubscriptElement(m.Index(tokens_dim))])
             )
             for a in m.findall(fn, m.Assign()):
                 if m.findall(a.value, read):
