@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from runtime.errors import UserError
 from runtime.launch import NodeLayout
@@ -35,7 +36,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
@@ -181,7 +182,7 @@ def run(
         )
     elif llm.dist.rank == 0:
         for r in results:
-            err.print(f"[bold]> {r.prompt}[/]", highlight=False)
+            err.print(f"[bold]> {escape(r.prompt)}[/]", highlight=False)
             sys.stdout.write(r.text + "\n")
     leave_worker()
 
@@ -355,13 +356,13 @@ def bench(
         repeats,
         quick,
         quant_method=quant_method,
-        log=lambda msg: err.print(f"[cyan]bench[/] {msg}", highlight=False),
+        log=lambda msg: err.print(f"[cyan]bench[/] {escape(msg)}", highlight=False),
     )
     report = run_bench(opts)
     print_table(report, err)
     if plot is not None:
         write_plot(report, plot)
-        err.print(f"[cyan]bench[/] plot written to {plot}", highlight=False)
+        err.print(f"[cyan]bench[/] plot written to {escape(str(plot))}", highlight=False)
     if as_json:
         print(json.dumps(report))
 
@@ -440,7 +441,9 @@ def migrate(
         tuple(disable or ()),
         not no_fuse,
     )
-    result = run_migration(opts, log=lambda msg: err.print(f"[cyan]migrate[/] {msg}", highlight=False))
+    result = run_migration(
+        opts, log=lambda msg: err.print(f"[cyan]migrate[/] {escape(msg)}", highlight=False)
+    )
     if as_json:
         print(dump(result))
     else:
@@ -449,7 +452,7 @@ def migrate(
         raise typer.Exit(EXIT_NEEDS_MULTI_CARD)
     if result.status == "mismatch":
         err.print(
-            f"[bold red]verification failed:[/] {describe(result.verification)} The directory was written "
+            f"[bold red]verification failed:[/] {escape(describe(result.verification))} The directory was written "
             "for debugging; `skill verify` re-checks it.",
             highlight=False,
             soft_wrap=True,
@@ -461,7 +464,7 @@ def _print_result(result) -> None:
     from skills.baseline import format_baseline_table
 
     err.print(
-        f"[green]{result.model_name}[/] -> {result.model_dir} ({result.mode} mode, scenario {result.scenario}, "
+        f"[green]{result.model_name}[/] -> {escape(str(result.model_dir))} ({result.mode} mode, scenario {result.scenario}, "
         f"{result.status})",
         highlight=False,
     )
@@ -471,7 +474,7 @@ def _print_result(result) -> None:
 
 
 def _logger(command: str):
-    return lambda msg: err.print(f"[cyan]{command}[/] {msg}", highlight=False)
+    return lambda msg: err.print(f"[cyan]{command}[/] {escape(msg)}", highlight=False)
 
 
 def _verify_and_record(model_dir: Path, yaml_file: Path, log, **options):
@@ -481,7 +484,7 @@ def _verify_and_record(model_dir: Path, yaml_file: Path, log, **options):
 
     result = run_verify(model_dir, yaml_file, log=log, **options)
     record(model_dir, result)
-    err.print(describe(result), highlight=False, soft_wrap=True)
+    err.print(escape(describe(result)), highlight=False, soft_wrap=True)
     return result
 
 
@@ -596,7 +599,7 @@ def parallelize(
         print(json.dumps({**done.to_dict(), "verification": verification and verification.to_dict()}))
     else:
         for step in done.rewrites:
-            err.print(f"  - {step}", highlight=False)
+            err.print(f"  - {escape(step)}", highlight=False)
         err.print(
             f"[green]wrote[/] {', '.join(done.written)}; run: skill run {done.model_dir} --yaml {done.yaml}",
             highlight=False,

@@ -14,6 +14,10 @@ import safetensors.torch
 import yaml
 from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
 
+from runtime.config import ParallelConfig
+from runtime.errors import ConfigError
+from skills.parallel_impl.pipeline import check_token_layout
+
 TP2 = {"world_size": 2, "attn_tp_size": 2, "dense_tp_size": 2, "embed_tp_size": 2, "lmhead_tp_size": 2}
 
 
@@ -218,3 +222,21 @@ def test_bfloat16_model_shards_check_in_its_dtype(reference, tmp_path):
     assert done["total_param_bytes"] == 2 * sum(
         t.numel() for t in safetensors.torch.load_file(reference["ckpt"] / "model.safetensors").values()
     )
+
+
+def test_attention_dp_of_a_model_with_states_tokens_first_is_refused_naming_both_layouts():
+    """ChatGLM keeps its states [tokens, batch, hidden]: attention DP's token split would cut the batch axis."""
+    tokens_first = {
+        "modeling_glm.py": "hidden_states = hidden_states[forward_metadata.last_token_indices, 0]"
+    }
+    batch_first = {"modeling_glm.py": "hidden_states = hidden_states[0, forward_metadata.last_token_indices]"}
+    dp = ParallelConfig(**{**TP2, "attn_tp_size": 1})  # attention DP 2
+    with pytest.raises(ConfigError, match=r"keeps its states \[tokens, batch, hidden\]"):
+        check_token_layout(dp, tokens_first)
+    check_token_layout(dp, batch_first)
+    check_token_layout(ParallelConfig(**TP2), tokens_first)  # TP alone keeps every token on every rank
+
+
+def test_an_error_naming_brackets_prints_them_as_written(tmp_path):
+    proc = skill("parallelize", str(tmp_path / "model[1]"), "--config", str(tmp_path / "tp[2].yaml"))
+    assert proc.returncode == 2 and "tp[2].yaml" in proc.stderr  # not read as console markup

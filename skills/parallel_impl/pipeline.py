@@ -30,6 +30,7 @@ from runtime.layers.token_layout import needs_sharded_layout
 from runtime.layers.weights import tie_declared_weights
 from skills.atomic_write import UMASK, write_text_atomic
 from skills.migrator.rewrite import check_rule_ids
+from skills.migrator.rules.causal_lm_entry import LAST_POSITIONS_SEQ_FIRST
 from skills.parallel_impl.config import load_parallel_config, yaml_name
 from skills.parallel_impl.model_sizes import with_standard_sizes
 from skills.parallel_impl.plan import COLUMN_QKV, MLP_LAYERS, WHOLE, Plan, make_plan, validate
@@ -334,6 +335,19 @@ def replicates_attention(model_dir: Path) -> bool:
     )
 
 
+def check_token_layout(pc: ParallelConfig, sources: dict[str, str]) -> None:
+    """Refuse attention DP beside TP modules for a model whose states are [tokens, batch, hidden] (ChatGLM's: its
+    entry picks the last positions along the first axis): the DP ranks' share of a step's tokens is cut along the
+    token axis of [batch, tokens, hidden] states."""
+    if needs_sharded_layout(pc) and any(f"[{LAST_POSITIONS_SEQ_FIRST}]" in text for text in sources.values()):
+        raise ConfigError(
+            f"parallel_config has attention DP {pc.attn_dp_size} beside TP modules, which splits each step's tokens "
+            "across ranks along the token dimension of [batch, tokens, hidden] states; this model keeps its states "
+            "[tokens, batch, hidden] (its entry picks `[last_token_indices, 0]`). Use TP alone (attn_tp_size = "
+            "world_size), or attention DP with every TP size 1."
+        )
+
+
 def _load(
     model_dir: Path, config_path: Path, disabled: Collection[str] = (), replicate_attention: bool = False
 ) -> _Target:
@@ -353,6 +367,7 @@ def _load(
             "across ranks between layers; this model's layers that keep state per request (`@per_request`) run on "
             "the whole step. Use TP alone (attn_tp_size = world_size), or attention DP with every TP size 1."
         )
+    check_token_layout(pc, sources)
     check_rule_ids(disabled, PARALLEL_RULES)
     code = rewrite_sources(sources, model_cls.__name__, disabled, hf_config, replicate_attention)
     if code.findings:
