@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 from rich.table import Table
+from rich.text import Text
 
 from runtime.config.inference_config import ModelConfig
 from runtime.errors import UserError
@@ -214,7 +215,9 @@ def _ms(value: float | None) -> str | None:
 
 def format_baseline_table(data: dict) -> Table:
     env, perf = data.get("environment", {}), data.get("performance", {})
-    table = Table(title=f"Baseline: {data.get('model_config', {}).get('model_name', '?')}", show_header=False)
+    table = Table(
+        title=Text(f"Baseline: {data.get('model_config', {}).get('model_name', '?')}"), show_header=False
+    )
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
     device = env.get("device_model") or env.get("npu_model") or "unknown model"
@@ -233,5 +236,5 @@ def format_baseline_table(data: dict) -> Table:
         ("collected", data.get("timestamp")),
     ]
     for name, value in rows:
-        table.add_row(name, value or "-")
+        table.add_row(name, Text(value or "-"))  # generated text may hold `[/INST]`: no console markup
     return table

@@ -464,7 +464,7 @@ def _print_result(result) -> None:
     from skills.baseline import format_baseline_table
 
     err.print(
-        f"[green]{result.model_name}[/] -> {escape(str(result.model_dir))} ({result.mode} mode, scenario {result.scenario}, "
+        f"[green]{escape(result.model_name)}[/] -> {escape(str(result.model_dir))} ({result.mode} mode, scenario {result.scenario}, "
         f"{result.status})",
         highlight=False,
     )
@@ -601,7 +601,8 @@ def parallelize(
         for step in done.rewrites:
             err.print(f"  - {escape(step)}", highlight=False)
         err.print(
-            f"[green]wrote[/] {', '.join(done.written)}; run: skill run {done.model_dir} --yaml {done.yaml}",
+            f"[green]wrote[/] {escape(', '.join(done.written))}; run: skill run {escape(str(done.model_dir))} "
+            f"--yaml {escape(str(done.yaml))}",
             highlight=False,
         )
     if verification is not None and verification.status == "mismatch":
@@ -633,7 +634,7 @@ def convert_weights(
         config,
         out,
         force,
-        log=lambda msg: err.print(f"[cyan]convert-weights[/] {msg}", highlight=False),
+        log=lambda msg: err.print(f"[cyan]convert-weights[/] {escape(msg)}", highlight=False),
         quant_mode=quant_mode,
     )
     print(json.dumps(done.to_dict()) if as_json else done.yaml)

@@ -177,3 +177,12 @@ def test_table_renders(tmp_path: Path, model_dir: Path):
     console.print(format_baseline_table(collect(tmp_path / "run.log", model_dir)))
     text = console.export_text()
     assert "151.0 ms" in text and "62.0 ms" in text and "Paris" in text
+
+
+def test_generated_text_with_brackets_is_shown_as_written():
+    # a chat model's output holds `[/INST]`, which rich would read as a closing tag (and raise on)
+    console = Console(record=True, width=200)
+    data = {"model_config": {"model_name": "m[1]"}, "performance": {"output_text": "Sure [/INST] [bold]x"}}
+    console.print(format_baseline_table(data))
+    shown = console.export_text()
+    assert "Sure [/INST] [bold]x" in shown and "m[1]" in shown

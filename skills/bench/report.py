@@ -4,6 +4,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def _f(x, spec: str = ".1f") -> str:
@@ -33,8 +34,10 @@ def _where(machine: dict) -> str:
 def print_table(report: dict, console: Console) -> None:
     m = report["machine"]
     table = Table(
-        title=f"skill bench: {report['model_dir']} ({report['dtype']}, {_where(m)}, "
-        f"read bandwidth {report['bandwidth_gb_s']:.1f} GB/s)"
+        title=Text(
+            f"skill bench: {report['model_dir']} ({report['dtype']}, {_where(m)}, "
+            f"read bandwidth {report['bandwidth_gb_s']:.1f} GB/s)"
+        )
     )
     for col in (
         "workload",

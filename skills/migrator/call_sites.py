@@ -64,10 +64,16 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
             found[attr] = (call.func.value, False)
         elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))):
             if not call.args:  # `self.a = nn.ModuleList()`, then `self.a.append(C(...))`
-                kinds = _appended_kinds(init, f"self.{attr}", local)
+                kinds = (
+                    _appended_kinds(init, f"self.{attr}", local)
+                    if _only_appended(init, f"self.{attr}")
+                    else set()
+                )
             elif isinstance(listed := call.args[0].value, cst.Name):  # `items = []`, `items.append(...)`
                 kinds = (
-                    _appended_kinds(init, listed.value, local) if _starts_empty(init, listed.value) else set()
+                    _appended_kinds(init, listed.value, local)
+                    if _only_appended(init, listed.value)
+                    else set()
                 )
             else:
                 kinds = {
@@ -112,12 +118,21 @@ def mixed_lists(cls: cst.ClassDef, local: set[str]) -> dict[str, set[str]]:
     return {attr: kinds for attr, kinds in found.items() if len(kinds) > 1}
 
 
-def _starts_empty(fn: cst.FunctionDef, items: str) -> bool:
-    """fn binds the local `items` once, to `[]`, and adds to it only by `.append(...)`."""
-    bound = m.findall(fn, m.AssignTarget(m.Name(items)) | m.AugAssign(m.Name(items)))
-    other = m.Call(m.Attribute(m.Name(items), m.Name("extend") | m.Name("insert")))
-    initial = m.findall(fn, m.Assign([m.AssignTarget(m.Name(items))], m.List([])))
-    return len(bound) == 1 and len(initial) == 1 and not m.findall(fn, other)
+def _held(items: str) -> m.BaseMatcherNode:
+    """A local's name, or `self.<attr>`."""
+    return m.Name(items) if "." not in items else m.Attribute(m.Name("self"), m.Name(items.split(".")[1]))
+
+
+def _only_appended(fn: cst.FunctionDef, items: str) -> bool:
+    """fn adds to the list `items` (a local bound once, to `[]`, or `self.<attr>`) only by `.append(...)`."""
+    held = _held(items)
+    grown = m.Call(m.Attribute(held, m.Name("extend") | m.Name("insert"))) | m.AugAssign(held)
+    if m.findall(fn, grown):
+        return False
+    if "." in items:
+        return True
+    bound = m.findall(fn, m.AssignTarget(held))
+    return len(bound) == 1 and len(m.findall(fn, m.Assign([m.AssignTarget(held)], m.List([])))) == 1
 
 
 def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str]:
@@ -128,10 +143,7 @@ def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str
     for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], built)):
         made[a.targets[0].target.value].add(a.value.func.value)
     kinds = set()
-    held = m.Name(items) if "." not in items else m.Attribute(m.Name("self"), m.Name(items.split(".")[1]))
-    if m.findall(fn, m.Call(m.Attribute(held, m.Name("extend") | m.Name("insert"))) | m.AugAssign(held)):
-        return set()  # added to otherwise too
-    for c in m.findall(fn, m.Call(m.Attribute(held, m.Name("append")), [m.Arg()])):
+    for c in m.findall(fn, m.Call(m.Attribute(_held(items), m.Name("append")), [m.Arg()])):
         for item in choices(c.args[0].value):
             if m.matches(item, built):
                 kinds.add(item.func.value)
@@ -206,9 +218,8 @@ def loop_over(loop: cst.For) -> tuple[cst.Attribute, str] | None:
     enumerate(self.layers[...])`, or either over `zip(self.layers, ...)` with the variables unpacked (GPT-2 of
     transformers 4.2x: `for i, (block, layer_past) in enumerate(zip(self.h, past_key_values))`), else None."""
     over, target = loop.iter, loop.target
-    if m.matches(over, m.Call(func=m.Name("enumerate"), args=[m.Arg()])) and m.matches(
-        target, m.Tuple([m.Element(m.Name()), m.Element()])
-    ):
+    counted = m.Call(m.Name("enumerate"), [m.Arg(keyword=None), m.ZeroOrOne(m.Arg(keyword=m.Name("start")))])
+    if m.matches(over, counted) and m.matches(target, m.Tuple([m.Element(m.Name()), m.Element()])):
         over, target = over.args[0].value, target.elements[1].value
     if m.matches(over, m.Call(func=m.Name("zip"))) and isinstance(target, cst.Tuple):
         held = [i for i, a in enumerate(over.args) if m.matches(_unsliced(a.value), SELF_ATTR)]

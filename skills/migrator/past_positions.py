@@ -9,7 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 from transformers import PretrainedConfig
 
-from skills.migrator.call_sites import binding, call_sites, named_params
+from skills.migrator.call_sites import binding, call_sites, instance_attrs, named_params
 from skills.migrator.cst_utils import appended, classes, free_names, method, param_names, with_args
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
 
@@ -62,13 +62,20 @@ def _takes_positions(call: cst.Call, callee: cst.ClassDef | None, lengths: set[s
     return True
 
 
-def _current_positions(fn: cst.FunctionDef, lengths: set[str]) -> dict[cst.BaseExpression, str]:
+def _current_positions(
+    fn: cst.FunctionDef, lengths: set[str], entered: bool
+) -> dict[cst.BaseExpression, str]:
     """What fn computes the current tokens' positions with from a past length L, with what replaces it: the rows
     `table[L : L + n]` (or `[L : n + L]`) of a table indexed by position (Meta's `self.freqs_cis[start_pos :
     start_pos + seqlen]`) become `table[position_ids[0]]`, `torch.arange(L, L + n)` (or `(L, n + L)`) becomes
-    `position_ids[0]` (GPT-2 of transformers 4.2x when it is not given positions)."""
-    if not lengths or ("position_ids" in param_names(fn) and m.findall(fn, ADDS_BATCH)):
-        return {}  # given positions of one row, which `[0]` would cut to one
+    `position_ids[0]` (GPT-2 of transformers 4.2x when it is not given positions). Only where fn is given the
+    runtime's [1, T] positions: it takes `position_ids` and does not add their batch dimension itself, or it is
+    the inner model's forward (entered), which the entry passes them to."""
+    given = "position_ids" in param_names(fn)
+    branches = {id(s) for i in m.findall(fn, WITHOUT_POSITIONS) for s in m.findall(i, ADDS_BATCH)}
+    one_row = any(id(s) not in branches for s in m.findall(fn, ADDS_BATCH))
+    if not lengths or (given and one_row) or not (given or entered):
+        return {}
     length = m.OneOf(*map(m.Name, lengths))
     upper = m.BinaryOperation(length, m.Add()) | m.BinaryOperation(operator=m.Add(), right=length)
     rows = m.Subscript(slice=[m.SubscriptElement(m.Slice(lower=length, upper=upper, step=None))])
@@ -81,7 +88,8 @@ def _current_positions(fn: cst.FunctionDef, lengths: set[str]) -> dict[cst.BaseE
         m.Attribute(m.Name("torch"), m.Name("arange")), [m.Arg(length), m.Arg(upper), m.ZeroOrMore()]
     )
     for c in m.findall(fn, arange):
-        if _one_length(c.args[0].value, c.args[1].value) and all(a.keyword for a in c.args[2:]):  # no step
+        stepped = any(a.keyword is None or a.keyword.value == "step" for a in c.args[2:])
+        if _one_length(c.args[0].value, c.args[1].value) and not stepped:
             found[c] = cst.parse_expression("position_ids[0]")
     return found
 
@@ -115,8 +123,10 @@ def _guard_untaken(module: cst.Module, config: PretrainedConfig | None, lengths:
 
 
 class _PassPositions(cst.CSTTransformer):
-    def __init__(self, module: cst.Module, lengths: Lengths):
+    def __init__(self, module: cst.Module, lengths: Lengths, entry_class: str):
         self.local, self.lengths, self.cls = classes(module), lengths, None
+        init = method(self.local[entry_class], "__init__") if entry_class in self.local else None
+        self.inner = {c for c, _ in instance_attrs(init, set(self.local)).values()} if init else set()
         self.callees: set[str] = set()  # the classes now given positions
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
@@ -129,7 +139,10 @@ class _PassPositions(cst.CSTTransformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         lengths = self.lengths.get((self.cls.name.value, original.name.value), set()) if self.cls else set()
         init = method(self.cls, "__init__") if self.cls else None
-        changed = _current_positions(updated, lengths)
+        entered = (
+            self.cls is not None and self.cls.name.value in self.inner and original.name.value == "forward"
+        )
+        changed = _current_positions(updated, lengths, entered)
         for call in fed_past_length(updated, lengths):
             names = _built(init, call.func.attr.value)
             callees = [self.local.get(c) for c in names]
@@ -186,10 +199,12 @@ class _Unfold(cst.CSTTransformer):
         return cst.FlattenSentinel(kept) if kept else cst.RemoveFromParent()
 
 
-def pass_positions(module: cst.Module, config: PretrainedConfig | None, lengths: Lengths) -> cst.Module:
+def pass_positions(
+    module: cst.Module, config: PretrainedConfig | None, lengths: Lengths, entry_class: str
+) -> cst.Module:
     """module with the untaken branches around modules fed a past length guarded, the positions passed to those
     that take them instead of the length, and their branch computing positions from it folded away."""
     module = _guard_untaken(module, config, lengths)
-    passing = _PassPositions(module, lengths)
+    passing = _PassPositions(module, lengths, entry_class)
     module = module.visit(passing)
     return _given_positions(module, passing.callees)

@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 import torch
 from rich.table import Table
+from rich.text import Text
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
 
 from runtime.config import ParallelConfig
@@ -682,7 +683,7 @@ def format_plan(plan: Plan) -> Table:
         ranks = " ".join(str(list(r)) for r in g.ranks())
         table.add_row(f"group {g.name}", f"{g.group_num} x {g.group_size} ranks, stride {g.stride}: {ranks}")
     for i, step in enumerate(plan.rewrites, 1):
-        table.add_row(f"rewrite {i}", step)
+        table.add_row(f"rewrite {i}", Text(step))
     table.add_row("params per rank", f"{_mib(plan.per_rank_param_bytes)} of {_mib(plan.total_param_bytes)}")
     if plan.kv_bytes_per_token:
         table.add_row("KV cache per token", f"{plan.kv_bytes_per_token:,} bytes per rank, all layers")

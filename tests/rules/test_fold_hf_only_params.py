@@ -663,10 +663,17 @@ SLICED_TABLE = dedent("""\
             start_pos = cache.get_seq_length() if cache is not None else 0
             freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
             return self.layers(self.tok_embeddings(tokens), freqs_cis)
+
+
+    class MetaLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = Transformer(config)
     """)
 
 
 def test_a_table_sliced_from_the_past_length_reads_the_rows_of_the_given_positions(make_ctx):
+    entry = partial(make_ctx, entry_class="MetaLM")  # whose inner model the runtime's positions enter
     # Meta's reference Llama: the rotary table's rows [start_pos, start_pos + seqlen) are the current tokens'
     # positions, which the runtime gives (one row of [1, T])
     after = dedent("""\
@@ -676,16 +683,24 @@ def test_a_table_sliced_from_the_past_length_reads_the_rows_of_the_given_positio
                 start_pos = 0
                 freqs_cis = self.freqs_cis[position_ids[0]]
                 return self.layers(self.tok_embeddings(tokens), freqs_cis)
+
+
+        class MetaLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.model = Transformer(config)
         """)
-    assert_codemod(rule, SLICED_TABLE, after, make_ctx)
+    assert_codemod(rule, SLICED_TABLE, after, entry)
+    # a module the entry does not call is not given positions: nothing to read the rows with
+    assert "position_ids" not in run_codemod(rule, SLICED_TABLE, make_ctx())
     for other in ("[start_pos : seqlen]", "[start_pos : start_pos + seqlen : 2]", "[0 : start_pos + seqlen]"):
         kept = SLICED_TABLE.replace("[start_pos : start_pos + seqlen]", other)  # not the current tokens' rows
-        assert "position_ids" not in run_codemod(rule, kept, make_ctx())
+        assert "position_ids" not in run_codemod(rule, kept, entry())
     own_row = SLICED_TABLE.replace(  # given one row, to which it adds the batch dimension: `[0]` would cut it
         "def forward(self, tokens, cache=None):\n",
         "def forward(self, tokens, position_ids, cache=None):\n        position_ids = position_ids.unsqueeze(0)\n",
     )
-    assert "self.freqs_cis[position_ids[0]]" not in run_codemod(rule, own_row, make_ctx())
+    assert "self.freqs_cis[position_ids[0]]" not in run_codemod(rule, own_row, entry())
 
 
 ARANGED = dedent("""\
@@ -697,6 +712,12 @@ ARANGED = dedent("""\
                 past_length = past_key_values[0][0].size(-2)
             position_ids = torch.arange(past_length, input_ids.shape[-1] + past_length, device=input_ids.device)
             return self.h(self.wte(input_ids) + self.wpe(position_ids.unsqueeze(0)))
+
+
+    class LM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.transformer = Model(config)
     """)
 
 
@@ -710,10 +731,18 @@ def test_positions_ranged_from_a_tuple_cache_s_length_are_the_given_ones(make_ct
                 past_length = 0
                 position_ids = position_ids[0]
                 return self.h(self.wte(input_ids) + self.wpe(position_ids.unsqueeze(0)))
+
+
+        class LM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.transformer = Model(config)
         """)
-    assert_codemod(rule, code, after, make_ctx)
-    stepped = code.replace("device=input_ids.device)", "2)")  # every other position: not the tokens'
-    assert "position_ids[0]" not in run_codemod(rule, stepped, make_ctx())
+    entry = partial(make_ctx, entry_class="LM")
+    assert_codemod(rule, code, after, entry)
+    for step in ("2)", "step=2)"):  # every other position: not the tokens'
+        stepped = code.replace("device=input_ids.device)", step)
+        assert "position_ids[0]" not in run_codemod(rule, stepped, entry())
 
 
 def test_return_dict_folds_to_the_hidden_states_form(run_rule):

@@ -152,7 +152,10 @@ def _first_returned(built: cst.ClassDef | None, fwd: cst.FunctionDef, inner: str
     if not returns or len(returns) != len(m.findall(inner_fwd, m.Return())):
         return None
     call = m.Call(m.Attribute(m.Name("self"), m.Name(inner)))
-    unpacked = m.Assign([m.AssignTarget(m.Tuple())], call)
+    first_named = m.Tuple([m.Element(m.Name(m.MatchIfTrue(lambda n: n != "_"))), m.ZeroOrMore()])
+    unpacked = m.Assign(
+        [m.AssignTarget(first_named)], call
+    )  # `hidden_states, presents = ...`, not `_, h = ...`
     bound = m.findall(fwd, m.Assign([m.AssignTarget(m.Name())], call))
     first = [
         n.value.value

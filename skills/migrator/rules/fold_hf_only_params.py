@@ -485,7 +485,7 @@ class FoldHFOnlyParams(Rule):
                 f"token ids only and folds `{param}` away, which would lose that input",
             )
         past = _past_lengths(module)
-        module = pass_positions(module, self.rewrite.checkpoint_config, past)
+        module = pass_positions(module, self.rewrite.checkpoint_config, past, self.rewrite.entry_class)
         kept, helper_args = _helper_bindings(module)
         mixed_args, conflicts = _mixed_list_bindings(module)
         for names, arg in conflicts:
