@@ -336,15 +336,23 @@ def replicates_attention(model_dir: Path) -> bool:
 
 
 def check_token_layout(pc: ParallelConfig, sources: dict[str, str]) -> None:
-    """Refuse attention DP beside TP modules for a model whose states are [tokens, batch, hidden] (ChatGLM's: its
-    entry picks the last positions along the first axis): the DP ranks' share of a step's tokens is cut along the
-    token axis of [batch, tokens, hidden] states."""
-    if needs_sharded_layout(pc) and any(f"[{LAST_POSITIONS_SEQ_FIRST}]" in text for text in sources.values()):
+    """Refuse attention DP beside TP modules, which splits each step's tokens across ranks between layers along the
+    token axis of [batch, tokens, hidden] states, for a model that needs the whole step in a layer (state kept per
+    request) or keeps its states [tokens, batch, hidden] (ChatGLM's: its entry picks the last positions along the
+    first axis)."""
+    if not needs_sharded_layout(pc):
+        return
+    fix = "Use TP alone (attn_tp_size = world_size), or attention DP with every TP size 1."
+    split = f"parallel_config has attention DP {pc.attn_dp_size} beside TP modules, which splits each step's tokens"
+    if any("@per_request(" in text for text in sources.values()):
         raise ConfigError(
-            f"parallel_config has attention DP {pc.attn_dp_size} beside TP modules, which splits each step's tokens "
-            "across ranks along the token dimension of [batch, tokens, hidden] states; this model keeps its states "
-            "[tokens, batch, hidden] (its entry picks `[last_token_indices, 0]`). Use TP alone (attn_tp_size = "
-            "world_size), or attention DP with every TP size 1."
+            f"{split} across ranks between layers; this model's layers that keep state per request (`@per_request`) "
+            f"run on the whole step. {fix}"
+        )
+    if any(f"[{LAST_POSITIONS_SEQ_FIRST}]" in text for text in sources.values()):
+        raise ConfigError(
+            f"{split} across ranks along the token dimension of [batch, tokens, hidden] states; this model keeps its "
+            f"states [tokens, batch, hidden] (its entry picks `[last_token_indices, 0]`). {fix}"
         )
 
 
@@ -361,12 +369,6 @@ def _load(
     sized = with_standard_sizes(hf_config, model_cls, config)  # the config the plan reads
     validate(pc, sized)
     sources = _migrated_sources(model_dir)
-    if needs_sharded_layout(pc) and any("@per_request(" in text for text in sources.values()):
-        raise ConfigError(
-            f"parallel_config has attention DP {pc.attn_dp_size} beside TP modules, which splits each step's tokens "
-            "across ranks between layers; this model's layers that keep state per request (`@per_request`) run on "
-            "the whole step. Use TP alone (attn_tp_size = world_size), or attention DP with every TP size 1."
-        )
     check_token_layout(pc, sources)
     check_rule_ids(disabled, PARALLEL_RULES)
     code = rewrite_sources(sources, model_cls.__name__, disabled, hf_config, replicate_attention)

@@ -290,18 +290,18 @@ class CausalLMEntry(Rule):
         inner = _inner_model_attr(cls, module)
         head = _vocab_projection(cls, fwd, inner, module)
         tail = None if inner is None else _logits_tail(fwd, inner, head)
-        built = _inner_class(cls, module, inner)
+        built = new_built = _inner_class(cls, module, inner)
         if tail is None and (inside := _applied_inside(built)) is not None:
-            attr, hidden = inside  # the entry applies the inner model's output layer to its hidden states
+            attr, new_built = inside  # the entry applies the inner model's output layer to its hidden states
             tail = [
                 stmt(f"logits = self.{inner}.{attr}(hidden_states)\n"),
                 stmt("return logits[:, None, :]\n"),
             ]
-            module, built = module.deep_replace(built, hidden), hidden
-            cls, head = classes(module)[ctx.entry_class], f"{inner}.{attr}"
-            fwd, init = method(cls, "forward"), method(cls, "__init__")
-        if tail is not None and (first := _first_returned(built, fwd, inner)) is not None:
-            module, built = module.deep_replace(built, first), first
+            head = f"{inner}.{attr}"
+        if tail is not None and (first := _first_returned(new_built, fwd, inner)) is not None:
+            new_built = first
+        if new_built is not built:  # the inner model now returns the hidden states the entry picks from
+            module, built = module.deep_replace(built, new_built), new_built
             cls = classes(module)[ctx.entry_class]
             fwd, init = method(cls, "forward"), method(cls, "__init__")
         if inner is None or tail is None:

@@ -479,9 +479,8 @@ class RuntimeAttention(Rule):
         if any("Attention" in top_level_names(s) for s in module.body):  # GPT-1's, hiding the runtime's
             model = re.sub(r"(ForCausalLM|LMHeadModel|Model)$", "", ctx.entry_class) or "Model"
             module = m.replace(module, m.Name("Attention"), cst.Name(f"{model}Attention"))
-            ctx.scope_lines[f"{model}Attention"] = ctx.scope_lines.get(
-                "Attention", 0
-            )  # findings name its line
+            # findings on the renamed class name the line the original stands on
+            ctx.scope_lines[f"{model}Attention"] = ctx.scope_lines.get("Attention", 0)
             attn = attention_classes(module, ctx.entry_class)
         module = module.visit(_Classes(ctx, attn, class_table_members(module, set(classes(module)))))
         imports = [

@@ -96,6 +96,8 @@ _PER_KEY_HEAD = m.BinaryOperation(
     m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, KV_HEADS))),
 )
 PER_GROUP = _PER_KEY_HEAD | m.BinaryOperation(_PER_KEY_HEAD, m.Add(), m.Integer())
+# the runtime Attention's head-count arguments: (position, keyword)
+HEAD_ARGS = ((0, "num_heads"), (3, "num_kv_heads"))
 # head counts a method other than __init__ may read as `self.<attr>`: they size the activations a rank holds
 HEAD_ATTRS = re.compile("|".join((*HEADS, "n_heads", "n_head")))
 
@@ -123,7 +125,7 @@ def _attention_head_counts(init: cst.FunctionDef, attention: list[Layer]) -> lis
     attributes among them to once (`num_heads=self.n_local_heads`, `self.n_local_heads = args.n_heads`)."""
     counts = []
     for layer in attention:
-        for pos, name in ((0, "num_heads"), (3, "num_kv_heads")):
+        for pos, name in HEAD_ARGS:
             if (given := arg(layer.call, pos, name)) is None:
                 continue
             counts.append(code(given.value))
@@ -854,7 +856,7 @@ def _rewrite_per_head(
     }
     for layer in attention:
         call = layer.call
-        for pos, name in ((0, "num_heads"), (3, "num_kv_heads")):
+        for pos, name in HEAD_ARGS:
             if (given := arg(call, pos, name)) is not None:
                 call = _set_kwarg(
                     call, pos, name, f'local_heads({code(given.value)}, comm_manager, "{GROUP}")'
