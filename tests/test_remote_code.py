@@ -35,6 +35,8 @@ CONVERTED = {
     "metalm": ("num_heads=self.n_local_heads", "return self.output(", "start_pos"),
     # transformers 4.2x style: a tuple cache grown by torch.cat per layer, blocks zipped with it, tuples returned
     "tuplelm": ("self.attn = Attention(", "torch.cat((past_key", "presents"),
+    # today's APIs mixed as no transformers model mixes them: soft-capped scores, sliding and full layers
+    "twistlm": ("soft_cap=self.config.attn_logit_softcapping", "get_interface(", "past_key_values"),
 }
 # one in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
 IN_MAKE_TEST = ("packlm",)
@@ -128,6 +130,8 @@ SHARDED = {
         "MetaLMAttention: wq/wk/wv -> ColumnParallelLinear by heads",
         "FeedForward: w1/w3 -> ColumnParallelLinear",
     ),
+    # a biased query beside unbiased keys and values: one ColumnParallelLinear a projection, not QKVParallelLinear
+    "twistlm": ("TwistAttention: q_proj/k_proj/v_proj -> ColumnParallelLinear by heads", "TwistMLP: fc1"),
 }
 
 

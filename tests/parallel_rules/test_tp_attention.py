@@ -222,9 +222,6 @@ def _finding(run_rule, make_ctx, code: str, scope: str = "LlamaAttention") -> st
 
 def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
     cases = {
-        "differ in input size or bias": BEFORE.replace(
-            "* self.head_dim, bias=True)\n        self.v", "* self.head_dim, bias=False)\n        self.v"
-        ),
         "called on different inputs": BEFORE.replace(
             "self.v_proj(hidden_states)", "self.v_proj(hidden_shape)"
         ),
@@ -942,6 +939,31 @@ def test_projections_built_only_in_some_layers_are_split_by_heads_unfused(run_ru
     )
     assert "self.v_proj = ColumnParallelLinear(" in out and "QKVParallelLinear" not in out
     assert 'num_kv_heads=local_heads(config.num_key_value_heads, comm_manager, "attn_tp_group")' in out
+    assert (
+        ctx.rewrites[0]
+        == "LlamaAttention: q_proj/k_proj/v_proj -> ColumnParallelLinear by heads (attn_tp_group)"
+    )
+
+
+def test_projections_with_biases_of_their_own_are_split_by_heads_unfused(run_rule, make_ctx):
+    """A biased query beside unbiased keys and values (one QKVParallelLinear holds one bias setting): each
+    projection becomes a ColumnParallelLinear of this rank's heads, with its own bias."""
+    code = BEFORE.replace(
+        "* self.head_dim, bias=True)\n        self.v", "* self.head_dim, bias=False)\n        self.v"
+    ).replace("* self.head_dim, bias=True)\n        self.o", "* self.head_dim, bias=False)\n        self.o")
+    ctx = make_ctx()
+    out = _sharded(run_rule, make_ctx, code, ctx)
+    plumbing = 'comm_manager=comm_manager, tp_group="attn_tp_group", prefix=join_prefix(prefix, "{}"))'
+    for name, heads, bias in (
+        ("q_proj", "num_attention_heads", True),
+        ("k_proj", "num_key_value_heads", False),
+        ("v_proj", "num_key_value_heads", False),
+    ):
+        assert (
+            f"self.{name} = ColumnParallelLinear(config.hidden_size, config.{heads} * self.head_dim, "
+            f"bias={bias}, " + plumbing.format(name) in out
+        )
+    assert "QKVParallelLinear" not in out
     assert (
         ctx.rewrites[0]
         == "LlamaAttention: q_proj/k_proj/v_proj -> ColumnParallelLinear by heads (attn_tp_group)"

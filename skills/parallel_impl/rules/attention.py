@@ -960,6 +960,9 @@ def _rewrite(
     inputs = {
         (same.get(a.in_features, a.in_features), a.bias, a.transposed) for a in args[: len(projections)]
     }
+    if len(inputs) != 1 and not fused and not any(t for _, _, t in inputs):
+        # biased queries beside unbiased keys (or inputs of their own): each projection split by its own heads
+        return _listed(_rewrite_per_head(cls, ctx, init, fwd, list(projections)))
     if len(inputs) != 1:
         return (
             "q/k/v projections differ in input size or bias, or in how the checkpoint lays their weights out"
