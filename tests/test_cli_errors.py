@@ -1,5 +1,6 @@
 """Bad input exits non-zero with a one-paragraph message and no traceback."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -66,3 +67,15 @@ def test_corrupt_safetensors(model_dir, tiny_llama_dir, tmp_path):
 
 def test_missing_model_dir(tmp_path):
     assert_clean_error(run_cli("run", str(tmp_path / "no_such_model")), "no_such_model")
+
+
+def test_a_config_json_the_config_class_rejects(model_dir, tiny_llama_dir, tmp_path):
+    broken = tmp_path / "bad_config"
+    shutil.copytree(tiny_llama_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["hidden_size"] = "wide"
+    (broken / "config.json").write_text(json.dumps(config))
+    doc = yaml.safe_load(_yaml(model_dir).read_text())
+    doc["model_config"]["model_path"] = str(broken)
+    _yaml(model_dir).write_text(yaml.safe_dump(doc))
+    assert_clean_error(run_cli("run", str(model_dir)), "could not read", "config.json", "hidden_size")

@@ -71,13 +71,22 @@ class ModelWorker:
                 f"no config.json in {self.model_path}; set model_config.model_path in the YAML to "
                 "the checkpoint directory."
             )
-        if config_cls is not None:
+        try:
+            if config_cls is None:
+                return AutoConfig.from_pretrained(
+                    self.model_path, trust_remote_code=self.config.model_config.trust_remote_code
+                )
             hf_config = config_cls.from_pretrained(self.model_path)
-            hf_config._name_or_path = str(self.model_path)  # as AutoConfig sets it: where remote code lives
-            return hf_config
-        return AutoConfig.from_pretrained(
-            self.model_path, trust_remote_code=self.config.model_config.trust_remote_code
-        )
+        except UserError:
+            raise
+        except Exception as e:  # the config class (remote code too) rejected the checkpoint's config.json
+            name = config_cls.__name__ if config_cls is not None else "AutoConfig"
+            raise UserError(
+                f"{name} could not read {self.model_path / 'config.json'}: {type(e).__name__}: {e}; "
+                "fix the configuration code or config.json (transformers' own from_pretrained fails the same way)."
+            ) from e
+        hf_config._name_or_path = str(self.model_path)  # as AutoConfig sets it: where remote code lives
+        return hf_config
 
     def model_class_and_config(self) -> tuple[type[torch.nn.Module], PretrainedConfig]:
         """The model directory's entry class and the checkpoint's HF config (through its config class if any)."""
