@@ -37,6 +37,8 @@ CONVERTED = {
     "tuplelm": ("self.attn = Attention(", "torch.cat((past_key", "presents"),
     # today's APIs mixed as no transformers model mixes them: soft-capped scores, sliding and full layers
     "twistlm": ("soft_cap=self.config.attn_logit_softcapping", "get_interface(", "past_key_values"),
+    # nanoGPT: no cache, the trunk in an nn.ModuleDict of the entry, positions from arange, heads sized by C
+    "nanolm": ("head_dim=config.n_embd // self.n_head", "nn.ModuleDict(", "torch.arange("),
 }
 # one in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
 IN_MAKE_TEST = ("packlm",)
@@ -132,6 +134,8 @@ SHARDED = {
     ),
     # a biased query beside unbiased keys and values: one ColumnParallelLinear a projection, not QKVParallelLinear
     "twistlm": ("TwistAttention: q_proj/k_proj/v_proj -> ColumnParallelLinear by heads", "TwistMLP: fc1"),
+    # nanoGPT: heads set after the fused projection, head size from the input width (`C // self.n_head`)
+    "nanolm": ("CausalSelfAttention: c_attn -> QKVParallelLinear", "MLP: c_fc -> ColumnParallelLinear"),
 }
 
 

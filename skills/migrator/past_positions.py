@@ -10,7 +10,15 @@ import libcst.matchers as m
 from transformers import PretrainedConfig
 
 from skills.migrator.call_sites import binding, call_sites, instance_attrs, named_params
-from skills.migrator.cst_utils import appended, classes, free_names, method, param_names, with_args
+from skills.migrator.cst_utils import (
+    appended,
+    assigned_names,
+    classes,
+    free_names,
+    method,
+    param_names,
+    with_args,
+)
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
 
 SELF_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()))
@@ -62,19 +70,89 @@ def _takes_positions(call: cst.Call, callee: cst.ClassDef | None, lengths: set[s
     return True
 
 
+def _token_count(fn: cst.FunctionDef) -> m.BaseMatcherNode | None:
+    """What reads the number of tokens fn is given (its first parameter, the ids: nanoGPT's `idx`): `ids.size(1)`,
+    `ids.shape[-1]`, ..., or a name bound to one, or to the second of `b, t = ids.size()`."""
+    params = [p for p in param_names(fn) if p != "self"]
+    if not params:
+        return None
+    ids = m.Name(params[0])
+    last = m.Integer("1") | m.UnaryOperation(m.Minus(), m.Integer("1"))
+    read = m.Call(m.Attribute(ids, m.Name("size")), [m.Arg(last)]) | m.Subscript(
+        m.Attribute(ids, m.Name("shape")), [m.SubscriptElement(m.Index(last))]
+    )
+    whole = m.Call(m.Attribute(ids, m.Name("size")), []) | m.Attribute(ids, m.Name("shape"))
+    pair = m.Tuple([m.Element(m.Name()), m.Element(m.Name())])
+    names = [a.targets[0].target.value for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], read))]
+    names += [
+        a.targets[0].target.elements[1].value.value
+        for a in m.findall(fn, m.Assign([m.AssignTarget(pair)], whole))
+    ]
+    once = [
+        n
+        for n in names
+        if sum(n in assigned_names(s) for s in m.findall(fn, m.Assign() | m.AugAssign())) == 1
+    ]
+    return m.OneOf(read, *map(m.Name, once)) if once else read
+
+
+def _counted_positions(fn: cst.FunctionDef) -> dict[cst.CSTNode, cst.CSTNode]:
+    """In a model without a cache (every step reads the whole sequence again), `torch.arange(n)` or
+    `torch.arange(0, n)` of the number of tokens fn is given are their positions: `position_ids[0]`. An assert
+    on that number (nanoGPT's `t <= block_size`) goes (_without_count_asserts): the runtime packs every request's
+    tokens in one row."""
+    count = _token_count(fn)
+    if count is None:
+        return {}
+    zero = m.Arg(m.Integer("0"), keyword=None)
+    arange = m.Call(
+        m.Attribute(m.Name("torch"), m.Name("arange")),
+        [
+            m.ZeroOrOne(zero),
+            m.Arg(count, keyword=None),
+            m.ZeroOrMore(m.Arg(keyword=m.Name() & ~m.Name("step"))),
+        ],
+    )
+    return {c: cst.parse_expression("position_ids[0]") for c in m.findall(fn, arange)}
+
+
+def _without_count_asserts(fn: cst.FunctionDef) -> cst.FunctionDef:
+    """fn without its asserts on the number of tokens it is given (see _counted_positions)."""
+    count = _token_count(fn)
+    if count is None:
+        return fn
+    lines = [
+        line for line in m.findall(fn.body, m.SimpleStatementLine([m.Assert()])) if m.findall(line, count)
+    ]
+    return fn.visit(_Dropped({id(line) for line in lines})) if lines else fn
+
+
+class _Dropped(cst.CSTTransformer):
+    def __init__(self, ids: set[int]):
+        self.ids = ids
+
+    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
+        return cst.RemoveFromParent() if id(original) in self.ids else updated
+
+
 def _current_positions(
-    fn: cst.FunctionDef, lengths: set[str], entered: bool
+    fn: cst.FunctionDef, lengths: set[str], entered: bool, uncached: bool
 ) -> dict[cst.BaseExpression, str]:
     """What fn computes the current tokens' positions with from a past length L, with what replaces it: the rows
     `table[L : L + n]` (or `[L : n + L]`) of a table indexed by position (Meta's `self.freqs_cis[start_pos :
     start_pos + seqlen]`) become `table[position_ids[0]]`, `torch.arange(L, L + n)` (or `(L, n + L)`) becomes
     `position_ids[0]` (GPT-2 of transformers 4.2x when it is not given positions). Only where fn is given the
     runtime's [1, T] positions: it takes `position_ids` and does not add their batch dimension itself, or it is
-    the inner model's forward (entered), which the entry passes them to."""
+    the inner model's forward (entered), which the entry passes them to. In a model without a cache (uncached),
+    see _counted_positions."""
     given = "position_ids" in param_names(fn)
     branches = {id(s) for i in m.findall(fn, WITHOUT_POSITIONS) for s in m.findall(i, ADDS_BATCH)}
     one_row = any(id(s) not in branches for s in m.findall(fn, ADDS_BATCH))
-    if not lengths or (given and one_row) or not (given or entered):
+    if (given and one_row) or not (given or entered):
+        return {}
+    if uncached:
+        return _counted_positions(fn)
+    if not lengths:
         return {}
     length = m.OneOf(*map(m.Name, lengths))
     upper = m.BinaryOperation(length, m.Add()) | m.BinaryOperation(operator=m.Add(), right=length)
@@ -123,8 +201,8 @@ def _guard_untaken(module: cst.Module, config: PretrainedConfig | None, lengths:
 
 
 class _PassPositions(cst.CSTTransformer):
-    def __init__(self, module: cst.Module, lengths: Lengths, entry_class: str):
-        self.local, self.lengths, self.cls = classes(module), lengths, None
+    def __init__(self, module: cst.Module, lengths: Lengths, entry_class: str, uncached: bool):
+        self.local, self.lengths, self.cls, self.uncached = classes(module), lengths, None, uncached
         init = method(self.local[entry_class], "__init__") if entry_class in self.local else None
         self.inner = {c for c, _ in instance_attrs(init, set(self.local)).values()} if init else set()
         self.callees: set[str] = set()  # the classes now given positions
@@ -142,7 +220,9 @@ class _PassPositions(cst.CSTTransformer):
         entered = (
             self.cls is not None and self.cls.name.value in self.inner and original.name.value == "forward"
         )
-        changed = _current_positions(updated, lengths, entered)
+        if self.uncached and entered:
+            updated = _without_count_asserts(updated)
+        changed = _current_positions(updated, lengths, entered, self.uncached)
         for call in fed_past_length(updated, lengths):
             names = _built(init, call.func.attr.value)
             callees = [self.local.get(c) for c in names]
@@ -200,11 +280,12 @@ class _Unfold(cst.CSTTransformer):
 
 
 def pass_positions(
-    module: cst.Module, config: PretrainedConfig | None, lengths: Lengths, entry_class: str
+    module: cst.Module, config: PretrainedConfig | None, lengths: Lengths, entry_class: str, uncached: bool
 ) -> cst.Module:
     """module with the untaken branches around modules fed a past length guarded, the positions passed to those
-    that take them instead of the length, and their branch computing positions from it folded away."""
+    that take them instead of the length, and their branch computing positions from it folded away; uncached:
+    the model has no cache at all (see _counted_positions)."""
     module = _guard_untaken(module, config, lengths)
-    passing = _PassPositions(module, lengths, entry_class)
+    passing = _PassPositions(module, lengths, entry_class, uncached)
     module = module.visit(passing)
     return _given_positions(module, passing.callees)

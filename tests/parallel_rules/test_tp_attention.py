@@ -265,7 +265,8 @@ def test_unshardable_attention_is_a_finding(run_rule, make_ctx):
             "        # projections\n", "        self.n_heads = 4\n        self.n_heads += 4\n"
         ).replace("(*hidden_states.shape[:-1], -1,", "(-1, self.n_heads,"),
         "computed after q_proj": BEFORE.replace("head_dim=self.head_dim", "head_dim=self.head_dim2").replace(
-            "        self.attn = Attention(", "        self.head_dim2 = 64\n        self.attn = Attention("
+            "        self.attn = Attention(",
+            "        self.head_dim2 = self.q_proj.out_features // 8\n        self.attn = Attention(",
         ),
     }
     for reason, code in cases.items():
@@ -970,6 +971,19 @@ def test_projections_with_biases_of_their_own_are_split_by_heads_unfused(run_rul
     )
 
 
+def test_head_counts_set_from_the_config_after_the_projections_are_set_before_them(run_rule, make_ctx):
+    """nanoGPT sets `self.n_head = config.n_head` after `self.c_attn`: the line moves up, to where the fused
+    projection is built from this rank's heads."""
+    code = BEFORE.replace("head_dim=self.head_dim", "head_dim=self.head_dim2").replace(
+        "        self.attn = Attention(",
+        "        self.head_dim2 = config.head_dim\n        self.attn = Attention(",
+    )
+    out = _sharded(run_rule, make_ctx, code)
+    assert out.count("self.head_dim2 = config.head_dim") == 1
+    assert out.index("self.head_dim2 = config.head_dim") < out.index("self.qkv_proj = QKVParallelLinear(")
+    assert "QKVParallelLinear(config.hidden_size, self.head_dim2," in out
+
+
 def test_a_projection_assigned_twice_is_a_finding(run_rule, make_ctx):
     code = KV_SHARED.replace(
         "        self.o_proj = nn.Linear(",
@@ -1264,6 +1278,32 @@ def test_the_input_width_read_otherwise_after_attention_is_a_finding(run_rule, m
     )
     assert "sizes the attention output by its input's width `embed_dim`" in _finding(
         run_rule, make_ctx, code, "TrOCRAttention"
+    )
+
+
+def test_a_head_size_computed_from_the_input_width_is_left_for_the_view_to_infer(run_rule, make_ctx):
+    """nanoGPT views each head by `C // self.n_head`, C the input's width: whole on every rank, while the head
+    count becomes this rank's, so the head size is left to view, `-1`."""
+    code = BART.replace(
+        "view(bsz, tgt_len, self.num_heads, self.head_dim)",
+        "view(bsz, tgt_len, self.num_heads, embed_dim // self.num_heads)",
+    )
+    out = _sharded(run_rule, make_ctx, code)
+    assert "view(bsz, tgt_len, self.num_heads, -1)" in out and "embed_dim // self.num_heads)" not in out
+    # a view that already leaves a size to infer cannot leave the head size too
+    both = code.replace(
+        "view(bsz, tgt_len, self.num_heads, embed_dim", "view(bsz, -1, self.num_heads, embed_dim"
+    )
+    assert "sizes heads by its input's width `embed_dim`" in _finding(
+        run_rule, make_ctx, both, "TrOCRAttention"
+    )
+    # read otherwise before attention: a finding
+    mixed = code.replace(
+        "        attn_output = self.attn(",
+        "        query_states = query_states * (embed_dim // self.num_heads)\n        attn_output = self.attn(",
+    )
+    assert "sizes heads by its input's width `embed_dim`" in _finding(
+        run_rule, make_ctx, mixed, "TrOCRAttention"
     )
 
 

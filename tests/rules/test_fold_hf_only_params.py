@@ -1013,3 +1013,48 @@ def test_a_mixed_list_a_builder_method_returns_counts_too(run_rule):
     assert out.count("def forward(self, hidden_states, layer_idx=None, causal_mask=None):") == 2
     assert "hidden_states = layer(hidden_states, i, None)" in out
     assert run_rule(rule, out) == out
+
+
+UNCACHED = dedent("""\
+    class Model(nn.Module):
+        def forward(self, idx):
+            b, t = idx.size()
+            assert t <= self.config.block_size, f"Cannot forward sequence of length {t}"
+            pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+            return self.h(self.wte(idx) + self.wpe(pos))
+
+
+    class LM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.transformer = Model(config)
+
+        def forward(self, input_ids):
+            return self.lm_head(self.transformer(input_ids))
+    """)
+
+
+def test_positions_ranged_over_the_tokens_of_a_model_without_a_cache_are_the_given_ones(make_ctx):
+    # nanoGPT: no cache, every step reads the whole sequence again, so arange(0, t) are the tokens' positions; the
+    # assert on t would count every request's tokens, packed in one row, and goes
+    after = UNCACHED.replace(
+        "    def forward(self, idx):\n", "    def forward(self, idx, position_ids=None):\n", 1
+    ).replace(
+        """        assert t <= self.config.block_size, f"Cannot forward sequence of length {t}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+""",
+        "        pos = position_ids[0]\n",
+    )
+    assert after != UNCACHED
+    entry = partial(make_ctx, entry_class="LM")
+    assert_codemod(rule, UNCACHED, after, entry)
+    for count in ("idx.shape[1]", "idx.size(-1)"):
+        direct = UNCACHED.replace("torch.arange(0, t,", f"torch.arange({count},")
+        assert "pos = position_ids[0]" in run_codemod(rule, direct, entry())
+    # an arange over anything else (a width), or an entry that takes a cache, keeps its values
+    for change in (
+        ("torch.arange(0, t,", "torch.arange(0, self.width,"),
+        ("def forward(self, input_ids):", "def forward(self, input_ids, past_key_values=None):"),
+    ):
+        kept = run_codemod(rule, UNCACHED.replace(*change), entry())
+        assert "position_ids[0]" not in kept and "torch.arange(0, " in kept

@@ -699,3 +699,35 @@ def test_layers_appended_to_the_module_list_attribute_itself_are_found():
             self.blocks.extend(others)
         """)
     assert instance_attrs(cst.parse_module(mixed).body[0], {"TransformerBlock", "Dense"}) == {}
+
+
+NANO_ATTENTION = dedent("""\
+
+
+    class LlamaAttention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+            self.n_head = config.n_head
+            self.n_embd = config.n_embd
+
+        def forward(self, hidden_states, **kwargs):
+            B, T, C = hidden_states.size()
+            q, k, v = self.c_attn(hidden_states).split(self.n_embd, dim=2)
+            q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            out = heads_first_attention(self, q, k, v)
+            return self.c_proj(out.transpose(1, 2).reshape(B, T, C))
+    """)
+
+
+def test_a_head_size_from_the_input_width_is_the_width_its_projection_takes(run_rule):
+    """nanoGPT: `B, T, C = x.size()`, queries viewed by `C // self.n_head` after `self.c_attn(x)`: C is what
+    c_attn takes, `config.n_embd`, which __init__ can build the layer with."""
+    assert "head_dim=config.n_embd // self.n_head," in ctor_line(
+        run_rule(rule, HEADER + NANO_ATTENTION + CALLERS)
+    )
+    # a width read off a tensor no projection of __init__ takes gives no head size to build the layer with
+    unsized = NANO_ATTENTION.replace("self.c_attn(hidden_states)", "self.c_attn(hidden_states * 2)")
+    assert "head_dim=config.n_embd" not in ctor_line(run_rule(rule, HEADER + unsized + CALLERS))

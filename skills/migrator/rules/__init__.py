@@ -22,6 +22,7 @@ from skills.migrator.rules.latent_kv_cache import LatentKVCache
 from skills.migrator.rules.list_outputs import ListOutputs
 from skills.migrator.rules.model_outputs import ModelOutputs
 from skills.migrator.rules.module_bases import ModuleBases
+from skills.migrator.rules.module_dict_model import ModuleDictModel
 from skills.migrator.rules.plain_linear_subclasses import PlainLinearSubclasses
 from skills.migrator.rules.prune_unreachable import PruneUnreachable
 from skills.migrator.rules.remove_mask_machinery import RemoveMaskMachinery
@@ -40,6 +41,7 @@ from skills.migrator.rules.unused_parameters import UnusedParameters
 MODELING_RULES = [
     AbsoluteImports,
     StripHFDecorators,
+    ModuleDictModel,
     RemoveMaskMachinery,
     CacheParams,
     CacheKeys,

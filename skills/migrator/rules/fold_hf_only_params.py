@@ -21,6 +21,7 @@ from skills.migrator.cst_utils import (
     code,
     free_names,
     method,
+    param_names,
     with_args,
     without_dangling_comma,
 )
@@ -485,7 +486,13 @@ class FoldHFOnlyParams(Rule):
                 f"token ids only and folds `{param}` away, which would lose that input",
             )
         past = _past_lengths(module)
-        module = pass_positions(module, self.rewrite.checkpoint_config, past, self.rewrite.entry_class)
+        entry = classes(module).get(self.rewrite.entry_class)
+        entry_fwd = method(entry, "forward") if entry is not None else None
+        # transformers' generate runs a model whose entry takes no cache on the whole sequence at every step
+        uncached = entry_fwd is not None and not set(param_names(entry_fwd)) & (CACHES | {"use_cache"})
+        module = pass_positions(
+            module, self.rewrite.checkpoint_config, past, self.rewrite.entry_class, uncached
+        )
         kept, helper_args = _helper_bindings(module)
         mixed_args, conflicts = _mixed_list_bindings(module)
         for names, arg in conflicts:

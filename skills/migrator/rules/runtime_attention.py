@@ -148,44 +148,92 @@ def _forward_kv_heads(fwd: cst.FunctionDef) -> str | None:
     return None
 
 
-def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression) -> tuple[str, str] | None:
+def _input_widths(init: cst.FunctionDef, fwd: cst.FunctionDef) -> dict[str, cst.BaseExpression]:
+    """Names forward binds to a tensor's last size (nanoGPT's `B, T, C = x.size()`) -> that width as __init__
+    knows it: the input size of a Linear layer forward applies to the same tensor (`self.c_attn(x)`)."""
+    linears = {}
+    for a in m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())):
+        if called_name(a.value).split(".")[-1] == "Linear" and a.value.args and not a.value.args[0].keyword:
+            linears[a.targets[0].target.attr.value] = a.value.args[0].value
+    sizes = m.Call(m.Attribute(m.Name(), m.Name("size")), []) | m.Attribute(m.Name(), m.Name("shape"))
+    found = {}
+    for a in m.findall(
+        fwd, m.Assign([m.AssignTarget(m.Tuple([m.ZeroOrMore(), m.Element(m.Name())]))], sizes)
+    ):
+        x = (a.value.func.value if isinstance(a.value, cst.Call) else a.value).value
+        applied = [
+            linears[c.func.attr.value]
+            for c in m.findall(fwd, m.Call(m.Attribute(m.Name("self")), [m.Arg(m.Name(x), keyword=None)]))
+            if c.func.attr.value in linears
+        ]
+        widths = {code(w) for w in applied}
+        if len(widths) == 1 and free_names(applied[0]) <= {"self", "config"}:
+            found[a.targets[0].target.elements[-1].value.value] = applied[0]
+    return found
+
+
+class _Renamed(cst.CSTTransformer):
+    """Names replaced by the expressions of values (an attribute's own name stays)."""
+
+    def __init__(self, values: dict[str, cst.BaseExpression]):
+        self.values = values
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
+        return updated.with_changes(attr=original.attr)
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
+        value = self.values.get(updated.value)
+        if value is None or isinstance(value, cst.Name | cst.Attribute | cst.Call | cst.Subscript):
+            return value or updated
+        return value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+
+
+def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression, init: cst.FunctionDef) -> tuple[str, str] | None:
     """(heads, head size) forward views the tensor it names x with (`x.view(x.size()[:-1] + (self.groups,
-    self.size))`, `x.view(b, t, self.heads, self.size)`), where both read only module attributes or the config."""
+    self.size))`, `x.view(b, t, self.heads, self.size)`), where both read only module attributes or the config,
+    or a width forward read off a tensor that __init__ knows (`C // self.n_head`, see _input_widths)."""
     moved = m.Call(func=m.Attribute(attr=m.Name("transpose") | m.Name("permute") | m.Name("contiguous")))
     while m.matches(x, moved):
         x = x.func.value  # moving the heads does not change their count
     viewed = m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape")))
-    for a in (
-        m.findall(fwd, m.Assign([m.AssignTarget(m.Name(x.value))], viewed)) if isinstance(x, cst.Name) else []
-    ):
-        dims = [d.value for d in a.value.args]
+    widths = _input_widths(init, fwd)
+    for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name(x.value))])) if isinstance(x, cst.Name) else []:
+        value = a.value
+        while m.matches(value, moved):
+            value = value.func.value  # `q.view(b, t, heads, size).transpose(1, 2)`
+        if not m.matches(value, viewed):
+            continue
+        dims = [d.value for d in value.args]
         if len(dims) == 1 and m.matches(dims[0], m.BinaryOperation(right=m.Tuple()) | m.Tuple()):
             dims = [
                 e.value
                 for e in (dims[0].right if isinstance(dims[0], cst.BinaryOperation) else dims[0]).elements
             ]
+        dims = [d.visit(_Renamed(widths)) for d in dims]
         sized = [d for d in dims[-2:] if pure(d) and free_names(d) and free_names(d) <= {"self", "config"}]
         if len(dims) >= 2 and len(sized) == 2:  # not a literal (`-1`: whatever is left) nor a run-time size
             return code(dims[-2]), code(dims[-1])
     return None
 
 
-def _queries(fwd: cst.FunctionDef, call: cst.Call) -> tuple[str, str] | None:
+def _queries(fwd: cst.FunctionDef, call: cst.Call, init: cst.FunctionDef) -> tuple[str, str] | None:
     """(heads, head size) forward views the queries it gives the attention call with (see _viewed)."""
-    return _viewed(fwd, call.args[1].value) if len(call.args) > 1 else None
+    return _viewed(fwd, call.args[1].value, init) if len(call.args) > 1 else None
 
 
-def _viewed_kv_heads(fwd: cst.FunctionDef, q: cst.BaseExpression, k: cst.BaseExpression) -> str | None:
+def _viewed_kv_heads(
+    fwd: cst.FunctionDef, q: cst.BaseExpression, k: cst.BaseExpression, init: cst.FunctionDef
+) -> str | None:
     """The keys' head count as forward views them, where it views the queries with another."""
-    keys = _viewed(fwd, k)
-    return keys[0] if keys is not None and keys != _viewed(fwd, q) else None
+    keys = _viewed(fwd, k, init)
+    return keys[0] if keys is not None and keys != _viewed(fwd, q, init) else None
 
 
 def _attention_ctor(
     call: cst.Call, init: cst.FunctionDef, fwd: cst.FunctionDef, ctx: RewriteContext, scope: str, attr: str
 ) -> cst.BaseStatement:
     init_code = cst.Module([]).code_for_node(init)
-    queries = _queries(fwd, call)
+    queries = _queries(fwd, call, init)
     head_dim = next(
         (f"self.{a}" for a in ("qk_head_dim", "head_dim", "head_size") if f"self.{a} =" in init_code),
         queries[1]
@@ -206,7 +254,9 @@ def _attention_ctor(
         args.append("num_kv_heads=config.num_key_value_heads")
     elif kv_attr:  # e.g. `self.kv_heads = 1 if self.multi_query else self.num_heads`
         args.append(f"num_kv_heads=self.{kv_attr}")
-    elif len(call.args) > 3 and (viewed := _viewed_kv_heads(fwd, call.args[1].value, call.args[2].value)):
+    elif len(call.args) > 3 and (
+        viewed := _viewed_kv_heads(fwd, call.args[1].value, call.args[2].value, init)
+    ):
         args.append(f"num_kv_heads={viewed}")  # ChatGLM's `multi_query_group_num` key heads
     for a in call.args:
         key = a.keyword.value if a.keyword else None
@@ -310,7 +360,9 @@ class _Classes(cst.CSTTransformer):
             self.ctx.unsupported(name, 0, "attention call whose result is not assigned")
             return cls
         config = self.ctx.checkpoint_config
-        if init is None or any(_query_heads(init, _queries(fwd, c), config) is None for c in rewriter.calls):
+        if init is None or any(
+            _query_heads(init, _queries(fwd, c, init), config) is None for c in rewriter.calls
+        ):
             self.ctx.unsupported(
                 name,
                 0,

@@ -33,6 +33,7 @@ from skills.migrator.cst_utils import (
     kwarg,
     method,
     param_names,
+    pure,
     stmt,
 )
 from skills.migrator.rule import Rule
@@ -226,6 +227,9 @@ def _rank_width(init: cst.FunctionDef, fwd: cst.FunctionDef) -> cst.FunctionDef 
     width, found = _input_width(fwd), _attention_call(init, fwd)
     if width is None or found is None:
         return fwd
+    fwd = _per_head_views(fwd, width, found[0])
+    if isinstance(fwd, str):
+        return fwd
     after = fwd.body.body[found[0] :]
     reads = [n for s in after for n in m.findall(s, m.Name(width))]
     if not reads:
@@ -253,6 +257,37 @@ def _rank_width(init: cst.FunctionDef, fwd: cst.FunctionDef) -> cst.FunctionDef 
     for old, new in changes.items():
         fwd = fwd.deep_replace(old, new)
     return fwd
+
+
+def _per_head_views(fwd: cst.FunctionDef, width: str, stop: int) -> cst.FunctionDef | str:
+    """forward with the head size its views compute from the input's width before the attention call (nanoGPT's
+    `q.view(B, T, self.n_head, C // self.n_head)`) left for view / reshape to infer, `-1`: the width stays whole
+    on every rank while the head count becomes this rank's."""
+    per_head = m.BinaryOperation(m.Name(width), m.FloorDivide())
+    before = fwd.body.body[:stop]
+    splits = [e for s in before for e in m.findall(s, per_head)]
+    if not splits:
+        return fwd
+    resize = m.Call(m.Attribute(attr=m.Name("reshape") | m.Name("view")))
+    inferred = m.UnaryOperation(m.Minus(), m.Integer("1"))
+    calls = [
+        c for s in before for c in m.findall(s, resize) if any(m.matches(a.value, per_head) for a in c.args)
+    ]
+    in_calls = {id(a.value) for c in calls for a in c.args if m.matches(a.value, per_head)}
+    if {id(e) for e in splits} != in_calls or any(
+        sum(m.matches(a.value, per_head | inferred) for a in c.args) != 1 for c in calls
+    ):
+        return f"forward sizes heads by its input's width `{width}` (`{code(splits[0])}`), which a rank does not divide"
+    minus_one = cst.parse_expression("-1")
+    return replace_by_id(
+        fwd,
+        {
+            id(c): c.with_changes(
+                args=[a.with_changes(value=minus_one) if id(a.value) in in_calls else a for a in c.args]
+            )
+            for c in calls
+        },
+    )
 
 
 def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> str | None:
@@ -531,6 +566,35 @@ def _computed_later(
     later_locals = set().union(*(assigned_names(s) for s in between)) - {"self"}
     parsed = [cst.parse_expression(e) for e in exprs]
     return any(_self_attrs(e) & later_attrs or free_names(e) & later_locals for e in parsed)
+
+
+def _hoisted(init: cst.FunctionDef, exprs: list[str], first: cst.BaseStatement) -> cst.FunctionDef | None:
+    """init with the lines setting the `self.x` exprs read after `first` (nanoGPT's `self.n_head = config.n_head`,
+    set after `self.c_attn`) moved just before it, where each is set once from init's parameters alone; None
+    when a value exprs read is computed otherwise."""
+    body = list(init.body.body)
+    wanted = set().union(*(_self_attrs(cst.parse_expression(e)) for e in exprs))
+    setter = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))])])
+    moved = []
+    for s in body[body.index(first) + 1 :]:
+        if not m.matches(s, setter) or s.body[0].targets[0].target.attr.value not in wanted:
+            continue
+        value = s.body[0].value
+        set_once = (
+            sum(
+                s.body[0].targets[0].target.attr.value in _self_attrs(t)
+                for t in m.findall(init, m.AssignTarget())
+            )
+            == 1
+        )
+        if not (pure(value) and free_names(value) <= set(param_names(init)) - {"self"} and set_once):
+            return None
+        moved.append(s)
+    if not moved:
+        return None
+    kept = [s for s in body if s not in moved]
+    at = kept.index(first)
+    return init.with_changes(body=init.body.with_changes(body=[*kept[:at], *moved, *kept[at:]]))
 
 
 def _optional_linears(init: cst.FunctionDef) -> dict[str, Layer]:
@@ -987,6 +1051,8 @@ def _rewrite(
     if any(init.body.body.index(a.line) < init.body.body.index(first) for a in attention):
         return f"the Attention layer is built before {projections[0]}, whose per-rank head counts it takes"
     if any(_computed_later(init, sizes, first, a.line) for a in attention):
+        if (hoisted := _hoisted(init, sizes, first)) is not None:
+            return _rewrite(cls.deep_replace(init, hoisted), ctx, closer)
         return f"the Attention head counts use values computed after {projections[0]}"
     sinks = _per_head_params(cls, init, fwd, sizes[1])
     all_heads = {} if fused else _all_head_modules(init, fwd, cls, projections[:2], out)
