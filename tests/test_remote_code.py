@@ -38,7 +38,7 @@ CONVERTED = {
     # today's APIs mixed as no transformers model mixes them: soft-capped scores, sliding and full layers
     "twistlm": ("soft_cap=self.config.attn_logit_softcapping", "get_interface(", "past_key_values"),
     # nanoGPT: no cache, the trunk in an nn.ModuleDict of the entry, positions from arange, heads sized by C
-    "nanolm": ("head_dim=config.n_embd // self.n_head", "nn.ModuleDict(", "torch.arange("),
+    "nanolm": ("head_dim=config.n_embd // self.n_head", "nn.ModuleDict(", "torch.arange(0, t, dtype"),
 }
 # one in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
 IN_MAKE_TEST = ("packlm",)
