@@ -577,17 +577,14 @@ def _hoisted(init: cst.FunctionDef, exprs: list[str], first: cst.BaseStatement) 
     setter = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))])])
     moved = []
     for s in body[body.index(first) + 1 :]:
-        if not m.matches(s, setter) or s.body[0].targets[0].target.attr.value not in wanted:
+        attr = s.body[0].targets[0].target.attr.value if m.matches(s, setter) else None
+        if attr not in wanted:
             continue
-        value = s.body[0].value
-        set_once = (
-            sum(
-                s.body[0].targets[0].target.attr.value in _self_attrs(t)
-                for t in m.findall(init, m.AssignTarget())
-            )
-            == 1
+        value, sets = (
+            s.body[0].value,
+            [t for t in m.findall(init, m.AssignTarget()) if attr in _self_attrs(t)],
         )
-        if not (pure(value) and free_names(value) <= set(param_names(init)) - {"self"} and set_once):
+        if not (pure(value) and free_names(value) <= set(param_names(init)) - {"self"} and len(sets) == 1):
             return None
         moved.append(s)
     if not moved:
