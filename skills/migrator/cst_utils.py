@@ -14,6 +14,30 @@ def code(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node)
 
 
+def operand(e: cst.BaseExpression) -> str:
+    """e's source, parenthesized unless it is a name, attribute, call, subscript or integer."""
+    atomic = isinstance(e, cst.Name | cst.Attribute | cst.Call | cst.Integer | cst.Subscript)
+    return code(e) if atomic else f"({code(e)})"
+
+
+class _Substituted(cst.CSTTransformer):
+    def __init__(self, values: dict[str, cst.BaseExpression]) -> None:
+        self.values = values
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
+        return updated.with_changes(attr=original.attr)  # `self.x`'s x is not a local
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
+        value = self.values.get(original.value)
+        return updated if value is None else cst.parse_expression(operand(value))
+
+
+def substituted(node: cst.BaseExpression, values: dict[str, cst.BaseExpression]) -> cst.BaseExpression:
+    """node with the names in values (not attribute names) replaced by their expressions, parenthesized where
+    the operator around them needs it."""
+    return node.visit(_Substituted(values))
+
+
 def doubled(size: cst.BaseExpression) -> cst.BaseExpression | None:
     """X of a size written `2 * X` or `X * 2`."""
     if not m.matches(size, m.BinaryOperation(operator=m.Multiply())):

@@ -26,6 +26,7 @@ from skills.migrator.cst_utils import (
     param_names,
     pure,
     stmt,
+    substituted,
     with_forward_metadata,
 )
 from skills.migrator.reachability import reachable, top_level_names
@@ -172,22 +173,6 @@ def _input_widths(init: cst.FunctionDef, fwd: cst.FunctionDef) -> dict[str, cst.
     return found
 
 
-class _Renamed(cst.CSTTransformer):
-    """Names replaced by the expressions of values (an attribute's own name stays)."""
-
-    def __init__(self, values: dict[str, cst.BaseExpression]):
-        self.values = values
-
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
-        return updated.with_changes(attr=original.attr)
-
-    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
-        value = self.values.get(updated.value)
-        if value is None or isinstance(value, cst.Name | cst.Attribute | cst.Call | cst.Subscript):
-            return value or updated
-        return value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-
-
 def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression, init: cst.FunctionDef) -> tuple[str, str] | None:
     """(heads, head size) forward views the tensor it names x with (`x.view(x.size()[:-1] + (self.groups,
     self.size))`, `x.view(b, t, self.heads, self.size)`), where both read only module attributes or the config,
@@ -209,7 +194,7 @@ def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression, init: cst.FunctionDef) 
                 e.value
                 for e in (dims[0].right if isinstance(dims[0], cst.BinaryOperation) else dims[0]).elements
             ]
-        dims = [d.visit(_Renamed(widths)) for d in dims]
+        dims = [substituted(d, widths) for d in dims]
         sized = [d for d in dims[-2:] if pure(d) and free_names(d) and free_names(d) <= {"self", "config"}]
         if len(dims) >= 2 and len(sized) == 2:  # not a literal (`-1`: whatever is left) nor a run-time size
             return code(dims[-2]), code(dims[-1])

@@ -32,9 +32,11 @@ from skills.migrator.cst_utils import (
     free_names,
     kwarg,
     method,
+    operand,
     param_names,
     pure,
     stmt,
+    substituted,
 )
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import checkpoint_value, is_guard
@@ -802,7 +804,7 @@ def _block_width(
     reads a parameter or a local bound more than once: the width of the row blocks a fused projection is laid out
     in is fixed by the checkpoint, so what it is computed from stays whole-model."""
     values = local_values(fwd)
-    width = cst.parse_expression(code(block[0]) if len(block) == 1 else " * ".join(map(_operand, block)))
+    width = cst.parse_expression(code(block[0]) if len(block) == 1 else " * ".join(map(operand, block)))
     used: list[cst.BaseExpression] = []
     for _ in range(len(values) + 1):
         names = {n.value for n in m.findall(width, m.Name()) if not _is_field(width, n)} - {"self"}
@@ -811,32 +813,14 @@ def _block_width(
             return None
         if not local:
             return width, used
-        width = width.visit(_Substitute({n: values[n] for n in local}))
+        width = substituted(width, {n: values[n] for n in local})
         used += [values[n] for n in sorted(local)]
     return None
-
-
-def _operand(e: cst.BaseExpression) -> str:
-    """e's source, parenthesized unless it is a name, attribute, call or number."""
-    atomic = isinstance(e, (cst.Name, cst.Attribute, cst.Call, cst.Integer, cst.Subscript))
-    return code(e) if atomic else f"({code(e)})"
 
 
 def _is_field(root: cst.CSTNode, name: cst.Name) -> bool:
     """Whether name is the attribute part of an `x.name` within root."""
     return any(a.attr is name for a in m.findall(root, m.Attribute()))
-
-
-class _Substitute(cst.CSTTransformer):
-    def __init__(self, values: dict[str, cst.BaseExpression]) -> None:
-        self.values = values
-
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
-        return updated.with_changes(attr=original.attr)  # `self.x`'s x is not a local
-
-    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
-        value = self.values.get(original.value)
-        return updated if value is None else cst.parse_expression(_operand(value))
 
 
 def _in_region(fwd: cst.FunctionDef, out: str) -> cst.FunctionDef | str:
