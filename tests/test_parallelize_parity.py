@@ -128,7 +128,7 @@ MOE_RUNS = [
 ]
 
 
-def run(model_dir: Path, yaml_path: Path | None = None) -> dict:
+def run(model_dir: Path, yaml_path: Path | None = None, *flags: str) -> dict:
     return run_json(
         [
             sys.executable,
@@ -142,6 +142,7 @@ def run(model_dir: Path, yaml_path: Path | None = None) -> dict:
             str(NEW_TOKENS),
             *prompts_args(),
             *(["--yaml", str(yaml_path)] if yaml_path else []),
+            *flags,
         ]
     )
 

@@ -34,6 +34,7 @@ from runtime.layers.quantization.w8a8 import (
     int_mm_sums,
     integer_sums,
 )
+from skills.verify.compare import ACTIVATION_QUANT_LOGPROB_ATOL
 
 
 def _dequantized(w: torch.Tensor, method_name: str = "int8_weight_only") -> torch.Tensor:
@@ -443,7 +444,10 @@ def test_compressed_tensors_checkpoint_parallel_matches_the_single_rank(
 ):
     """Under TP, column-parallel layers keep their rows' scales, row-parallel ones their columns' groups, and a
     row-parallel layer quantizes each token's activations with the whole token's scale: the multi-rank run
-    gives the single-rank tokens."""
+    gives the single-rank tokens. With activations quantized, the float parts outside the integer sums
+    (attention, the vocab-split head) sum in another order under TP, which now and then moves an activation
+    across a rounding tie: the runs may then part, but only where the single-rank run's own top two are within
+    the verifier's tolerance (seen on an AVX2 host: a 0.06 step in log-probs, then a 0.0016 near tie)."""
     from hf_reference import parallel_yaml, parallelize
     from quantized_checkpoint import save_compressed
     from test_parallelize_parity import SCENARIOS, run
@@ -452,8 +456,24 @@ def test_compressed_tensors_checkpoint_parallel_matches_the_single_rank(
     proc = _migrate(checkpoint, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model_dir = Path(json.loads(proc.stdout)["model_dir"])
-    single = run(model_dir)
+    single = run(model_dir, None, "--logprobs", "5")
     proc = parallelize(model_dir, parallel_yaml(tmp_path / "p.yaml", *SCENARIOS[scenario]), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    parallel = run(model_dir, Path(json.loads(proc.stdout)["yaml"]))
-    assert [o["token_ids"] for o in parallel["outputs"]] == [o["token_ids"] for o in single["outputs"]]
+    parallel = run(model_dir, Path(json.loads(proc.stdout)["yaml"]), "--logprobs", "5")
+    if not scheme.startswith(("w8a8", "fp8")):
+        assert [o["token_ids"] for o in parallel["outputs"]] == [o["token_ids"] for o in single["outputs"]]
+    for ours, theirs in zip(parallel["outputs"], single["outputs"], strict=True):
+        _part_only_at_a_near_tie(ours, theirs, ACTIVATION_QUANT_LOGPROB_ATOL)
+
+
+def _part_only_at_a_near_tie(ours: dict, theirs: dict, atol: float) -> None:
+    """One prompt's `skill run --logprobs` outputs: the log-probs of the tokens both rank in their top are
+    within atol up to the first differing token, and there the reference (theirs) rates our pick within atol
+    of its own."""
+    for pos, (mine, its) in enumerate(zip(ours["token_ids"], theirs["token_ids"], strict=True)):
+        top, their_top = dict(ours["logprobs"][pos]["top"]), dict(theirs["logprobs"][pos]["top"])
+        for token in top.keys() & their_top.keys():
+            assert abs(top[token] - their_top[token]) <= atol, (pos, token, top, their_top)
+        if mine != its:
+            assert their_top[its] - their_top.get(mine, -float("inf")) <= atol, (pos, mine, its, their_top)
+            return
