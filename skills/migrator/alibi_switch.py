@@ -5,14 +5,23 @@ of the config, in `__init__`."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ATTR, assigned_names, classes, code, free_names, method, pure
+from skills.migrator.cst_utils import (
+    SELF_ATTR,
+    assigned_names,
+    classes,
+    code,
+    findall,
+    free_names,
+    method,
+    pure,
+)
 
 
 def _config_value(cls: cst.ClassDef, attr: str) -> cst.BaseExpression | None:
     """The expression of config alone that `self.<attr>` is set to, when __init__ sets it once and nothing else
     of the class does."""
     init = method(cls, "__init__")
-    sets = m.findall(cls, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr))))
+    sets = findall(cls, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr))))
     if init is None or len(sets) != 1:
         return None
     line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))])])
@@ -25,11 +34,11 @@ def config_switch(module: cst.Module, held: set[str]) -> str | None:
     the test of an `if` that assigns one, read through the `self.<attr> = config...` lines of its class."""
     found = set()
     for cls in classes(module).values():
-        for branch in m.findall(cls, m.If()):
+        for branch in findall(cls, m.If()):
             if not any(assigned_names(s) & held for s in branch.body.body):
                 continue
             test = branch.test
-            for a in m.findall(test, SELF_ATTR):
+            for a in findall(test, SELF_ATTR):
                 value = _config_value(cls, a.attr.value)
                 if value is None:
                     break

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ATTR, choices, classes, method
+from skills.migrator.cst_utils import SELF_ATTR, choices, classes, findall, method
 
 
 def named_params(fn: cst.FunctionDef) -> list[cst.Param]:
@@ -56,7 +56,7 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
     """`self.a = C(...)` (or `None if c else C(...)`) -> a: (C, False); `self.a = nn.ModuleList([C(...) ...])` ->
     a: (C, True)."""
     found = {}
-    for a in m.findall(init, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call() | OPTIONAL)):
+    for a in findall(init, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call() | OPTIONAL)):
         call, attr = a.value, a.targets[0].target.attr.value
         if isinstance(call, cst.IfExp):
             call = call.body if isinstance(call.body, cst.Call) else call.orelse
@@ -77,7 +77,7 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
                 )
             else:
                 kinds = {
-                    c.func.value for c in m.findall(listed, m.Call(func=m.Name())) if c.func.value in local
+                    c.func.value for c in findall(listed, m.Call(func=m.Name())) if c.func.value in local
                 }
             if len(kinds) == 1:
                 found[attr] = (kinds.pop(), True)
@@ -88,7 +88,7 @@ def builders(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
     """The class's own methods its __init__ calls (`self.layers = self.get_layers()`: Zamba2 builds its layers
     in one), by name: they construct on __init__'s behalf."""
     init = method(cls, "__init__")
-    called = {c.func.attr.value for c in m.findall(init, m.Call(SELF_ATTR))} if init else set()
+    called = {c.func.attr.value for c in findall(init, m.Call(SELF_ATTR))} if init else set()
     return {
         f.name.value: f
         for f in cls.body.body
@@ -106,12 +106,12 @@ def mixed_lists(cls: cst.ClassDef, local: set[str]) -> dict[str, set[str]]:
     `nn.ModuleList(items)`)."""
     init = method(cls, "__init__")
     found = {}
-    for a in m.findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], MODULE_LIST)) if init else ():
+    for a in findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], MODULE_LIST)) if init else ():
         found[a.targets[0].target.attr.value] = _appended_kinds(init, a.value.args[0].value.value, local)
     for name, fn in builders(cls).items():
         built_by = m.Assign([m.AssignTarget(SELF_ATTR)], m.Call(m.Attribute(m.Name("self"), m.Name(name))))
-        for a in m.findall(init, built_by):
-            for r in m.findall(fn, m.Return(MODULE_LIST)):
+        for a in findall(init, built_by):
+            for r in findall(fn, m.Return(MODULE_LIST)):
                 found[a.targets[0].target.attr.value] = _appended_kinds(
                     fn, r.value.args[0].value.value, local
                 )
@@ -127,12 +127,12 @@ def _only_appended(fn: cst.FunctionDef, items: str) -> bool:
     """fn adds to the list `items` (a local bound once, to `[]`, or `self.<attr>`) only by `.append(...)`."""
     held = _held(items)
     grown = m.Call(m.Attribute(held, m.Name("extend") | m.Name("insert"))) | m.AugAssign(held)
-    if m.findall(fn, grown):
+    if findall(fn, grown):
         return False
     if "." in items:
         return True
-    bound = m.findall(fn, m.AssignTarget(held))
-    return len(bound) == 1 and len(m.findall(fn, m.Assign([m.AssignTarget(held)], m.List([])))) == 1
+    bound = findall(fn, m.AssignTarget(held))
+    return len(bound) == 1 and len(findall(fn, m.Assign([m.AssignTarget(held)], m.List([])))) == 1
 
 
 def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str]:
@@ -140,10 +140,10 @@ def _appended_kinds(fn: cst.FunctionDef, items: str, local: set[str]) -> set[str
     `self.<attr>`)."""
     built = m.Call(m.Name(m.MatchIfTrue(lambda n: n in local)))
     made = defaultdict(set)  # local -> the classes assigned to it
-    for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], built)):
+    for a in findall(fn, m.Assign([m.AssignTarget(m.Name())], built)):
         made[a.targets[0].target.value].add(a.value.func.value)
     kinds = set()
-    for c in m.findall(fn, m.Call(m.Attribute(_held(items), m.Name("append")), [m.Arg()])):
+    for c in findall(fn, m.Call(m.Attribute(_held(items), m.Name("append")), [m.Arg()])):
         for item in choices(c.args[0].value):
             if m.matches(item, built):
                 kinds.add(item.func.value)
@@ -247,15 +247,15 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
     for owner, cls in local.items():
         init = method(cls, "__init__")
         for attr, (target, is_list) in (instance_attrs(init, set(local)) if init else {}).items():
-            assigned = m.findall(init, m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name(attr))))
+            assigned = findall(init, m.AssignTarget(m.Attribute(value=m.Name("self"), attr=m.Name(attr))))
             explained = {id(t.target) for t in assigned}
             if is_list:
                 for loop in index.loops[(owner, attr)]:
                     over, var = loop_over(loop)
                     explained.add(id(over))
-                    calls = m.findall(loop.body, m.Call(func=m.Name(var)))
+                    calls = findall(loop.body, m.Call(func=m.Name(var)))
                     sites[target].called += calls
-                    if len(calls) != len(m.findall(loop.body, m.Name(var))):
+                    if len(calls) != len(findall(loop.body, m.Name(var))):
                         sites[target].instances_escape = True
             else:
                 sites[target].called += index.self_calls[(owner, attr)]
@@ -268,7 +268,7 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
             calls = [
                 c
                 for loop in index.loops[(owner, attr)]
-                for c in m.findall(loop.body, m.Call(m.Name(loop_over(loop)[1])))
+                for c in findall(loop.body, m.Call(m.Name(loop_over(loop)[1])))
             ]
             for kind in kinds:  # no rule may change one class's signature for these calls alone
                 sites[kind].shared += calls

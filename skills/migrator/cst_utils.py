@@ -10,6 +10,46 @@ SELF_ATTR = m.Attribute(value=m.Name("self"))  # `self.<name>`
 SELF_ASSIGN_CALL = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())])
 
 
+# node id -> (node, its children): nodes are immutable, and rules search the same trees many times over; the
+# node is held so that its id is not reused while the entry lives
+_CHILDREN: dict[int, tuple[cst.CSTNode, tuple[cst.CSTNode, ...]]] = {}
+_CHILDREN_HELD = 100_000
+
+
+def _children(node: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
+    held = _CHILDREN.get(id(node))
+    if held is None:
+        if len(_CHILDREN) >= _CHILDREN_HELD:
+            _CHILDREN.clear()
+        held = _CHILDREN[id(node)] = (node, tuple(node.children))
+    return held[1]
+
+
+def _node_types(matcher: m.BaseMatcherNode | m.OneOf) -> frozenset[type] | None:
+    """The node classes matcher can match (LibCST's matchers first compare the class name), or None if any."""
+    if isinstance(matcher, m.OneOf):
+        parts = [_node_types(o) for o in matcher.options]
+        return None if None in parts else frozenset().union(*parts)
+    node_type = getattr(cst, type(matcher).__name__, None) if isinstance(matcher, m.BaseMatcherNode) else None
+    return (
+        frozenset({node_type}) if isinstance(node_type, type) and issubclass(node_type, cst.CSTNode) else None
+    )
+
+
+def findall(tree: cst.CSTNode | cst.MaybeSentinel | cst.RemovalSentinel, matcher) -> list[cst.CSTNode]:
+    """``libcst.matchers.findall`` without metadata: tree and every node under it that matches, in the same
+    (lexical, pre-) order, without rebuilding the tree to walk it."""
+    if not isinstance(tree, cst.CSTNode):
+        return []
+    types, found, todo = _node_types(matcher), [], [tree]
+    while todo:
+        node = todo.pop()
+        if (types is None or type(node) in types) and m.matches(node, matcher):
+            found.append(node)
+        todo.extend(reversed(_children(node)))
+    return found
+
+
 def code(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node)
 
@@ -57,7 +97,7 @@ def in_file_bases(local: dict[str, cst.ClassDef]) -> dict[str, set[str]]:
 
 def pure(e: cst.BaseExpression) -> bool:
     """No call, await or yield inside: evaluating it has no side effects worth keeping."""
-    return not m.findall(e, m.Call() | m.Await() | m.Yield())
+    return not findall(e, m.Call() | m.Await() | m.Yield())
 
 
 def names_in(node: cst.CSTNode) -> set[str]:
@@ -142,7 +182,7 @@ def _rebound(stmt: cst.CSTNode) -> set[int]:
             for el in target.elements:
                 plain(el.value)
 
-    for node in m.findall(stmt, m.AssignTarget() | m.For()):
+    for node in findall(stmt, m.AssignTarget() | m.For()):
         plain(node.target)
     return found
 

@@ -6,6 +6,8 @@ collective) is kept."""
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.cst_utils import findall
+
 _VALUE_MODULES = frozenset({"torch", "math", "F"})
 _STATEFUL = frozenset(
     {"manual_seed", "seed", "use_deterministic_algorithms"}
@@ -25,6 +27,7 @@ TENSOR_METHODS = frozenset(
 BUILTINS = frozenset(
     {"abs", "bool", "float", "int", "isinstance", "len", "list", "max", "min", "range", "round", "tuple"}
 )
+
 _SELF = m.Name("self") | m.Attribute(value=m.Name("self"))
 _EFFECTS = m.Global() | m.Nonlocal() | m.Del() | m.Yield() | m.Await() | m.FunctionDef() | m.ClassDef()
 _MODULE_METHODS = frozenset({"__init__", "forward"})  # building or calling a module does more than compute
@@ -46,8 +49,8 @@ def _computes(call: cst.Call, functions: frozenset[str] | set[str]) -> bool:
 
 def computes_only(e: cst.CSTNode, functions: frozenset[str] | set[str] = frozenset()) -> bool:
     """Evaluating e changes nothing: every call in it only computes (functions: the file's own such)."""
-    return not m.findall(e, m.Await() | m.Yield() | m.NamedExpr()) and all(
-        _computes(c, functions) for c in m.findall(e, m.Call())
+    return not findall(e, m.Await() | m.Yield() | m.NamedExpr()) and all(
+        _computes(c, functions) for c in findall(e, m.Call())
     )
 
 
@@ -63,9 +66,7 @@ def computing_functions(module: cst.Module) -> set[str]:
                 if isinstance(fn, cst.FunctionDef) and fn.name.value not in _MODULE_METHODS:
                     bodies.setdefault(f"self.{fn.name.value}", []).append(None if fn.decorators else fn.body)
     found = {
-        n
-        for n, bs in bodies.items()
-        if all(b is not None and not m.findall(b, _EFFECTS | _STORE) for b in bs)
+        n for n, bs in bodies.items() if all(b is not None and not findall(b, _EFFECTS | _STORE) for b in bs)
     }
     while True:
         kept = {n for n in found if all(computes_only(b, found) for b in bodies[n])}

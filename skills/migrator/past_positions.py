@@ -14,6 +14,7 @@ from skills.migrator.cst_utils import (
     appended,
     assigned_names,
     classes,
+    findall,
     free_names,
     method,
     param_names,
@@ -30,22 +31,21 @@ ADDS_BATCH = m.Assign(
     m.Call(m.Attribute(POSITIONS, m.Name("unsqueeze")), [m.Arg(m.Integer("0"))])
     | m.Subscript(POSITIONS, [m.SubscriptElement(m.Index(m.Name("None")))]),
 )
+
 Lengths = dict[tuple[str, str], set[str]]
 
 
 def fed_past_length(fn: cst.FunctionDef, lengths: set[str]) -> list[cst.Call]:
     """fn's `self.<module>(...)` calls with an argument reading a past length and none reading positions."""
     return [
-        c
-        for c in m.findall(fn, SELF_CALL)
-        if (read := free_names(c)) & lengths and "position_ids" not in read
+        c for c in findall(fn, SELF_CALL) if (read := free_names(c)) & lengths and "position_ids" not in read
     ]
 
 
 def _built(init: cst.FunctionDef | None, attr: str) -> list[str]:
     """The classes `self.<attr> = C(...)` lines of init build."""
     target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))
-    return [a.value.func.value for a in m.findall(init, m.Assign([target], m.Call(m.Name())))] if init else []
+    return [a.value.func.value for a in findall(init, m.Assign([target], m.Call(m.Name())))] if init else []
 
 
 def _length_args(call: cst.Call, lengths: set[str]) -> list[cst.Arg]:
@@ -63,8 +63,8 @@ def _takes_positions(call: cst.Call, callee: cst.ClassDef | None, lengths: set[s
         name = bound.get(id(arg))
         if name is None or (arg.keyword is None and arg is not positional[-1]):
             return False  # an argument after it would shift once it goes
-        reads = len(m.findall(fwd.body, m.Name(name)))
-        inside = sum(len(m.findall(i.body, m.Name(name))) for i in m.findall(fwd.body, WITHOUT_POSITIONS))
+        reads = len(findall(fwd.body, m.Name(name)))
+        inside = sum(len(findall(i.body, m.Name(name))) for i in findall(fwd.body, WITHOUT_POSITIONS))
         if reads != inside:
             return False
     return True
@@ -83,15 +83,13 @@ def _token_count(fn: cst.FunctionDef) -> m.BaseMatcherNode | None:
     )
     whole = m.Call(m.Attribute(ids, m.Name("size")), []) | m.Attribute(ids, m.Name("shape"))
     pair = m.Tuple([m.Element(m.Name()), m.Element(m.Name())])
-    names = [a.targets[0].target.value for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], read))]
+    names = [a.targets[0].target.value for a in findall(fn, m.Assign([m.AssignTarget(m.Name())], read))]
     names += [
         a.targets[0].target.elements[1].value.value
-        for a in m.findall(fn, m.Assign([m.AssignTarget(pair)], whole))
+        for a in findall(fn, m.Assign([m.AssignTarget(pair)], whole))
     ]
     once = [
-        n
-        for n in names
-        if sum(n in assigned_names(s) for s in m.findall(fn, m.Assign() | m.AugAssign())) == 1
+        n for n in names if sum(n in assigned_names(s) for s in findall(fn, m.Assign() | m.AugAssign())) == 1
     ]
     return m.OneOf(read, *map(m.Name, once)) if once else read
 
@@ -113,7 +111,7 @@ def _counted_positions(fn: cst.FunctionDef) -> dict[cst.CSTNode, cst.CSTNode]:
             m.ZeroOrMore(m.Arg(keyword=m.Name() & ~m.Name("step"))),
         ],
     )
-    return {c: cst.parse_expression("position_ids[0]") for c in m.findall(fn, arange)}
+    return {c: cst.parse_expression("position_ids[0]") for c in findall(fn, arange)}
 
 
 def _without_count_asserts(fn: cst.FunctionDef) -> cst.FunctionDef:
@@ -121,9 +119,7 @@ def _without_count_asserts(fn: cst.FunctionDef) -> cst.FunctionDef:
     count = _token_count(fn)
     if count is None:
         return fn
-    lines = [
-        line for line in m.findall(fn.body, m.SimpleStatementLine([m.Assert()])) if m.findall(line, count)
-    ]
+    lines = [line for line in findall(fn.body, m.SimpleStatementLine([m.Assert()])) if findall(line, count)]
     return fn.visit(_Dropped({id(line) for line in lines})) if lines else fn
 
 
@@ -146,8 +142,8 @@ def _current_positions(
     the inner model's forward (entered), which the entry passes them to. In a model without a cache (uncached),
     see _counted_positions."""
     given = "position_ids" in param_names(fn)
-    branches = {id(s) for i in m.findall(fn, WITHOUT_POSITIONS) for s in m.findall(i, ADDS_BATCH)}
-    one_row = any(id(s) not in branches for s in m.findall(fn, ADDS_BATCH))
+    branches = {id(s) for i in findall(fn, WITHOUT_POSITIONS) for s in findall(i, ADDS_BATCH)}
+    one_row = any(id(s) not in branches for s in findall(fn, ADDS_BATCH))
     if (given and one_row) or not (given or entered):
         return {}
     if uncached:
@@ -159,13 +155,13 @@ def _current_positions(
     rows = m.Subscript(slice=[m.SubscriptElement(m.Slice(lower=length, upper=upper, step=None))])
     found = {
         s: s.with_changes(slice=[cst.SubscriptElement(cst.Index(cst.parse_expression("position_ids[0]")))])
-        for s in m.findall(fn, rows)
+        for s in findall(fn, rows)
         if _one_length(s.slice[0].slice.lower, s.slice[0].slice.upper)
     }
     arange = m.Call(
         m.Attribute(m.Name("torch"), m.Name("arange")), [m.Arg(length), m.Arg(upper), m.ZeroOrMore()]
     )
-    for c in m.findall(fn, arange):
+    for c in findall(fn, arange):
         stepped = any(a.keyword is None or a.keyword.value == "step" for a in c.args[2:])
         if _one_length(c.args[0].value, c.args[1].value) and not stepped:
             found[c] = cst.parse_expression("position_ids[0]")
@@ -191,8 +187,8 @@ def _guard_untaken(module: cst.Module, config: PretrainedConfig | None, lengths:
 
     def wanted(cls: cst.ClassDef, branch: cst.If) -> bool:
         attrs = fed.get(cls.name.value, set())
-        calls = m.findall(branch.body, SELF_CALL)
-        built = m.findall(branch.body, m.AssignTarget(m.Attribute(m.Name("self"), m.Name())))
+        calls = findall(branch.body, SELF_CALL)
+        built = findall(branch.body, m.AssignTarget(m.Attribute(m.Name("self"), m.Name())))
         return any(c.func.attr.value in attrs for c in calls) or any(
             t.target.attr.value in attrs for t in built
         )
@@ -228,7 +224,7 @@ class _PassPositions(cst.CSTTransformer):
             callees = [self.local.get(c) for c in names]
             if callees and all(_takes_positions(call, c, lengths) for c in callees):
                 self.callees.update(names)
-                row = all(m.findall(method(c, "forward"), ADDS_BATCH) for c in callees)
+                row = all(findall(method(c, "forward"), ADDS_BATCH) for c in callees)
                 dropped = {id(a) for a in _length_args(call, lengths)}
                 kept = [a for a in call.args if id(a) not in dropped]
                 changed[call] = appended(
@@ -258,7 +254,7 @@ def _given_positions(module: cst.Module, changed: set[str]) -> cst.Module:
             continue
         folded = {
             id(i): list(i.orelse.body.body) if isinstance(i.orelse, cst.Else) else []
-            for i in m.findall(fwd, WITHOUT_POSITIONS)
+            for i in findall(fwd, WITHOUT_POSITIONS)
         }
         new[name] = local[name].deep_replace(fwd, fwd.visit(_Unfold(folded)))
     return module.with_changes(

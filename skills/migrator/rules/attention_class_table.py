@@ -6,6 +6,7 @@ A table nothing reads any more is removed; the classes only it named are left to
 import libcst as cst
 import libcst.matchers as m
 
+from skills.migrator.cst_utils import findall
 from skills.migrator.rule import Rule
 
 EAGER = "eager"
@@ -32,7 +33,7 @@ def _table_name(s: cst.BaseStatement) -> str | None:
 
 def _reads(module: cst.Module, name: str) -> bool:
     """Whether name is read anywhere but in its own table assignment."""
-    return any(n.value == name for s in module.body if _table_name(s) != name for n in m.findall(s, m.Name()))
+    return any(n.value == name for s in module.body if _table_name(s) != name for n in findall(s, m.Name()))
 
 
 class _Resolve(cst.CSTTransformer):

@@ -9,7 +9,7 @@ function, are refused by name."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import appended, called_name, classes, code, kwarg
+from skills.migrator.cst_utils import appended, called_name, classes, code, findall, kwarg
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES
 from skills.migrator.rules.runtime_attention import INTERFACE
@@ -36,11 +36,11 @@ class CacheKeys(Rule):
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         replacements: dict[cst.Call, cst.Call] = {}
         for name, cls in classes(module).items():
-            for fn in m.findall(cls.body, m.FunctionDef()):
-                offsets = {code(o): o for u in m.findall(fn, UPDATE) if (o := _offset(u)) is not None}
+            for fn in findall(cls.body, m.FunctionDef()):
+                offsets = {code(o): o for u in findall(fn, UPDATE) if (o := _offset(u)) is not None}
                 if not offsets:
                     continue
-                calls = [c for c in m.findall(fn, m.Call(func=m.Name())) if called_name(c) in INTERFACE]
+                calls = [c for c in findall(fn, m.Call(func=m.Name())) if called_name(c) in INTERFACE]
                 if len(offsets) > 1 or len(calls) != 1:
                     why = (
                         "by more than one offset"

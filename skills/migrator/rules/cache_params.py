@@ -8,6 +8,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import named_params
+from skills.migrator.cst_utils import findall
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES
 
@@ -19,17 +20,17 @@ def _used_as_cache(fn: cst.FunctionDef, name: str) -> bool:
     """Keys and values go into it (two arguments at least: a dict's `update` takes one) or its length is read."""
     key_value = [m.Arg(keyword=None), m.Arg(keyword=None), m.ZeroOrMore()]
     update = m.Call(m.Attribute(m.Name(name), m.Name("update")), key_value)
-    return bool(m.findall(fn.body, update | m.Call(m.Attribute(m.Name(name), LENGTHS))))
+    return bool(findall(fn.body, update | m.Call(m.Attribute(m.Name(name), LENGTHS))))
 
 
 def _handed_on(fn: cst.FunctionDef, name: str, caches: set[str]) -> bool:
     """fn passes its parameter `name` as the keyword argument of a cache parameter (`kv_cache=kv_caches`)."""
-    return bool(m.findall(fn.body, m.Arg(m.Name(name), keyword=m.OneOf(*map(m.Name, caches or {CANONICAL})))))
+    return bool(findall(fn.body, m.Arg(m.Name(name), keyword=m.OneOf(*map(m.Name, caches or {CANONICAL})))))
 
 
 def cache_params(module: cst.Module) -> set[str]:
     """The parameter names, other than transformers', that hold a cache wherever module takes them."""
-    every = m.findall(module, m.FunctionDef())
+    every = findall(module, m.FunctionDef())
     holding = [CANONICAL in _names(fn) for fn in every]
     # a name some function holding `past_key_values` already takes too stays: its callers' keywords must match
     kept = {p.name.value for fn, h in zip(every, holding) if h for p in named_params(fn)} | CACHES
@@ -50,7 +51,7 @@ def cache_params(module: cst.Module) -> set[str]:
 
 
 def _names(fn: cst.FunctionDef) -> set[str]:
-    return {n.value for n in m.findall(fn, m.Name())}
+    return {n.value for n in findall(fn, m.Name())}
 
 
 class _Renamed(cst.CSTTransformer):

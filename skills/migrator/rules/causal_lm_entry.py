@@ -12,6 +12,7 @@ from skills.migrator.cst_utils import (
     called_name,
     classes,
     code,
+    findall,
     free_names,
     in_file_bases,
     method,
@@ -45,7 +46,7 @@ def get_cache_info(self) -> ModelCacheInfo:
 def _inner_model_attr(cls: cst.ClassDef, module: cst.Module) -> str | None:
     local = classes(module)
     init = method(cls, "__init__")
-    for a in m.findall(
+    for a in findall(
         init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call())
     ):
         if called_name(a.value) in local:
@@ -103,7 +104,7 @@ def _vocab_linears(init: cst.FunctionDef | None) -> list[str]:
     """The attributes init sets to a Linear layer sized by the vocabulary."""
     names = []
     for a in (
-        m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call()))
+        findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call()))
         if init is not None
         else []
     ):
@@ -148,25 +149,25 @@ def _first_returned(built: cst.ClassDef | None, fwd: cst.FunctionDef, inner: str
     the per-layer cache of older remote code), where the entry reads only that element of what it returns:
     unpacks it (`hidden_states, presents = self.transformer(...)`) or reads `[0]` off it; None otherwise."""
     inner_fwd = method(built, "forward") if built is not None else None
-    returns = m.findall(inner_fwd, m.Return(m.Tuple())) if inner_fwd is not None else []
-    if not returns or len(returns) != len(m.findall(inner_fwd, m.Return())):
+    returns = findall(inner_fwd, m.Return(m.Tuple())) if inner_fwd is not None else []
+    if not returns or len(returns) != len(findall(inner_fwd, m.Return())):
         return None
     call = m.Call(m.Attribute(m.Name("self"), m.Name(inner)))
     first_named = m.Tuple([m.Element(m.Name(m.MatchIfTrue(lambda n: n != "_"))), m.ZeroOrMore()])
     unpacked = m.Assign(
         [m.AssignTarget(first_named)], call
     )  # `hidden_states, presents = ...`, not `_, h = ...`
-    bound = m.findall(fwd, m.Assign([m.AssignTarget(m.Name())], call))
+    bound = findall(fwd, m.Assign([m.AssignTarget(m.Name())], call))
     first = [
         n.value.value
-        for n in m.findall(fwd, m.Subscript(m.Name(), [m.SubscriptElement(m.Index(m.Integer("0")))]))
+        for n in findall(fwd, m.Subscript(m.Name(), [m.SubscriptElement(m.Index(m.Integer("0")))]))
     ]
     read_first = (
         len(bound) == 1
         and (name := bound[0].targets[0].target.value) in first
-        and len(m.findall(fwd, m.Name(name))) == first.count(name) + 1
+        and len(findall(fwd, m.Name(name))) == first.count(name) + 1
     )
-    if not (m.findall(fwd, unpacked) or read_first):
+    if not (findall(fwd, unpacked) or read_first):
         return None
     return built.deep_replace(inner_fwd, inner_fwd.visit(_FirstReturned()))
 
@@ -190,12 +191,12 @@ def _ids_param(built: cst.ClassDef | None) -> str:
 
 def _inner_class(cls: cst.ClassDef, module: cst.Module, inner: str | None) -> cst.ClassDef | None:
     target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name(inner or "")))
-    built = m.findall(method(cls, "__init__"), m.Assign([target], m.Call()))
+    built = findall(method(cls, "__init__"), m.Assign([target], m.Call()))
     return classes(module).get(called_name(built[0].value)) if built else None
 
 
 def _head_calls(node: cst.CSTNode, head: str) -> list[cst.Call]:
-    return [c for c in m.findall(node, m.Call(func=m.Attribute())) if code(c.func) == f"self.{head}"]
+    return [c for c in findall(node, m.Call(func=m.Attribute())) if code(c.func) == f"self.{head}"]
 
 
 _PAIRS = ([m.Arg(m.Integer(a)), m.Arg(m.Integer(b))] for a, b in (("0", "1"), ("1", "0")))
@@ -211,7 +212,7 @@ def _logits_name(line: cst.BaseStatement) -> str:
 def _swapped(s: cst.BaseStatement, name: str) -> bool:
     """s is `name = name.transpose(0, 1)` (then `.contiguous()`, `.float()`, ...): the logits swapped back."""
     line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])
-    return m.matches(s, line) and bool(m.findall(s, SWAP)) and free_names(s.body[0].value) == {name}
+    return m.matches(s, line) and bool(findall(s, SWAP)) and free_names(s.body[0].value) == {name}
 
 
 def _seq_first(fwd: cst.FunctionDef, head: str) -> bool:
@@ -219,9 +220,7 @@ def _seq_first(fwd: cst.FunctionDef, head: str) -> bool:
     or on the name a line binds it to): the model's states are [tokens, batch, hidden] (ChatGLM), so the last
     positions are picked along the first."""
     calls = _head_calls(fwd, head)
-    if any(
-        any(c is x for c in calls for x in m.findall(t.func.value, m.Call())) for t in m.findall(fwd, SWAP)
-    ):
+    if any(any(c is x for c in calls for x in findall(t.func.value, m.Call())) for t in findall(fwd, SWAP)):
         return True
     body = list(fwd.body.body)
     at = next((i for i, s in enumerate(body) if _head_calls(s, head)), None)
@@ -260,7 +259,7 @@ def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseSt
         for s in body[:idx]
         if assigned_names(s) == {"hidden_states"}
         and not free_names(s) & dropped
-        and not m.findall(s, model_call | position_slice)
+        and not findall(s, model_call | position_slice)
     ]
     after = [
         s

@@ -21,6 +21,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     classes,
     dotted,
+    findall,
     method,
     names_in,
     rewrite_classes,
@@ -41,13 +42,13 @@ SUPER_INIT_CONFIG = m.Call(
 
 def _config_only(e: cst.BaseExpression, allowed: set[str]) -> bool:
     """e reads only the names in allowed, literals, and getattr / len: no other call, no side effect."""
-    calls = m.findall(e, m.Call())
+    calls = findall(e, m.Call())
     if any(not m.matches(c.func, m.Name("getattr") | m.Name("len")) for c in calls):
         return False
     free = names_in(e) - {"getattr", "len", "True", "False", "None"}
-    for a in m.findall(e, m.Attribute()):
+    for a in findall(e, m.Attribute()):
         free.discard(a.attr.value)
-    return not m.findall(e, m.Lambda() | m.Await() | m.Yield() | m.NamedExpr()) and free <= allowed
+    return not findall(e, m.Lambda() | m.Await() | m.Yield() | m.NamedExpr()) and free <= allowed
 
 
 def _evaluate(e: cst.BaseExpression, scope: dict) -> tuple[bool, object]:
@@ -60,12 +61,12 @@ def _evaluate(e: cst.BaseExpression, scope: dict) -> tuple[bool, object]:
 def _self_attrs(cls: cst.ClassDef, init: cst.FunctionDef, config: PretrainedConfig) -> SimpleNamespace:
     """`self.a = <expr of config>` in __init__, for the attributes the class assigns exactly once, and
     `self.config` of a class whose `super().__init__(config)` is PreTrainedModel's (before MG008 spells it out)."""
-    targets = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
-    targets += [a.target.attr.value for a in m.findall(cls, m.AugAssign(target=SELF_ATTR))]
+    targets = [t.target.attr.value for t in findall(cls, m.AssignTarget(SELF_ATTR))]
+    targets += [a.target.attr.value for a in findall(cls, m.AugAssign(target=SELF_ATTR))]
     ns = SimpleNamespace()
-    if "config" not in targets and m.findall(init.body, SUPER_INIT_CONFIG):
+    if "config" not in targets and findall(init.body, SUPER_INIT_CONFIG):
         ns.config = config
-    for a in m.findall(init.body, m.Assign(targets=[m.AssignTarget(SELF_ATTR)])):
+    for a in findall(init.body, m.Assign(targets=[m.AssignTarget(SELF_ATTR)])):
         name = a.targets[0].target.attr.value
         if targets.count(name) == 1 and _config_only(a.value, {"config", "self"}):
             ok, value = _evaluate(a.value, {"config": config, "self": ns})
@@ -102,7 +103,7 @@ def _config_classes(module: cst.Module, config: PretrainedConfig) -> set[str]:
         if p.annotation and dotted(p.annotation.annotation).split(".")[-1] == type(config).__name__
     }
     # each constructor call -> the class whose __init__ makes it
-    owner = {id(c): name for name, init in inits.items() for c in m.findall(init, m.Call())}
+    owner = {id(c): name for name, init in inits.items() for c in findall(init, m.Call())}
     candidates = {}  # unannotated: the builders of those built only with `config`
     for name, param in params.items():
         where = sites[name]
@@ -135,8 +136,8 @@ def is_guard(body: cst.BaseSuite) -> bool:
 
 def _reads_layer_weight(body: cst.BaseSuite) -> bool:
     """body reads `self.<layer>.weight` (or `.bias`) itself; assigning it (a weight tie) is no read."""
-    written = {id(t.target) for t in m.findall(body, m.AssignTarget(LAYER_WEIGHT))}
-    return any(id(a) not in written for a in m.findall(body, LAYER_WEIGHT))
+    written = {id(t.target) for t in findall(body, m.AssignTarget(LAYER_WEIGHT))}
+    return any(id(a) not in written for a in findall(body, LAYER_WEIGHT))
 
 
 Wanted = Callable[[cst.ClassDef, cst.If], bool]
@@ -224,7 +225,7 @@ def _pins_rope_type(cls: cst.ClassDef) -> bool:
         left=m.Attribute(attr=m.Name("rope_type")),
         comparisons=[m.ComparisonTarget(m.NotEqual(), m.SimpleString())],
     )
-    pinned = [i.test for i in m.findall(cls, m.If()) if is_guard(i.body) and m.matches(i.test, pin)]
+    pinned = [i.test for i in findall(cls, m.If()) if is_guard(i.body) and m.matches(i.test, pin)]
     return any(
         not any(d in t.comparisons[0].comparator.evaluated_value for d in DYNAMIC_ROPE) for t in pinned
     )

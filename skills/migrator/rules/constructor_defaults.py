@@ -12,7 +12,14 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, call_sites, named_params
-from skills.migrator.cst_utils import SELF_ATTR, classes, in_file_bases, method, without_dangling_comma
+from skills.migrator.cst_utils import (
+    SELF_ATTR,
+    classes,
+    findall,
+    in_file_bases,
+    method,
+    without_dangling_comma,
+)
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import NAMED, fold_known
 
@@ -56,8 +63,8 @@ def _never_passed(module: cst.Module) -> dict[str, dict[str, object]]:
 def _aliases(cls: cst.ClassDef, params: Collection[str]) -> dict[str, str]:
     """attr -> parameter for `self.attr = <parameter>` statements of __init__'s top level (params), the class's
     only assignment of that attribute."""
-    writes = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
-    writes += [t.target.attr.value for t in m.findall(cls, m.AugAssign(SELF_ATTR) | m.AnnAssign(SELF_ATTR))]
+    writes = [t.target.attr.value for t in findall(cls, m.AssignTarget(SELF_ATTR))]
+    writes += [t.target.attr.value for t in findall(cls, m.AugAssign(SELF_ATTR) | m.AnnAssign(SELF_ATTR))]
     found = {}
     for s in method(cls, "__init__").body.body:
         if m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(SELF_ATTR)], m.Name())])):
@@ -89,9 +96,9 @@ class _ReadAttrs(cst.CSTTransformer):
 def _deciding(cls: cst.ClassDef, consts: dict[str, object]) -> dict[str, object]:
     """The parameters of consts that a branch of the class tests, directly or through an attribute set to them:
     those whose folding removes code (a default only passed on, `device=None`, stays)."""
-    tests = [node.test for node in m.findall(cls, m.If() | m.IfExp() | m.While())]
-    read = {n.value for t in tests for n in m.findall(t, m.Name())}
-    read |= {a.attr.value for t in tests for a in m.findall(t, SELF_ATTR)}
+    tests = [node.test for node in findall(cls, m.If() | m.IfExp() | m.While())]
+    read = {n.value for t in tests for n in findall(t, m.Name())}
+    read |= {a.attr.value for t in tests for a in findall(t, SELF_ATTR)}
     read |= {p for a, p in _aliases(cls, consts).items() if a in read}
     return {p: v for p, v in consts.items() if p in read}
 
@@ -110,7 +117,7 @@ def _folded(cls: cst.ClassDef, consts: dict[str, object]) -> cst.ClassDef:
         if s is init:
             read = s.body.visit(_ReadAttrs(attrs))
             s = s.with_changes(params=params, body=read.with_changes(body=fold_known(read.body, consts)))
-        elif isinstance(s, cst.FunctionDef) and reads is not None and m.findall(s, reads):
+        elif isinstance(s, cst.FunctionDef) and reads is not None and findall(s, reads):
             read = s.body.visit(_ReadAttrs(attrs))
             s = s.with_changes(body=read.with_changes(body=fold_known(read.body, {})))
         body.append(s)

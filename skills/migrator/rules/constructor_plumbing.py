@@ -14,6 +14,7 @@ from skills.migrator.cst_utils import (
     class_table_members,
     class_tables,
     classes,
+    findall,
     method,
     param_names,
 )
@@ -25,9 +26,9 @@ WEIGHTED = {"nn.Linear", "Linear", "Conv1D", "Attention", "nn.Embedding", "Embed
 
 def _built(fns: list[cst.FunctionDef], tables: dict[str, set[str]]) -> set[str]:
     """The classes the functions construct: called by name, or any class of a table `TABLE[kind](...)` indexes."""
-    callees = {called_name(c) for fn in fns for c in m.findall(fn, m.Call())}
+    callees = {called_name(c) for fn in fns for c in findall(fn, m.Call())}
     table_calls = m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, tables or {""}))))
-    for c in (c for fn in fns for c in m.findall(fn, table_calls)):
+    for c in (c for fn in fns for c in findall(fn, table_calls)):
         callees |= tables[c.func.value.value]
     return callees
 
@@ -81,14 +82,12 @@ class _PassDown(cst.CSTTransformer):
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         held = m.Assign([m.AssignTarget(SELF_ATTR)], MODULE_LIST)
-        self.held = {
-            a.value.args[0].value.value: a.targets[0].target.attr.value for a in m.findall(node, held)
-        }
+        self.held = {a.value.args[0].value.value: a.targets[0].target.attr.value for a in findall(node, held)}
         # a builder's `return nn.ModuleList(x)`
-        for r in m.findall(node, m.Return(MODULE_LIST)) if self.returned_to else ():
+        for r in findall(node, m.Return(MODULE_LIST)) if self.returned_to else ():
             self.held[r.value.args[0].value.value] = self.returned_to
         append = m.Call(m.Attribute(m.Name(), m.Name("append")), [m.Arg()])
-        for c in m.findall(node, append):  # `mamba = Layer(...)`, later `layers.append(mamba)`
+        for c in findall(node, append):  # `mamba = Layer(...)`, later `layers.append(mamba)`
             if (attr := self.held.get(c.func.value.value)) is not None:
                 for item in choices(c.args[0].value):
                     if isinstance(item, cst.Name):
@@ -179,7 +178,7 @@ class _Plumb(cst.CSTTransformer):
             assigned = m.Assign(
                 [m.AssignTarget(SELF_ATTR)], m.Call(m.Attribute(m.Name("self"), m.Name(name)))
             )
-            attrs = [a.targets[0].target.attr.value for a in m.findall(init, assigned)]
+            attrs = [a.targets[0].target.attr.value for a in findall(init, assigned)]
             down = _PassDown(self.plumbed, set(self.tables), attrs[0] if len(attrs) == 1 else "")
             done[id(fn)] = fn.with_changes(params=_new_params(fn)).visit(down)
         body = [done.get(id(s), s) for s in updated.body.body]
@@ -211,11 +210,11 @@ def _aliased(
     scopes = [(name, cls) for name, cls in classes(module).items()]
     scopes += [("<module>", s) for s in module.body if not isinstance(s, cst.ClassDef)]
     inits = [init for cls in classes(module).values() if (init := method(cls, "__init__")) is not None]
-    chosen = {id(a.value) for init in inits for a in m.findall(init, class_choice(plumbed, set(tables)))}
+    chosen = {id(a.value) for init in inits for a in findall(init, class_choice(plumbed, set(tables)))}
     chosen |= {id(e) for table in tables.values() for e in table.elements}
     found = []
     for scope, node in scopes:
-        for a in m.findall(node, alias):
+        for a in findall(node, alias):
             if id(a) in chosen:
                 continue
             value = a.value if isinstance(a, (cst.Assign, cst.DictElement)) else None
@@ -227,10 +226,10 @@ def _built_from(module: cst.Module, table: str, plumbed: set[str]) -> bool:
     """Every use of the module-level `table` is in a constructor of a plumbed class, a `table[kind](...)` call or a
     `cls = table[kind]` choice (there is at least one)."""
     name = m.Name(table)
-    uses = len(m.findall(module, name)) - 1  # but its assignment
+    uses = len(findall(module, name)) - 1  # but its assignment
     inits = [init for n, c in classes(module).items() if n in plumbed and (init := method(c, "__init__"))]
     picked = m.Call(func=m.Subscript(value=name)) | class_choice(set(), {table})
-    return uses > 0 and uses == sum(len(m.findall(init, picked)) for init in inits)
+    return uses > 0 and uses == sum(len(findall(init, picked)) for init in inits)
 
 
 class ConstructorPlumbing(Rule):

@@ -16,6 +16,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     classes,
     dotted,
+    findall,
     free_names,
     in_file_bases,
     method,
@@ -79,12 +80,12 @@ def _local_assignment(s: cst.BaseStatement, functions: set[str]) -> list[str] | 
 def _dead_names(body: cst.BaseSuite, functions: set[str]) -> set[str]:
     """Names mentioned only by such assignments of their own (`x = ...; x = x.to(dtype)` and nothing else)."""
     total: dict[str, int] = {}
-    for n in m.findall(body, m.Name()):
+    for n in findall(body, m.Name()):
         total[n.value] = total.get(n.value, 0) + 1
     own: dict[str, int] = {}
-    for s in m.findall(body, m.SimpleStatementLine()):
+    for s in findall(body, m.SimpleStatementLine()):
         for name in _local_assignment(s, functions) or ():
-            own[name] = own.get(name, 0) + sum(1 for n in m.findall(s, m.Name(name)))
+            own[name] = own.get(name, 0) + sum(1 for n in findall(s, m.Name(name)))
     return {"_"} | {name for name, count in own.items() if count == total[name]}
 
 
@@ -169,21 +170,21 @@ def _exposes_self(cls: cst.ClassDef, hf_names: set[str]) -> bool:
     """transformers code may read any attribute: its decorator on a method (`dynamic_rope_update` reads
     `self.max_seq_len_cached`, ...) or `self` handed to one of its functions. The runtime's functions read no
     attribute, but for its `dynamic_rope_update` (MG034), which hands `self` to transformers' update."""
-    for fn in m.findall(cls, m.FunctionDef()):
+    for fn in findall(cls, m.FunctionDef()):
         for d in fn.decorators:
             target = dotted(d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator)
             if target.split(".")[0] in hf_names or target == "dynamic_rope_update":
                 return True
-    calls = m.findall(cls, m.Call(args=[m.ZeroOrMore(), m.Arg(value=m.Name("self")), m.ZeroOrMore()]))
+    calls = findall(cls, m.Call(args=[m.ZeroOrMore(), m.Arg(value=m.Name("self")), m.ZeroOrMore()]))
     return any(dotted(c.func).split(".")[0] in hf_names for c in calls)
 
 
 def _attribute_reads(module: cst.Module) -> tuple[set[int], set[str]]:
     """ids of the attribute assignment targets, and the attribute names read off anything but `self`
     (reads of the HF config's fields and import paths aside)."""
-    stored = {id(t.target) for t in m.findall(module, m.AssignTarget(m.Attribute()))}
+    stored = {id(t.target) for t in findall(module, m.AssignTarget(m.Attribute()))}
     code = [s for s in module.body if not m.matches(s, m.SimpleStatementLine([m.Import() | m.ImportFrom()]))]
-    attrs = [a for s in code for a in m.findall(s, m.Attribute())]
+    attrs = [a for s in code for a in findall(s, m.Attribute())]
     reads = [a for a in attrs if id(a) not in stored and not m.matches(a.value, CONFIG)]
     return stored, {a.attr.value for a in reads if not m.matches(a, SELF_ATTR)}
 
@@ -194,7 +195,7 @@ def unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
     local, hf_names = classes(module), transformers_names(module)
     stored, other_reads = _attribute_reads(module)
     self_reads = {
-        name: {a.attr.value for a in m.findall(cls, SELF_ATTR) if id(a) not in stored}
+        name: {a.attr.value for a in findall(cls, SELF_ATTR) if id(a) not in stored}
         for name, cls in local.items()
     }
     bases = in_file_bases(local)
@@ -203,7 +204,7 @@ def unused_attrs(module: cst.Module, entry: str) -> dict[str, set[str]]:
         family = _family(bases, name)
         if any(_exposes_self(local[f], hf_names) for f in family):
             continue
-        written = {t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))}
+        written = {t.target.attr.value for t in findall(cls, m.AssignTarget(SELF_ATTR))}
         read = other_reads.union(*(self_reads[f] for f in family))
         unused[name] = written - read - ({"config"} if name == entry else set())
     return unused
@@ -241,11 +242,11 @@ def _init_only_attrs(module: cst.Module) -> dict[str, set[str]]:
         init = method(cls, "__init__")
         if init is None or _family(bases, name) != {name} or _exposes_self(cls, hf_names):
             continue
-        elsewhere = {a.attr.value for s in cls.body.body if s is not init for a in m.findall(s, SELF_ATTR)}
-        writes = [t.target.attr.value for t in m.findall(cls, m.AssignTarget(SELF_ATTR))]
-        read_here = {a.attr.value for a in m.findall(init, SELF_ATTR) if id(a) not in stored}
-        guards = [i for i in m.findall(init, m.If()) if is_guard(i.body)]
-        quoted = {a.attr.value for g in guards for a in m.findall(g.test, SELF_ATTR)}  # in the message
+        elsewhere = {a.attr.value for s in cls.body.body if s is not init for a in findall(s, SELF_ATTR)}
+        writes = [t.target.attr.value for t in findall(cls, m.AssignTarget(SELF_ATTR))]
+        read_here = {a.attr.value for a in findall(init, SELF_ATTR) if id(a) not in stored}
+        guards = [i for i in findall(init, m.If()) if is_guard(i.body)]
+        quoted = {a.attr.value for g in guards for a in findall(g.test, SELF_ATTR)}  # in the message
         taken = free_names(init.body) | assigned_names(init.body) | set(param_names(init))
         single = {
             _target(a).attr.value
@@ -290,13 +291,13 @@ def _uncalled_methods(module: cst.Module) -> dict[str, set[str]]:
     naming it, not a dunder, an nn.Module method or a runtime hook, in a class whose bases are all in the file
     or nn.Module and that hands `self` to no transformers code (which may call anything)."""
     local, hf_names = classes(module), transformers_names(module)
-    named = Counter(a.attr.value for a in m.findall(module, m.Attribute()))
-    quoted = {s.raw_value for s in m.findall(module, m.SimpleString())}
+    named = Counter(a.attr.value for a in findall(module, m.Attribute()))
+    quoted = {s.raw_value for s in findall(module, m.SimpleString())}
     bases = in_file_bases(local)
 
     def called(fn: cst.FunctionDef) -> bool:
         name = fn.name.value
-        inside = sum(a.attr.value == name for a in m.findall(fn, m.Attribute()))
+        inside = sum(a.attr.value == name for a in findall(fn, m.Attribute()))
         return named[name] > inside or name in quoted
 
     found = {}

@@ -7,7 +7,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import QualifiedNameProvider
 
-from skills.migrator.cst_utils import SELF_ATTR
+from skills.migrator.cst_utils import SELF_ATTR, findall
 from skills.migrator.rule import VisitorRule
 
 MODULES = {"torch.nn.Dropout", "torch.nn.Dropout1d", "torch.nn.Dropout2d", "torch.nn.Dropout3d"}
@@ -27,7 +27,7 @@ class DropDropout(VisitorRule):
         return any(q.name in names for q in self.get_metadata(QualifiedNameProvider, call.func, set()))
 
     def visit_Module(self, node: cst.Module) -> None:
-        assigns = m.findall(node, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call()))
+        assigns = findall(node, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call()))
         self.modules = {a.targets[0].target.attr.value for a in assigns if self._calls(a.value, MODULES)}
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:

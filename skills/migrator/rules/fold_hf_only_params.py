@@ -19,6 +19,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     classes,
     code,
+    findall,
     free_names,
     method,
     param_names,
@@ -62,6 +63,7 @@ ON_NONE = (
     | m.Subscript(value=m.Name("None"))
     | m.Call(m.Attribute(m.Name("self")), [m.Arg(m.Name("None"), keyword=None), m.ZeroOrMore()])
 )
+
 # the HF-only parameters that hold a Cache
 CACHES = {"cache", "past_key_values", "past_key_value", "layer_past"}
 GRADIENT_CHECKPOINTING = m.Attribute(value=m.Name("self"), attr=m.Name("gradient_checkpointing"))
@@ -186,7 +188,7 @@ class _Substitute(cst.CSTTransformer):
 
     def leave_IfExp(self, original, updated):
         v = self.env.truth(original.test)
-        if v is None and updated.body.deep_equals(updated.orelse) and not m.findall(updated.test, m.Call()):
+        if v is None and updated.body.deep_equals(updated.orelse) and not findall(updated.test, m.Call()):
             return updated.body  # both sides folded to the same value
         return updated if v is None else (updated.body if v else updated.orelse)
 
@@ -270,7 +272,7 @@ def _fold_stmt(s, env: _Env) -> list:
                 else (cst.Else(cst.IndentedBlock(folded)) if folded else None)
             )
         body = _block(s.body, _fold_block(s.body.body, env.copy()))
-        pure_test = not m.findall(s.test, m.Call() | m.NamedExpr())
+        pure_test = not findall(s.test, m.Call() | m.NamedExpr())
         if isinstance(orelse, cst.Else) and orelse.body.deep_equals(body) and pure_test:
             return list(body.body)  # both branches folded to the same code (`use_cache = False`)
         return [s.with_changes(test=s.test.visit(_Substitute(env)), body=body, orelse=orelse)]
@@ -283,7 +285,7 @@ def _fold_stmt(s, env: _Env) -> list:
         inner = env.copy()
         inner.forget(assigned_names(s))
         return [s.with_changes(**head, body=_block(s.body, _fold_block(s.body.body, inner)))]
-    if m.matches(s, TEST_ASSIGN) and not m.findall(s, m.Call() | m.NamedExpr()):
+    if m.matches(s, TEST_ASSIGN) and not findall(s, m.Call() | m.NamedExpr()):
         v = env.truth(s.body[0].value)  # `is_cross_attention = key_value_states is not None`: False
         if v is not None:
             return [s.with_changes(body=[s.body[0].with_changes(value=cst.Name(str(v)))])]
@@ -302,7 +304,7 @@ class _Fold(cst.CSTTransformer):
         return updated
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
-        if m.findall(updated.body, GRADIENT_CHECKPOINTING):  # inference never checkpoints
+        if findall(updated.body, GRADIENT_CHECKPOINTING):  # inference never checkpoints
             updated = updated.with_changes(
                 body=_block(updated.body, _fold_block(updated.body.body, _Env({}, set())))
             )
@@ -316,7 +318,7 @@ class _Fold(cst.CSTTransformer):
             return _fold_block(updated.body.body, env) if consts else None
 
         body = folded(consts)
-        if ENCODER & consts.keys() and any(m.findall(s, ON_NONE) for s in body):
+        if ENCODER & consts.keys() and any(findall(s, ON_NONE) for s in body):
             consts = {n: v for n, v in consts.items() if n not in ENCODER}  # it needs them: it stays as it is
             body = folded(consts)
         star_kwargs = params.star_kwarg
@@ -353,7 +355,7 @@ def _bound_to_hf_only(module: cst.Module) -> set[int]:
                     doomed |= {id(a) for c in calls if (a := binding(c, fn, param)) is not None}
     # module-level helpers too (LFM2's `apply_mask_to_padding_states(hidden_states, attention_mask)`)
     for fn in (s for s in module.body if isinstance(s, cst.FunctionDef)):
-        calls = m.findall(module, m.Call(func=m.Name(fn.name.value)))
+        calls = findall(module, m.Call(func=m.Name(fn.name.value)))
         for param in named_params(fn):
             if param.name.value in HF_ONLY:
                 doomed |= {id(a) for c in calls if (a := binding(c, fn, param)) is not None}
@@ -386,7 +388,7 @@ def _inputs_fed_at_run_time(module: cst.Module, entry_class: str) -> list[tuple[
     forwarding the caller's own HF-only parameter: folding the parameter away would lose that input (BLT's
     global transformer is fed the local encoder's patch states as `inputs_embeds`)."""
     kept = [module.body[i] for i in reachable(module, {entry_class})]
-    made = {id(c) for s in kept for c in m.findall(s, m.Call())}  # the calls the migrated model makes
+    made = {id(c) for s in kept for c in findall(s, m.Call())}  # the calls the migrated model makes
     local, fed = classes(module), []
     forwarded = m.OneOf(*map(m.Name, HF_ONLY))
     for name, where in call_sites(module).items():
@@ -416,7 +418,7 @@ def _helper_bindings(module: cst.Module) -> tuple[dict[tuple[str, str], set[str]
         for caller in fns:
             folded = {p.name.value for p in named_params(caller) if p.name.value in HF_ONLY}
             folded -= assigned_names(caller.body)
-            for call in m.findall(caller.body, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()))):
+            for call in findall(caller.body, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()))):
                 fn = helpers.get(call.func.attr.value)
                 for param in named_params(fn) if fn is not None else ():
                     if param.name.value in HF_ONLY and (arg := binding(call, fn, param)) is not None:
@@ -445,10 +447,10 @@ def cache_state_methods(fn: cst.FunctionDef) -> list[str]:
     )  # `cache.layers[i] if cache is not None else None`
     holders = {
         a.target.value if isinstance(a, cst.AnnAssign) else a.targets[0].target.value
-        for a in m.findall(fn, m.Assign([m.AssignTarget(m.Name())], held) | m.AnnAssign(m.Name(), value=held))
+        for a in findall(fn, m.Assign([m.AssignTarget(m.Name())], held) | m.AnnAssign(m.Name(), value=held))
     }
-    layered = m.findall(fn, m.Call(func=m.Attribute(value=layer | m.OneOf(*map(m.Name, holders)))))
-    direct = m.findall(fn, m.Call(func=m.Attribute(value=cache)))
+    layered = findall(fn, m.Call(func=m.Attribute(value=layer | m.OneOf(*map(m.Name, holders)))))
+    direct = findall(fn, m.Call(func=m.Attribute(value=cache)))
     names = {c.func.attr.value for c in layered} | ({c.func.attr.value for c in direct} - {"update"})
     return sorted(n for n in names if not n.startswith("get_"))
 
@@ -470,7 +472,7 @@ class FoldHFOnlyParams(Rule):
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         for name, cls in classes(module).items():
-            for fn in m.findall(cls.body, m.FunctionDef()):
+            for fn in findall(cls.body, m.FunctionDef()):
                 if found := cache_state_methods(fn):
                     self.rewrite.unsupported(
                         name,
@@ -512,7 +514,7 @@ class FoldHFOnlyParams(Rule):
         """A past length read from the cache folds to 0; passed to a module without the positions themselves
         (TrOCR's positional embedding computes them from it), every step's positions would restart at 0."""
         for name, cls in classes(module).items():
-            for fn in m.findall(cls.body, m.FunctionDef()):
+            for fn in findall(cls.body, m.FunctionDef()):
                 fed = fed_past_length(fn, lengths := past.get((name, fn.name.value), set()))
                 if calls := [c for c in fed if not _unread(fn, c)]:
                     length = min(free_names(calls[0]) & lengths)
@@ -528,10 +530,10 @@ class FoldHFOnlyParams(Rule):
 def _unread(fn: cst.FunctionDef, call: cst.Call) -> bool:
     """call's value is bound to locals fn reads nowhere else (a mask built from the past length, once the
     calls taking it are folded): it goes as dead code, whatever it computed."""
-    for a in m.findall(fn, m.Assign()):
+    for a in findall(fn, m.Assign()):
         if a.value is call:
             names = assigned_names(a)
-            return all(len(m.findall(fn, m.Name(n))) == len(m.findall(a, m.Name(n))) for n in names)
+            return all(len(findall(fn, m.Name(n))) == len(findall(a, m.Name(n))) for n in names)
     return False
 
 
@@ -540,7 +542,7 @@ def _past_lengths(module: cst.Module) -> dict[tuple, set[str]]:
     or the length of the first layer's keys in a tuple cache (`past_key_values[0][0].size(-2)`, `.shape[2]`)."""
     found: dict[tuple, set[str]] = {}
     for name, cls in classes(module).items():
-        for fn in m.findall(cls.body, m.FunctionDef()):
+        for fn in findall(cls.body, m.FunctionDef()):
             caches = {p.name.value for p in named_params(fn)} & CACHES
             if not caches:
                 continue
@@ -552,7 +554,7 @@ def _past_lengths(module: cst.Module) -> dict[tuple, set[str]]:
                 | m.Call(m.Attribute(keys, m.Name("size")), [m.Arg(tokens_dim)])
                 | m.Subscript(m.Attribute(keys, m.Name("shape")), [m.SubscriptElement(m.Index(tokens_dim))])
             )
-            for a in m.findall(fn, m.Assign()):
-                if m.findall(a.value, read):
+            for a in findall(fn, m.Assign()):
+                if findall(a.value, read):
                     found.setdefault((name, fn.name.value), set()).update(assigned_names(a))
     return found

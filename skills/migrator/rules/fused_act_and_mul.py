@@ -8,7 +8,7 @@ activation set any other way, or assigned again in the class, is left as it is."
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ATTR, method
+from skills.migrator.cst_utils import SELF_ATTR, findall, method
 from skills.migrator.rule import Rule
 
 ACT2FN = m.Subscript(m.Name("ACT2FN"))
@@ -19,15 +19,15 @@ def _activations(cls: cst.ClassDef) -> set[str]:
     init = method(cls, "__init__")
     if init is None:
         return set()
-    assigned = m.findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], ACT2FN))
+    assigned = findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], ACT2FN))
     return {attr for a in assigned if _sets(cls, attr := a.targets[0].target.attr.value) == 1}
 
 
 def _sets(cls: cst.ClassDef, attr: str) -> int:
     """How many assignments in the class bind `self.<attr>` (alone, in a tuple, annotated or augmented)."""
     self_attr = m.Attribute(m.Name("self"), m.Name(attr))
-    targets = [t.target for t in m.findall(cls, m.AssignTarget() | m.AnnAssign() | m.AugAssign())]
-    return sum(bool(m.matches(t, self_attr) or m.findall(t, self_attr)) for t in targets)
+    targets = [t.target for t in findall(cls, m.AssignTarget() | m.AnnAssign() | m.AugAssign())]
+    return sum(bool(m.matches(t, self_attr) or findall(t, self_attr)) for t in targets)
 
 
 class FusedActAndMul(Rule):

@@ -11,7 +11,7 @@ import ast
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names
+from skills.migrator.cst_utils import assigned_names, findall
 from skills.migrator.rule import Rule
 from skills.migrator.rules._forms import (
     ReturnInstead,
@@ -49,7 +49,7 @@ def _bound_once(module: cst.Module, name: str) -> bool:
     defined = [
         s for s in module.body if isinstance(s, cst.FunctionDef | cst.ClassDef) and s.name.value == name
     ]
-    imported = m.findall(
+    imported = findall(
         module, m.ImportAlias(asname=m.AsName(m.Name(name))) | m.ImportAlias(m.Name(name), asname=None)
     )
     assigned = [

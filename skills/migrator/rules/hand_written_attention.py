@@ -22,6 +22,7 @@ from skills.migrator.cst_utils import (
     called_name,
     classes,
     code,
+    findall,
     free_names,
     kwarg,
     method,
@@ -116,7 +117,7 @@ class _Scores:
         names = free_names(e)
         subscripted = {
             s.value.attr.value
-            for s in m.findall(e, m.Subscript(value=m.Attribute(value=m.Name("self"))))
+            for s in findall(e, m.Subscript(value=m.Attribute(value=m.Name("self"))))
             if s.value.attr.value in self.buffers
         }
         self.read_buffers |= subscripted
@@ -214,10 +215,10 @@ def _init_buffers(init: cst.FunctionDef | None) -> set[str]:
     if init is None:
         return set()
     found = set()
-    for s in m.findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])):
+    for s in findall(init, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])):
         if "Buffer" in code(s.value) or "tril" in code(s.value):
             found.add(s.targets[0].target.attr.value)
-    for c in m.findall(init, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("register_buffer")))):
+    for c in findall(init, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("register_buffer")))):
         if c.args and isinstance(c.args[0].value, cst.SimpleString):
             found.add(c.args[0].value.evaluated_value)
     return found
@@ -226,11 +227,11 @@ def _init_buffers(init: cst.FunctionDef | None) -> set[str]:
 def _sliding_window(init: cst.FunctionDef) -> str | None:
     """The window of a banded causal buffer: `tril(ones) xor tril(ones, -W)` keeps the last W positions; built
     under `if C:` it is `W if C else None`."""
-    for branch in [init, *m.findall(init, m.If())]:
+    for branch in [init, *findall(init, m.If())]:
         for s in branch.body.body:
             if not isinstance(s, cst.SimpleStatementLine):
                 continue  # a nested branch is read as its own
-            for c in m.findall(s, m.Call()):
+            for c in findall(s, m.Call()):
                 if called_name(c) in {"torch.tril", "tril"} and len(c.args) == 2:
                     offset = c.args[1].value
                     if not m.matches(offset, m.UnaryOperation(operator=m.Minus())):
@@ -272,13 +273,13 @@ def _weighs_values(body: list, i: int) -> bool:
     """Whether what body[i] binds reaches, through a softmax, the left side of a later product (`p @ v`)."""
     derived, softmax = assigned_names(body[i]), False
     for s in body[i + 1 :]:
-        for a in m.findall(s, m.Assign() | m.AugAssign() | m.Return()):
+        for a in findall(s, m.Assign() | m.AugAssign() | m.Return()):
             value = a.value
             if value is None or not _data_names(value) & derived:
                 continue
-            calls = {called_name(c) for c in m.findall(value, m.Call())}
+            calls = {called_name(c) for c in findall(value, m.Call())}
             softmax |= any(c in SOFTMAX or c.endswith("softmax") for c in calls)
-            products = [p for e in m.findall(value, m.Call() | m.BinaryOperation()) if (p := _product(e))]
+            products = [p for e in findall(value, m.Call() | m.BinaryOperation()) if (p := _product(e))]
             if softmax and any(_data_names(left) & derived for left, _ in products):
                 return True
             derived |= assigned_names(a)
@@ -319,7 +320,7 @@ class _Region:
         if not m.matches(s, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])])):
             return False
         value = s.body[0].value
-        for e in [value, *m.findall(value, m.Call() | m.BinaryOperation())]:
+        for e in [value, *findall(value, m.Call() | m.BinaryOperation())]:
             if (operands := _scaled_product(e)) is not None:
                 added, q, kt = operands
                 self.q, self.k = q, _untransposed(kt)
@@ -382,7 +383,7 @@ class _Region:
             if self.scores.is_mask(value) or "finfo" in code(value):
                 self.scores.masks |= bound
             return False
-        for e in [value, *m.findall(value, m.Call() | m.BinaryOperation())]:
+        for e in [value, *findall(value, m.Call() | m.BinaryOperation())]:
             pair = _product(e)
             if pair and self.scores.scores_in(pair[0]) and not self.scores.scores_in(pair[1]):
                 self.scores.value(pair[0])
@@ -408,7 +409,7 @@ class _Region:
             seen.append(self.scores.factors)
         if seen[0] == seen[1]:
             return False
-        read = {a.attr.value for a in m.findall(s.test, m.Attribute(value=m.Name("self")))}
+        read = {a.attr.value for a in findall(s.test, m.Attribute(value=m.Name("self")))}
         if not (read and read <= self.settled):
             raise Refused(f"the attention scale chosen at run time (`if {code(s.test)}`)")
         # GPT-1's `if self.scale:`: a conditional scale, which MG005 evaluates in __init__
@@ -432,7 +433,7 @@ def _head_sizes_named(scaling: str, region: _Region) -> str:
         slice=[m.SubscriptElement(m.Index(m.UnaryOperation(m.Minus(), m.Integer("1"))))],
     )
     expr = cst.parse_expression(scaling)
-    for e in m.findall(expr, last):
+    for e in findall(expr, last):
         owner = e.func.value if isinstance(e, cst.Call) else e.value.value
         if isinstance(owner, cst.Name) and owner.value in operands:
             expr = expr.deep_replace(e, cst.Name(HEAD_DIM))
@@ -472,11 +473,11 @@ class _Rewriter:
         self.read_buffers: set[str] = set()  # causal buffers the converted computations masked with
         self.init = method(cls, "__init__")
         self.buffers = _init_buffers(self.init)
-        assigned = m.findall(self.init, m.AssignTarget(m.Attribute(m.Name("self")))) if self.init else []
+        assigned = findall(self.init, m.AssignTarget(m.Attribute(m.Name("self")))) if self.init else []
         self.settled = {a.target.attr.value for a in assigned}
         self.zeros = {
             n
-            for a in m.findall(cls, m.Assign(value=m.Call()))
+            for a in findall(cls, m.Assign(value=m.Call()))
             if called_name(a.value).endswith(ZERO_FILLS)
             for n in assigned_names(a)
         }
@@ -536,7 +537,7 @@ class _Rewriter:
         call = next(
             (
                 c
-                for c in [value, *m.findall(value, m.Call())]
+                for c in [value, *findall(value, m.Call())]
                 if isinstance(c, cst.Call) and called_name(c) in SDPA
             ),
             None,
@@ -552,24 +553,24 @@ class _Rewriter:
 
 def _only_returned(names: set[str], body: list) -> bool:
     """Whether names appear after the attention only as whole elements of returned tuples (`return out, w`)."""
-    returns = m.findall(cst.Module(body), m.Return(value=m.Tuple()))
+    returns = findall(cst.Module(body), m.Return(value=m.Tuple()))
     in_returns = sum(
         1
         for r in returns
         for e in r.value.elements
         if isinstance(e.value, cst.Name) and e.value.value in names
     )
-    uses = sum(1 for n in m.findall(cst.Module(body), m.Name()) if n.value in names)
+    uses = sum(1 for n in findall(cst.Module(body), m.Name()) if n.value in names)
     return uses == in_returns
 
 
 def _alibi_names(module: cst.Module) -> set[str]:
     """Names holding an ALiBi bias: those naming it (`alibi`), and the keywords the file passes one by
     (MPT's `position_bias=alibi`)."""
-    named = {n.value for n in m.findall(module, m.Name()) if "alibi" in n.value.lower()}
+    named = {n.value for n in findall(module, m.Name()) if "alibi" in n.value.lower()}
     passed = {
         a.keyword.value
-        for a in m.findall(module, m.Arg(keyword=m.Name()))
+        for a in findall(module, m.Arg(keyword=m.Name()))
         if any("alibi" in n.lower() for n in _data_names(a.value))
     }
     return named | passed
@@ -583,14 +584,14 @@ def _candidates(module: cst.Module, entry: str) -> list[str]:
     for name, cls in classes(module).items():
         if name not in used or method(cls, "forward") is None:
             continue
-        calls = {called_name(c) for c in m.findall(cls, m.Call())}
+        calls = {called_name(c) for c in findall(cls, m.Call())}
         if calls & INTERFACE:
             continue
         if calls & SDPA or (
             any(c in SOFTMAX or c.endswith(".softmax") for c in calls)
             and (
                 calls & (PRODUCTS | SCALED_PRODUCTS)
-                or m.findall(cls, m.BinaryOperation(operator=m.MatrixMultiply()))
+                or findall(cls, m.BinaryOperation(operator=m.MatrixMultiply()))
             )
         ):
             found.append(name)
@@ -639,7 +640,7 @@ class HandWrittenAttention(Rule):
         none = m.Comparison(
             m.OneOf(*map(m.Name, held)), [m.ComparisonTarget(m.Is() | m.IsNot(), m.Name("None"))]
         )
-        tests = m.findall(fwd, none) if held else []
+        tests = findall(fwd, none) if held else []
         if not tests:
             return cls
         source = cst.parse_module(self.rewrite.source) if self.rewrite.source else self.current
@@ -665,14 +666,14 @@ def _on_one_cache(body: list) -> list:
     """Two computations in the two arms of one `if` (Falcon's rotary and ALiBi paths): a forward runs one of them,
     on the one cache HF updates before the branch; the later one is marked to share the earlier one's."""
     fn = cst.Module(body)
-    first, second = m.findall(fn, m.Call(func=m.Name(MARKER)))
+    first, second = findall(fn, m.Call(func=m.Name(MARKER)))
 
     def holds(arm: cst.CSTNode, call: cst.Call) -> bool:
-        return any(c is call for c in m.findall(arm, m.Call(func=m.Name(MARKER))))
+        return any(c is call for c in findall(arm, m.Call(func=m.Name(MARKER))))
 
     if not any(
         branch.orelse is not None and holds(branch.body, first) and holds(branch.orelse, second)
-        for branch in m.findall(fn, m.If())
+        for branch in findall(fn, m.If())
     ):
         raise Refused(
             "two attention computations in one forward that may both run: each would need a runtime Attention "
@@ -686,7 +687,7 @@ def _without_unread_buffers(cls: cst.ClassDef, buffers: set[str]) -> cst.ClassDe
     that only built them (GPT-Neo's `bias = torch.tril(...)`, made banded under `if attention_type == ...`)."""
     init = method(cls, "__init__")
     elsewhere = [s for s in cls.body.body if s is not init]
-    read = {a.attr.value for a in m.findall(cst.Module(elsewhere), m.Attribute(m.Name("self")))}
+    read = {a.attr.value for a in findall(cst.Module(elsewhere), m.Attribute(m.Name("self")))}
     if not (gone := buffers - read):
         return cls
     body = [s for s in init.body.body if not _builds(s, gone)]
@@ -739,12 +740,12 @@ def _fold_helper(cls: cst.ClassDef, fwd: cst.FunctionDef, rewriter: _Rewriter) -
     `a, w = heads_first_attention(self, q, k, v, ...)`, the helper removed."""
     helpers = {
         c.func.attr.value
-        for c in m.findall(fwd, m.Call(func=m.Attribute(value=m.Name("self"))))
+        for c in findall(fwd, m.Call(func=m.Attribute(value=m.Name("self"))))
         if method(cls, c.func.attr.value) is not None
     }
     for name in sorted(helpers):
         helper = method(cls, name)
-        calls = m.findall(cls, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name))))
+        calls = findall(cls, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name))))
         body = list(helper.body.body)
         if not body or not m.matches(body[-1], m.SimpleStatementLine([m.Return(m.DoNotCare())])):
             continue

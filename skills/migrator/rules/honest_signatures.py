@@ -7,7 +7,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, call_sites, positional_params
-from skills.migrator.cst_utils import classes, method, names_in
+from skills.migrator.cst_utils import classes, findall, method, names_in
 from skills.migrator.rule import Rule
 from skills.migrator.rules.unused_parameters import CONTRACT
 
@@ -17,10 +17,10 @@ _TESTS = m.Comparison() | m.BooleanOperation() | m.UnaryOperation(operator=m.Not
 def _tested(fn: cst.FunctionDef) -> set[str]:
     """Names the body tests: comparisons, boolean operators, `not`, and the conditions of if / while / ... ."""
     nodes = [
-        *m.findall(fn.body, _TESTS),
-        *(n.test for n in m.findall(fn.body, m.If() | m.While() | m.IfExp())),
+        *findall(fn.body, _TESTS),
+        *(n.test for n in findall(fn.body, m.If() | m.While() | m.IfExp())),
     ]
-    nodes += [a.test for a in m.findall(fn.body, m.Assert())]
+    nodes += [a.test for a in findall(fn.body, m.Assert())]
     return {name for node in nodes for name in names_in(node)}
 
 

@@ -21,6 +21,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     code,
     dotted,
+    findall,
     is_docstring,
     kwarg,
     method,
@@ -64,7 +65,7 @@ def _window(s: cst.BaseStatement, mask: str) -> cst.BaseExpression | None:
         func=m.Attribute(m.Name("torch"), m.Name("topk")),
         args=[m.Arg(m.Name(mask)), m.Arg(keyword=None), m.ZeroOrMore()],
     )
-    calls = m.findall(s.body, topk)
+    calls = findall(s.body, topk)
     if len(calls) != 1 or code(calls[0].args[1].value) != code(window):
         return None
     largest, dim = kwarg(calls[0], "largest"), kwarg(calls[0], "dim")
@@ -98,7 +99,7 @@ def _builder(fn: cst.FunctionDef) -> tuple[str, str | None] | None:
             continue
         if m.matches(line, m.Return(m.Name(mask))):
             return (bias, window) if s is body[-1] else None
-        if mask in assigned_names(s) or m.findall(s, m.Name(mask)):
+        if mask in assigned_names(s) or findall(s, m.Name(mask)):
             return None
     return None
 
@@ -130,7 +131,7 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     name, doomed, built = arg.value.value, [], None
     for s in reversed(fwd.body.body[: fwd.body.body.index(line)]):
         if name not in assigned_names(s):
-            if m.findall(s, m.Name(name)):
+            if findall(s, m.Name(name)):
                 return None
             continue
         value = s.body[0].value if m.matches(s, m.SimpleStatementLine([m.Assign()])) else None
@@ -147,7 +148,7 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
         break
     if not built or bias is None or (built[1] and window is None):
         return None
-    if any(m.findall(s, m.Name(name)) for s in fwd.body.body[fwd.body.body.index(line) + 1 :]):
+    if any(findall(s, m.Name(name)) for s in fwd.body.body[fwd.body.body.index(line) + 1 :]):
         return None  # the mask is read after the call too
     extra = [("key_bias", bias)] + ([("keep_keys", window)] if window else [])
     added = [cst.parse_expression(f"f({k}={v})").args[0].with_changes(comma=COMMA) for k, v in extra]

@@ -14,6 +14,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     attention_layer,
     code,
+    findall,
     free_names,
     kwarg,
     method,
@@ -55,10 +56,10 @@ def _latent_call(
             ],
         )
         for j in range(i + 1, len(body)):
-            calls = m.findall(body[j], uses)
+            calls = findall(body[j], uses)
             if not calls:
                 continue
-            read = len(m.findall(fwd, m.Name(k))) + len(m.findall(fwd, m.Name(v)))
+            read = len(findall(fwd, m.Name(k))) + len(findall(fwd, m.Name(v)))
             latents = set().union(*(free_names(a.value) for a in expand.args))
             rebound = any(assigned_names(s) & latents for s in body[i + 1 : j])
             return (line, expand, calls[0]) if len(calls) == 1 and read == 4 and not rebound else None

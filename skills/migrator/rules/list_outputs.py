@@ -9,7 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import call_sites
-from skills.migrator.cst_utils import assigned_names, classes, method
+from skills.migrator.cst_utils import assigned_names, classes, findall, method
 from skills.migrator.rule import Rule
 
 ONE = m.List([m.Element(~m.StarredElement())])  # `[e]`
@@ -28,8 +28,8 @@ def _tail(x: str) -> m.Subscript:
 
 def _only_indexed(nodes: list[cst.CSTNode], x: str) -> bool:
     """Every read of x under nodes is `x[0]` or `x[1:]` (its assignments aside)."""
-    reads = sum(len(m.findall(n, m.Name(x))) - len(m.findall(n, m.AssignTarget(m.Name(x)))) for n in nodes)
-    return reads == sum(len(m.findall(n, _head(x) | _tail(x))) for n in nodes)
+    reads = sum(len(findall(n, m.Name(x))) - len(findall(n, m.AssignTarget(m.Name(x)))) for n in nodes)
+    return reads == sum(len(findall(n, _head(x) | _tail(x))) for n in nodes)
 
 
 class _Unwrap(cst.CSTTransformer):
@@ -71,7 +71,7 @@ def _wrapped_locals(fn: cst.FunctionDef) -> cst.FunctionDef:
 def _returned_list(fwd: cst.FunctionDef) -> list[cst.SimpleStatementLine] | None:
     """The top-level `outputs = [e]` statements forward's returns give (a return of `[e]` itself: its own
     statement), or None when a return gives anything else."""
-    returns = m.findall(fwd, m.Return())
+    returns = findall(fwd, m.Return())
     bound = {}
     for s in fwd.body.body:
         if m.matches(s, BOUND_TO_ONE):
@@ -94,16 +94,16 @@ def _callers_read_the_head(module: cst.Module, calls: list[cst.Call]) -> dict[in
     """id of each function holding one of calls -> the name it binds the result to, when every call is the value
     of a `r = <call>` statement, r bound nowhere else in its function and read only as `r[0]` / `r[1:]`."""
     found = {}
-    for fn in m.findall(module, m.FunctionDef()):
-        mine = [c for c in calls if any(c is x for x in m.findall(fn, m.Call()))]
+    for fn in findall(module, m.FunctionDef()):
+        mine = [c for c in calls if any(c is x for x in findall(fn, m.Call()))]
         if not mine:
             continue
-        binds = m.findall(fn, m.Assign([m.AssignTarget(m.Name())], m.Call()))
+        binds = findall(fn, m.Assign([m.AssignTarget(m.Name())], m.Call()))
         names = {b.targets[0].target.value for b in binds if any(b.value is c for c in mine)}
         if len(names) != 1 or len(mine) != 1:
             return None
         r = names.pop()
-        if sum(1 for t in m.findall(fn, m.AssignTarget(m.Name(r)))) != 1 or not _only_indexed([fn.body], r):
+        if sum(1 for t in findall(fn, m.AssignTarget(m.Name(r)))) != 1 or not _only_indexed([fn.body], r):
             return None
         found[id(fn)] = r
     return found

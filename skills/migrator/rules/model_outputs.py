@@ -6,7 +6,7 @@ return and variable annotations that name transformers types go."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, kwarg, method, names_in
+from skills.migrator.cst_utils import classes, findall, kwarg, method, names_in
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
@@ -47,7 +47,7 @@ def _submodule_results(fn: cst.FunctionDef, modules: set[str] | None = None) -> 
     """Names fn binds to the result of a `self.<module>(...)` call (of one of `modules` where given)."""
     attr = m.Name() if modules is None else m.OneOf(*map(m.Name, modules))
     call = m.Call(func=m.Attribute(value=m.Name("self"), attr=attr))
-    assigns = m.findall(fn.body, m.Assign(targets=[m.AssignTarget(m.Name())], value=call))
+    assigns = findall(fn.body, m.Assign(targets=[m.AssignTarget(m.Name())], value=call))
     return {a.targets[0].target.value for a in assigns}
 
 
@@ -57,13 +57,13 @@ def _dataclass_modules(module: cst.Module) -> dict[str, set[str]]:
     field = m.Arg(keyword=m.Name("last_hidden_state"))
     returned = m.Return(value=m.Call(args=[m.ZeroOrMore(), field, m.ZeroOrMore()]))
     local = classes(module)
-    producers = {n for n, c in local.items() if (fwd := method(c, "forward")) and m.findall(fwd, returned)}
+    producers = {n for n, c in local.items() if (fwd := method(c, "forward")) and findall(fwd, returned)}
     built = m.Assign(
         targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))],
         value=m.Call(func=m.OneOf(*map(m.Name, producers))),
     )
     return {
-        name: {a.targets[0].target.attr.value for a in m.findall(cls, built)} for name, cls in local.items()
+        name: {a.targets[0].target.attr.value for a in findall(cls, built)} for name, cls in local.items()
     }
 
 

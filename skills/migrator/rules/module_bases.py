@@ -9,7 +9,7 @@ from libcst.metadata import QualifiedNameProvider
 from torch import nn
 
 from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import dotted
+from skills.migrator.cst_utils import dotted, findall
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
 
@@ -117,13 +117,13 @@ class _Bases(cst.CSTTransformer):
         ]
         if len(bases) == len(updated.bases):
             return updated
-        used = {n.attr.value for n in m.findall(updated, m.Attribute(value=m.Name("self")))}
+        used = {n.attr.value for n in findall(updated, m.Attribute(value=m.Name("self")))}
         body = [s for s in updated.body.body if not _is_hf_only_class_attr(s, used)]
         if body and body[0] is not updated.body.body[0]:
             body[0] = body[0].with_changes(leading_lines=[])
         updated = updated.with_changes(bases=bases or [NN_MODULE], body=updated.body.with_changes(body=body))
         own = {n for s in body for n in top_level_names(s)} | {
-            t.target.attr.value for t in m.findall(updated, m.AssignTarget(m.Attribute(value=m.Name("self"))))
+            t.target.attr.value for t in findall(updated, m.AssignTarget(m.Attribute(value=m.Name("self"))))
         }
         report = updated.name.value in self.used
         updated = updated.visit(_DropInheritedHFCalls(own, self.ctx if report else None, updated.name.value))

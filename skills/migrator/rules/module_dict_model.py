@@ -12,6 +12,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     classes,
     code,
+    findall,
     free_names,
     is_docstring,
     method,
@@ -89,8 +90,8 @@ def _trunk(fwd: cst.FunctionDef, attr: str, head: str) -> tuple[int, cst.Call] |
         return None
     trunk = cst.Module(body[:at])
     held = m.Attribute(m.Name("self"), m.Name(attr))
-    reads = {code(a) for a in m.findall(trunk, m.Attribute(m.Name("self")))}
-    whole = len(m.findall(trunk, held)) != len(m.findall(trunk, m.Attribute(held)))  # the dict itself used
+    reads = {code(a) for a in findall(trunk, m.Attribute(m.Name("self")))}
+    whole = len(findall(trunk, held)) != len(findall(trunk, m.Attribute(held)))  # the dict itself used
     bound = {n for s in body[:at] for n in assigned_names(s)}
     if whole or reads - {f"self.{attr}", "self.config"} or free_names(cst.Module(body[at + 1 :])) & bound:
         return None
@@ -121,7 +122,7 @@ class ModuleDictModel(Rule):
         reads = free_names(cst.Module(trunk)) | free_names(returned)
         params = [p for p in param_names(fwd) if p != "self" and p in reads]
         name = self._model_name(local)
-        stored = bool(m.findall(cst.Module(trunk), m.Attribute(m.Name("self"), m.Name("config"))))
+        stored = bool(findall(cst.Module(trunk), m.Attribute(m.Name("self"), m.Name("config"))))
         unheld = _Held(attr)
         model = _model_class(
             name,
@@ -164,5 +165,5 @@ class ModuleDictModel(Rule):
 
 
 def _applies(s: cst.BaseStatement, head: str) -> cst.Call | None:
-    calls = [c for c in m.findall(s, m.Call(m.Attribute(m.Name("self"), m.Name(head))))]
+    calls = [c for c in findall(s, m.Call(m.Attribute(m.Name("self"), m.Name(head))))]
     return calls[0] if len(calls) == 1 else None

@@ -6,7 +6,7 @@ their names and layout. A subclass that computes anything else, or has other met
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, dotted, is_docstring
+from skills.migrator.cst_utils import classes, dotted, findall, is_docstring
 from skills.migrator.reachability import reachable
 from skills.migrator.rule import Rule
 
@@ -16,6 +16,7 @@ TRANSPOSED = (
     | m.Call(m.Attribute(WEIGHT, m.Name("t")), [])
     | m.Call(m.Attribute(WEIGHT, m.Name("transpose")), [m.Arg(m.Integer("0")), m.Arg(m.Integer("1"))])
 )
+
 NO_BIAS = m.Comparison(BIAS, [m.ComparisonTarget(m.Is(), m.Name("None"))])
 
 
@@ -59,12 +60,9 @@ def _only_constructed(module: cst.Module, name: str, entry: str) -> bool:
     initialiser of a base class it no longer derives from does not count)."""
     kept = [module.body[i] for i in reachable(module, {entry})]
     uses = [
-        n
-        for s in kept
-        for n in m.findall(s, m.Name(name))
-        if not (isinstance(s, cst.ClassDef) and n is s.name)
+        n for s in kept for n in findall(s, m.Name(name)) if not (isinstance(s, cst.ClassDef) and n is s.name)
     ]
-    calls = {id(c.func) for s in kept for c in m.findall(s, m.Call(m.Name(name)))}
+    calls = {id(c.func) for s in kept for c in findall(s, m.Call(m.Name(name)))}
     return all(id(n) in calls for n in uses)
 
 

@@ -7,7 +7,7 @@ import re
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, free_names, names_in, read_names, with_args
+from skills.migrator.cst_utils import assigned_names, findall, free_names, names_in, read_names, with_args
 from skills.migrator.rule import Rule
 
 MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IGNORECASE)
@@ -19,7 +19,7 @@ MASK_METHOD = re.compile(r"(^|_)(create|make|prepare|update)_\w*(attention|causa
 def _builds_mask(node: cst.CSTNode) -> bool:
     """Calls or names a mask factory (`create_causal_mask`, `mask_function = create_... if ... else ...`,
     `self._create_attention_masks(...)`)."""
-    methods = (a.attr.value for a in m.findall(node, m.Attribute(value=m.Name("self"))))
+    methods = (a.attr.value for a in findall(node, m.Attribute(value=m.Name("self"))))
     return any(MASK_FACTORY.search(n) for n in free_names(node)) or any(
         MASK_METHOD.search(n) for n in methods
     )
@@ -27,7 +27,7 @@ def _builds_mask(node: cst.CSTNode) -> bool:
 
 def _clean_loop_targets(stmt: cst.CSTNode, tainted: set[str]) -> set[str]:
     """Names bound by the for-loops under stmt that iterate over something else than a mask."""
-    loops = [loop for loop in m.findall(stmt, m.For()) if not names_in(loop.iter) & tainted]
+    loops = [loop for loop in findall(stmt, m.For()) if not names_in(loop.iter) & tainted]
     return {n for loop in loops for n in names_in(loop.target)}
 
 
@@ -110,7 +110,7 @@ def _bidirectional_by_config(module: cst.Module, config: object) -> bool:
         value=m.Name("config") | m.Attribute(attr=m.Name("config")), attr=m.Name("is_decoder")
     )
     bidirectional = any("bidirectional" in n for n in free_names(module))
-    return getattr(config, "is_decoder", None) is False and bidirectional and bool(m.findall(module, keyed))
+    return getattr(config, "is_decoder", None) is False and bidirectional and bool(findall(module, keyed))
 
 
 class RemoveMaskMachinery(Rule):
@@ -128,9 +128,9 @@ class RemoveMaskMachinery(Rule):
                 "if it is a decoder",
             )
         module = module.visit(_PerFunction())
-        defined = {id(f.name) for f in m.findall(module, m.FunctionDef())}
-        used = {a.attr.value for a in m.findall(module, m.Attribute())} | {
-            n.value for n in m.findall(module, m.Name()) if id(n) not in defined
+        defined = {id(f.name) for f in findall(module, m.FunctionDef())}
+        used = {a.attr.value for a in findall(module, m.Attribute())} | {
+            n.value for n in findall(module, m.Name()) if id(n) not in defined
         }
         return module.visit(_DropMaskMethods(used))
 

@@ -14,6 +14,7 @@ from skills.migrator.cst_utils import (
     appended,
     classes,
     dotted,
+    findall,
     method,
     param_names,
     rewrite_classes,
@@ -80,7 +81,7 @@ def pass_metadata(cls: cst.ClassDef, callees: set[str]) -> cst.ClassDef | None:
 
 
 def _decorated(cls: cst.ClassDef) -> bool:
-    return any(dotted(d.decorator) == NAME for fn in m.findall(cls, m.FunctionDef()) for d in fn.decorators)
+    return any(dotted(d.decorator) == NAME for fn in findall(cls, m.FunctionDef()) for d in fn.decorators)
 
 
 class RequestRopeUpdate(Rule):

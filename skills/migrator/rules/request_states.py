@@ -9,7 +9,7 @@ keeping any other state in its cache stays MG004's refusal."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import param_names, rewrite_classes
+from skills.migrator.cst_utils import findall, param_names, rewrite_classes
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES, cache_state_methods, fold_given
 from skills.migrator.rules.request_rope_update import pass_metadata
@@ -42,9 +42,9 @@ def _only_state_calls(fn: cst.FunctionDef, cache: str) -> bool:
     """Every use of `cache` in fn's body calls one of the state methods or compares it with None (no keys and
     values through `update`, no handing the cache to another module)."""
     name = m.Name(cache)
-    uses = len(m.findall(fn.body, name))
-    calls = len(m.findall(fn.body, m.Call(m.Attribute(name, m.OneOf(*map(m.Name, STATE_API | READS))))))
-    none_tests = len(m.findall(fn.body, m.Comparison(name, [m.ComparisonTarget(comparator=m.Name("None"))])))
+    uses = len(findall(fn.body, name))
+    calls = len(findall(fn.body, m.Call(m.Attribute(name, m.OneOf(*map(m.Name, STATE_API | READS))))))
+    none_tests = len(findall(fn.body, m.Comparison(name, [m.ComparisonTarget(comparator=m.Name("None"))])))
     return uses == calls + none_tests
 
 

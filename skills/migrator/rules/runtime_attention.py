@@ -20,6 +20,7 @@ from skills.migrator.cst_utils import (
     class_table_members,
     classes,
     code,
+    findall,
     free_names,
     kwarg,
     method,
@@ -53,7 +54,7 @@ INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "
 
 
 def interface_call(s: cst.BaseStatement) -> cst.Call | None:
-    calls = m.findall(s, m.Call(func=m.Name()))
+    calls = findall(s, m.Call(func=m.Name()))
     return next((c for c in calls if called_name(c) in INTERFACE), None)
 
 
@@ -153,18 +154,16 @@ def _input_widths(init: cst.FunctionDef, fwd: cst.FunctionDef) -> dict[str, cst.
     """Names forward binds to a tensor's last size (nanoGPT's `B, T, C = x.size()`) -> that width as __init__
     knows it: the input size of a Linear layer forward applies to the same tensor (`self.c_attn(x)`)."""
     linears = {}
-    for a in m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())):
+    for a in findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())):
         if called_name(a.value).split(".")[-1] == "Linear" and a.value.args and not a.value.args[0].keyword:
             linears[a.targets[0].target.attr.value] = a.value.args[0].value
     sizes = m.Call(m.Attribute(m.Name(), m.Name("size")), []) | m.Attribute(m.Name(), m.Name("shape"))
     found = {}
-    for a in m.findall(
-        fwd, m.Assign([m.AssignTarget(m.Tuple([m.ZeroOrMore(), m.Element(m.Name())]))], sizes)
-    ):
+    for a in findall(fwd, m.Assign([m.AssignTarget(m.Tuple([m.ZeroOrMore(), m.Element(m.Name())]))], sizes)):
         x = (a.value.func.value if isinstance(a.value, cst.Call) else a.value).value
         applied = [
             linears[c.func.attr.value]
-            for c in m.findall(fwd, m.Call(m.Attribute(m.Name("self")), [m.Arg(m.Name(x), keyword=None)]))
+            for c in findall(fwd, m.Call(m.Attribute(m.Name("self")), [m.Arg(m.Name(x), keyword=None)]))
             if c.func.attr.value in linears
         ]
         widths = {code(w) for w in applied}
@@ -182,7 +181,7 @@ def _viewed(fwd: cst.FunctionDef, x: cst.BaseExpression, init: cst.FunctionDef) 
         x = x.func.value  # moving the heads does not change their count
     viewed = m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape")))
     widths = _input_widths(init, fwd)
-    for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name(x.value))])) if isinstance(x, cst.Name) else []:
+    for a in findall(fwd, m.Assign([m.AssignTarget(m.Name(x.value))])) if isinstance(x, cst.Name) else []:
         value = a.value
         while m.matches(value, moved):
             value = value.func.value  # `q.view(b, t, heads, size).transpose(1, 2)`
@@ -331,7 +330,7 @@ class _Classes(cst.CSTTransformer):
 
     def _note_single(self, cls: cst.ClassDef) -> None:
         """cls (whose forward returned the attention weights beside its output) now returns the output alone."""
-        if not m.findall(method(cls, "forward"), m.Return(value=m.Tuple())):
+        if not findall(method(cls, "forward"), m.Return(value=m.Tuple())):
             self.single.add(cls.name.value)
 
     def _rewrite_attention(self, cls: cst.ClassDef) -> cst.ClassDef:
@@ -374,19 +373,19 @@ def _attention_attrs(cls: cst.ClassDef, attn: set[str], tables: dict[str, set[st
     classes (Nemotron-H's `self.mixer = MIXER_TYPES[kind](...)`; `tables`: name -> its classes), or appended to a
     list the attribute then holds (Bamba's decoder layers). Each says whether it may hold another module instead
     (a conditional's other branch, a table's other classes), whose calls stay as they are written."""
-    attn = attn | {a.targets[0].target.value for a in m.findall(cls, class_choice(attn))}
+    attn = attn | {a.targets[0].target.value for a in findall(cls, class_choice(attn))}
     # `layers.append(Layer(...))`, then `self.layers = nn.ModuleList(layers)`; or `self.layers = nn.ModuleList()`,
     # then `self.layers.append(Layer(...))` (Meta's reference Llama)
     appended: dict[str, list[cst.Call]] = {}
     held = m.Name() | m.Attribute(m.Name("self"), m.Name())
-    for c in m.findall(cls, m.Call(func=m.Attribute(held, m.Name("append")), args=[m.Arg(m.Call())])):
+    for c in findall(cls, m.Call(func=m.Attribute(held, m.Name("append")), args=[m.Arg(m.Call())])):
         appended.setdefault(code(c.func.value), []).append(c.args[0].value)
     found = {}
-    for a in m.findall(
+    for a in findall(
         cls, m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))], value=m.Call() | m.IfExp())
     ):
-        calls = m.findall(a.value, m.Call()) + appended.get(code(a.targets[0].target), [])
-        calls += [c for n in m.findall(a.value, m.Name()) for c in appended.get(n.value, ())]
+        calls = findall(a.value, m.Call()) + appended.get(code(a.targets[0].target), [])
+        calls += [c for n in findall(a.value, m.Name()) for c in appended.get(n.value, ())]
         tabled = {
             k
             for c in calls

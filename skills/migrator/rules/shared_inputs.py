@@ -9,7 +9,14 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, call_sites, named_params
-from skills.migrator.cst_utils import assigned_names, classes, free_names, method, without_dangling_comma
+from skills.migrator.cst_utils import (
+    assigned_names,
+    classes,
+    findall,
+    free_names,
+    method,
+    without_dangling_comma,
+)
 from skills.migrator.rule import Rule
 
 MERGED = "hidden_states"
@@ -33,7 +40,7 @@ class _Rename(cst.CSTTransformer):
 
 def _shared(fwd: cst.FunctionDef, calls: list[cst.Call]) -> list[cst.Param]:
     """The first group of forward's parameters (in order) that every call binds to one and the same name."""
-    rebound = assigned_names(fwd.body) | {p.name.value for p in m.findall(fwd.body, m.Param())}
+    rebound = assigned_names(fwd.body) | {p.name.value for p in findall(fwd.body, m.Param())}
     groups: dict[tuple[str, ...], list[cst.Param]] = {}
     for p in named_params(fwd):
         if p.name.value == "self" or p.name.value in rebound:

@@ -31,6 +31,7 @@ from skills.migrator.cst_utils import (
     called_name,
     classes,
     code,
+    findall,
     free_names,
     is_docstring,
     kwarg,
@@ -122,9 +123,9 @@ def _masks_only(fwd: cst.FunctionDef, update: cst.BaseStatement) -> bool:
     body = list(fwd.body.body)
     i = body.index(update)
     kept = [x for s in body[i + 1 :] for x in (s.body.body if _on_dtype(s) else [s])]
-    reads = sum(len(m.findall(x, m.Name(MASK))) for x in kept)
-    masking = sum(len(m.findall(x, MASKED_FILL)) for x in kept)
-    before = sum(len(m.findall(x, m.Name(MASK))) for x in body[:i])
+    reads = sum(len(findall(x, m.Name(MASK))) for x in kept)
+    masking = sum(len(findall(x, MASKED_FILL)) for x in kept)
+    before = sum(len(findall(x, m.Name(MASK))) for x in body[:i])
     return before == 0 and 0 < masking == reads
 
 
@@ -132,17 +133,17 @@ def _masks_by_position(fwd: cst.FunctionDef, update: cst.BaseStatement) -> bool:
     """Whether forward, reading no mask, masks its scores after the update with a comparison against its
     parameter `position_ids` (`scores.masked_fill(k_positions > position_ids[..., None], ...)`, or through a name
     bound to one)."""
-    if POSITIONS not in param_names(fwd) or m.findall(fwd.body, m.Name(MASK)):
+    if POSITIONS not in param_names(fwd) or findall(fwd.body, m.Name(MASK)):
         return False
 
     def on_positions(e: cst.BaseExpression) -> bool:
         return isinstance(e, cst.Comparison) and POSITIONS in free_names(e)
 
     body = list(fwd.body.body)
-    bound = [a for s in body for a in m.findall(s, m.Assign([m.AssignTarget(m.Name())]))]
+    bound = [a for s in body for a in findall(s, m.Assign([m.AssignTarget(m.Name())]))]
     tests = {a.targets[0].target.value for a in bound if on_positions(a.value)}
     conditions = [
-        c.args[0].value for s in body[body.index(update) + 1 :] for c in m.findall(s, ANY_MASKED_FILL)
+        c.args[0].value for s in body[body.index(update) + 1 :] for c in findall(s, ANY_MASKED_FILL)
     ]
     return any(on_positions(c) or (isinstance(c, cst.Name) and c.value in tests) for c in conditions)
 
@@ -160,7 +161,7 @@ def _on_dtype(s: cst.BaseStatement) -> bool:
 def _per_request(fn: cst.FunctionDef) -> list[cst.BaseStatement]:
     """`x = by_request(x, forward_metadata)` for each input the runtime does not fold away (positions where the
     forward reads them)."""
-    reads_positions = bool(m.findall(fn.body, m.Name(POSITIONS)))
+    reads_positions = bool(findall(fn.body, m.Name(POSITIONS)))
     kept = [
         p
         for p in param_names(fn)[1:]
@@ -291,7 +292,7 @@ class SparseIndexer(Rule):
         return module
 
     def _indexer(self, name: str, cls: cst.ClassDef) -> cst.ClassDef | None:
-        updating = [fn for fn in m.findall(cls.body, m.FunctionDef()) if m.findall(fn, UPDATE)]
+        updating = [fn for fn in findall(cls.body, m.FunctionDef()) if findall(fn, UPDATE)]
         if not updating:
             return None
         fwd, init = method(cls, "forward"), method(cls, "__init__")
@@ -305,7 +306,7 @@ class SparseIndexer(Rule):
             "requests' keys"
             if not (by_position or _masks_only(fwd, found[0]))
             else "no `self.head_dim` in `__init__` gives its keys' width"
-            if init is None or not m.findall(init, HEAD_DIM)
+            if init is None or not findall(init, HEAD_DIM)
             else None
         )
         if why:
@@ -336,12 +337,10 @@ class SparseIndexer(Rule):
         attrs = {a: indexers[c] for a, (c, is_list) in held.items() if not is_list}
         if not attrs:
             return None
-        picks = set().union(*(assigned_names(a) for a in m.findall(cls, _picking(attrs))))
-        arms = [s for s in m.findall(cls, m.If()) if _mask_arm(s, picks)]
+        picks = set().union(*(assigned_names(a) for a in findall(cls, _picking(attrs))))
+        arms = [s for s in findall(cls, m.If()) if _mask_arm(s, picks)]
         block, why = _block_size(arms, attrs, init)
-        renamed = [
-            a for c in m.findall(cls, m.Call(func=m.Name())) for a in _picks_passed_otherwise(c, picks)
-        ]
+        renamed = [a for c in findall(cls, m.Call(func=m.Name())) for a in _picks_passed_otherwise(c, picks)]
         if renamed and arms and block is None and not why:
             why = (
                 f"passed as `{renamed[0].keyword.value}=`, with a mask the rule cannot read: neither positions "
@@ -351,7 +350,7 @@ class SparseIndexer(Rule):
             self.rewrite.unsupported(cls.name.value, 0, f"a sparse-attention indexer's picks {why}")
             return None
         cls = cls.visit(_PassMetadata(set(attrs))).visit(_PicksAsIndices(picks, block))
-        indices = {a.value.value for a in m.findall(cls, m.Arg(m.Name(), keyword=m.Name("indices")))}
+        indices = {a.value.value for a in findall(cls, m.Arg(m.Name(), keyword=m.Name("indices")))}
         return cls.visit(_HandOverPicks(indices, picks)) if indices else cls
 
 
@@ -362,14 +361,14 @@ def _block_size(
     mask a dropped arm builds with the indexer's own method (`self.indexer.build_block_mask(...)` expanding its
     verdicts with `repeat_interleave(self.block_size, dim=-1)`, `self.block_size = config.index_block_size`, the
     config the holder's `__init__` builds the indexer with); (None, None) for picks of positions."""
-    for call in (c for arm in arms for c in m.findall(arm, m.Call(func=m.Attribute(_SELF_ATTR)))):
+    for call in (c for arm in arms for c in findall(arm, m.Call(func=m.Attribute(_SELF_ATTR)))):
         attr = call.func.value.attr.value
         indexer = attrs.get(attr)
         builder = indexer and method(indexer, call.func.attr.value)
-        for expand in m.findall(builder, BLOCKS_TO_KEYS) if builder else ():
+        for expand in findall(builder, BLOCKS_TO_KEYS) if builder else ():
             size = expand.args[0].value.attr.value
             init = method(indexer, "__init__")
-            sets = m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(size)))]))
+            sets = findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(size)))]))
             if (
                 len(sets) == 1
                 and free_names(sets[0].value) <= {"config"}
@@ -389,6 +388,6 @@ def _given_own_config(holder: cst.FunctionDef, attr: str, indexer: str, init: cs
     param = next((p for p in named_params(init) if p.name.value == "config"), None)
     if param is None or "config" not in param_names(holder):
         return False
-    built = m.findall(holder, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))]))
-    calls = [c for a in built for c in m.findall(a.value, m.Call(func=m.Name(indexer)))]
+    built = findall(holder, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))]))
+    calls = [c for a in built for c in findall(a.value, m.Call(func=m.Name(indexer)))]
     return bool(calls) and all(m.matches(binding(c, init, param), m.Arg(m.Name("config"))) for c in calls)

@@ -16,6 +16,7 @@ import libcst.matchers as m
 from skills.migrator.cst_utils import (
     attention_layer,
     code,
+    findall,
     kwarg,
     method,
     rewrite_classes,
@@ -54,7 +55,7 @@ def _grouping_repeat_kv(module: cst.Module) -> bool:
     own = [f for f in module.body if m.matches(f, m.FunctionDef(m.Name("repeat_kv")))]
     interleaves = m.Call(func=m.Attribute(attr=m.Name("expand") | m.Name("repeat_interleave")))
     return all(
-        m.findall(f, interleaves) and not m.findall(f, m.Call(func=m.Attribute(attr=m.Name("repeat"))))
+        findall(f, interleaves) and not findall(f, m.Call(func=m.Attribute(attr=m.Name("repeat"))))
         for f in own
     )
 
@@ -66,7 +67,7 @@ def _rewrite(cls: cst.ClassDef, helper_groups: bool = True) -> cst.ClassDef | No
         return None
     attr, attn_line = layer
     own = m.Attribute(m.Name("self"), m.Name(attr))
-    calls = m.findall(
+    calls = findall(
         fwd, m.Call(func=own | m.Attribute(own, m.Name("forward_heads_first")), args=[m.Arg()] * 4)
     )
     if len(calls) != 1 or not all(isinstance(a.value, cst.Name) for a in calls[0].args[1:3]):
@@ -83,7 +84,7 @@ def _rewrite(cls: cst.ClassDef, helper_groups: bool = True) -> cst.ClassDef | No
         body=fwd.body.with_changes(body=[s for s in fwd.body.body if id(s) not in doomed])
     )
     if kind[0] == "grouped":  # the layer must cache the unrepeated heads, as it is told
-        helper = any(m.findall(r[0], m.Call(m.Name("repeat_kv"))) for r in repeats.values())
+        helper = any(findall(r[0], m.Call(m.Name("repeat_kv"))) for r in repeats.values())
         told = kwarg(layer[1].body[0].value, "num_kv_heads") is not None
         return cls.deep_replace(fwd, new_fwd) if told and (helper_groups or not helper) else None
     return with_attention_kwarg(cls, attn_line, "kv_heads_tiled", "True", fwd, new_fwd)

@@ -11,7 +11,7 @@ from collections.abc import Collection
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ASSIGN_CALL, SELF_ATTR, called_name, classes, code, method
+from skills.migrator.cst_utils import SELF_ASSIGN_CALL, SELF_ATTR, called_name, classes, code, findall, method
 from skills.migrator.rule import Rule
 from skills.migrator.rules.constructor_defaults import fold_defaults
 from skills.migrator.rules.dead_code import DropStatements, unused_attrs
@@ -36,7 +36,7 @@ def _may_hold_weights(
     if name not in local:
         return True
     init = method(local[name], "__init__")
-    calls = m.findall(init, m.Call()) if init is not None and name not in seen else []
+    calls = findall(init, m.Call()) if init is not None and name not in seen else []
     return any(
         called_name(c).split(".")[-1] == "Parameter"
         or (_builds_module(c, set(local)) and _may_hold_weights(c, local, seen | {name}))
@@ -50,21 +50,19 @@ def _unread_modules(module: cst.Module, entry: str) -> tuple[set[str], set[str]]
     plumbing gives it, `join_prefix(prefix, "x")`); and those of them that may hold checkpoint tensors."""
     local, unused = classes(module), unused_attrs(module, entry)
     prefixes = {
-        id(s)
-        for c in m.findall(module, m.Call(m.Name("join_prefix")))
-        for s in m.findall(c, m.SimpleString())
+        id(s) for c in findall(module, m.Call(m.Name("join_prefix"))) for s in findall(c, m.SimpleString())
     }
     named = {
-        s.raw_value for s in m.findall(module, m.SimpleString()) if id(s) not in prefixes
+        s.raw_value for s in findall(module, m.SimpleString()) if id(s) not in prefixes
     }  # getattr(self, "x")
     writes: dict[str, int] = {}
     doomed: dict[str, int] = {}
     weighted: set[str] = set()
     for name, cls in local.items():
-        for target in m.findall(cls, m.AssignTarget(SELF_ATTR)):
+        for target in findall(cls, m.AssignTarget(SELF_ATTR)):
             writes[target.target.attr.value] = writes.get(target.target.attr.value, 0) + 1
         init = method(cls, "__init__")
-        for s in m.findall(init, SELF_ASSIGN_CALL) if init is not None else ():
+        for s in findall(init, SELF_ASSIGN_CALL) if init is not None else ():
             attr = s.body[0].targets[0].target.attr.value
             if attr in unused.get(name, set()) and _builds_module(s.body[0].value, set(local)):
                 doomed[attr] = doomed.get(attr, 0) + 1
@@ -108,7 +106,7 @@ def _without(module: cst.Module, attrs: Collection[str]) -> cst.Module:
 
 
 def _built(module: cst.Module, attr: str) -> bool:
-    return bool(m.findall(module, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))))
+    return bool(findall(module, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))))
 
 
 class UnreadModules(Rule):
@@ -117,7 +115,7 @@ class UnreadModules(Rule):
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         entry = classes(module).get(self.rewrite.entry_class)
-        loads = m.findall(entry, LOAD) if entry is not None else []
+        loads = findall(entry, LOAD) if entry is not None else []
         doomed, weighted = _unread_modules(module, self.rewrite.entry_class) if len(loads) == 1 else ((), ())
         if not doomed:
             return module

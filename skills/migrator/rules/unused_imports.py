@@ -4,7 +4,7 @@ of the file that only guarded such imports (`if is_flash_attn_available():`)."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import dotted, free_names
+from skills.migrator.cst_utils import dotted, findall, free_names
 from skills.migrator.effects import computes_only
 from skills.migrator.rule import Rule
 
@@ -24,7 +24,7 @@ def _guards_unused_imports(s: cst.BaseStatement, module: cst.Module) -> bool:
 def _imported_names(node: cst.CSTNode) -> set[str]:
     return {
         a.asname.name.value if a.asname else dotted(a.name).split(".")[0]
-        for a in m.findall(node, m.ImportAlias())
+        for a in findall(node, m.ImportAlias())
     }
 
 

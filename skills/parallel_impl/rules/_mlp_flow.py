@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import called_name, param_names
+from skills.migrator.cst_utils import called_name, findall, param_names
 from skills.parallel_impl.rules._units import Layer, is_docstring
 
 # functions of one tensor that act on each element alone
@@ -29,6 +29,7 @@ ACTIVATIONS = frozenset(
         "celu",
     }
 )
+
 FUNCTION_ROOTS = frozenset({"torch", "F", "nn"})
 CASTS = frozenset({"to", "float", "half", "bfloat16", "type_as", "contiguous"})
 _ACTIVATION_TABLE = m.Subscript(m.Name("ACT2FN")) | m.Call(m.Name("get_activation"))
@@ -37,7 +38,7 @@ _ACTIVATION_TABLE = m.Subscript(m.Name("ACT2FN")) | m.Call(m.Name("get_activatio
 def _activation_attrs(init: cst.FunctionDef) -> set[str]:
     """Attributes __init__ sets to an activation: transformers' table, or one of torch's activation modules."""
     found = set()
-    for a in m.findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))])):
+    for a in findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))])):
         name = called_name(a.value).split(".")[-1].lower() if isinstance(a.value, cst.Call) else ""
         if m.matches(a.value, _ACTIVATION_TABLE) or name in ACTIVATIONS:
             found.add(a.targets[0].target.attr.value)

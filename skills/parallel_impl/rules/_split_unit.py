@@ -18,6 +18,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
     classes,
+    findall,
     free_names,
     method,
     param_names,
@@ -70,7 +71,7 @@ def built_classes(init: cst.FunctionDef) -> dict[str, str]:
 def named_once(module: cst.Module, name: str) -> bool:
     """The module names class `name` once besides its definition: one place builds it (directly or through one
     alias), none builds it in a list, under a branch, or subclasses it."""
-    return len(m.findall(module, m.Name(name))) == 2
+    return len(findall(module, m.Name(name))) == 2
 
 
 def _handed_to(body: Sequence[cst.BaseStatement], attr: str) -> str | None:

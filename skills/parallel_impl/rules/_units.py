@@ -12,6 +12,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
     code,
+    findall,
     free_names,
     is_docstring,
     kwarg,
@@ -95,7 +96,7 @@ def self_layers(init: cst.FunctionDef, ctors: Iterable[str]) -> dict[str, Layer]
 
 def self_refs(node: cst.CSTNode, attr: str) -> int:
     """How many times `self.<attr>` appears under node."""
-    return len(m.findall(node, m.Attribute(m.Name("self"), m.Name(attr))))
+    return len(findall(node, m.Attribute(m.Name("self"), m.Name(attr))))
 
 
 def plumbed(init: cst.FunctionDef) -> bool:
@@ -119,7 +120,7 @@ def region(group: str, whole_sequence: bool = False) -> cst.SimpleStatementLine:
 
 def has_region(cls: cst.ClassDef) -> bool:
     """Already rewritten: a class holds at most one TPRegion."""
-    return bool(m.findall(cls, m.AssignTarget(m.Attribute(m.Name("self"), m.Name("tp_region")))))
+    return bool(findall(cls, m.AssignTarget(m.Attribute(m.Name("self"), m.Name("tp_region")))))
 
 
 def edit_body(
@@ -225,7 +226,7 @@ def local_values(fn: cst.FunctionDef) -> dict[str, cst.BaseExpression]:
 def _unaliased(fwd: cst.FunctionDef, x: cst.BaseExpression) -> str:
     """x's source, or, for a local forward binds once, and only to another name (BioGPT's `current_states =
     hidden_states`), that name."""
-    if isinstance(x, cst.Name) and len(m.findall(fwd.body, m.AssignTarget(m.Name(x.value)))) == 1:
+    if isinstance(x, cst.Name) and len(findall(fwd.body, m.AssignTarget(m.Name(x.value)))) == 1:
         value = local_values(fwd).get(x.value)
         if isinstance(value, cst.Name):
             return value.value
@@ -236,7 +237,7 @@ def fuse_calls(fwd: cst.FunctionDef, attrs: Sequence[str], fused: str) -> cst.Fu
     """`self.<attr>(x)` -> `<attr>_out` for each attr, all bound by one statement before the first top-level
     statement that uses them: `<attr>_out, ... = self.<fused>(x).split(self.<fused>.output_partition_sizes,
     dim=-1)`. Returns why not when the calls aren't each made once, on the same input."""
-    calls = {a: m.findall(fwd, m.Call(func=m.Attribute(m.Name("self"), m.Name(a)))) for a in attrs}
+    calls = {a: findall(fwd, m.Call(func=m.Attribute(m.Name("self"), m.Name(a)))) for a in attrs}
     listed = "/".join(attrs)
     if any(len(calls[a]) != 1 or self_refs(fwd, a) != 1 for a in attrs):
         return f"forward does not call each of {listed} exactly once"
@@ -254,7 +255,7 @@ def fuse_calls(fwd: cst.FunctionDef, attrs: Sequence[str], fused: str) -> cst.Fu
     holding = [
         i
         for i, s in enumerate(body)
-        if any(m.findall(s, m.Attribute(m.Name("self"), m.Name(a))) for a in attrs)
+        if any(findall(s, m.Attribute(m.Name("self"), m.Name(a))) for a in attrs)
     ]
     first, last = holding[0], holding[-1]
     simple_last = isinstance(body[last], cst.SimpleStatementLine) and len(body[last].body) == 1
@@ -372,10 +373,10 @@ def _elementwise_update(s: cst.BaseStatement, x: str) -> bool:
         body = s.body.body
         return (
             s.orelse is None
-            and not m.findall(s.test, m.Name(x))
+            and not findall(s.test, m.Name(x))
             and all(_elementwise_update(b, x) for b in body)
         )
-    return m.matches(s, update) and len(m.findall(s, m.Name(x))) == 2
+    return m.matches(s, update) and len(findall(s, m.Name(x))) == 2
 
 
 def _chunked(s: cst.BaseStatement, x: m.BaseExpression, parts: int) -> tuple[str, str] | None:
@@ -426,7 +427,7 @@ def split_fused_output(fwd: cst.FunctionDef, attr: str, parts: int) -> cst.Funct
         return f"forward does not bind `self.{attr}(...)`'s output to a name once"
     at, x = bound
     later = [s for s in body[at + 1 :] if not _elementwise_update(s, x)]
-    uses = sum(len(m.findall(s, m.Name(x))) for s in later)
+    uses = sum(len(findall(s, m.Name(x))) for s in later)
     rebound = any(x in assigned_names(s) for s in later)  # later reads would not be of the layer's output
     chunks = [(i, c) for i, s in enumerate(body) if (c := _chunked(s, m.Name(x), parts))]
     if len(chunks) == 1 and uses == 1 and not rebound:
@@ -456,8 +457,8 @@ def drop_unused_locals(fn: cst.FunctionDef, names: Iterable[str]) -> cst.Functio
         if (
             len(binders) == 1
             and (m.matches(binders[0], binding) or _only_binds(binders[0], binding))
-            and len(m.findall(cst.Module(body), m.Name(name)))
-            == len(m.findall(binders[0], m.AssignTarget(m.Name(name))))
+            and len(findall(cst.Module(body), m.Name(name)))
+            == len(findall(binders[0], m.AssignTarget(m.Name(name))))
         ):
             body = [s for s in body if s is not binders[0]]
     return fn.with_changes(body=fn.body.with_changes(body=body))
@@ -466,7 +467,7 @@ def drop_unused_locals(fn: cst.FunctionDef, names: Iterable[str]) -> cst.Functio
 def _only_binds(s: cst.BaseStatement, binding: m.BaseMatcherNode) -> bool:
     """s is an if / elif / else chain each branch of which is one statement matching binding, its tests pure."""
     while isinstance(s, cst.If):
-        if len(s.body.body) != 1 or not m.matches(s.body.body[0], binding) or m.findall(s.test, m.Call()):
+        if len(s.body.body) != 1 or not m.matches(s.body.body[0], binding) or findall(s.test, m.Call()):
             return False
         s = s.orelse
     return s is None or (len(s.body.body) == 1 and m.matches(s.body.body[0], binding))

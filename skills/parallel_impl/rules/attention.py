@@ -29,6 +29,7 @@ from skills.migrator.cst_utils import (
     assigned_names,
     called_name,
     classes,
+    findall,
     free_names,
     kwarg,
     method,
@@ -113,7 +114,7 @@ def _head_attrs(fns: list[cst.FunctionDef], init: cst.FunctionDef, counts: Colle
     `num_multi_query_groups_per_partition`)."""
     found = []
     for fn in fns:
-        for node in m.findall(fn, m.Attribute(m.Name("self"), m.Name())):
+        for node in findall(fn, m.Attribute(m.Name("self"), m.Name())):
             attr = node.attr.value
             if attr in found or (value := _set_once(init, attr)) is None:
                 continue
@@ -140,13 +141,13 @@ def _attention_head_counts(init: cst.FunctionDef, attention: list[Layer]) -> lis
 
 def _reads_any(node: cst.CSTNode, sources: Collection[str]) -> bool:
     """node reads one of the expressions sources (as written), whole: `args.n_heads` in `args.n_heads * d`."""
-    return any(code(e) in sources for e in m.findall(node, m.Attribute() | m.Name()))
+    return any(code(e) in sources for e in findall(node, m.Attribute() | m.Name()))
 
 
 def _set_once(init: cst.FunctionDef, attr: str) -> cst.BaseExpression | None:
     """The value of the one top-level `self.<attr> = value` line of __init__ that sets attr, if only it does."""
     target = m.Attribute(m.Name("self"), m.Name(attr))
-    setters = [s for s in init.body.body if m.findall(s, m.AssignTarget(target) | m.AugAssign(target))]
+    setters = [s for s in init.body.body if findall(s, m.AssignTarget(target) | m.AugAssign(target))]
     line = m.SimpleStatementLine([m.Assign([m.AssignTarget(target)])])
     return setters[0].body[0].value if len(setters) == 1 and m.matches(setters[0], line) else None
 
@@ -191,15 +192,15 @@ def _output_widths(
         between = body[found[0] + 1 :]
     else:
         out_call = m.Call(m.Attribute(m.Name("self"), m.Name(out)))
-        last = next((i for i, s in enumerate(body) if m.findall(s, out_call)), None)
+        last = next((i for i, s in enumerate(body) if findall(s, out_call)), None)
         if last is None or last <= found[0]:
             return []
-        between = [*body[found[0] + 1 : last], *(a for c in m.findall(body[last], out_call) for a in c.args)]
+        between = [*body[found[0] + 1 : last], *(a for c in findall(body[last], out_call) for a in c.args)]
     read = m.Attribute(m.Name("self"), m.Name())
-    inside = {id(n) for s in between for n in m.findall(s, read)}
+    inside = {id(n) for s in between for n in findall(s, read)}
     widths = []
-    for attr in dict.fromkeys([*WIDTHS, *(n.attr.value for s in between for n in m.findall(s, read))]):
-        reads = [n for f in methods for n in m.findall(f, m.Attribute(m.Name("self"), m.Name(attr)))]
+    for attr in dict.fromkeys([*WIDTHS, *(n.attr.value for s in between for n in findall(s, read))]):
+        reads = [n for f in methods for n in findall(f, m.Attribute(m.Name("self"), m.Name(attr)))]
         if not reads or not all(id(n) in inside for n in reads) or (value := _set_once(init, attr)) is None:
             continue
         product = m.matches(value, m.BinaryOperation(operator=m.Multiply())) and any(
@@ -233,15 +234,12 @@ def _rank_width(init: cst.FunctionDef, fwd: cst.FunctionDef) -> cst.FunctionDef 
     if isinstance(fwd, str):
         return fwd
     after = fwd.body.body[found[0] :]
-    reads = [n for s in after for n in m.findall(s, m.Name(width))]
+    reads = [n for s in after for n in findall(s, m.Name(width))]
     if not reads:
         return fwd
     resize = m.Call(m.Attribute(attr=m.Name("reshape") | m.Name("view")))
     calls = [
-        c
-        for s in after
-        for c in m.findall(s, resize)
-        if any(m.matches(a.value, m.Name(width)) for a in c.args)
+        c for s in after for c in findall(s, resize) if any(m.matches(a.value, m.Name(width)) for a in c.args)
     ]
     inferred = m.UnaryOperation(m.Minus(), m.Integer("1"))
     direct = {id(a.value) for c in calls for a in c.args if m.matches(a.value, m.Name(width))}
@@ -267,13 +265,13 @@ def _per_head_views(fwd: cst.FunctionDef, width: str, stop: int) -> cst.Function
     on every rank while the head count becomes this rank's."""
     per_head = m.BinaryOperation(m.Name(width), m.FloorDivide())
     before = fwd.body.body[:stop]
-    splits = [e for s in before for e in m.findall(s, per_head)]
+    splits = [e for s in before for e in findall(s, per_head)]
     if not splits:
         return fwd
     resize = m.Call(m.Attribute(attr=m.Name("reshape") | m.Name("view")))
     inferred = m.UnaryOperation(m.Minus(), m.Integer("1"))
     calls = [
-        c for s in before for c in m.findall(s, resize) if any(m.matches(a.value, per_head) for a in c.args)
+        c for s in before for c in findall(s, resize) if any(m.matches(a.value, per_head) for a in c.args)
     ]
     in_calls = {id(a.value) for c in calls for a in c.args if m.matches(a.value, per_head)}
     if {id(e) for e in splits} != in_calls or any(
@@ -296,11 +294,11 @@ def _whole_head_module(init: cst.FunctionDef, skip: list[cst.BaseStatement]) -> 
     """Source of the first other line of __init__ (in a block too) that builds a module / parameter from the head
     counts, also through a local set from them (`g_proj_dim = self.num_heads`); an exception it raises is
     neither."""
-    skipped = {id(c) for s in skip for c in m.findall(s, m.Call())}
+    skipped = {id(c) for s in skip for c in findall(s, m.Call())}
     values = local_values(init)
-    for line in m.findall(init.body, m.SimpleStatementLine()):
-        raised = {id(c) for r in m.findall(line, m.Raise()) for c in m.findall(r, m.Call())}
-        calls = [c for c in m.findall(line, m.Call()) if id(c) not in raised | skipped]
+    for line in findall(init.body, m.SimpleStatementLine()):
+        raised = {id(c) for r in findall(line, m.Raise()) for c in findall(r, m.Call())}
+        calls = [c for c in findall(line, m.Call()) if id(c) not in raised | skipped]
         if any(builds_from_heads(c, values) for c in calls):
             return code(line).strip()
     return None
@@ -312,15 +310,15 @@ def builds_from_heads(call: cst.Call, values: dict[str, cst.BaseExpression] | No
     callee = called_name(call).split(".")[-1]
     if not (callee[:1].isupper() or callee == "Parameter"):
         return False
-    read = {n.value for n in m.findall(call, m.Name())} & (values or {}).keys()
+    read = {n.value for n in findall(call, m.Name())} & (values or {}).keys()
     return counts_heads(call) or any(counts_heads(values[n]) for n in read)
 
 
 def counts_heads(node: cst.CSTNode) -> bool:
     """Whether node reads a head count other than as a divisor (`hidden_size // num_heads` is one head's size)."""
     divide = m.BinaryOperation(operator=m.FloorDivide() | m.Divide())
-    divisors = {id(n) for d in m.findall(node, divide) for n in m.findall(d.right, m.Name())}
-    return any(HEAD_COUNTS.fullmatch(n.value) and id(n) not in divisors for n in m.findall(node, m.Name()))
+    divisors = {id(n) for d in findall(node, divide) for n in findall(d.right, m.Name())}
+    return any(HEAD_COUNTS.fullmatch(n.value) and id(n) not in divisors for n in findall(node, m.Name()))
 
 
 def _per_head_params(
@@ -330,9 +328,9 @@ def _per_head_params(
     `sinks=self.x` (GPT-OSS), or, built from the query head count q_heads, broadcast along the head axis as
     `self.x[None, :, None]` (a gate bias per head)."""
     sink = m.Arg(keyword=m.Name("sinks"), value=m.Attribute(m.Name("self"), m.Name()))
-    sinks = {a.value.attr.value for a in m.findall(fwd, sink)}
+    sinks = {a.value.attr.value for a in findall(fwd, sink)}
     broadcast = set()
-    for sub in m.findall(fwd, m.Subscript(m.Attribute(m.Name("self"), m.Name()))):
+    for sub in findall(fwd, m.Subscript(m.Attribute(m.Name("self"), m.Name()))):
         slices = [e.slice for e in sub.slice]
         full = [x for x in slices if m.matches(x, m.Slice(lower=None, upper=None, step=None))]
         if len(full) == 1 and all(x is full[0] or m.matches(x, m.Index(m.Name("None"))) for x in slices):
@@ -370,7 +368,7 @@ def _all_head_modules(
                 m.Attribute(m.Name("self"), m.Name(attr)),
                 [m.Arg(m.Call(m.Attribute(m.Name("self"), m.Name(proj))))],
             )
-            if len(m.findall(fwd, applied)) == 1:
+            if len(findall(fwd, applied)) == 1:
                 found[id(s)] = (attr, kind)
         if out and _feeds(fwd, attr, out):
             found[id(s)] = (attr, "o")
@@ -381,14 +379,14 @@ def _feeds(fwd: cst.FunctionDef, attr: str, out: str) -> bool:
     """forward gives `self.<attr>(...)`'s result whole to `self.<out>`: `self.<out>(self.<attr>(x))`, or
     `y = self.<attr>(x)` followed by a statement calling `self.<out>(y)`."""
     call = m.Call(m.Attribute(m.Name("self"), m.Name(attr)))
-    if m.findall(fwd, m.Call(m.Attribute(m.Name("self"), m.Name(out)), [m.Arg(call)])):
+    if findall(fwd, m.Call(m.Attribute(m.Name("self"), m.Name(out)), [m.Arg(call)])):
         return True
     body = fwd.body.body
     bound = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], call)])
     for s, after in pairwise(body):
         if m.matches(s, bound):
             y = s.body[0].targets[0].target.value
-            if m.findall(after, m.Call(m.Attribute(m.Name("self"), m.Name(out)), [m.Arg(m.Name(y))])):
+            if findall(after, m.Call(m.Attribute(m.Name("self"), m.Name(out)), [m.Arg(m.Name(y))])):
                 return True
     return False
 
@@ -401,15 +399,15 @@ def _head_gates(
     head (Laguna's `g_proj`) or per query-head channel (AFMoE's `gate_proj`), whose rows are the query heads',
     split by heads like q_proj's."""
     values = local_values(init)
-    query = {*QUERY_HEADS, *(n.value for n in m.findall(cst.parse_expression(q_heads), m.Name()))}
+    query = {*QUERY_HEADS, *(n.value for n in findall(cst.parse_expression(q_heads), m.Name()))}
     found = {}
     for attr, layer in linears.items():
         args = linear_args(layer.call)
         if attr in taken or args is None or self_refs(cls, attr) != 2:
             continue
         size = cst.parse_expression(args.out_features)
-        read = {n.value for n in m.findall(size, m.Name())}
-        read |= {x.value for n in read & values.keys() for x in m.findall(values[n], m.Name())}
+        read = {n.value for n in findall(size, m.Name())}
+        read |= {x.value for n in read & values.keys() for x in findall(values[n], m.Name())}
         if read & query and not read & KV_HEADS:
             found[attr] = args
     return found
@@ -434,7 +432,7 @@ def _attention_layers_refused(attention: list[Layer], fwd: cst.FunctionDef, grou
 
 def _layers_run(attention: list[Layer], fwd: cst.FunctionDef) -> list[str]:
     """The runtime Attention layers forward calls."""
-    return [a.attr for a in attention if m.findall(fwd, _calls_layer(a.attr))]
+    return [a.attr for a in attention if findall(fwd, _calls_layer(a.attr))]
 
 
 def _head_groups(fwd: cst.FunctionDef) -> int:
@@ -444,7 +442,7 @@ def _head_groups(fwd: cst.FunctionDef) -> int:
     `skill parallelize` verifies the result against transformers); else 1."""
     chunk = m.Call(m.Attribute(m.Name("torch"), m.Name("chunk")) | m.Attribute(attr=m.Name("chunk")))
     counts = set()
-    for c in m.findall(fwd, chunk):
+    for c in findall(fwd, chunk):
         n = arg(c, 1 if m.matches(c.func.value, m.Name("torch")) else 0, "chunks")
         counts.add(int(n.value.value) if n is not None and isinstance(n.value, cst.Integer) else 0)
     return counts.pop() if len(counts) == 1 and min(counts) >= 2 else 1
@@ -464,7 +462,7 @@ def _attention_call(init: cst.FunctionDef, fwd: cst.FunctionDef | None) -> tuple
         return None
     attend = _calls_layer(*attention)
     for i, s in enumerate(fwd.body.body):
-        if calls := m.findall(s, attend):
+        if calls := findall(s, attend):
             return i, calls[0]
     return None
 
@@ -479,7 +477,7 @@ def _relaid_only_after_attention(init: cst.FunctionDef, fwd: cst.FunctionDef | N
     if (found := _attention_call(init, fwd)) is None:
         return False
     relayout = m.Call(m.Attribute(attr=m.OneOf(*map(m.Name, RELAYOUT))))
-    return all(m.matches(c, relayout) for s in fwd.body.body[found[0] + 1 :] for c in m.findall(s, m.Call()))
+    return all(m.matches(c, relayout) for s in fwd.body.body[found[0] + 1 :] for c in findall(s, m.Call()))
 
 
 def _out_proj(init: cst.FunctionDef, fwd: cst.FunctionDef | None, linears: Collection[str]) -> str | None:
@@ -489,7 +487,7 @@ def _out_proj(init: cst.FunctionDef, fwd: cst.FunctionDef | None, linears: Colle
     if named or (found := _attention_call(init, fwd)) is None:
         return named
     called = m.Call(m.Attribute(m.Name("self"), m.Name()))
-    after = {c.func.attr.value for s in fwd.body.body[found[0] + 1 :] for c in m.findall(s, called)}
+    after = {c.func.attr.value for s in fwd.body.body[found[0] + 1 :] for c in findall(s, called)}
     candidates = after & set(linears)
     return candidates.pop() if len(candidates) == 1 else None
 
@@ -515,11 +513,11 @@ def _feeding(
     body before statement `before` (a tuple target through the matching argument: `q, k = rope(q, k, ...)`)."""
     self_call = m.Call(m.Attribute(m.Name("self"), m.Name()))
     for _ in range(len(body)):
-        called = {c.func.attr.value for c in m.findall(expr, self_call)} & set(linears)
+        called = {c.func.attr.value for c in findall(expr, self_call)} & set(linears)
         if called:
             return called.pop() if len(called) == 1 else None
         bound = [(i, s) for i, s in enumerate(body[:before]) if isinstance(s, cst.SimpleStatementLine)]
-        names = {n.value for n in m.findall(expr, m.Name())}
+        names = {n.value for n in findall(expr, m.Name())}
         for i, s in reversed(bound):
             assign = s.body[0] if len(s.body) == 1 and isinstance(s.body[0], cst.Assign) else None
             target = assign.targets[0].target if assign and len(assign.targets) == 1 else None
@@ -552,7 +550,7 @@ def _set_kwarg(call: cst.Call, pos: int, name: str, value: str) -> cst.Call:
 
 
 def _self_attrs(node: cst.CSTNode) -> set[str]:
-    return {a.attr.value for a in m.findall(node, m.Attribute(m.Name("self")))}
+    return {a.attr.value for a in findall(node, m.Attribute(m.Name("self")))}
 
 
 def _computed_later(
@@ -562,7 +560,7 @@ def _computed_later(
     body = init.body.body
     between = body[body.index(start) : body.index(stop)]
     targets = [
-        t.target for s in between for t in m.findall(s, m.AssignTarget() | m.AnnAssign() | m.AugAssign())
+        t.target for s in between for t in findall(s, m.AssignTarget() | m.AnnAssign() | m.AugAssign())
     ]
     later_attrs = {t.attr.value for t in targets if m.matches(t, m.Attribute(m.Name("self")))}
     later_locals = set().union(*(assigned_names(s) for s in between)) - {"self"}
@@ -584,7 +582,7 @@ def _hoisted(init: cst.FunctionDef, exprs: list[str], first: cst.BaseStatement) 
             continue
         value, sets = (
             s.body[0].value,
-            [t for t in m.findall(init, m.AssignTarget()) if attr in _self_attrs(t)],
+            [t for t in findall(init, m.AssignTarget()) if attr in _self_attrs(t)],
         )
         if not (pure(value) and free_names(value) <= set(param_names(init)) - {"self"} and len(sets) == 1):
             return None
@@ -606,7 +604,7 @@ def _optional_linears(init: cst.FunctionDef) -> dict[str, Layer]:
         [m.Assign([m.AssignTarget(m.Attribute(m.Name("self"), m.Name()))], m.Call() | optional)]
     )
     found, seen = {}, []
-    for s in m.findall(init.body, line):
+    for s in findall(init.body, line):
         attr = s.body[0].targets[0].target.attr.value
         seen.append(attr)
         value = s.body[0].value
@@ -625,11 +623,11 @@ def _reads_global_size(
     checked where they call), its locals (what they are computed from is checked here: GPT-2's `bsz,
     num_heads, q_len, d = query.size()` reads the rank's own tensor) and what the nodes of blocks read (the width
     of the blocks a fused projection is laid out in on disk)."""
-    fixed = {id(n) for b in blocks for n in m.findall(b, m.Name())}
+    fixed = {id(n) for b in blocks for n in findall(b, m.Name())}
     for fn in fns:
-        fields = {id(a.attr): a for a in m.findall(fn, m.Attribute())}
+        fields = {id(a.attr): a for a in findall(fn, m.Attribute())}
         given = set(param_names(fn)) | assigned_names(fn.body)
-        for node in m.findall(fn, m.Name()):
+        for node in findall(fn, m.Name()):
             if id(node) in fixed:
                 continue
             field = fields.get(id(node))
@@ -661,22 +659,22 @@ def _first_view(
     not count, and the `else:` after one is read as following it."""
     body = _unguarded(scope.body.body[after + 1 :])
     for i, s in enumerate(body):
-        reads = len(m.findall(s, m.Name(name))) - len(m.findall(s, m.AssignTarget(m.Name(name))))
-        shape_reads = m.findall(s, m.Attribute(m.Name(name), m.OneOf(*map(m.Name, SHAPE_READ))))
+        reads = len(findall(s, m.Name(name))) - len(findall(s, m.AssignTarget(m.Name(name))))
+        shape_reads = findall(s, m.Attribute(m.Name(name), m.OneOf(*map(m.Name, SHAPE_READ))))
         if reads == len(shape_reads):
             continue
         if reads != len(shape_reads) + 1:
             return None
-        rebound = bool(m.findall(s, m.AssignTarget(m.Name(name))))
-        if not rebound and any(m.findall(later, m.Name(name)) for later in body[i + 1 :]):
+        rebound = bool(findall(s, m.AssignTarget(m.Name(name))))
+        if not rebound and any(findall(later, m.Name(name)) for later in body[i + 1 :]):
             return None
-        views = m.findall(s, m.Call(m.Attribute(m.Name(name), m.Name("view") | m.Name("reshape"))))
+        views = findall(s, m.Call(m.Attribute(m.Name(name), m.Name("view") | m.Name("reshape"))))
         if views:
             return scope, views[0]
         passed = m.Call(
             m.Attribute(m.Name("self"), m.Name()), [m.ZeroOrMore(), m.Arg(m.Name(name)), m.ZeroOrMore()]
         )
-        calls = m.findall(s, passed)
+        calls = findall(s, passed)
         helper = method(cls, calls[0].func.attr.value) if calls else None
         if helper is None or helper is scope:
             return None
@@ -693,7 +691,7 @@ def _shape_dims(scope: cst.FunctionDef, view: cst.Call) -> list[cst.BaseExpressi
     def bound(e: cst.BaseExpression) -> cst.BaseExpression:
         if (
             isinstance(e, cst.Name)
-            and len(found := m.findall(scope, m.Assign([m.AssignTarget(m.Name(e.value))]))) == 1
+            and len(found := findall(scope, m.Assign([m.AssignTarget(m.Name(e.value))]))) == 1
         ):
             return found[0].value
         return e
@@ -717,9 +715,9 @@ def _first_shape(
     """(the method that first views the output of `self.<attr>(...)`, called once in forward, the dims it gives):
     a view of the call itself, or _first_view's of the name forward binds it to."""
     project = m.Call(func=m.Attribute(m.Name("self"), m.Name(attr)))
-    if self_refs(cls, attr) != 2 or not m.findall(fwd, project):
+    if self_refs(cls, attr) != 2 or not findall(fwd, project):
         return None
-    direct = m.findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view") | m.Name("reshape"))))
+    direct = findall(fwd, m.Call(func=m.Attribute(value=project, attr=m.Name("view") | m.Name("reshape"))))
     bound = bound_call(fwd.body.body, attr)
     found = (fwd, direct[0]) if direct else bound and _first_view(cls, fwd, bound[1], bound[0])
     return (found[0], _shape_dims(*found)) if found else None
@@ -807,7 +805,7 @@ def _block_width(
     width = cst.parse_expression(code(block[0]) if len(block) == 1 else " * ".join(map(operand, block)))
     used: list[cst.BaseExpression] = []
     for _ in range(len(values) + 1):
-        names = {n.value for n in m.findall(width, m.Name()) if not _is_field(width, n)} - {"self"}
+        names = {n.value for n in findall(width, m.Name()) if not _is_field(width, n)} - {"self"}
         local = names & set(values)
         if names & (set(param_names(fwd)) | assigned_names(fwd.body)) - local:
             return None
@@ -820,7 +818,7 @@ def _block_width(
 
 def _is_field(root: cst.CSTNode, name: cst.Name) -> bool:
     """Whether name is the attribute part of an `x.name` within root."""
-    return any(a.attr is name for a in m.findall(root, m.Attribute()))
+    return any(a.attr is name for a in findall(root, m.Attribute()))
 
 
 def _in_region(fwd: cst.FunctionDef, out: str) -> cst.FunctionDef | str:
@@ -1163,7 +1161,7 @@ def _per_head_args(call: cst.Call, cls: cst.ClassDef, attr: str) -> cst.Call:
     if (slopes := kwarg(call, "alibi_slopes")) is not None:
         share = f'local_share({code(slopes.value)}, comm_manager, "{GROUP}")'
         call = _set_kwarg(call, len(call.args), "alibi_slopes", share)
-    if any(kwarg(c, "selected") for c in m.findall(cls, _calls_layer(attr))):
+    if any(kwarg(c, "selected") for c in findall(cls, _calls_layer(attr))):
         call = _set_kwarg(call, len(call.args), "head_share", f'head_share(comm_manager, "{GROUP}")')
     return call
 
@@ -1176,7 +1174,7 @@ def _qkv_shares(init: cst.FunctionDef, attrs: list[str], qkv: str, sizes: list[s
     shares = {}
     for a in attrs:
         (line,) = [
-            s for s in init.body.body if m.findall(s, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(a))))
+            s for s in init.body.body if findall(s, m.AssignTarget(m.Attribute(m.Name("self"), m.Name(a))))
         ]
         value = code(line.body[0].value)
         if value in given or f"self.{a}" in given:

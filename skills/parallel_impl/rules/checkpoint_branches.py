@@ -13,7 +13,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import bound_parameter
-from skills.migrator.cst_utils import method
+from skills.migrator.cst_utils import findall, method
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import guard_untaken_branches
 from skills.parallel_impl.rules._units import self_layers
@@ -23,23 +23,24 @@ GUARD = (
     "parallelized for a checkpoint where `{test}` is {value}; ",
     "run `skill migrate` and `skill parallelize` on this checkpoint",
 )
+
 SELF_ATTR = m.Attribute(m.Name("self"), m.Name())
 
 
 def _builds_per_head(node: cst.CSTNode) -> bool:
-    return any(builds_from_heads(c) for c in m.findall(node, m.Call()))
+    return any(builds_from_heads(c) for c in findall(node, m.Call()))
 
 
 def _per_head_attrs(cls: cst.ClassDef) -> set[str]:
     """`self.x` that an `if` of __init__ sets in a body building per-head modules."""
     init = method(cls, "__init__")
-    branches = [b for b in m.findall(init, m.If()) if _builds_per_head(b.body)] if init else []
-    return {t.target.attr.value for b in branches for t in m.findall(b.body, m.AssignTarget(SELF_ATTR))}
+    branches = [b for b in findall(init, m.If()) if _builds_per_head(b.body)] if init else []
+    return {t.target.attr.value for b in branches for t in findall(b.body, m.AssignTarget(SELF_ATTR))}
 
 
 def _cuts_fused_qkv(node: cst.CSTNode) -> bool:
     """node calls a q/k/v projection fused on disk (its output cut one way in this branch, another elsewhere)."""
-    return bool(m.findall(node, m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))))
+    return bool(findall(node, m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))))
 
 
 def _fused_output_names(cls: cst.ClassDef) -> set[str]:
@@ -50,9 +51,9 @@ def _fused_output_names(cls: cst.ClassDef) -> set[str]:
     if fwd is None:
         return set()
     fused = m.Call(m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, FUSED_ON_DISK))))
-    found = {a.targets[0].target.value for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name())], fused))}
+    found = {a.targets[0].target.value for a in findall(fwd, m.Assign([m.AssignTarget(m.Name())], fused))}
     held = m.OneOf(*map(m.Name, found)) if found else None
-    for call in m.findall(fwd, m.Call(SELF_ATTR)) if held else ():
+    for call in findall(fwd, m.Call(SELF_ATTR)) if held else ():
         helper = method(cls, call.func.attr.value)
         given = [a for a in call.args if m.matches(a.value, held)] if helper else []
         found |= {p for a in given if (p := bound_parameter(call, helper, a))}
@@ -69,13 +70,13 @@ def _other_attention(cls: cst.ClassDef) -> set[str]:
 def _needs_guard(cls: cst.ClassDef, branch: cst.If) -> bool:
     """branch builds per-head modules or uses them, cuts a fused q/k/v projection's output (in forward, or in a
     method forward passes it to), or calls one of several runtime Attention layers."""
-    used = {a.attr.value for a in m.findall(branch.body, SELF_ATTR)}
+    used = {a.attr.value for a in findall(branch.body, SELF_ATTR)}
     output = _fused_output_names(cls)
     return (
         _builds_per_head(branch.body)
         or bool(used & _per_head_attrs(cls))
         or _cuts_fused_qkv(branch.body)
-        or bool(output and m.findall(branch.body, m.OneOf(*map(m.Name, output))))
+        or bool(output and findall(branch.body, m.OneOf(*map(m.Name, output))))
         or bool(used & _other_attention(cls))
     )
 

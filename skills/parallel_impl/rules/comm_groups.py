@@ -7,7 +7,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, method, param_names, stmt
+from skills.migrator.cst_utils import classes, findall, method, param_names, stmt
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import edit_body, replace_classes
 
@@ -29,7 +29,7 @@ def used_groups(module: cst.Module) -> list[str]:
     """The `tp_group="..."` / `ep_group="..."` names of the module's parallel layers, in ORDER, others after."""
     found = {
         a.value.evaluated_value
-        for a in m.findall(module, m.Arg(m.SimpleString(), keyword=m.Name("tp_group") | m.Name("ep_group")))
+        for a in findall(module, m.Arg(m.SimpleString(), keyword=m.Name("tp_group") | m.Name("ep_group")))
     }
     return [g for g in ORDER if g in found] + sorted(found - set(ORDER))
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, classes, code, dotted, method, param_names
+from skills.migrator.cst_utils import assigned_names, classes, code, dotted, findall, method, param_names
 from skills.migrator.rule import Rule
 from skills.migrator.rules.dead_code import drop_dead_locals
 from skills.parallel_impl.rules._units import (
@@ -56,11 +56,11 @@ def _joins_sum(fwd: cst.FunctionDef, lookup: cst.BaseExpression) -> bool:
             node = node.func.value  # `rows.to(device)`
         return node is lookup or (isinstance(node, cst.Name) and node.value in bound)
 
-    for a in m.findall(fwd, m.Assign([m.AssignTarget(m.Name())])):
+    for a in findall(fwd, m.Assign([m.AssignTarget(m.Name())])):
         if carried(a.value):
             bound.add(a.targets[0].target.value)
     return any(
-        carried(op.left) or carried(op.right) for op in m.findall(fwd, m.BinaryOperation(operator=m.Add()))
+        carried(op.left) or carried(op.right) for op in findall(fwd, m.BinaryOperation(operator=m.Add()))
     )
 
 
@@ -96,8 +96,8 @@ def _chunked_positions(
         m.Attribute(m.Name("self"), m.Name()), [m.SubscriptElement(m.Index(positions)), m.ZeroOrMore()]
     )
     summed = m.OneOf(indexed, by_module) if others else indexed
-    lookups = m.findall(fwd, by_table) if tables else []
-    lookups += [x for x in m.findall(fwd, summed) if _joins_sum(fwd, x)]
+    lookups = findall(fwd, by_table) if tables else []
+    lookups += [x for x in findall(fwd, summed) if _joins_sum(fwd, x)]
     if not lookups:
         return None
     chunked = cst.parse_expression(f"own_chunk({POSITIONS})")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, doubled, method, names_in, param_names, stmt
+from skills.migrator.cst_utils import classes, doubled, findall, method, names_in, param_names, stmt
 from skills.migrator.expert_params import ExpertParam, expert_params
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import code, edit_body, plumbed, replace_classes
@@ -69,7 +69,7 @@ def _tp_split(params: list[ExpertParam], methods: list[cst.FunctionDef]) -> _TPS
     them (forward and its helpers) leave it unclear."""
 
     def found(pattern: m.BaseMatcherNode) -> list[cst.CSTNode]:
-        return [n for f in methods for n in m.findall(f, pattern)]
+        return [n for f in methods for n in findall(f, pattern)]
 
     stacked = [p for p in params if len(p.dims) == 3]
     if len(stacked) != sum(len(p.dims) >= 3 for p in params):
@@ -108,7 +108,7 @@ def _tp_split(params: list[ExpertParam], methods: list[cst.FunctionDef]) -> _TPS
             return None
     read = {a.attr.value for a in found(m.Attribute(m.Name("self"), m.Name()))}
     if any(
-        m.findall(s, m.Attribute(m.Name("self"), m.Name(m.MatchIfTrue(read.__contains__))))
+        findall(s, m.Attribute(m.Name("self"), m.Name(m.MatchIfTrue(read.__contains__))))
         for s in sizes.values()
     ):
         return None  # the computation reads the whole intermediate size

@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import appended, called_name, classes, dotted, kwarg, method, param_names, stmt
+from skills.migrator.cst_utils import (
+    appended,
+    called_name,
+    classes,
+    dotted,
+    findall,
+    kwarg,
+    method,
+    param_names,
+    stmt,
+)
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._split_unit import built_classes, named_once
 from skills.parallel_impl.rules._units import (
@@ -143,7 +153,7 @@ def _nested_head(init: cst.FunctionDef, module: cst.Module) -> tuple[str, cst.Cl
         return None
     _, owner, head = found[0]
     tied_inside = m.AssignTarget(m.Attribute(_self_path(head.attr), m.Name("weight") | m.Name("bias")))
-    return None if m.findall(owner, tied_inside) else found[0]
+    return None if findall(owner, tied_inside) else found[0]
 
 
 LINEAR_BASES = ("nn.Linear", "torch.nn.Linear")
@@ -173,9 +183,9 @@ def _subclassed_head(init: cst.FunctionDef, module: cst.Module) -> _SubclassedHe
     if cls is None or [dotted(b.value) for b in cls.bases] not in ([b] for b in LINEAR_BASES):
         return None
     inner = method(cls, "__init__")
-    calls = m.findall(inner, SUPER_INIT) if inner is not None else []
+    calls = findall(inner, SUPER_INIT) if inner is not None else []
     args = linear_args(calls[0]) if len(calls) == 1 else None
-    own = m.findall(cls, LINEAR_ONLY) or method(cls, "reset_parameters")
+    own = findall(cls, LINEAR_ONLY) or method(cls, "reset_parameters")
     if args is None or args.transposed or own or not named_once(module, cls.name.value):
         return None
     return _SubclassedHead(heads[0], cls, inner, calls[0], args)
@@ -189,7 +199,7 @@ def _shard_subclassed_head(
     vocab-parallel embeddings."""
     if (head := _subclassed_head(init, module)) is None or not plumbed(init):
         return None
-    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.layer.attr))]
+    ties = [dotted(t.body[0].value.value) for t in findall(init, _tie(head.layer.attr))]
     if any(t.split(".")[-1] not in _parallel_embeddings(module) for t in ties):
         return None
     plumbing = ["comm_manager=comm_manager", f'tp_group="{GROUP}"', "prefix=prefix"]
@@ -243,7 +253,7 @@ class _BiasTie(cst.CSTTransformer):
 
 def _bias_ties(init: cst.FunctionDef, head: str) -> list[str]:
     """The attributes `self.<head>.bias = self.<owner>.<b>` ties the head's bias to (`lm_head.bias`)."""
-    return [dotted(a.value).removeprefix("self.") for a in m.findall(init, _bias_tie(head))]
+    return [dotted(a.value).removeprefix("self.") for a in findall(init, _bias_tie(head))]
 
 
 def _shard_nested_head(
@@ -255,7 +265,7 @@ def _shard_nested_head(
         return None
     attr, owner, head = nested
     path, parallel = f"{attr}.{head.attr}", _parallel_embeddings(module)
-    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(path))]
+    ties = [dotted(t.body[0].value.value) for t in findall(init, _tie(path))]
     biases = _bias_ties(init, path)
     args = linear_args(head.call)
     # the owner's bias the head's is tied to becomes the head's own: no other method may read it whole
@@ -288,9 +298,7 @@ def _shard_head(
     if head is None and init is not None and (subclassed := _shard_subclassed_head(cls, init, module, ctx)):
         return subclassed
     if head is None:
-        tied = [
-            t for t in m.findall(init, _tie()) if dotted(t.body[0].value.value).split(".")[-1] in parallel
-        ]
+        tied = [t for t in findall(init, _tie()) if dotted(t.body[0].value.value).split(".")[-1] in parallel]
         if tied:
             ctx.unsupported(
                 cls.name.value,
@@ -299,7 +307,7 @@ def _shard_head(
                 "LM head to a vocab-parallel embedding",
             )
         return {}
-    ties = [dotted(t.body[0].value.value) for t in m.findall(init, _tie(head.attr))]
+    ties = [dotted(t.body[0].value.value) for t in findall(init, _tie(head.attr))]
     tied_parallel = [t for t in ties if t.split(".")[-1] in parallel]
     args = linear_args(head.call)
     if len(tied_parallel) != len(ties) or args is None or args.transposed or not plumbed(init):
@@ -349,7 +357,7 @@ class ShardLMHead(Rule):
                     ("runtime.layers.token_layout", "gather_tokens"),
                     ("runtime.layers.token_layout", "own_chunk"),
                 ]
-            elif not m.findall(fwd, m.Call(func=m.Name("gather_tokens"))):
+            elif not findall(fwd, m.Call(func=m.Name("gather_tokens"))):
                 ctx.unsupported(
                     cls.name.value,
                     0,

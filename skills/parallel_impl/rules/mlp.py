@@ -22,6 +22,7 @@ from skills.migrator.cst_utils import (
     called_name,
     classes,
     doubled,
+    findall,
     method,
 )
 from skills.migrator.rule import Rule
@@ -90,17 +91,17 @@ def _only_halved(fwd: cst.FunctionDef, attr: str) -> bool:
 
     if self_refs(fwd, attr) != 1:
         return False
-    if m.findall(fwd, halved(call)):
+    if findall(fwd, halved(call)):
         return True
     body = list(fwd.body.body)
     if (bound := bound_call(body, attr)) is None:
         return False
     at, y = bound
-    later = [s for s in body[at + 1 :] if m.findall(s, m.Name(y))]
+    later = [s for s in body[at + 1 :] if findall(s, m.Name(y))]
     if not later or not m.matches(later[0], m.SimpleStatementLine([m.Assign(value=halved(m.Name(y)))])):
         return False
     for s in later:  # y's whole value is read only by the halving
-        if s is not later[0] and len(m.findall(s, m.Name(y))) > len(m.findall(s, m.AssignTarget(m.Name(y)))):
+        if s is not later[0] and len(findall(s, m.Name(y))) > len(findall(s, m.AssignTarget(m.Name(y)))):
             return False
         if y in assigned_names(s):
             return True
@@ -115,10 +116,10 @@ def _sized_by(init: cst.FunctionDef, skip: list[cst.BaseStatement], width: str) 
     """Another module of init is built with the intermediate width (BitNet's `ffn_sub_norm` between the
     projections), spelt as the projection spells it or as the value of the local it names: a rank would hand it
     only its share of that width."""
-    spellings = [width] + [code(a.value) for a in m.findall(init, m.Assign([m.AssignTarget(m.Name(width))]))]
+    spellings = [width] + [code(a.value) for a in findall(init, m.Assign([m.AssignTarget(m.Name(width))]))]
     pattern = re.compile("|".join(rf"(?<![\w.]){re.escape(w)}(?!\w)" for w in spellings))
     others = [s for s in init.body.body if not any(s is k for k in skip)]
-    calls = [c for s in others for c in m.findall(s, m.Call()) if called_name(c) not in ARITHMETIC]
+    calls = [c for s in others for c in findall(s, m.Call()) if called_name(c) not in ARITHMETIC]
     return any(pattern.search(code(c)) for c in calls)
 
 
@@ -212,8 +213,8 @@ def _opener(cls: cst.ClassDef) -> Layer | None:
     y = body[0].body[0].targets[0].target.value
     built = {
         t.target.attr.value
-        for a in m.findall(init, m.Assign())
-        if m.findall(a.value, m.Call())
+        for a in findall(init, m.Assign())
+        if findall(a.value, m.Call())
         for t in a.targets
         if m.matches(t.target, SELF_ATTR)
     }
@@ -222,7 +223,7 @@ def _opener(cls: cst.ClassDef) -> Layer | None:
     done = m.SimpleStatementLine([m.Return(act | m.Name(y))])
     if not all(m.matches(s, step) for s in body[1:-1]) or not m.matches(body[-1], done):
         return None
-    return None if built & {a.attr.value for a in m.findall(fwd, SELF_ATTR)} - {layer.attr} else layer
+    return None if built & {a.attr.value for a in findall(fwd, SELF_ATTR)} - {layer.attr} else layer
 
 
 def _rewrite_split(

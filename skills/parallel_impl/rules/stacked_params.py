@@ -8,7 +8,7 @@ import json
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import appended, classes, kwarg, method, stmt
+from skills.migrator.cst_utils import appended, classes, findall, kwarg, method, stmt
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import is_docstring, replace_classes, replace_methods
 
@@ -42,7 +42,7 @@ class StackedParams(Rule):
         passing = _PassMapping()
         new_load = load.visit(passing) if load is not None else None
         if not passing.done:
-            if not m.findall(cls, m.Arg(keyword=m.Name(ATTR))):
+            if not findall(cls, m.Arg(keyword=m.Name(ATTR))):
                 ctx.unsupported(
                     cls.name.value,
                     0,
