@@ -41,6 +41,8 @@ def findall(tree: cst.CSTNode | cst.MaybeSentinel | cst.RemovalSentinel, matcher
     (lexical, pre-) order, without rebuilding the tree to walk it."""
     if not isinstance(tree, cst.CSTNode):
         return []
+    if isinstance(matcher, m.MatchIfTrue):
+        matcher = m.AllOf(matcher)  # `m.matches` takes a predicate only inside another matcher
     types, found, todo = _node_types(matcher), [], [tree]
     while todo:
         node = todo.pop()

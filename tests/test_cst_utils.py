@@ -1,0 +1,39 @@
+"""cst_utils.findall against libcst's own findall: the same nodes, in the same order, for every kind of matcher."""
+
+import inspect
+
+import libcst as cst
+import libcst.matchers as m
+import pytest
+from transformers.models.llama import modeling_llama
+
+from skills.migrator.cst_utils import findall
+
+MATCHERS = [
+    m.Name(),
+    m.Name("self"),
+    m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape"))),
+    m.Name() | m.Attribute(),
+    m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))]),
+    m.MatchIfTrue(lambda n: isinstance(n, cst.Integer)),
+    m.DoesNotMatch(m.Name()),
+    m.AllOf(m.Call(), m.Call(func=m.Name())),
+    m.TypeOf(m.If, m.For),
+]
+
+
+@pytest.fixture(scope="module")
+def module() -> cst.Module:
+    return cst.parse_module(inspect.getsource(modeling_llama))
+
+
+@pytest.mark.parametrize("matcher", MATCHERS, ids=repr)
+def test_the_same_nodes_in_the_same_order(module, matcher):
+    ours = findall(module, matcher)
+    assert ours and [id(n) for n in ours] == [id(n) for n in m.findall(module, matcher)]
+    attention = next(c for c in findall(module, m.ClassDef()) if c.name.value == "LlamaAttention")
+    assert [id(n) for n in findall(attention, matcher)] == [id(n) for n in m.findall(attention, matcher)]
+
+
+def test_sentinels_hold_nothing():
+    assert findall(cst.MaybeSentinel.DEFAULT, m.Name()) == []
