@@ -23,6 +23,15 @@ def _tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, model_type: str) 
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def codegen_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One cache of the rules' output (skills/codegen_cache.py) for the whole run, xdist workers included, so
+    each architecture and option set is converted by the rules once; set SKILL_CODEGEN_CACHE= to turn it off."""
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    os.environ.setdefault("SKILL_CODEGEN_CACHE", str(shared / "codegen-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny_checkpoint(tmp_path_factory, "llama")

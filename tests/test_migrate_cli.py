@@ -44,9 +44,12 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 def test_force_rewrite_is_byte_identical(tiny_llama_dir, tmp_path):
-    first = Path(migrate_json(str(tiny_llama_dir), "-o", str(tmp_path / "a"), "--no-run")["model_dir"])
+    uncached = {"SKILL_CODEGEN_CACHE": ""}  # the rules themselves run twice
+    first = Path(
+        migrate_json(str(tiny_llama_dir), "-o", str(tmp_path / "a"), "--no-run", env=uncached)["model_dir"]
+    )
     before = tree(first)
-    migrate_json(str(tiny_llama_dir), "-o", str(tmp_path / "a"), "--no-run", "--force")
+    migrate_json(str(tiny_llama_dir), "-o", str(tmp_path / "a"), "--no-run", "--force", env=uncached)
     assert tree(first) == before
     proc = skill("migrate", str(tiny_llama_dir), "-o", str(tmp_path / "a"), "--no-run")  # no --force: refused
     assert proc.returncode != 0 and "--force" in proc.stderr

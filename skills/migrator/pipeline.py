@@ -7,14 +7,15 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from runtime.errors import UserError
 from runtime.layers.quantization.compressed_tensors import checkpoint_scheme
 from skills.atomic_write import write_text_atomic
+from skills.codegen_cache import cached, config_key
 from skills.migrator.codestyle import tidy
-from skills.migrator.context import RewriteContext
+from skills.migrator.context import Finding, RewriteContext
 from skills.migrator.fuse import fuse_projections
 from skills.migrator.mode import decide_mode
 from skills.migrator.render import RenderContext, render_artifacts
@@ -117,21 +118,45 @@ def convert_code(
     if src.configuration is not None:
         package = src.config_package or src.hf_package
         sources[f"models/configuration_{name}.py"] = (src.configuration, rewrite_configuration, package, None)
-    done, findings = Conversion({}, {}), []
-    for rel, (path, rules, package, config_rename) in sources.items():
-        ctx = RewriteContext(
-            entry_class=src.entry_class,
-            config_module=f"configuration_{name}",
-            config_rename=config_rename,
-            hf_package=package,
-            kv_layout=kv,
-            checkpoint_config=checkpoint_config,
-            filename=str(path),
-            source=path.read_text(),
-        )
-        done.files[rel] = tidy(rules(ctx.source, ctx, disabled=disabled), Path(rel).name)
-        done.rules[rel] = ctx.applied
-        findings += ctx.findings
+    texts = {rel: path.read_text() for rel, (path, *_) in sources.items()}
+
+    def compute() -> tuple[Conversion, list[Finding]]:
+        done, findings = Conversion({}, {}), []
+        for rel, (path, rules, package, config_rename) in sources.items():
+            ctx = RewriteContext(
+                entry_class=src.entry_class,
+                config_module=f"configuration_{name}",
+                config_rename=config_rename,
+                hf_package=package,
+                kv_layout=kv,
+                checkpoint_config=checkpoint_config,
+                filename=str(path),
+                source=texts[rel],
+            )
+            done.files[rel] = tidy(rules(ctx.source, ctx, disabled=disabled), Path(rel).name)
+            done.rules[rel] = ctx.applied
+            findings += ctx.findings
+        return done, findings
+
+    inputs = [
+        {
+            rel: [str(path), texts[rel], package, rename]
+            for rel, (path, _, package, rename) in sources.items()
+        },
+        # remote code may import its neighbours
+        {p.name: p.read_text() for p in sorted(src.modeling.parent.glob("*.py"))} if src.remote_code else {},
+        src.entry_class,
+        kv,
+        sorted(disabled),
+        config_key(checkpoint_config),
+    ]
+    done, findings = cached(
+        "migrate",
+        inputs,
+        compute,
+        lambda v: {**asdict(v[0]), "findings": [asdict(f) for f in v[1]]},
+        lambda d: (Conversion(d["files"], d["rules"]), [Finding(**f) for f in d["findings"]]),
+    )
     if findings:
         listed = "; ".join(str(f) for f in findings)
         raise UserError(

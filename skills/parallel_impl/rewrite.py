@@ -6,9 +6,10 @@ The output does not depend on a parallel_config: every layer reads its TP size f
 """
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from skills.codegen_cache import cached, config_key
 from skills.migrator.codestyle import tidy
 from skills.migrator.context import Finding, RewriteContext
 from skills.migrator.rewrite import rewrite
@@ -58,23 +59,38 @@ def rewrite_sources(
 ) -> ParallelCode:
     """The parallel rewrite of a model's files (name -> text); only modeling_*.py files change. With the
     checkpoint's config, the branches it never takes are guarded first (PR008)."""
-    code = ParallelCode(dict(sources), [], {}, {}, [], [])
-    for name, text in sources.items():
-        if not name.startswith("modeling_"):
-            continue
-        ctx = ParallelRewriteContext(
-            entry_class=entry_class,
-            filename=name,
-            checkpoint_config=checkpoint_config,
-            replicate_attention=replicate_attention,
-        )
-        code.files[name] = tidy(parallelize_source(text, ctx, disabled), name)
-        code.rules[f"models/{name}"] = ctx.applied
-        code.findings += ctx.findings
-        code.replicated += ctx.replicated
-        code.head_groups = max(code.head_groups, ctx.head_groups)
-        code.rewrites += ctx.rewrites
-        for attr, part, _ in ctx.fused:
-            key = attr.lstrip(".")
-            code.fused[key] = (*code.fused.get(key, ()), part.lstrip("."))
-    return code
+
+    def compute() -> ParallelCode:
+        code = ParallelCode(dict(sources), [], {}, {}, [], [])
+        for name, text in sources.items():
+            if not name.startswith("modeling_"):
+                continue
+            ctx = ParallelRewriteContext(
+                entry_class=entry_class,
+                filename=name,
+                checkpoint_config=checkpoint_config,
+                replicate_attention=replicate_attention,
+            )
+            code.files[name] = tidy(parallelize_source(text, ctx, disabled), name)
+            code.rules[f"models/{name}"] = ctx.applied
+            code.findings += ctx.findings
+            code.replicated += ctx.replicated
+            code.head_groups = max(code.head_groups, ctx.head_groups)
+            code.rewrites += ctx.rewrites
+            for attr, part, _ in ctx.fused:
+                key = attr.lstrip(".")
+                code.fused[key] = (*code.fused.get(key, ()), part.lstrip("."))
+        return code
+
+    inputs = [sources, entry_class, sorted(disabled), config_key(checkpoint_config), replicate_attention]
+    return cached("parallelize", inputs, compute, asdict, _parallel_code)
+
+
+def _parallel_code(stored: dict) -> ParallelCode:
+    return ParallelCode(
+        **{
+            **stored,
+            "fused": {attr: tuple(parts) for attr, parts in stored["fused"].items()},
+            "findings": [Finding(**f) for f in stored["findings"]],
+        }
+    )
