@@ -1,6 +1,9 @@
-// Element conversions shared by the host kernels.
+// Element conversions shared by the host kernels. The ATen headers are the few the kernels use: all of
+// <torch/extension.h> takes four times as long to parse, most of a kernel's build.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>

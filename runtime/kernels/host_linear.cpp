@@ -6,7 +6,7 @@
 // dequantized float product is the order of the sums. Four weight rows are done per pass (four independent FMA
 // chains sharing each load of x), and the next pass's rows are prefetched: decode reads the weights from memory
 // once per step, and without the prefetch the loop waits on it.
-#include <ATen/Parallel.h>
+#include <torch/extension.h>  // a Python module: pybind11 and its tensor casters
 
 #include "host_float.h"
 

@@ -6,7 +6,8 @@
 // are float. Soft-capping is tanh(s / cap) * cap as in Gemma 2. An attention sink (GPT-OSS) is one more logit per
 // query head in the softmax's denominator, with no value row. Values may have another head size than keys (MLA).
 // Where the compiler targets AVX-512, head sizes 64 and 128 run hand-vectorised loops (below).
-#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 
 #include "host_float.h"
 
@@ -211,21 +212,21 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
 template <int64_t N>
 using Size = std::integral_constant<int64_t, N>;
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor lens, double scale, int64_t window,
-                                     double soft_cap, c10::optional<torch::Tensor> sinks) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_table, at::Tensor lens, double scale, int64_t window,
+                                     double soft_cap, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "q [B, H, D] and caches [blocks, block_size, Hkv, D | Dv], contiguous");
   TORCH_CHECK(v_cache.dim() == 4 && v_cache.size(2) == k_cache.size(2) && k_cache.size(3) == q.size(2),
               "keys of the query's head size, values with as many heads as keys");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
-  auto tables = block_table.to(torch::kLong).contiguous();
-  auto lengths = lens.to(torch::kLong).contiguous();
+  auto tables = block_table.to(at::kLong).contiguous();
+  auto lengths = lens.to(at::kLong).contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), Dv = v_cache.size(3);
-  auto out = torch::empty({B, H, Dv}, q.options());
-  torch::Tensor sink_logits;
+  auto out = at::empty({B, H, Dv}, q.options());
+  at::Tensor sink_logits;
   if (sinks) {
-    sink_logits = sinks->to(torch::kFloat).contiguous();
+    sink_logits = sinks->to(at::kFloat).contiguous();
     TORCH_CHECK(sink_logits.numel() == H, "one sink logit per query head");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {

@@ -3,7 +3,7 @@
 //   out = weight * h.to(x.dtype)          (Llama's RMSNorm: h rounded to the input's type first)
 //   out = (weight * h).to(x.dtype)        (weight_in_float: the product rounded once)
 // for x and weight of one type; only the order in which the squares are summed differs.
-#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 
 #include "host_float.h"
 
@@ -32,13 +32,13 @@ static void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool weight_in_float) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, bool weight_in_float) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0) && x.scalar_type() == weight.scalar_type(),
               "x [..., n] and weight [n] of one dtype");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16");
   auto rows = x.contiguous();
   auto w = weight.contiguous();
-  auto out = torch::empty_like(rows);
+  auto out = at::empty_like(rows);
   if (out.numel() == 0) return out;
   const auto run = [&](auto element) {
     using T = decltype(element);

@@ -4,7 +4,10 @@
 // they repeat): each product is rounded to that type, then their sum (built without contracting a product and a
 // sum into one fused multiply-add, so float32 too gives the expression's bits). Rows are x's innermost dimension,
 // contiguous in all three; anything else runs the expression through ATen's operators.
-#include <ATen/Parallel.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include "host_float.h"
 
@@ -38,26 +41,26 @@ static void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t 
   });
 }
 
-static torch::Tensor rotate_half(const torch::Tensor& x) {  // transformers' split: the first half rounds down
+static at::Tensor rotate_half(const at::Tensor& x) {  // transformers' split: the first half rounds down
   const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, x.size(-1) - half), x.narrow(-1, 0, half)}, -1);
+  return at::cat({x.narrow(-1, half, x.size(-1) - half).neg(), x.narrow(-1, 0, half)}, -1);
 }
 
 // x * cos + rotate_half(x) * sin: the kernel where x, cos and sin qualify, ATen's operators otherwise.
-static torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+static at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const bool qualifies = x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type() &&
                          (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() >= 1 &&
                          x.dim() <= kMaxDims + 1 && x.numel() > 0 && x.size(-1) % 2 == 0 &&
                          at::infer_size(at::infer_size(x.sizes(), cos.sizes()), sin.sizes()) == x.sizes();
-  const auto expression = [&] { return x * cos + rotate_half(x) * sin; };
+  const auto expression = [&] { return x.mul(cos).add(rotate_half(x).mul(sin)); };
   if (!qualifies) return expression();
   const auto c = cos.expand_as(x), s = sin.expand_as(x);  // a broadcast last dimension has stride 0 now
   if (x.stride(-1) != 1 || c.stride(-1) != 1 || s.stride(-1) != 1) return expression();
-  auto out = torch::empty_like(x);
-  if (out.stride(-1) != 1) out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty_like(x);
+  if (out.stride(-1) != 1) out = at::empty(x.sizes(), x.options());
   const int64_t dims = x.dim() - 1, D = x.size(-1);
   std::array<int64_t, kMaxDims> sizes{}, strides[4]{};
-  const torch::Tensor* tensors[4] = {&x, &c, &s, &out};
+  const at::Tensor* tensors[4] = {&x, &c, &s, &out};
   for (int64_t d = 0; d < dims; ++d) {
     sizes[d] = x.size(d);
     for (int t = 0; t < 4; ++t) strides[t][d] = tensors[t]->stride(d);
@@ -72,8 +75,8 @@ static torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, co
 }
 
 // transformers' apply_rotary_pos_emb: cos and sin unsqueezed at unsqueeze_dim, q and k rotated.
-std::tuple<torch::Tensor, torch::Tensor> rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                                                          torch::Tensor sin, int64_t unsqueeze_dim) {
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos,
+                                                          at::Tensor sin, int64_t unsqueeze_dim) {
   const auto c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
   return {rotate(q, c, s), rotate(k, c, s)};
 }

@@ -2,7 +2,7 @@
 // it replaces, `F.silu(gate) * up`: the SiLU is rounded to the inputs' type before the product, then the product.
 // The SiLU is x / (1 + e^-x) through exp_nonpositive (a few float ulps from libm's, which PyTorch's vectorised
 // kernel also does not use).
-#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include "host_float.h"
 
@@ -34,15 +34,15 @@ static void silu_and_mul_rows(const T* gate, const T* up, T* out, int64_t rows, 
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up) {
+at::Tensor silu_and_mul(at::Tensor gate, at::Tensor up) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
                   (gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16),
               "gate and up: one shape and one dtype, float32 or bfloat16");
-  if (gate.numel() == 0) return torch::empty(gate.sizes(), gate.options());
+  if (gate.numel() == 0) return at::empty(gate.sizes(), gate.options());
   const int64_t n = gate.size(-1);
   const auto g = gate.reshape({-1, n}), u = up.reshape({-1, n});  // views where the rows allow
   const auto rows_g = g.stride(1) == 1 ? g : g.contiguous(), rows_u = u.stride(1) == 1 ? u : u.contiguous();
-  auto out = torch::empty(gate.sizes(), gate.options());
+  auto out = at::empty(gate.sizes(), gate.options());
   const auto run = [&](auto element) {
     using T = decltype(element);
     silu_and_mul_rows<T>(rows_g.data_ptr<T>(), rows_u.data_ptr<T>(), out.data_ptr<T>(), rows_g.size(0), n,
