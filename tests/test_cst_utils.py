@@ -1,4 +1,6 @@
-"""cst_utils.findall against libcst's own findall: the same nodes, in the same order, for every kind of matcher."""
+"""cst_utils.findall against libcst's own findall: the same nodes, in the same order, for every kind of matcher;
+cst_utils.Transformer against a full walk: the same code, with the subtrees it has nothing to do in left as they
+were."""
 
 import inspect
 
@@ -7,7 +9,7 @@ import libcst.matchers as m
 import pytest
 from transformers.models.llama import modeling_llama
 
-from skills.migrator.cst_utils import findall
+from skills.migrator.cst_utils import Transformer, findall
 
 MATCHERS = {
     "name": m.Name(),
@@ -38,3 +40,44 @@ def test_the_same_nodes_in_the_same_order(module, kind):
 
 def test_sentinels_hold_nothing():
     assert findall(cst.MaybeSentinel.DEFAULT, m.Name()) == []
+
+
+class _Rename:
+    """view -> reshape in attribute names, and the depth of FunctionDefs seen (state kept across hooks)."""
+
+    def __init__(self):
+        self.depth = self.deepest = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.depth += 1
+        self.deepest = max(self.deepest, self.depth)
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self.depth -= 1
+        return updated
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
+        return updated.with_changes(attr=cst.Name("reshape")) if updated.attr.value == "view" else updated
+
+
+class _Skipping(_Rename, Transformer):
+    pass
+
+
+class _Walking(_Rename, cst.CSTTransformer):
+    pass
+
+
+class _WithGenericHook(_Skipping):
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+        return super().on_leave(original, updated)
+
+
+def test_transformer_skips_only_subtrees_it_has_nothing_to_do_in(module):
+    skipping, walking = _Skipping(), _Walking()
+    got, want = module.visit(skipping), module.visit(walking)
+    assert got.code == want.code and "view(" not in got.code and skipping.deepest == walking.deepest
+    untouched = [s for s in module.body if not findall(s, m.Attribute() | m.FunctionDef())]
+    assert untouched and all(any(s is t for t in got.body) for s in untouched)  # not rebuilt
+    rebuilt = module.visit(_WithGenericHook())  # a generic hook may act anywhere: nothing is skipped
+    assert rebuilt.code == want.code and not any(s is t for s in untouched for t in rebuilt.body)

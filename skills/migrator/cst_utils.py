@@ -1,5 +1,6 @@
 """Small libcst helpers shared by the rewrite rules."""
 
+import functools
 from collections.abc import Callable, Collection, Sequence
 
 import libcst as cst
@@ -52,6 +53,45 @@ def findall(tree: cst.CSTNode | cst.MaybeSentinel | cst.RemovalSentinel, matcher
     return found
 
 
+# node id -> (node, the names of the node classes in its subtree), held as _CHILDREN holds children
+_SUBTREE_TYPES: dict[int, tuple[cst.CSTNode, frozenset[str]]] = {}
+
+
+def _subtree_types(node: cst.CSTNode) -> frozenset[str]:
+    held = _SUBTREE_TYPES.get(id(node))
+    if held is None:
+        names = frozenset({type(node).__name__}).union(*map(_subtree_types, _children(node)))
+        if len(_SUBTREE_TYPES) >= _CHILDREN_HELD:
+            _SUBTREE_TYPES.clear()
+        held = _SUBTREE_TYPES[id(node)] = (node, names)
+    return held[1]
+
+
+_HOOKS = ("on_visit", "on_leave", "on_visit_attribute", "on_leave_attribute")
+
+
+@functools.cache
+def _handled(transformer: type) -> frozenset[str] | None:
+    """The node classes transformer's visit_* / leave_* methods name, or None when it overrides a generic hook."""
+    names: set[str] = set()
+    for k in transformer.__mro__[: transformer.__mro__.index(Transformer)]:
+        if any(hook in vars(k) for hook in _HOOKS):
+            return None
+        names.update(a.split("_")[1] for a in vars(k) if a.startswith(("visit_", "leave_")))
+    return frozenset(names)
+
+
+class Transformer(cst.CSTTransformer):
+    """A CSTTransformer that does not walk into a subtree holding no node its visit_* / leave_* methods name: the
+    subtree comes back as it was, where a full walk would rebuild every node (a fifth of the rules' time)."""
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        handled = _handled(type(self))
+        if handled is not None and handled.isdisjoint(_subtree_types(node)):
+            return False
+        return super().on_visit(node)
+
+
 def code(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node)
 
@@ -62,7 +102,7 @@ def operand(e: cst.BaseExpression) -> str:
     return code(e) if atomic else f"({code(e)})"
 
 
-class _Substituted(cst.CSTTransformer):
+class _Substituted(Transformer):
     def __init__(self, values: dict[str, cst.BaseExpression]) -> None:
         self.values = values
 

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from skills.migrator.call_sites import binding, call_sites, instance_attrs, named_params
 from skills.migrator.cst_utils import (
+    Transformer,
     appended,
     assigned_names,
     classes,
@@ -123,7 +124,7 @@ def _without_count_asserts(fn: cst.FunctionDef) -> cst.FunctionDef:
     return fn.visit(_Dropped({id(line) for line in lines})) if lines else fn
 
 
-class _Dropped(cst.CSTTransformer):
+class _Dropped(Transformer):
     def __init__(self, ids: set[int]):
         self.ids = ids
 
@@ -196,7 +197,7 @@ def _guard_untaken(module: cst.Module, config: PretrainedConfig | None, lengths:
     return guard_untaken_branches(module, config, wanted, elses=True)
 
 
-class _PassPositions(cst.CSTTransformer):
+class _PassPositions(Transformer):
     def __init__(self, module: cst.Module, lengths: Lengths, entry_class: str, uncached: bool):
         self.local, self.lengths, self.cls, self.uncached = classes(module), lengths, None, uncached
         init = method(self.local[entry_class], "__init__") if entry_class in self.local else None
@@ -262,7 +263,7 @@ def _given_positions(module: cst.Module, changed: set[str]) -> cst.Module:
     )
 
 
-class _Unfold(cst.CSTTransformer):
+class _Unfold(Transformer):
     """Each `if` of folded (by id) replaced by its statements (none: removed)."""
 
     def __init__(self, folded: dict[int, list[cst.BaseStatement]]):

@@ -7,7 +7,7 @@ import textwrap
 
 import libcst as cst
 
-from skills.migrator.cst_utils import is_docstring
+from skills.migrator.cst_utils import Transformer, is_docstring
 
 
 def statements(function: cst.FunctionDef) -> list[ast.stmt]:
@@ -45,7 +45,7 @@ def plain_parameters(function: cst.FunctionDef) -> list[str] | None:
     return [p.name.value for p in params.params]
 
 
-class ReturnInstead(cst.CSTTransformer):
+class ReturnInstead(Transformer):
     """Replaces the body of each given function (by identity) with `return <expression>`, keeping its
     docstring."""
 

@@ -6,10 +6,11 @@ borrowed one (`LlamaConfig` -> `ExaoneConfig`)."""
 import libcst as cst
 
 from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import Transformer
 from skills.migrator.rule import Rule
 
 
-class _Absolute(cst.CSTTransformer):
+class _Absolute(Transformer):
     def __init__(self, ctx: RewriteContext):
         self.ctx = ctx
 

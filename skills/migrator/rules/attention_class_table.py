@@ -6,7 +6,7 @@ A table nothing reads any more is removed; the classes only it named are left to
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import findall
+from skills.migrator.cst_utils import Transformer, findall
 from skills.migrator.rule import Rule
 
 EAGER = "eager"
@@ -36,7 +36,7 @@ def _reads(module: cst.Module, name: str) -> bool:
     return any(n.value == name for s in module.body if _table_name(s) != name for n in findall(s, m.Name()))
 
 
-class _Resolve(cst.CSTTransformer):
+class _Resolve(Transformer):
     def __init__(self, tables: dict[str, str]):
         self.tables = tables
 

@@ -9,7 +9,7 @@ function, are refused by name."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import appended, called_name, classes, code, findall, kwarg
+from skills.migrator.cst_utils import Transformer, appended, called_name, classes, code, findall, kwarg
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES
 from skills.migrator.rules.runtime_attention import INTERFACE
@@ -60,7 +60,7 @@ class CacheKeys(Rule):
         return module.visit(_Replace(replacements)) if replacements else module
 
 
-class _Replace(cst.CSTTransformer):
+class _Replace(Transformer):
     def __init__(self, replacements: dict[cst.Call, cst.Call]):
         self.replacements = replacements
 

@@ -8,7 +8,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import named_params
-from skills.migrator.cst_utils import findall
+from skills.migrator.cst_utils import Transformer, findall
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES
 
@@ -54,7 +54,7 @@ def _names(fn: cst.FunctionDef) -> set[str]:
     return {n.value for n in findall(fn, m.Name())}
 
 
-class _Renamed(cst.CSTTransformer):
+class _Renamed(Transformer):
     def __init__(self, caches: set[str]):
         self.caches = caches
         self.inside: list[bool] = []  # per enclosing function: whether it renames

@@ -8,6 +8,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
+    Transformer,
     assigned_names,
     called_name,
     classes,
@@ -172,7 +173,7 @@ def _first_returned(built: cst.ClassDef | None, fwd: cst.FunctionDef, inner: str
     return built.deep_replace(inner_fwd, inner_fwd.visit(_FirstReturned()))
 
 
-class _FirstReturned(cst.CSTTransformer):
+class _FirstReturned(Transformer):
     def leave_Return(self, original: cst.Return, updated: cst.Return) -> cst.Return:
         if isinstance(updated.value, cst.Tuple):
             return updated.with_changes(value=updated.value.elements[0].value)

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from skills.migrator.call_sites import binding, call_sites
 from skills.migrator.cst_utils import (
     SELF_ATTR,
+    Transformer,
     assigned_names,
     classes,
     dotted,
@@ -148,7 +149,7 @@ def keeps_transformers_alive(hf_names: set[str]) -> Wanted:
     return lambda cls, branch: bool(names_in(branch.body) & hf_names) or _reads_layer_weight(branch.body)
 
 
-class _Fold(cst.CSTTransformer):
+class _Fold(Transformer):
     """In one class: the untaken config branches `wanted` picks become guards."""
 
     def __init__(

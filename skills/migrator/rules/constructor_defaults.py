@@ -14,6 +14,7 @@ import libcst.matchers as m
 from skills.migrator.call_sites import binding, call_sites, named_params
 from skills.migrator.cst_utils import (
     SELF_ATTR,
+    Transformer,
     classes,
     findall,
     in_file_bases,
@@ -74,7 +75,7 @@ def _aliases(cls: cst.ClassDef, params: Collection[str]) -> dict[str, str]:
     return found
 
 
-class _ReadAttrs(cst.CSTTransformer):
+class _ReadAttrs(Transformer):
     """`self.attr` reads -> the attribute's literal (not the assignment targets)."""
 
     def __init__(self, values: dict[str, object]):

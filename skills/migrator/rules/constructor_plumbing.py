@@ -8,6 +8,7 @@ import libcst.matchers as m
 from skills.migrator.call_sites import MODULE_LIST, builders
 from skills.migrator.cst_utils import (
     SELF_ATTR,
+    Transformer,
     called_name,
     choices,
     class_choice,
@@ -69,7 +70,7 @@ def _new_params(init: cst.FunctionDef) -> cst.Parameters:
     return params.with_changes(params=[*params.params, *add])
 
 
-class _PassDown(cst.CSTTransformer):
+class _PassDown(Transformer):
     """Adds the contract kwargs to constructor calls of plumbed classes inside one __init__."""
 
     def __init__(self, plumbed: set[str], tables: set[str], returned_to: str = ""):
@@ -159,7 +160,7 @@ class _PassDown(cst.CSTTransformer):
         return updated.with_changes(args=[*args, *extra])
 
 
-class _Plumb(cst.CSTTransformer):
+class _Plumb(Transformer):
     def __init__(self, plumbed: set[str], tables: dict[str, set[str]]):
         self.plumbed, self.tables = plumbed, tables
 
@@ -185,7 +186,7 @@ class _Plumb(cst.CSTTransformer):
         return updated.with_changes(body=updated.body.with_changes(body=body))
 
 
-class _PassContract(cst.CSTTransformer):
+class _PassContract(Transformer):
     """`self.<builder>(...)` calls in __init__ pass the contract on, prefix unchanged: the builder's children are
     the class's own."""
 

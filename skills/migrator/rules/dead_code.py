@@ -13,6 +13,7 @@ from torch import nn
 
 from skills.migrator.cst_utils import (
     SELF_ATTR,
+    Transformer,
     assigned_names,
     classes,
     dotted,
@@ -89,7 +90,7 @@ def _dead_names(body: cst.BaseSuite, functions: set[str]) -> set[str]:
     return {"_"} | {name for name, count in own.items() if count == total[name]}
 
 
-class _DeadLocals(cst.CSTTransformer):
+class _DeadLocals(Transformer):
     def __init__(self, functions: set[str] = frozenset()):
         self.functions = functions  # the file's functions that only compute (their calls may go)
 
@@ -128,7 +129,7 @@ _EMPTY_IF = m.If(
 )
 
 
-class DropStatements(cst.CSTTransformer):
+class DropStatements(Transformer):
     """Statements the predicate names go, with the comments above them; the next statement keeps its comments
     and takes the blank lines of the first one gone that had any, so the block reads as if they had never
     been there."""
@@ -261,7 +262,7 @@ def _init_only_attrs(module: cst.Module) -> dict[str, set[str]]:
     return found
 
 
-class _InitLocals(cst.CSTTransformer):
+class _InitLocals(Transformer):
     def __init__(self, attrs: dict[str, set[str]]):
         self.attrs, self.owner = attrs, []
 
@@ -317,7 +318,7 @@ def _uncalled_methods(module: cst.Module) -> dict[str, set[str]]:
     return found
 
 
-class _DropMethods(cst.CSTTransformer):
+class _DropMethods(Transformer):
     def __init__(self, dead: dict[str, set[str]]):
         self.dead = dead
 

@@ -16,6 +16,7 @@ import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, bound_parameter, call_sites, named_params
 from skills.migrator.cst_utils import (
+    Transformer,
     assigned_names,
     classes,
     code,
@@ -148,7 +149,7 @@ def _bound(original: cst.BaseExpression, updated: cst.BaseExpression) -> cst.Bas
     return updated
 
 
-class _Substitute(cst.CSTTransformer):
+class _Substitute(Transformer):
     """Drops keyword arguments that forward known values; replaces other reads by literals."""
 
     def __init__(self, env: _Env):
@@ -292,7 +293,7 @@ def _fold_stmt(s, env: _Env) -> list:
     return [s.visit(_Substitute(env))]
 
 
-class _Fold(cst.CSTTransformer):
+class _Fold(Transformer):
     def __init__(self, kept: dict[tuple[str, str], set[str]]):
         self.kept, self.classes = kept, []
 
@@ -455,7 +456,7 @@ def cache_state_methods(fn: cst.FunctionDef) -> list[str]:
     return sorted(n for n in names if not n.startswith("get_"))
 
 
-class _DropArgs(cst.CSTTransformer):
+class _DropArgs(Transformer):
     def __init__(self, doomed: set[int]):
         self.doomed = doomed
 

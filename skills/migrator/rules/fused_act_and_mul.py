@@ -8,7 +8,7 @@ activation set any other way, or assigned again in the class, is left as it is."
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ATTR, findall, method
+from skills.migrator.cst_utils import SELF_ATTR, Transformer, findall, method
 from skills.migrator.rule import Rule
 
 ACT2FN = m.Subscript(m.Name("ACT2FN"))
@@ -44,7 +44,7 @@ class FusedActAndMul(Rule):
         return module
 
 
-class _Products(cst.CSTTransformer):
+class _Products(Transformer):
     def __init__(self):
         self.activations: list[set[str]] = []
         self.changed = False

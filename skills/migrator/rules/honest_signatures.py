@@ -7,7 +7,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, call_sites, positional_params
-from skills.migrator.cst_utils import classes, findall, method, names_in
+from skills.migrator.cst_utils import Transformer, classes, findall, method, names_in
 from skills.migrator.rule import Rule
 from skills.migrator.rules.unused_parameters import CONTRACT
 
@@ -59,7 +59,7 @@ def _required(fn: cst.FunctionDef, calls: list[cst.Call]) -> set[int]:
     return out
 
 
-class _Require(cst.CSTTransformer):
+class _Require(Transformer):
     def __init__(self, params: set[int]):
         self.params = params
 

@@ -9,7 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.call_sites import call_sites
-from skills.migrator.cst_utils import assigned_names, classes, findall, method
+from skills.migrator.cst_utils import Transformer, assigned_names, classes, findall, method
 from skills.migrator.rule import Rule
 
 ONE = m.List([m.Element(~m.StarredElement())])  # `[e]`
@@ -32,7 +32,7 @@ def _only_indexed(nodes: list[cst.CSTNode], x: str) -> bool:
     return reads == sum(len(findall(n, _head(x) | _tail(x))) for n in nodes)
 
 
-class _Unwrap(cst.CSTTransformer):
+class _Unwrap(Transformer):
     """`x[0]` -> `x`, `x[1:]` -> `[]`; `l + []` -> `l`."""
 
     def __init__(self, x: str):
@@ -109,7 +109,7 @@ def _callers_read_the_head(module: cst.Module, calls: list[cst.Call]) -> dict[in
     return found
 
 
-class _Apply(cst.CSTTransformer):
+class _Apply(Transformer):
     def __init__(self, wrapped: dict[int, cst.CSTNode], callers: dict[int, str]):
         self.wrapped, self.callers = wrapped, callers
 
@@ -159,6 +159,6 @@ class ListOutputs(Rule):
             module = new
 
 
-class _Locals(cst.CSTTransformer):
+class _Locals(Transformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         return _wrapped_locals(updated)

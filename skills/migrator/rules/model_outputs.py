@@ -6,12 +6,12 @@ return and variable annotations that name transformers types go."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, findall, kwarg, method, names_in
+from skills.migrator.cst_utils import Transformer, classes, findall, kwarg, method, names_in
 from skills.migrator.rule import Rule
 from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 
-class _Outputs(cst.CSTTransformer):
+class _Outputs(Transformer):
     def __init__(self, hf_names: set[str], dataclass_modules: dict[str, set[str]]):
         self.hf_names, self.dataclass_modules = hf_names, dataclass_modules
         self.modules: set[str] = set()  # the current class's `self.X` holding such a module
@@ -67,7 +67,7 @@ def _dataclass_modules(module: cst.Module) -> dict[str, set[str]]:
     }
 
 
-class _ReadTensor(cst.CSTTransformer):
+class _ReadTensor(Transformer):
     """`outputs.last_hidden_state` -> `outputs` for outputs in names; `outputs[0]` -> `outputs` for those in indexed."""
 
     def __init__(self, names: set[str], indexed: set[str]):

@@ -9,7 +9,7 @@ from libcst.metadata import QualifiedNameProvider
 from torch import nn
 
 from skills.migrator.context import RewriteContext
-from skills.migrator.cst_utils import dotted, findall
+from skills.migrator.cst_utils import Transformer, dotted, findall
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
 
@@ -51,7 +51,7 @@ def _is_hf_only_class_attr(stmt: cst.BaseStatement, used: set[str]) -> bool:
     return isinstance(target, cst.Name) and target.value.startswith("_") and target.value not in used
 
 
-class _PlainSuperInit(cst.CSTTransformer):
+class _PlainSuperInit(Transformer):
     """`super().__init__(config)` -> `super().__init__()` plus the `self.config` PreTrainedModel used to set."""
 
     def leave_SimpleStatementLine(self, original, updated):
@@ -68,7 +68,7 @@ class _PlainSuperInit(cst.CSTTransformer):
         return plain
 
 
-class _DropInheritedHFCalls(cst.CSTTransformer):
+class _DropInheritedHFCalls(Transformer):
     """`self.warn_if_padding_and_no_attention_mask(...)`-style statements call PreTrainedModel helpers that a
     plain nn.Module lacks: bare calls go; any other use is reported."""
 
@@ -105,7 +105,7 @@ class _DropInheritedHFCalls(cst.CSTTransformer):
         return updated
 
 
-class _Bases(cst.CSTTransformer):
+class _Bases(Transformer):
     def __init__(self, hf: set[int], ctx: RewriteContext, used: set[str]):
         self.hf, self.ctx, self.used = hf, ctx, used  # used: classes the entry needs (others get pruned)
 

@@ -9,6 +9,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
+    Transformer,
     assigned_names,
     classes,
     code,
@@ -38,7 +39,7 @@ def _items(call: cst.Call) -> list[tuple[str, cst.BaseExpression]] | None:
     return pairs if all(isinstance(k, str) and k.isidentifier() for k, _ in pairs) else None
 
 
-class _Held(cst.CSTTransformer):
+class _Held(Transformer):
     """`self.<attr>.<item>` -> `self.<item>`."""
 
     def __init__(self, attr: str):

@@ -6,7 +6,7 @@ their names and layout. A subclass that computes anything else, or has other met
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, dotted, findall, is_docstring
+from skills.migrator.cst_utils import Transformer, classes, dotted, findall, is_docstring
 from skills.migrator.reachability import reachable
 from skills.migrator.rule import Rule
 
@@ -80,7 +80,7 @@ def _plain_linear_classes(module: cst.Module, entry: str) -> set[str]:
     return found
 
 
-class _Replace(cst.CSTTransformer):
+class _Replace(Transformer):
     def __init__(self, names: set[str]):
         self.names = names
 

@@ -7,7 +7,15 @@ import re
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, findall, free_names, names_in, read_names, with_args
+from skills.migrator.cst_utils import (
+    Transformer,
+    assigned_names,
+    findall,
+    free_names,
+    names_in,
+    read_names,
+    with_args,
+)
 from skills.migrator.rule import Rule
 
 MASK_FACTORY = re.compile(r"(^|_)(create|make|prepare|preprocess)\w*mask", re.IGNORECASE)
@@ -31,7 +39,7 @@ def _clean_loop_targets(stmt: cst.CSTNode, tainted: set[str]) -> set[str]:
     return {n for loop in loops for n in names_in(loop.target)}
 
 
-class _DropTaintedArgs(cst.CSTTransformer):
+class _DropTaintedArgs(Transformer):
     def __init__(self, tainted: set[str]):
         self.tainted = tainted
 
@@ -62,7 +70,7 @@ def _emptied(stmt: cst.BaseStatement) -> bool:
     return isinstance(stmt, (cst.For, cst.While, cst.With)) and m.matches(stmt.body, PASS_BODY)
 
 
-class _Clean(cst.CSTTransformer):
+class _Clean(Transformer):
     """One pass over a function body: removes mask statements, records what they bound."""
 
     def __init__(self, tainted: set[str]):
@@ -89,7 +97,7 @@ class _Clean(cst.CSTTransformer):
         return updated
 
 
-class _PerFunction(cst.CSTTransformer):
+class _PerFunction(Transformer):
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if not _builds_mask(updated.body):
             return updated
@@ -135,7 +143,7 @@ class RemoveMaskMachinery(Rule):
         return module.visit(_DropMaskMethods(used))
 
 
-class _DropMaskMethods(cst.CSTTransformer):
+class _DropMaskMethods(Transformer):
     """Methods named as mask factories (`_create_attention_masks`) that nothing calls any more."""
 
     def __init__(self, used: set[str]):

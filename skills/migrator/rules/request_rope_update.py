@@ -11,6 +11,7 @@ import libcst.matchers as m
 from skills.migrator.call_sites import instance_attrs
 from skills.migrator.cst_utils import (
     KwargsPassing,
+    Transformer,
     appended,
     classes,
     dotted,
@@ -25,7 +26,7 @@ from skills.migrator.rules.strip_hf_decorators import transformers_names
 NAME = "dynamic_rope_update"
 
 
-class _FromRuntime(cst.CSTTransformer):
+class _FromRuntime(Transformer):
     """transformers' import of the decorator goes (the statement too, if it imported nothing else)."""
 
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom):

@@ -9,7 +9,7 @@ keeping any other state in its cache stays MG004's refusal."""
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import findall, param_names, rewrite_classes
+from skills.migrator.cst_utils import Transformer, findall, param_names, rewrite_classes
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES, cache_state_methods, fold_given
 from skills.migrator.rules.request_rope_update import pass_metadata
@@ -19,7 +19,7 @@ READS = {"get_conv_state", "get_recurrent_state"}
 STATES = "states"
 
 
-class _Renamed(cst.CSTTransformer):
+class _Renamed(Transformer):
     """Every name `old` (the parameter, its reads) becomes `states`, annotated `RequestStates | None`."""
 
     def __init__(self, old: str):
@@ -63,7 +63,7 @@ def _stateful(fn: cst.FunctionDef) -> str | None:
     return caches[0] if _only_state_calls(fn, caches[0]) else None
 
 
-class _PerRequest(cst.CSTTransformer):
+class _PerRequest(Transformer):
     def __init__(self) -> None:
         self.changed = False
 

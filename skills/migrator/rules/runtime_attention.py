@@ -14,6 +14,7 @@ from skills.migrator.call_sites import loop_over
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import (
     KwargsPassing,
+    Transformer,
     assigned_names,
     called_name,
     class_choice,
@@ -70,7 +71,7 @@ def attention_classes(module: cst.Module, entry: str) -> set[str]:
     }
 
 
-class _Forward(cst.CSTTransformer):
+class _Forward(Transformer):
     """Inside an attention class's forward."""
 
     def __init__(self, ctx: RewriteContext, scope: str):
@@ -301,7 +302,7 @@ def _query_heads(
     return "self.num_heads" if _own_head_count(init) else None
 
 
-class _Classes(cst.CSTTransformer):
+class _Classes(Transformer):
     def __init__(self, ctx: RewriteContext, attn: set[str], tables: dict[str, set[str]]):
         self.ctx, self.attn, self.tables = ctx, attn, tables
         self.narrowed: set[str] = set()  # wrappers whose forward passed the weights on and no longer does

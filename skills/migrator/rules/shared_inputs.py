@@ -10,6 +10,7 @@ import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, call_sites, named_params
 from skills.migrator.cst_utils import (
+    Transformer,
     assigned_names,
     classes,
     findall,
@@ -22,7 +23,7 @@ from skills.migrator.rule import Rule
 MERGED = "hidden_states"
 
 
-class _Rename(cst.CSTTransformer):
+class _Rename(Transformer):
     """Reads of any name in old become new (attribute and keyword names are not reads)."""
 
     def __init__(self, old: set[str], new: str):
@@ -51,7 +52,7 @@ def _shared(fwd: cst.FunctionDef, calls: list[cst.Call]) -> list[cst.Param]:
     return next((g for g in groups.values() if len(g) > 1), [])
 
 
-class _Merge(cst.CSTTransformer):
+class _Merge(Transformer):
     """One class's forward takes its shared parameters as one, and its calls pass that once."""
 
     def __init__(self, fwd: cst.FunctionDef, group: list[cst.Param], calls: list[cst.Call]):

@@ -26,6 +26,7 @@ import libcst.matchers as m
 
 from skills.migrator.call_sites import binding, instance_attrs, named_params
 from skills.migrator.cst_utils import (
+    Transformer,
     appended,
     assigned_names,
     called_name,
@@ -84,7 +85,7 @@ def _update_line(fn: cst.FunctionDef) -> tuple[cst.BaseStatement, str] | None:
     return None
 
 
-class _Indexer(cst.CSTTransformer):
+class _Indexer(Transformer):
     """The indexer's forward: the update replaced, the branch on the mask's dtype folded to its boolean arm, the
     mask read as `visible`."""
 
@@ -170,7 +171,7 @@ def _per_request(fn: cst.FunctionDef) -> list[cst.BaseStatement]:
     return [stmt(f"{p} = by_request({p}, forward_metadata)") for p in kept]
 
 
-class _PassMetadata(cst.CSTTransformer):
+class _PassMetadata(Transformer):
     """Calls of the indexer modules (`self.<attr>(...)`) pass forward_metadata; the functions making them
     take it."""
 
@@ -212,7 +213,7 @@ def _picks_passed_otherwise(call: cst.Call, picks: set[str]) -> list[cst.Arg]:
     return [a for a in call.args if a.keyword and m.matches(a.value, m.Name()) and a.value.value in picks]
 
 
-class _PicksAsIndices(cst.CSTTransformer):
+class _PicksAsIndices(Transformer):
     """The attention call passing an indexer's picks under another keyword (`block_indices=picks`) passes them as
     `indices=`, with the size of the blocks they number as `index_block=` where they do."""
 
@@ -228,7 +229,7 @@ class _PicksAsIndices(cst.CSTTransformer):
         return appended(updated, "index_block", self.block) if self.block else updated
 
 
-class _HandOverPicks(cst.CSTTransformer):
+class _HandOverPicks(Transformer):
     """`if self.config._attn_implementation ...: <mask from the picks> else: indices = picks` -> the else arm,
     without a `indices = None` right before it that the arm overwrites; with no else arm, nothing."""
 

@@ -11,7 +11,16 @@ from collections.abc import Collection
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ASSIGN_CALL, SELF_ATTR, called_name, classes, code, findall, method
+from skills.migrator.cst_utils import (
+    SELF_ASSIGN_CALL,
+    SELF_ATTR,
+    Transformer,
+    called_name,
+    classes,
+    code,
+    findall,
+    method,
+)
 from skills.migrator.rule import Rule
 from skills.migrator.rules.constructor_defaults import fold_defaults
 from skills.migrator.rules.dead_code import DropStatements, unused_attrs
@@ -72,7 +81,7 @@ def _unread_modules(module: cst.Module, entry: str) -> tuple[set[str], set[str]]
     return gone, gone & weighted
 
 
-class _Ignore(cst.CSTTransformer):
+class _Ignore(Transformer):
     """`load_named_weights(..., ignored=[...])` with patterns added."""
 
     def __init__(self, patterns: list[str]):

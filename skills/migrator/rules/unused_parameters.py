@@ -11,7 +11,7 @@ contract's parameters (config, infer_config, comm_manager, prefix, forward_metad
 import libcst as cst
 
 from skills.migrator.call_sites import binding, call_sites, named_params
-from skills.migrator.cst_utils import classes, free_names, method, pure
+from skills.migrator.cst_utils import Transformer, classes, free_names, method, pure
 from skills.migrator.rule import Rule
 from skills.migrator.rules.dead_code import drop_dead_locals_in
 
@@ -52,7 +52,7 @@ def _swallowed(fn: cst.FunctionDef, calls: list[cst.Call]) -> list[cst.Arg]:
     ]
 
 
-class _Remove(cst.CSTTransformer):
+class _Remove(Transformer):
     def __init__(self, nodes: set[int]):
         self.nodes = nodes
 

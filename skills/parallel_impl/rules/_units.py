@@ -9,6 +9,7 @@ import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
     SELF_ASSIGN_CALL,
+    Transformer,
     assigned_names,
     called_name,
     code,
@@ -131,7 +132,7 @@ def edit_body(
     return fn.with_changes(body=fn.body.with_changes(body=[*body, *append]))
 
 
-class _ById(cst.CSTTransformer):
+class _ById(Transformer):
     def __init__(self, new: dict[int, cst.CSTNode]) -> None:
         self.new = new
 
@@ -155,7 +156,7 @@ def replace_methods(cls: cst.ClassDef, new: dict[str, cst.FunctionDef]) -> cst.C
     return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
-class _OwnScope(cst.CSTTransformer):
+class _OwnScope(Transformer):
     """Stays out of nested functions, classes and lambdas: their returns are not forward's."""
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
@@ -202,7 +203,7 @@ def returns_output_of(fwd: cst.FunctionDef, attr: str) -> bool:
     return bool(returns)
 
 
-class _CallsToNames(cst.CSTTransformer):
+class _CallsToNames(Transformer):
     def __init__(self, names: dict[str, str]):
         self.names = names
 

@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import classes, doubled, findall, method, names_in, param_names, stmt
+from skills.migrator.cst_utils import (
+    Transformer,
+    classes,
+    doubled,
+    findall,
+    method,
+    names_in,
+    param_names,
+    stmt,
+)
 from skills.migrator.expert_params import ExpertParam, expert_params
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import code, edit_body, plumbed, replace_classes
@@ -115,7 +124,7 @@ def _tp_split(params: list[ExpertParam], methods: list[cst.FunctionDef]) -> _TPS
     return _TPSplit(sizes, shard_args)
 
 
-class _Replace(cst.CSTTransformer):
+class _Replace(Transformer):
     """Nodes of the original tree (by identity) replaced by code."""
 
     def __init__(self, new: dict[int, str]):

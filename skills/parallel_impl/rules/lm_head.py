@@ -17,6 +17,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import (
+    Transformer,
     appended,
     called_name,
     classes,
@@ -68,7 +69,7 @@ def _tie(head: str | None = None) -> m.SimpleStatementLine:
     return m.SimpleStatementLine([m.Assign([m.AssignTarget(target)], m.Attribute(attr=m.Name("weight")))])
 
 
-class _Tie(cst.CSTTransformer):
+class _Tie(Transformer):
     """`self.<head>.weight = <embedding>.weight` -> `self.<head>.tie_weights(<embedding>)`."""
 
     def __init__(self, head: str):
@@ -83,7 +84,7 @@ class _Tie(cst.CSTTransformer):
         )
 
 
-class _GatherTokens(cst.CSTTransformer):
+class _GatherTokens(Transformer):
     """`h[..., forward_metadata.last_token_indices]` -> `gather_tokens(h)[...]`."""
 
     def __init__(self):
@@ -236,7 +237,7 @@ def _bias_tie(head: str) -> m.Assign:
     return m.Assign([target], m.Attribute(m.Attribute(m.Name("self"))))
 
 
-class _BiasTie(cst.CSTTransformer):
+class _BiasTie(Transformer):
     """`self.<head>.bias = self.<owner>.<b>` -> `self.<owner>.<b> = self.<head>.bias`: the owner's bias, which
     the checkpoint names, becomes the parallel head's own, a vocab shard."""
 

@@ -8,14 +8,14 @@ import json
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import appended, classes, findall, kwarg, method, stmt
+from skills.migrator.cst_utils import Transformer, appended, classes, findall, kwarg, method, stmt
 from skills.migrator.rule import Rule
 from skills.parallel_impl.rules._units import is_docstring, replace_classes, replace_methods
 
 ATTR = "stacked_params_mapping"
 
 
-class _PassMapping(cst.CSTTransformer):
+class _PassMapping(Transformer):
     def __init__(self):
         self.done = False
 
