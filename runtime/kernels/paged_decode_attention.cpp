@@ -212,9 +212,9 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
 template <int64_t N>
 using Size = std::integral_constant<int64_t, N>;
 
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_table, at::Tensor lens, double scale, int64_t window,
-                                     double soft_cap, c10::optional<at::Tensor> sinks) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                                  at::Tensor lens, double scale, int64_t window, double soft_cap,
+                                  c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "q [B, H, D] and caches [blocks, block_size, Hkv, D | Dv], contiguous");
   TORCH_CHECK(v_cache.dim() == 4 && v_cache.size(2) == k_cache.size(2) && k_cache.size(3) == q.size(2),

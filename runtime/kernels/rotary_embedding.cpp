@@ -75,8 +75,8 @@ static at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::T
 }
 
 // transformers' apply_rotary_pos_emb: cos and sin unsqueezed at unsqueeze_dim, q and k rotated.
-std::tuple<at::Tensor, at::Tensor> rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos,
-                                                          at::Tensor sin, int64_t unsqueeze_dim) {
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin,
+                                                    int64_t unsqueeze_dim) {
   const auto c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
   return {rotate(q, c, s), rotate(k, c, s)};
 }

@@ -2,6 +2,7 @@
 
 import functools
 from collections.abc import Callable, Collection, Sequence
+from typing import TypeVar
 
 import libcst as cst
 import libcst.matchers as m
@@ -11,19 +12,35 @@ SELF_ATTR = m.Attribute(value=m.Name("self"))  # `self.<name>`
 SELF_ASSIGN_CALL = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())])
 
 
-# node id -> (node, its children): nodes are immutable, and rules search the same trees many times over; the
-# node is held so that its id is not reused while the entry lives
+# Facts about a node (its children, the node classes under it), by node id: nodes are immutable, and rules walk
+# the same trees many times over. An entry holds its node so that the id is not reused while the entry lives.
+_HELD = 100_000  # entries per table
+T = TypeVar("T")
 _CHILDREN: dict[int, tuple[cst.CSTNode, tuple[cst.CSTNode, ...]]] = {}
-_CHILDREN_HELD = 100_000
+_SUBTREE_TYPES: dict[int, tuple[cst.CSTNode, frozenset[str]]] = {}
+
+
+def _memo(table: dict[int, tuple[cst.CSTNode, T]], node: cst.CSTNode, make: Callable[[cst.CSTNode], T]) -> T:
+    held = table.get(id(node))
+    if held is None:
+        value = make(node)
+        if len(table) >= _HELD:
+            table.clear()
+        held = table[id(node)] = (node, value)
+    return held[1]
 
 
 def _children(node: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
-    held = _CHILDREN.get(id(node))
-    if held is None:
-        if len(_CHILDREN) >= _CHILDREN_HELD:
-            _CHILDREN.clear()
-        held = _CHILDREN[id(node)] = (node, tuple(node.children))
-    return held[1]
+    return _memo(_CHILDREN, node, lambda n: tuple(n.children))
+
+
+def _subtree_types(node: cst.CSTNode) -> frozenset[str]:
+    """The names of the node classes in node's subtree, node's own included."""
+    return _memo(
+        _SUBTREE_TYPES,
+        node,
+        lambda n: frozenset({type(n).__name__}).union(*map(_subtree_types, _children(n))),
+    )
 
 
 def _node_types(matcher: m.BaseMatcherNode | m.OneOf) -> frozenset[type] | None:
@@ -51,20 +68,6 @@ def findall(tree: cst.CSTNode | cst.MaybeSentinel | cst.RemovalSentinel, matcher
             found.append(node)
         todo.extend(reversed(_children(node)))
     return found
-
-
-# node id -> (node, the names of the node classes in its subtree), held as _CHILDREN holds children
-_SUBTREE_TYPES: dict[int, tuple[cst.CSTNode, frozenset[str]]] = {}
-
-
-def _subtree_types(node: cst.CSTNode) -> frozenset[str]:
-    held = _SUBTREE_TYPES.get(id(node))
-    if held is None:
-        names = frozenset({type(node).__name__}).union(*map(_subtree_types, _children(node)))
-        if len(_SUBTREE_TYPES) >= _CHILDREN_HELD:
-            _SUBTREE_TYPES.clear()
-        held = _SUBTREE_TYPES[id(node)] = (node, names)
-    return held[1]
 
 
 _HOOKS = ("on_visit", "on_leave", "on_visit_attribute", "on_leave_attribute")
