@@ -23,7 +23,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 from rich.progress import Progress
+from skill_process import skill
 from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, set_token_id, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import (
@@ -169,15 +169,7 @@ def not_causal(checkpoint: Path, prompt_ids: list[int]) -> str | None:
 
 def _skill(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "skills.cli", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-        timeout=TIMEOUT_S,
-        cwd=ROOT,
-    )
+    return skill(*args, env=env, timeout=TIMEOUT_S, cwd=ROOT)
 
 
 TRACEBACK = re.compile(r"Traceback|❱")  # plain or rich; also inside a run failure verify relays

@@ -2,11 +2,11 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import yaml
+from skill_process import skill, skill_json
 from tiny_checkpoint import PARITY_PROMPTS, make_tokenizer, pick_seed, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,21 +39,7 @@ def build_reference(model_type: str, tmp_path_factory, edit=None, **overrides) -
 
 
 def migrate(arch, out: Path, *flags: str) -> Path:
-    cmd = [
-        sys.executable,
-        "-m",
-        "skills.cli",
-        "migrate",
-        str(arch["ckpt"]),
-        "-o",
-        str(out),
-        "--no-run",
-        "--json",
-        *flags,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return Path(json.loads(proc.stdout)["model_dir"])
+    return Path(skill_json("migrate", arch["ckpt"], "-o", out, "--no-run", "--json", *flags)["model_dir"])
 
 
 def prompts_args() -> list[str]:
@@ -81,19 +67,4 @@ def parallel_yaml(path: Path, world: int, attn: int, dense: int, embed: int, lmh
 
 def parallelize(model_dir: Path, config: Path, *flags: str) -> subprocess.CompletedProcess:
     """`skill parallelize` without its verification run: callers compare the runs themselves."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "parallelize",
-            str(model_dir),
-            "--config",
-            str(config),
-            "--no-verify",
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    return skill("parallelize", model_dir, "--config", config, "--no-verify", *flags)

@@ -4,13 +4,13 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
+from skill_process import Started, skill_json
 from tiny_checkpoint import PARITY_PROMPTS
 
 from runtime.launch import free_port
@@ -19,7 +19,7 @@ STARTUP_S = 240
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+    def __init__(self, proc: Started, port: int, log: Path):
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
 
@@ -56,12 +56,7 @@ class Server:
 def serving(model_dir: Path | None, log: Path, *args: str):
     port = free_port()
     where = [str(model_dir)] if model_dir else []
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "skills.cli", "serve", *where, "--port", str(port), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    proc = Started("serve", *where, "--port", port, *args, log=log)
     server = Server(proc, port, log)
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -85,23 +80,11 @@ def offline_outputs(
     model_dir: Path, prompts: list[str], new_tokens: int, *flags: str, yaml: Path | None = None
 ):
     """`skill run --json` outputs for the prompts (the reference every served answer must equal)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "skills.cli",
-        "run",
-        str(model_dir),
-        "--json",
-        "--max-new-tokens",
-        str(new_tokens),
-        *flags,
-        *[a for p in prompts for a in ("--prompt", p)],
-    ]
-    if yaml:
-        cmd += ["--yaml", str(yaml)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)["outputs"]
+    prompt_args = [a for p in prompts for a in ("--prompt", p)]
+    yaml_args = ["--yaml", yaml] if yaml else []
+    return skill_json(
+        "run", model_dir, "--json", "--max-new-tokens", new_tokens, *flags, *prompt_args, *yaml_args
+    )["outputs"]
 
 
 def migrated_with_layouts(

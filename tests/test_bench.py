@@ -2,21 +2,15 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from model_dirs import make_model_dir
+from skill_process import skill
 
 
 def skill_bench(model_dir, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "skills.cli", "bench", str(model_dir), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return skill("bench", model_dir, *args, timeout=600)
 
 
 def _cmdline(path: Path) -> str:

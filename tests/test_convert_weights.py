@@ -5,7 +5,6 @@ Runs of the shards are compared with transformers in test_parallelize_parity."""
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +13,7 @@ import torch
 import yaml
 from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args
 from safetensors.torch import load_file, save_file
+from skill_process import skill
 
 from runtime.config import InferenceConfig, ParallelConfig
 from runtime.engine.loader import load_checkpoint
@@ -22,11 +22,6 @@ from runtime.errors import UserError
 from skills.parallel_impl.convert_weights import _build_rank, _save_rank
 
 TP2 = {"world_size": 2, "attn_tp_size": 2, "dense_tp_size": 2, "embed_tp_size": 2, "lmhead_tp_size": 2}
-
-
-def skill(*args: object) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "skills.cli", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -2,27 +2,19 @@
 and bad input that fails cleanly without leaving anything behind."""
 
 import json
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from safetensors.torch import load_file, save_file
+from skill_process import skill as run_skill
 
 
 def skill(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "skills.cli", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **(env or {})},
-        input=stdin,
-    )
+    return run_skill(*args, env={**os.environ, **(env or {})}, input=stdin)
 
 
 def migrate_json(*args: str, env: dict | None = None) -> dict:
@@ -151,22 +143,8 @@ def test_non_writable_out(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("prompt", ["部署模式: 混合部署", "deployment mode: hybrid"])
 def test_dispatch_prompt_with_unknown_mode(tiny_llama_dir, tmp_path, prompt):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "migrate",
-            str(tiny_llama_dir),
-            "-o",
-            str(tmp_path / "out"),
-            "--dispatch-prompt",
-            "-",
-        ],
-        input=prompt,
-        capture_output=True,
-        text=True,
-        check=False,
+    proc = skill(
+        "migrate", str(tiny_llama_dir), "-o", str(tmp_path / "out"), "--dispatch-prompt", "-", stdin=prompt
     )
     assert_clean_failure(proc, tmp_path / "out")
 

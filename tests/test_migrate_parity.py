@@ -2,7 +2,6 @@
 transformers' greedy tokens (framework + standalone modes, paged + legacy KV) and prefill logits."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from hf_reference import (
     run_json,
 )
 from model_dirs import prefill_logits, prefilled
+from skill_process import skill_json
 from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoModelForCausalLM
 
@@ -51,20 +51,8 @@ def moe_arch(request, tmp_path_factory):
 
 
 def assert_framework_run_matches(reference: dict, model_dir: Path, *flags: str) -> None:
-    out = run_json(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "run",
-            str(model_dir),
-            *flags,
-            "--json",
-            "--raw",
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            *prompts_args(),
-        ]
+    out = skill_json(
+        "run", model_dir, *flags, "--json", "--raw", "--max-new-tokens", NEW_TOKENS, *prompts_args()
     )
     assert [o["prompt_token_ids"] for o in out["outputs"]] == reference["ids"]
     assert [o["token_ids"] for o in out["outputs"]] == reference["tokens"]
@@ -336,18 +324,7 @@ def test_longrope_picks_its_factors_per_request_and_matches_transformers(tmp_pat
     assert "from runtime.layers.rotary import dynamic_rope_update" in code
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PARITY_PROMPTS))
-    verified = run_json(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "verify",
-            str(model_dir),
-            "--prompts-file",
-            str(prompts),
-            "--json",
-        ]
-    )
+    verified = skill_json("verify", model_dir, "--prompts-file", prompts, "--json")
     assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)
 
 

@@ -8,16 +8,14 @@ import sys
 import pytest
 import yaml
 from model_dirs import make_model_dir
+from skill_process import skill
 from tiny_checkpoint import PARITY_PROMPTS
 
 from runtime.launch import free_port
 
 
-def run_cmd(model_dir, yaml_path, *flags: str) -> list[str]:
+def run_args(model_dir, yaml_path, *flags: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "skills.cli",
         "run",
         str(model_dir),
         "--yaml",
@@ -36,7 +34,7 @@ def tokens(stdout: str) -> list[list[int]]:
 
 
 def run_tokens(model_dir, yaml_path) -> list[list[int]]:
-    proc = subprocess.run(run_cmd(model_dir, yaml_path), capture_output=True, text=True, check=False)
+    proc = skill(*run_args(model_dir, yaml_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tokens(proc.stdout)
 
@@ -64,18 +62,23 @@ def test_two_nodes_on_one_host_match_a_single_node(dp2):
     port = str(free_port())
     nodes = [
         subprocess.Popen(
-            run_cmd(
-                model_dir,
-                parallel,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-            ),
+            [
+                sys.executable,
+                "-m",
+                "skills.cli",
+                *run_args(
+                    model_dir,
+                    parallel,
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(rank),
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    port,
+                ),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -6,13 +6,13 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import yaml
 from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args, run_json
+from skill_process import skill as run_skill
 
 from runtime.config import ParallelConfig
 from runtime.errors import ConfigError
@@ -24,9 +24,7 @@ TP2 = {"world_size": 2, "attn_tp_size": 2, "dense_tp_size": 2, "embed_tp_size": 
 def skill(*args: str) -> subprocess.CompletedProcess:
     """`skill parallelize` without its verification run (tests/test_verify.py covers that)."""
     flags = ("--no-verify",) if args[0] == "parallelize" else ()
-    return subprocess.run(
-        [sys.executable, "-m", "skills.cli", *args, *flags], capture_output=True, text=True, check=False
-    )
+    return run_skill(*args, *flags)
 
 
 def config_file(tmp_path: Path, doc: dict, name: str = "parallel.yaml") -> Path:

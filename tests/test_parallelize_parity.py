@@ -2,8 +2,6 @@
 greedy tokens of the single-rank run and of transformers, and every rank holds the parameter bytes the plan says."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,8 @@ from hf_reference import (
     parallel_yaml,
     parallelize,
     prompts_args,
-    run_json,
 )
+from skill_process import skill_json
 
 # mistral is llama's layout: its multi-rank scenarios run with `-m slow`, to keep `make test` under 30 minutes
 ARCHS = ["llama", "qwen3", pytest.param("mistral", marks=pytest.mark.slow)]
@@ -129,36 +127,24 @@ MOE_RUNS = [
 
 
 def run(model_dir: Path, yaml_path: Path | None = None, *flags: str) -> dict:
-    return run_json(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "run",
-            str(model_dir),
-            "--json",
-            "--raw",
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            *prompts_args(),
-            *(["--yaml", str(yaml_path)] if yaml_path else []),
-            *flags,
-        ]
+    yaml_args = ["--yaml", yaml_path] if yaml_path else []
+    return skill_json(
+        "run",
+        model_dir,
+        "--json",
+        "--raw",
+        "--max-new-tokens",
+        NEW_TOKENS,
+        *prompts_args(),
+        *yaml_args,
+        *flags,
     )
 
 
 def check_converted_shards(model_dir: Path, config: Path, out: Path, reference: dict) -> None:
     """`skill convert-weights` writes every rank's shards to `out`; the run from them gives transformers' tokens
     with the bytes convert-weights reports for each rank."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config", str(config)]
-        + ["-o", str(out), "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done = json.loads(proc.stdout)
+    done = skill_json("convert-weights", model_dir, "--config", config, "-o", out, "--json")
     result = run(model_dir, Path(done["yaml"]))
     assert [o["token_ids"] for o in result["outputs"]] == reference["tokens"]
     assert result["param_bytes_per_rank"] == done["ranks"]
@@ -234,15 +220,18 @@ def test_quantized_tp2_at_load_and_from_quantized_shards_match_the_single_rank(
     tp2_yaml = _quantized_yaml(Path(json.loads(proc.stdout)["yaml"]), tmp_path / "tp2_q.yaml", quant_method)
     tp2 = run(model_dir, tp2_yaml)
     assert [o["token_ids"] for o in tp2["outputs"]] == tokens
-    proc = subprocess.run(
-        [sys.executable, "-m", "skills.cli", "convert-weights", str(model_dir), "--config", str(config)]
-        + ["-o", str(tmp_path / "shards"), "--quant-mode", quant_mode, "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
+    shards_dir = tmp_path / "shards"
+    done = skill_json(
+        "convert-weights",
+        model_dir,
+        "--config",
+        config,
+        "-o",
+        shards_dir,
+        "--quant-mode",
+        quant_mode,
+        "--json",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done = json.loads(proc.stdout)
     assert yaml.safe_load(Path(done["yaml"]).read_text())["model_config"]["quant_method"] == quant_method
     shards = run(model_dir, Path(done["yaml"]))
     assert [o["token_ids"] for o in shards["outputs"]] == tokens

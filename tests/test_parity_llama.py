@@ -1,14 +1,13 @@
 """The runtime reproduces transformers on the same weights: greedy tokens and prefill logits (fp32)."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from model_dirs import make_model_dir, prefill_logits
+from skill_process import skill
 from tiny_checkpoint import PARITY_PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,23 +31,8 @@ def reference(tiny_llama_dir):
 
 
 def skill_run(model_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "skills.cli",
-        "run",
-        str(model_dir),
-        "--json",
-        "--raw",
-        "--max-new-tokens",
-        str(NEW_TOKENS),
-        *args,
-    ]
-    for p in PARITY_PROMPTS:
-        cmd += ["--prompt", p]
-    proc = subprocess.run(
-        cmd, check=False, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
+    prompt_args = [a for p in PARITY_PROMPTS for a in ("--prompt", p)]
+    proc = skill("run", model_dir, "--json", "--raw", "--max-new-tokens", NEW_TOKENS, *args, *prompt_args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

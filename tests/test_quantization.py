@@ -4,7 +4,6 @@ transformers running the same quantized weights, and compressed-tensors checkpoi
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 import yaml
 from dist_harness import distributed_tests
 from model_dirs import make_model_dir, prefill_logits
+from skill_process import skill
 from test_parity_llama import NEW_TOKENS, reference, skill_run  # noqa: F401 - reference is a fixture
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -340,20 +340,15 @@ def test_int8_run_matches_transformers_on_the_same_int8_weights(tmp_path, tiny_l
 
 
 def test_convert_weights_refuses_an_unknown_quant_mode(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "skills.cli",
-            "convert-weights",
-            str(tmp_path),
-            "--config",
-            str(tmp_path / "p.yaml"),
-        ]
-        + ["-o", str(tmp_path / "out"), "--quant-mode", "w4a16"],
-        capture_output=True,
-        text=True,
-        check=False,
+    proc = skill(
+        "convert-weights",
+        tmp_path,
+        "--config",
+        tmp_path / "p.yaml",
+        "-o",
+        tmp_path / "out",
+        "--quant-mode",
+        "w4a16",
     )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "'w4a16'" in proc.stderr and "w8a16" in proc.stderr and not (tmp_path / "out").exists()
@@ -363,12 +358,7 @@ def test_convert_weights_refuses_an_unknown_quant_mode(tmp_path):
 
 
 def _migrate(checkpoint, out) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "skills.cli", "migrate", str(checkpoint), "-o", str(out), "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    return skill("migrate", checkpoint, "-o", out, "--json")
 
 
 # scheme -> what the migrate log says the layers read

@@ -5,12 +5,12 @@ running it, on one rank and sharded."""
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from skill_process import skill
 from tiny_checkpoint import greedy_margin, make_tokenizer
 
 from skills.verify.verify import DEFAULT_PROMPTS
@@ -90,9 +90,7 @@ def _checkpoint(model: str, out: Path) -> Path:
 
 
 def _skill(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "skills.cli", *args, "--json"], capture_output=True, text=True, check=False
-    )
+    proc = skill(*args, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 

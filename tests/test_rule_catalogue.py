@@ -3,12 +3,11 @@ description, `--list-rules` prints them in order, `--disable ID` skips one, and 
 before / after, idempotency and no-op tests in tests/rules or tests/parallel_rules."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import migrated_code
 import pytest
+from skill_process import skill
 
 from runtime.errors import UserError
 from skills.migrator.pipeline import convert_code
@@ -52,12 +51,7 @@ def test_every_rule_has_before_after_idempotency_and_noop_tests(rule):
 
 @pytest.mark.parametrize("command,rules", [("migrate", MIGRATE_RULES), ("parallelize", PARALLEL_RULES)])
 def test_list_rules(command, rules):
-    proc = subprocess.run(
-        [sys.executable, "-m", "skills.cli", command, "--list-rules"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = skill(command, "--list-rules")
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[:2] for line in proc.stdout.splitlines()] == [[r.ID, r.__name__] for r in rules]
 

@@ -2,12 +2,10 @@
 layers (two DP leaders in lock-step over dp_leader_group) answer exactly as the offline single-rank run does,
 for concurrent clients; so does a two-node launch on one host."""
 
-import subprocess
-import sys
-
 import pytest
 from hf_reference import NEW_TOKENS
 from serve_harness import served_texts, serving
+from skill_process import Started
 
 from runtime.launch import free_port
 
@@ -27,12 +25,7 @@ def test_two_node_serve_on_one_host_equals_single_rank(served_llama, tmp_path):
     """Node 0 serves HTTP with rank 0, node 1 (a second launch) runs rank 1; torchrun rendezvous over loopback."""
     model_dir, yamls, offline = served_llama
     nodes = ["--yaml", str(yamls["attn_dp2"]), "--nnodes", "2", "--master-port", str(free_port())]
-    with (tmp_path / "node1.log").open("w") as log:
-        node1 = subprocess.Popen(
-            [sys.executable, "-m", "skills.cli", "serve", str(model_dir), *nodes, "--node-rank", "1"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    node1 = Started("serve", model_dir, *nodes, "--node-rank", "1", log=tmp_path / "node1.log")
     try:
         with serving(model_dir, tmp_path / "node0.log", *nodes, "--node-rank", "0") as server:
             assert served_texts(server.url, "default", NEW_TOKENS) == offline["raw"] * 2 + offline["chat"]

@@ -4,23 +4,17 @@ changes greedy tokens is caught (exit 4, prompt and position named) and recorded
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from skill_process import skill
 from tiny_checkpoint import PARITY_PROMPTS
 
 from skills.verify.compare import compare
 from skills.verify.reference import Reference, greedy_reference, load_reference_model
 from skills.verify.verify import settled_in_float64
-
-
-def skill(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "skills.cli", *args], capture_output=True, text=True, check=False
-    )
 
 
 @pytest.fixture(scope="module")
