@@ -25,8 +25,9 @@ PRELOAD = [
     "skills.parallel_impl.pipeline",
     "runtime.engine.model_worker",
 ]
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(PRELOAD)
+# also starts the gloo worlds of tests/dist_harness.py
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(PRELOAD)
 CLI_PATH = find_spec("skills.cli").origin
 
 
@@ -52,7 +53,7 @@ def _main(
 def _process(args: tuple[object, ...], env: Mapping[str, str] | None, cwd, stdin: Path, out: Path, err: Path):
     argv = [str(a) for a in args]
     environment = dict(os.environ if env is None else env)
-    process = _CONTEXT.Process(
+    process = CONTEXT.Process(
         target=_main,
         args=(argv, environment, None if cwd is None else str(cwd), str(stdin), str(out), str(err)),
     )

@@ -1,4 +1,5 @@
-"""Runs named checks on a small world of spawned gloo CPU processes and reports each check's failures."""
+"""Runs named checks on a small world of gloo CPU processes (forked from scripts/skill_process.py's preloaded
+server) and reports each check's failures."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from skill_process import CONTEXT
 
 from runtime.distributed import destroy_distributed, init_distributed
 
@@ -53,11 +56,10 @@ def run_world(
     world_size: int, setup: Setup, checks: dict[str, Check], timeout: float = 60.0
 ) -> dict[str, list[str]]:
     """Check name (or "<setup>") -> failure tracebacks from every rank; empty lists mean passed everywhere."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = CONTEXT.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, setup, checks, out), daemon=True)
+        CONTEXT.Process(target=_child, args=(r, world_size, port, setup, checks, out), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
