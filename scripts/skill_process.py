@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from importlib.util import find_spec
 from pathlib import Path
 
-# imported by the fork server before any command; none of them starts a thread or reads a test's options
+# imported by the fork server before any command; importing runs no torch work and reads no command's options
+# (forking after `import torch` is what DataLoader workers do)
 PRELOAD = [
     "torch",
     "transformers",
@@ -92,7 +93,7 @@ class Started:
     subprocess.Popen it stands for that the tests call."""
 
     def __init__(self, *args: object, log: Path):
-        log.touch()
+        log.write_text("")  # as Popen(stdout=log.open("w"), stderr=STDOUT)
         self._process, self.args = _process(args, None, None, Path(os.devnull), log, log)
         self.pid = self._process.pid
 
