@@ -1,7 +1,9 @@
 """`skill` commands for the test suite and the catalogue sweep: each runs `skills.cli.main()` in a process of its
 own, as `python -m skills.cli` would, but forked from a server that imported torch, transformers and the project
 once (a fresh interpreter spends ~5 s of a 2-core machine's time on those imports, and the suite runs hundreds of
-commands). tests/test_cli_errors.py and the demo's test start the real `python -m skills.cli`."""
+commands). tests/test_cli_errors.py and the demo's test start the real `python -m skills.cli`. What the preloaded
+modules read from the environment at import (huggingface_hub's HF_HUB_OFFLINE) keeps the server's value; the
+project reads its own variables (SKILL_*) when a command runs."""
 
 import json
 import multiprocessing as mp
