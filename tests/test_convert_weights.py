@@ -13,7 +13,7 @@ import torch
 import yaml
 from hf_reference import NEW_TOKENS, build_reference, migrate, prompts_args
 from safetensors.torch import load_file, save_file
-from skill_process import skill
+from skill_process import skill, skill_json
 
 from runtime.config import InferenceConfig, ParallelConfig
 from runtime.engine.loader import load_checkpoint
@@ -64,7 +64,7 @@ def conv(tmp_path_factory):
     config = parallel_yaml(root / "tp2.yaml", **TP2)
     ok(skill("parallelize", model_dir, "--config", config))
     out = root / "shards"
-    done = json.loads(ok(skill("convert-weights", model_dir, "--config", config, "-o", out, "--json")).stdout)
+    done = skill_json("convert-weights", model_dir, "--config", config, "-o", out, "--json")
     return SimpleNamespace(
         reference=reference,
         root=root,

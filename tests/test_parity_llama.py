@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import prompts_args
 from model_dirs import make_model_dir, prefill_logits
 from skill_process import skill
 from tiny_checkpoint import PARITY_PROMPTS
@@ -31,8 +32,7 @@ def reference(tiny_llama_dir):
 
 
 def skill_run(model_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    prompt_args = [a for p in PARITY_PROMPTS for a in ("--prompt", p)]
-    proc = skill("run", model_dir, "--json", "--raw", "--max-new-tokens", NEW_TOKENS, *args, *prompt_args)
+    proc = skill("run", model_dir, "--json", "--raw", "--max-new-tokens", NEW_TOKENS, *args, *prompts_args())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

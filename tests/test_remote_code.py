@@ -3,14 +3,13 @@ migrate` parses that code (never executes it) and converts it, and, trusted, the
 running it, on one rank and sharded."""
 
 import importlib.util
-import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from skill_process import skill
+from skill_process import skill_json
 from tiny_checkpoint import greedy_margin, make_tokenizer
 
 from skills.verify.verify import DEFAULT_PROMPTS
@@ -89,16 +88,10 @@ def _checkpoint(model: str, out: Path) -> Path:
     return out
 
 
-def _skill(*args: str) -> dict:
-    proc = skill(*args, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
-
-
 def _migrated(model: str, tmp_path: Path) -> Path:
     checkpoint = _checkpoint(model, tmp_path / model)
-    result = _skill(
-        "migrate", str(checkpoint), "-o", str(tmp_path / "out"), "--trust-remote-code", "--strict"
+    result = skill_json(
+        "migrate", checkpoint, "-o", tmp_path / "out", "--trust-remote-code", "--strict", "--json"
     )
     verification = result["verification"]
     assert verification["status"] == "identical" and verification["tokens_compared"] == 64, verification
@@ -145,7 +138,7 @@ def test_remote_code_shards_over_two_ranks_and_matches_transformers(model, tmp_p
     config.write_text(
         "world_size: 2\nattn_tp_size: 2\ndense_tp_size: 2\nembed_tp_size: 2\nlmhead_tp_size: 2\n"
     )
-    result = _skill("parallelize", str(model_dir), "--config", str(config))
+    result = skill_json("parallelize", model_dir, "--config", config, "--json")
     assert result["verification"]["status"] == "identical", result["verification"]
     rewrites = " ".join(result["rewrites"])
     assert all(r in rewrites for r in SHARDED[model]), rewrites

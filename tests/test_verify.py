@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from skill_process import skill
+from skill_process import skill, skill_json
 from tiny_checkpoint import PARITY_PROMPTS
 
 from skills.verify.compare import compare
@@ -19,11 +19,8 @@ from skills.verify.verify import settled_in_float64
 
 @pytest.fixture(scope="module")
 def migrated(tiny_llama_dir, tmp_path_factory) -> Path:
-    proc = skill(
-        "migrate", str(tiny_llama_dir), "-o", str(tmp_path_factory.mktemp("verify")), "--no-run", "--json"
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return Path(json.loads(proc.stdout)["model_dir"])
+    out = tmp_path_factory.mktemp("verify")
+    return Path(skill_json("migrate", tiny_llama_dir, "-o", out, "--no-run", "--json")["model_dir"])
 
 
 def verify(model_dir: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
