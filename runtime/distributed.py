@@ -1,4 +1,5 @@
-"""Process bootstrap: picks this rank's device and collective backend from torchrun's environment."""
+"""Process bootstrap: picks this rank's device and collective backend from the environment its launcher (the fork
+launcher of runtime/launch.py, or torchrun) gives it."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _resolve_device(device_override: str | None, local_rank: int) -> torch.devic
 
 
 def init_distributed(device_override: str | None = None) -> DistInfo:
-    """Reads RANK / WORLD_SIZE / LOCAL_RANK (torchrun); joins the default group (env://) when WORLD_SIZE > 1."""
+    """Reads RANK / WORLD_SIZE / LOCAL_RANK; joins the default group (env://) when WORLD_SIZE > 1."""
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
     if not 0 <= rank < world_size:
@@ -92,7 +93,7 @@ def destroy_distributed() -> None:
 
 
 def leave_worker(code: int = 0) -> None:
-    """Ends a torchrun worker after its output is flushed, skipping interpreter teardown: freeing the gloo
+    """Ends a rank after its output is flushed, skipping interpreter teardown: freeing the gloo
     groups' threads there now and then aborts the process ("terminate called without an active exception")."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()

@@ -102,14 +102,15 @@ Disable = Annotated[
 ]
 
 
-def relaunch_with_torchrun(world_size: int, nodes: NodeLayout) -> int:
-    """The same `skill` command line, once per local rank, under torchrun (this node's share of the world)."""
-    import subprocess
-
-    from runtime.launch import torchrun_command
+def relaunch_per_rank(world_size: int, nodes: NodeLayout) -> int:
+    """The same `skill` command line once per local rank (this node's share of the world)."""
+    from runtime.launch import launch_ranks
 
     nodes.check(world_size)
-    return subprocess.call(torchrun_command(world_size, ["skills.cli", *sys.argv[1:]], nodes))
+    # every migrated model imports transformers' modeling utilities (~2.5 s); forked ranks share one import
+    return launch_ranks(
+        world_size, "skills.cli", sys.argv[1:], nodes, preload=("transformers.modeling_utils",)
+    )
 
 
 @app.command()
@@ -150,7 +151,7 @@ def run(
     config = InferenceConfig.from_yaml(find_yaml(model_dir, yaml_file))
     nodes = NodeLayout.of(nnodes, node_rank, master_addr, master_port)
     if (config.world_size > 1 or nnodes > 1) and "WORLD_SIZE" not in os.environ:
-        raise typer.Exit(relaunch_with_torchrun(config.world_size, nodes))
+        raise typer.Exit(relaunch_per_rank(config.world_size, nodes))
     if max_new_tokens is not None:
         config.scheduler_config.max_new_tokens = max_new_tokens
     if trust_remote_code:
@@ -165,7 +166,7 @@ def run(
     results = llm.generate(prompts, sampling, chat=not raw)
     param_bytes = llm.param_bytes_per_rank()
     # Only after success: a rank that failed must not wait in a barrier while its peers sit in another
-    # collective; it exits and torchrun stops the others.
+    # collective; it exits and the launcher stops the others.
     destroy_distributed()
     if llm.dist.rank == 0 and as_json:
         print(

@@ -1,7 +1,8 @@
-"""Multi-rank runs: `skill run` relaunches itself under torchrun (gloo) and attention-DP ranks split the
-requests; the tokens equal the single-rank run and transformers."""
+"""Multi-rank runs: `skill run` relaunches itself once per rank (forked on one node's CPU, or under torchrun) and
+attention-DP ranks split the requests over gloo; the tokens equal the single-rank run and transformers."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from model_dirs import make_model_dir
 from skill_process import skill
 from tiny_checkpoint import PARITY_PROMPTS
 
-from runtime.launch import free_port
+from runtime.launch import LAUNCHER_ENV, LAUNCHERS, free_port
 
 
 def run_args(model_dir, yaml_path, *flags: str) -> list[str]:
@@ -33,8 +34,8 @@ def tokens(stdout: str) -> list[list[int]]:
     return [o["token_ids"] for o in json.loads(stdout)["outputs"]]
 
 
-def run_tokens(model_dir, yaml_path) -> list[list[int]]:
-    proc = skill(*run_args(model_dir, yaml_path))
+def run_tokens(model_dir, yaml_path, **env: str) -> list[list[int]]:
+    proc = skill(*run_args(model_dir, yaml_path), env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tokens(proc.stdout)
 
@@ -51,9 +52,10 @@ def dp2(tmp_path, tiny_llama_dir):
     return model_dir, single, dp2
 
 
-def test_data_parallel_world_2_matches_single_rank(dp2):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_data_parallel_world_2_matches_single_rank(dp2, launcher):
     model_dir, single, parallel = dp2
-    assert run_tokens(model_dir, parallel) == run_tokens(model_dir, single)
+    assert run_tokens(model_dir, parallel, **{LAUNCHER_ENV: launcher}) == run_tokens(model_dir, single)
 
 
 def test_two_nodes_on_one_host_match_a_single_node(dp2):
