@@ -145,7 +145,6 @@ def run(
 ):
     """Run offline inference on a model directory."""
     from runtime.config import InferenceConfig
-    from runtime.logging_config import setup_logging
     from runtime.offline import OfflineInference, prompts_from_config, read_prompts_file
 
     config = InferenceConfig.from_yaml(find_yaml(model_dir, yaml_file))
@@ -161,7 +160,6 @@ def run(
     from runtime.distributed import destroy_distributed, leave_worker
 
     llm = OfflineInference(config, model_dir)
-    setup_logging(llm.dist.rank)
     sampling = dataclasses.replace(llm.default_sampling(), logprobs=logprobs)
     results = llm.generate(prompts, sampling, chat=not raw)
     param_bytes = llm.param_bytes_per_rank()
@@ -245,11 +243,9 @@ def serve(
 ):
     """Serve a model directory over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from runtime.config import DisaggConfig
-    from runtime.logging_config import setup_logging
     from runtime.online.router import RouterSettings, run_router
     from runtime.online.server import ServeSettings, run_server
 
-    setup_logging()
     roles = ("none", "prefill", "decode", "router")
     if pd_role not in roles:
         raise UserError(f"--pd-role {pd_role!r} is not one of {', '.join(roles)}")

@@ -3,6 +3,7 @@ attention-DP ranks split the requests over gloo; the tokens equal the single-ran
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,8 +35,8 @@ def tokens(stdout: str) -> list[list[int]]:
     return [o["token_ids"] for o in json.loads(stdout)["outputs"]]
 
 
-def run_tokens(model_dir, yaml_path, **env: str) -> list[list[int]]:
-    proc = skill(*run_args(model_dir, yaml_path), env={**os.environ, **env})
+def run_tokens(model_dir, yaml_path) -> list[list[int]]:
+    proc = skill(*run_args(model_dir, yaml_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tokens(proc.stdout)
 
@@ -55,7 +56,10 @@ def dp2(tmp_path, tiny_llama_dir):
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_data_parallel_world_2_matches_single_rank(dp2, launcher):
     model_dir, single, parallel = dp2
-    assert run_tokens(model_dir, parallel, **{LAUNCHER_ENV: launcher}) == run_tokens(model_dir, single)
+    proc = skill(*run_args(model_dir, parallel), env={**os.environ, LAUNCHER_ENV: launcher})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tokens(proc.stdout) == run_tokens(model_dir, single)
+    assert re.search(r"\[rank1\] INFO .* parameter bytes on rank 1\n", proc.stderr), proc.stderr[-3000:]
 
 
 def test_two_nodes_on_one_host_match_a_single_node(dp2):

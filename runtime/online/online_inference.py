@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.disagg:
         config.disagg_config = DisaggConfig.model_validate_json(args.disagg)
     addresses = WorkerAddresses(args.requests.split(","), args.results) if args.requests else None
+    setup_logging()
     worker = OnlineInference(config, args.model_dir, addresses, args.parent_pid)
-    setup_logging(worker.dist.rank)
     logging.getLogger("runtime.engine.execution_engine").setLevel(logging.WARNING)  # no line per step
     try:
         worker.serve_forever()
