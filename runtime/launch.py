@@ -3,12 +3,9 @@
 
 import importlib
 import os
-import signal
 import socket
 import subprocess
 import sys
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.errors import UserError
@@ -77,6 +74,18 @@ def torchrun_command(world_size: int, module_args: list[str], nodes: NodeLayout 
     ]
 
 
+def forks_ranks(nodes: NodeLayout) -> bool:
+    """Whether this node's ranks are forked from this process (runtime/fork_launch.py) rather than started by
+    torchrun: one node whose ranks run on the CPU. Ranks on an accelerator, whose runtime must not be initialised
+    in a process that forks, and several nodes use torchrun; SKILL_LAUNCHER=torchrun asks for it everywhere."""
+    launcher = os.environ.get(LAUNCHER_ENV, "fork")
+    if launcher not in LAUNCHERS:
+        raise UserError(f"{LAUNCHER_ENV}={launcher!r} is not a launcher; use one of {', '.join(LAUNCHERS)}")
+    from runtime.distributed import select_device
+
+    return launcher == "fork" and nodes.nnodes == 1 and select_device(0).type == "cpu"
+
+
 def launch_ranks(
     world_size: int,
     module: str,
@@ -84,84 +93,13 @@ def launch_ranks(
     nodes: NodeLayout = SINGLE_NODE,
     preload: tuple[str, ...] = (),
 ) -> int:
-    """`python -m module args` once per rank of this node; the exit code: 0, or the first failed rank's.
+    """`python -m module args` once per rank of this node; the exit code: 0, or the first failed rank's. Forked
+    ranks start once this process has imported `module` and `preload` (what every rank imports: torch,
+    transformers), in milliseconds instead of seconds."""
+    if forks_ranks(nodes):
+        from runtime.fork_launch import fork_ranks
 
-    One node's CPU ranks are forked from this process once it has imported `module` and `preload` (what every
-    rank imports: torch, transformers), so a rank starts in milliseconds instead of seconds. torchrun starts the
-    ranks of several nodes and ranks on an accelerator, whose runtime must not be initialised in a process that
-    forks; SKILL_LAUNCHER=torchrun asks for it everywhere."""
-    launcher = os.environ.get(LAUNCHER_ENV, "fork")
-    if launcher not in LAUNCHERS:
-        raise UserError(f"{LAUNCHER_ENV}={launcher!r} is not a launcher; use one of {', '.join(LAUNCHERS)}")
-    from runtime.distributed import select_device
-
-    if launcher == "fork" and nodes.nnodes == 1 and select_device(0).type == "cpu":
         for name in preload:
             importlib.import_module(name)
         return fork_ranks(world_size, module, args)
     return subprocess.call(torchrun_command(world_size, [module, *args], nodes))
-
-
-def fork_ranks(world_size: int, module: str, args: list[str]) -> int:
-    """Each rank runs `module.main()` with sys.argv and the environment torchrun would give it (RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR / MASTER_PORT, one thread unless OMP_NUM_THREADS says otherwise). When a rank fails
-    the others are stopped, as torchrun does, since they would wait for it in a collective."""
-    entry = importlib.import_module(module).main
-    port = free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    ranks = set()
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:
-            _rank(rank, world_size, port, entry, [module, *args])
-        ranks.add(pid)
-    return _wait(ranks)
-
-
-def _rank(rank: int, world_size: int, port: int, entry: Callable[[], object], argv: list[str]) -> None:
-    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
-    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default: the ranks share the cores
-        import torch
-
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-    sys.argv = argv
-    code = 0
-    try:
-        entry()
-    except SystemExit as stop:  # as the interpreter ends: sys.exit(None | int | message)
-        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
-        if not isinstance(stop.code, int | None):
-            print(stop.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - what the interpreter would print for an uncaught error
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _wait(ranks: set[int]) -> int:
-    failed = 0
-    while ranks:
-        try:
-            pid, status = os.wait()
-        except KeyboardInterrupt:
-            failed = failed or 128 + signal.SIGINT
-            _stop(ranks)
-            continue
-        if pid not in ranks:
-            continue
-        ranks.remove(pid)
-        code = os.waitstatus_to_exitcode(status)
-        if code and not failed:
-            failed = code if code > 0 else 128 - code
-            _stop(ranks)
-    return failed
-
-
-def _stop(ranks: set[int]) -> None:
-    for pid in ranks:
-        os.kill(pid, signal.SIGTERM)

@@ -1,6 +1,6 @@
 """A rank for tests/test_launch.py: `rank_probe DIR ACTION` writes what the launcher gave this rank to
 DIR/rank<R>.json, then acts: `ok` returns, `fail` makes rank 1 exit 3 while the others wait for it (as a rank
-waits in a collective), `say` makes every rank exit with a message."""
+waits in a collective), `say` makes every rank exit with a message, `sleep` waits."""
 
 import json
 import os
@@ -10,33 +10,60 @@ from pathlib import Path
 
 import torch
 
-from runtime.launch import fork_ranks
+from runtime.fork_launch import DeferredRanks, fork_ranks
+
+KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
 
 
 def main() -> None:
     out, action = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])
-    keys = (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "OMP_NUM_THREADS",
-    )
-    seen = {k: os.environ.get(k) for k in keys} | {"threads": torch.get_num_threads(), "argv0": sys.argv[0]}
+    seen = {k: os.environ.get(k) for k in KEYS}
+    seen |= {
+        "threads": torch.get_num_threads(),
+        "argv0": sys.argv[0],
+        "pid": os.getpid(),
+        "sid": os.getsid(0),
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
-    if action == "fail":
-        if rank == 1:
-            sys.exit(3)
+    if action == "sleep" or (action == "fail" and rank != 1):
         time.sleep(120)
+    if action == "fail":
+        sys.exit(3)
     if action == "say":
         sys.exit(f"rank {rank} says no")
 
 
-def launch(world_size: int, args: list[str], env: dict[str, str], stderr: str) -> None:
-    """fork_ranks from a process of its own (a forked child of the suite's preloaded server), stderr to a file."""
+def _own_process(env: dict[str, str], stderr: str) -> None:
     os.environ.update(env)
     os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)
+
+
+def launch(world_size: int, args: list[str], env: dict[str, str], stderr: str) -> None:
+    """fork_ranks from a process of its own (a forked child of the suite's preloaded server), stderr to a file."""
+    _own_process(env, stderr)
     sys.exit(fork_ranks(world_size, "rank_probe", args))
+
+
+def deferred(world_size: int, args: list[str], env: dict[str, str], stderr: str, then: str) -> None:
+    """DeferredRanks made, then: `start`ed and waited for, `close`d unstarted, or started and `terminate`d once
+    every rank is up; exits with the launcher's code."""
+    _own_process(env, stderr)
+    ranks = DeferredRanks(world_size)
+    if then == "close":
+        ranks.close()
+        sys.exit(ranks.returncode)
+    ranks.start("rank_probe", args)
+    if then == "terminate":
+        while len(list(Path(args[0]).glob("rank*.json"))) < world_size:
+            time.sleep(0.05)
+        ranks.terminate()
+    sys.exit(ranks.wait(60))

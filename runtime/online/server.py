@@ -148,7 +148,7 @@ async def _watch_workers(ctx: ServerContext) -> None:
     ctx.dispatcher.fail(f"the engine workers exited (code {ctx.manager.proc.returncode})")
 
 
-async def _serve(model_dir: Path, yaml_path: Path, config: InferenceConfig, settings: ServeSettings) -> None:
+async def _serve(config: InferenceConfig, settings: ServeSettings, manager: WorkerManager) -> None:
     limit = config.max_seq_len  # serving_config made it --max-model-len when given
     tokenizer = AutoTokenizer.from_pretrained(
         config.model_config.model_path, trust_remote_code=config.model_config.trust_remote_code
@@ -156,15 +156,6 @@ async def _serve(model_dir: Path, yaml_path: Path, config: InferenceConfig, sett
     nodes = settings.nodes
     dispatcher = DPDispatcher(
         config.parallel_config.attn_dp_size, nodes.master_addr if nodes.nnodes > 1 else "127.0.0.1"
-    )
-    manager = WorkerManager(
-        model_dir,
-        yaml_path,
-        config.world_size,
-        dispatcher.addresses,
-        settings.max_model_len,
-        settings.nodes,
-        settings.worker_disagg,
     )
     name = settings.served_model_name or config.model_name
     ctx = ServerContext(
@@ -181,7 +172,7 @@ async def _serve(model_dir: Path, yaml_path: Path, config: InferenceConfig, sett
     )
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # until uvicorn takes over
-    manager.start()
+    manager.start(dispatcher.addresses)
     try:
         try:
             await dispatcher.wait_ready(manager.alive, settings.startup_timeout_s)
@@ -224,19 +215,24 @@ async def _serve(model_dir: Path, yaml_path: Path, config: InferenceConfig, sett
         dispatcher.close()
 
 
-def run_worker_node(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
-    """Node k > 0 of a multi-node server: this node's engine workers only; node 0 serves HTTP."""
-    config = serving_config(yaml_path, settings.max_model_len)
-    settings.nodes.check(config.world_size)
-    manager = WorkerManager(
+def _worker_manager(
+    model_dir: Path, yaml_path: Path, config: InferenceConfig, settings: ServeSettings
+) -> WorkerManager:
+    return WorkerManager(
         model_dir,
         yaml_path,
         config.world_size,
-        None,
         settings.max_model_len,
         settings.nodes,
         settings.worker_disagg,
     )
+
+
+def run_worker_node(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> None:
+    """Node k > 0 of a multi-node server: this node's engine workers only; node 0 serves HTTP."""
+    config = serving_config(yaml_path, settings.max_model_len)
+    settings.nodes.check(config.world_size)
+    manager = _worker_manager(model_dir, yaml_path, config, settings)
     stop = {"requested": False}
 
     def on_signal(*_) -> None:
@@ -244,7 +240,7 @@ def run_worker_node(model_dir: Path, yaml_path: Path, settings: ServeSettings) -
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    manager.start()
+    manager.start(None)
     while manager.alive() and not stop["requested"]:
         time.sleep(HEALTH_POLL_S)
     code = manager.stop(settings.grace_s)
@@ -264,4 +260,8 @@ def run_server(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> Non
         _check_port_free(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port)
     if settings.pd_role != "none" and settings.disagg.engine_backend not in BACKENDS:
         make_transfer_engine(settings.disagg.engine_backend, settings.pd_role, "", 0)  # raises the UserError
-    asyncio.run(_serve(model_dir, yaml_path, config, settings))
+    manager = _worker_manager(model_dir, yaml_path, config, settings)
+    try:
+        asyncio.run(_serve(config, settings, manager))
+    finally:
+        manager.stop(settings.grace_s)  # a launcher not started yet (the server stopped first) leaves

@@ -142,7 +142,8 @@ class Served:
             return False
 
     def peak_rss_mb(self) -> float:
-        """High-water RSS of the server and every process under it (HTTP parent, torchrun, the rank)."""
+        """High-water RSS of the server and every process under it (HTTP parent, the workers' launcher, the
+        ranks), summed: pages a forked process shares with its parent count in both."""
 
         def tree(pid: int) -> list[int]:
             kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
