@@ -1,5 +1,9 @@
 """One node's CPU ranks forked from the launching process, which has imported what they run: torchrun's
-environment and its failure handling, without a fresh interpreter per rank."""
+environment and its failure handling, without a fresh interpreter per rank.
+
+The launching process must not have run torch work on several threads: libgomp's thread pool does not survive a
+fork, and a forked rank's next parallel region would hang (checked: a matmul on 2 threads in the parent, then one
+in the child). `skill run` and `skill serve` fork before they compute anything."""
 
 import importlib
 import json
