@@ -120,6 +120,12 @@ class Started:
         self.send_signal(signal.SIGKILL)
 
 
+def fresh(*args: object, input: str | None = None) -> subprocess.CompletedProcess:
+    """The real `python -m skills.cli ARGS...` in a fresh interpreter, for the tests of the CLI as users start it."""
+    cmd = [sys.executable, "-m", "skills.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, input=input)
+
+
 def skill_json(*args: object) -> dict:
     """The JSON a `skill` command prints, which must succeed."""
     proc = skill(*args)

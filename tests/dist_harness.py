@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -14,15 +13,10 @@ from typing import Any
 from skill_process import CONTEXT
 
 from runtime.distributed import destroy_distributed, init_distributed
+from runtime.launch import free_port
 
 Setup = Callable[[int, int], Any]  # (rank, world_size) -> context handed to every check
 Check = Callable[[Any], None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(
@@ -57,7 +51,7 @@ def run_world(
 ) -> dict[str, list[str]]:
     """Check name (or "<setup>") -> failure tracebacks from every rank; empty lists mean passed everywhere."""
     out = CONTEXT.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         CONTEXT.Process(target=_child, args=(r, world_size, port, setup, checks, out), daemon=True)
         for r in range(world_size)

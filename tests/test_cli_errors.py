@@ -3,17 +3,11 @@
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import yaml
 from model_dirs import make_model_dir
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "skills.cli", *args], check=False, capture_output=True, text=True
-    )
+from skill_process import fresh
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -36,14 +30,14 @@ def _yaml(model_dir):
 
 def test_malformed_yaml(model_dir):
     _yaml(model_dir).write_text("model_config:\n  dtype: [float32\n")
-    assert_clean_error(run_cli("run", str(model_dir)), "malformed YAML", "line")
+    assert_clean_error(fresh("run", str(model_dir)), "malformed YAML", "line")
 
 
 def test_unknown_key(model_dir):
     doc = yaml.safe_load(_yaml(model_dir).read_text())
     doc["scheduler_config"]["max_new_token"] = 4
     _yaml(model_dir).write_text(yaml.safe_dump(doc))
-    proc = run_cli("run", str(model_dir))
+    proc = fresh("run", str(model_dir))
     assert_clean_error(proc, "scheduler_config.max_new_token", "max_new_tokens")
     assert proc.returncode == 2
 
@@ -52,7 +46,7 @@ def test_missing_checkpoint_dir(model_dir, tmp_path):
     doc = yaml.safe_load(_yaml(model_dir).read_text())
     doc["model_config"]["model_path"] = str(tmp_path / "nowhere")
     _yaml(model_dir).write_text(yaml.safe_dump(doc))
-    assert_clean_error(run_cli("run", str(model_dir)), "nowhere", "model_path")
+    assert_clean_error(fresh("run", str(model_dir)), "nowhere", "model_path")
 
 
 def test_corrupt_safetensors(model_dir, tiny_llama_dir, tmp_path):
@@ -62,11 +56,11 @@ def test_corrupt_safetensors(model_dir, tiny_llama_dir, tmp_path):
     doc = yaml.safe_load(_yaml(model_dir).read_text())
     doc["model_config"]["model_path"] = str(broken)
     _yaml(model_dir).write_text(yaml.safe_dump(doc))
-    assert_clean_error(run_cli("run", str(model_dir)), "model.safetensors", "safetensors")
+    assert_clean_error(fresh("run", str(model_dir)), "model.safetensors", "safetensors")
 
 
 def test_missing_model_dir(tmp_path):
-    assert_clean_error(run_cli("run", str(tmp_path / "no_such_model")), "no_such_model")
+    assert_clean_error(fresh("run", str(tmp_path / "no_such_model")), "no_such_model")
 
 
 def test_a_config_json_the_config_class_rejects(model_dir, tiny_llama_dir, tmp_path):
@@ -78,4 +72,4 @@ def test_a_config_json_the_config_class_rejects(model_dir, tiny_llama_dir, tmp_p
     doc = yaml.safe_load(_yaml(model_dir).read_text())
     doc["model_config"]["model_path"] = str(broken)
     _yaml(model_dir).write_text(yaml.safe_dump(doc))
-    assert_clean_error(run_cli("run", str(model_dir)), "could not read", "config.json", "hidden_size")
+    assert_clean_error(fresh("run", str(model_dir)), "could not read", "config.json", "hidden_size")

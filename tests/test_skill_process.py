@@ -1,15 +1,9 @@
 """scripts/skill_process.py: a forked `skill` command answers as `python -m skills.cli` does."""
 
 import subprocess
-import sys
 
 import pytest
-from skill_process import Started, skill
-
-
-def real(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "skills.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, check=False, input=input)
+from skill_process import Started, fresh, skill
 
 
 def test_output_and_exit_codes_equal_a_fresh_interpreters(tmp_path):
@@ -17,9 +11,9 @@ def test_output_and_exit_codes_equal_a_fresh_interpreters(tmp_path):
         ["migrate", "--list-rules"],
         ["migrate", str(tmp_path / "missing"), "-o", str(tmp_path / "out")],
     ):
-        forked, fresh = skill(*args), real(*args)
-        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout)
-        assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
+        forked, started = skill(*args), fresh(*args)
+        assert (forked.returncode, forked.stdout) == (started.returncode, started.stdout)
+        assert forked.stderr.splitlines()[-1:] == started.stderr.splitlines()[-1:]
     assert skill("migrate", tmp_path / "missing", "-o", tmp_path / "out").returncode == 1
 
 
@@ -30,7 +24,7 @@ def test_stdin_environment_and_directory_are_the_commands(tmp_path, tiny_llama_d
     assert forked.returncode != 0 and "hybrid" in forked.stderr, forked.stderr
     assert (
         forked.stderr.splitlines()[-1:]
-        == real(*map(str, forked.args[3:]), input=prompt).stderr.splitlines()[-1:]
+        == fresh(*map(str, forked.args[3:]), input=prompt).stderr.splitlines()[-1:]
     )
     assert not out.exists()
 
