@@ -22,10 +22,7 @@ def test_stdin_environment_and_directory_are_the_commands(tmp_path, tiny_llama_d
     prompt = "deployment mode: hybrid"
     forked = skill("migrate", tiny_llama_dir, "-o", out, "--dispatch-prompt", "-", input=prompt, cwd=tmp_path)
     assert forked.returncode != 0 and "hybrid" in forked.stderr, forked.stderr
-    assert (
-        forked.stderr.splitlines()[-1:]
-        == fresh(*map(str, forked.args[3:]), input=prompt).stderr.splitlines()[-1:]
-    )
+    assert forked.stderr.splitlines()[-1:] == fresh(*forked.args[3:], input=prompt).stderr.splitlines()[-1:]
     assert not out.exists()
 
 
