@@ -5,6 +5,7 @@ The launching process must not have run torch work on several threads: libgomp's
 fork, and a forked rank's next parallel region would hang (checked: a matmul on 2 threads in the parent, then one
 in the child). `skill run` and `skill serve` fork before they compute anything."""
 
+import contextlib
 import importlib
 import json
 import os
@@ -12,120 +13,180 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from runtime.launch import free_port
+from runtime.errors import UserError
+from runtime.launch import SINGLE_NODE, NodeLayout, free_port
+
+POLL_S = 0.05
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
-def fork_ranks(world_size: int, module: str, args: list[str]) -> int:
-    """Each rank runs `module.main()` with sys.argv and the environment torchrun would give it (RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR / MASTER_PORT, one thread unless OMP_NUM_THREADS says otherwise). When a rank fails
-    the others are stopped, as torchrun does, since they would wait for it in a collective."""
+def import_modules(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        importlib.import_module(name)
+
+
+def fork_ranks(world_size: int, module: str, args: list[str], nodes: NodeLayout = SINGLE_NODE) -> int:
+    """Each rank runs `module.main()` with sys.argv and the environment torchrun gives it (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR / MASTER_PORT: the node's, or a free local port; one thread per rank
+    of several unless OMP_NUM_THREADS says otherwise). When a rank fails the others are stopped, as torchrun does,
+    since they would wait for it in a collective; so are they when this process gets SIGTERM or SIGINT.
+    Returns 0, or the first failed rank's exit code (128 + N for a signal N)."""
     entry = importlib.import_module(module).main
-    port = free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    ranks = set()
-    # a SIGTERM to the launcher reaches the ranks (a rank puts the default back)
-    forward = signal.signal(signal.SIGTERM, lambda *_: _stop(ranks))
+    port = nodes.master_port or free_port(nodes.master_addr)
+    ranks: set[int] = set()
+    stopping = {"code": 0}
+
+    def on_signal(sig: int, _frame) -> None:
+        stopping["code"] = stopping["code"] or 128 + sig
+        _stop(ranks)
+
+    saved: dict = {}
     try:
-        for rank in range(world_size):
-            pid = os.fork()
-            if pid == 0:
-                _rank(rank, world_size, port, entry, [module, *args])
-            ranks.add(pid)
-        return _wait(ranks)
+        with _signals_held():  # a signal while forking would miss the ranks forked after it
+            saved = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                for rank in range(world_size):
+                    pid = os.fork()
+                    if pid == 0:
+                        _rank(rank, world_size, nodes.master_addr, port, entry, [module, *args], saved)
+                    ranks.add(pid)
+            except BaseException:
+                _stop(ranks)
+                _wait(ranks, stopping)
+                raise
+        return _wait(ranks, stopping)
     finally:
-        signal.signal(signal.SIGTERM, forward)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
-def _rank(rank: int, world_size: int, port: int, entry: Callable[[], object], argv: list[str]) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
-    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default: the ranks share the cores
-        import torch
-
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-    sys.argv = argv
-    code = 0
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _rank(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    entry: Callable[[], object],
+    argv: list[str],
+    handlers: dict,
+) -> None:
+    code = 1
+    try:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+        os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR=addr, MASTER_PORT=str(port))
+        if (
+            world_size > 1 and "OMP_NUM_THREADS" not in os.environ
+        ):  # torchrun's default: ranks share the cores
+            import torch
+
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(1)
+        sys.argv = argv
         entry()
+        code = 0
     except SystemExit as stop:  # as the interpreter ends: sys.exit(None | int | message)
         code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
         if not isinstance(stop.code, int | None):
             print(stop.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - what the interpreter would print for an uncaught error
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would print an uncaught error
+        sys.excepthook(*sys.exc_info())
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
-def _wait(ranks: set[int]) -> int:
+def _wait(ranks: set[int], stopping: dict) -> int:
+    """Polls the ranks' pids only: other children of this process are not reaped here."""
     failed = 0
     while ranks:
-        try:
-            pid, status = os.wait()
-        except KeyboardInterrupt:
-            failed = failed or 128 + signal.SIGINT
-            _stop(ranks)
-            continue
-        if pid not in ranks:
-            continue
-        ranks.remove(pid)
-        code = os.waitstatus_to_exitcode(status)
-        if code and not failed:
-            failed = code if code > 0 else 128 - code
-            _stop(ranks)
-    return failed
+        for pid in list(ranks):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                continue
+            ranks.discard(pid)
+            code = os.waitstatus_to_exitcode(status)
+            if code and not failed:
+                failed = code if code > 0 else 128 - code
+                _stop(ranks)
+        time.sleep(POLL_S if ranks else 0)
+    return stopping["code"] or failed
 
 
 def _stop(ranks: set[int]) -> None:
     for pid in ranks:
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 class DeferredRanks:
     """fork_ranks run by a process forked now, before the caller starts threads or an event loop, once `start`
     names the module and its arguments (which may depend on what the caller sets up meanwhile: ports, sockets).
-    The process leads a session of its own, as `Popen(start_new_session=True)` would, and stands in for that
-    Popen (poll, wait, terminate, kill, returncode). Without `start` it leaves at `close` or when the caller exits."""
+    The process imports `preload` meanwhile, leads a session of its own, as `Popen(start_new_session=True)`
+    would, and stands in for that Popen (poll, wait, terminate, kill, returncode). Without `start` it leaves at
+    `close` or when the caller exits (the pipe it waits on closes)."""
 
-    def __init__(self, world_size: int, preload: tuple[str, ...] = ()):
-        for name in preload:
-            importlib.import_module(name)
+    def __init__(self, world_size: int, nodes: NodeLayout = SINGLE_NODE, preload: tuple[str, ...] = ()):
         read, self._write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:
-            os.close(self._write)
-            os.setsid()
-            with os.fdopen(read) as pipe:
-                order = pipe.read()
-            os._exit(fork_ranks(world_size, *json.loads(order)) if order else 0)
+            code = 1
+            try:
+                os.close(self._write)
+                os.setsid()
+                import_modules(preload)
+                with os.fdopen(read) as pipe:
+                    order = pipe.read()
+                code = fork_ranks(world_size, *json.loads(order), nodes) if order else 0
+            except BaseException:  # noqa: BLE001 - never back into the caller's stack
+                sys.excepthook(*sys.exc_info())
+            finally:
+                os._exit(code)
         os.close(read)
         self.returncode: int | None = None
 
     def start(self, module: str, args: list[str]) -> None:
-        with os.fdopen(self._write, "w") as pipe:
-            pipe.write(json.dumps([module, args]))
-        self._write = None
+        fd, self._write = self._write, None
+        try:
+            with os.fdopen(fd, "w") as pipe:
+                pipe.write(json.dumps([module, args]))
+        except OSError as e:
+            raise UserError(
+                f"the engine workers' launcher (pid {self.pid}) exited before it started them: {e}"
+            ) from None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         """Lets the launcher leave if it was not started."""
         if self._write is not None:
             os.close(self._write)
             self._write = None
-            self.wait()
+            self.wait(timeout_s)
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                pid, status = self.pid, 0
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -135,15 +196,15 @@ class DeferredRanks:
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"ranks forked by {self.pid}", timeout)
-            time.sleep(0.05)
+            time.sleep(POLL_S)
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
     def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
+        """The launcher stops its ranks, then leaves."""
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        """The launcher and its ranks (its process group, named by its pid while any member lives) at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)

@@ -1,7 +1,6 @@
 """Starting one process per local rank: forked from this process for one node's CPU ranks, else under torchrun
 (its static rendezvous, across nodes too)."""
 
-import importlib
 import os
 import socket
 import subprocess
@@ -97,9 +96,8 @@ def launch_ranks(
     ranks start once this process has imported `module` and `preload` (what every rank imports: torch,
     transformers), in milliseconds instead of seconds."""
     if forks_ranks(nodes):
-        from runtime.fork_launch import fork_ranks
+        from runtime.fork_launch import fork_ranks, import_modules
 
-        for name in preload:
-            importlib.import_module(name)
-        return fork_ranks(world_size, module, args)
+        import_modules(preload)
+        return fork_ranks(world_size, module, args, nodes)
     return subprocess.call(torchrun_command(world_size, [module, *args], nodes))

@@ -7,10 +7,11 @@ import sys
 LOG_LEVEL_ENV = "SKILL_LOG_LEVEL"
 
 
-def setup_logging() -> None:
-    """A rank of several (WORLD_SIZE > 1, from its launcher) prefixes its lines with `[rank<RANK>]`."""
+def setup_logging(rank: int | None = None) -> None:
+    """A rank of several (WORLD_SIZE > 1, from its launcher) prefixes its lines with `[rank<rank>]`, by default
+    its RANK (standalone runners pass it)."""
     level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("RANK", "0") if rank is None else rank
     prefix = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),

@@ -126,6 +126,15 @@ def fresh(*args: object, input: str | None = None) -> subprocess.CompletedProces
     return subprocess.run(cmd, capture_output=True, text=True, check=False, input=input)
 
 
+def process_gone(pid: int) -> bool:
+    """No such process, or only its exit status left (a zombie its parent has not reaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return any(line.split()[:2] == ["State:", "Z"] for line in status.splitlines())
+
+
 def skill_json(*args: object) -> dict:
     """The JSON a `skill` command prints, which must succeed."""
     proc = skill(*args)

@@ -42,28 +42,36 @@ def main() -> None:
         sys.exit(f"rank {rank} says no")
 
 
-def _own_process(env: dict[str, str], stderr: str) -> None:
+def _own_process(out: Path, env: dict[str, str]) -> None:
+    """The environment (OMP_NUM_THREADS only if given), stderr to out/stderr, what the launching process has."""
+    os.environ.pop("OMP_NUM_THREADS", None)
     os.environ.update(env)
-    os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)
+    os.dup2(os.open(out / "stderr", os.O_WRONLY | os.O_CREAT), 2)
+    (out / "launcher.json").write_text(json.dumps({"threads": torch.get_num_threads(), "pid": os.getpid()}))
 
 
-def launch(world_size: int, args: list[str], env: dict[str, str], stderr: str) -> None:
-    """fork_ranks from a process of its own (a forked child of the suite's preloaded server), stderr to a file."""
-    _own_process(env, stderr)
+def launch(world_size: int, args: list[str], env: dict[str, str]) -> None:
+    """fork_ranks from a process of its own (a forked child of the suite's preloaded server)."""
+    _own_process(Path(args[0]), env)
     sys.exit(fork_ranks(world_size, "rank_probe", args))
 
 
-def deferred(world_size: int, args: list[str], env: dict[str, str], stderr: str, then: str) -> None:
-    """DeferredRanks made, then: `start`ed and waited for, `close`d unstarted, or started and `terminate`d once
-    every rank is up; exits with the launcher's code."""
-    _own_process(env, stderr)
+def deferred(world_size: int, args: list[str], then: str) -> None:
+    """DeferredRanks made, then: `start`ed and waited for, `close`d unstarted, left unstarted (`exit`), or started
+    and, once every rank is up, `terminate`d or `kill`ed; exits with the launcher's code (128 + a signal's)."""
+    out = Path(args[0])
+    _own_process(out, {})
     ranks = DeferredRanks(world_size)
+    (out / "deferred.json").write_text(json.dumps({"pid": ranks.pid}))
+    if then == "exit":
+        sys.exit(0)
     if then == "close":
         ranks.close()
         sys.exit(ranks.returncode)
     ranks.start("rank_probe", args)
-    if then == "terminate":
-        while len(list(Path(args[0]).glob("rank*.json"))) < world_size:
+    if then in ("terminate", "kill"):
+        while len(list(out.glob("rank*.json"))) < world_size:
             time.sleep(0.05)
-        ranks.terminate()
-    sys.exit(ranks.wait(60))
+        getattr(ranks, then)()
+    code = ranks.wait(60)
+    sys.exit(code if code >= 0 else 128 - code)

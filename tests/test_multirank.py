@@ -60,6 +60,7 @@ def test_data_parallel_world_2_matches_single_rank(dp2, launcher):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tokens(proc.stdout) == run_tokens(model_dir, single)
     assert re.search(r"\[rank1\] INFO .* parameter bytes on rank 1\n", proc.stderr), proc.stderr[-3000:]
+    assert ("Setting OMP_NUM_THREADS" in proc.stderr) == (launcher == "torchrun")  # torchrun's banner
 
 
 def test_two_nodes_on_one_host_match_a_single_node(dp2):

@@ -14,6 +14,7 @@ import openai
 import pytest
 from model_dirs import make_model_dir
 from serve_harness import offline_outputs, serving
+from skill_process import process_gone
 from tiny_checkpoint import PARITY_PROMPTS
 
 KEY = "test-key"
@@ -273,6 +274,8 @@ def test_full_queue_dropped_clients_and_sigterm(small_server):
         ) as r:
             done.extend(r.iter_lines())
 
+    workers = _descendants(server.proc.pid)  # the launcher the server forked and the rank it forked
+    assert len(workers) == 2 and "1 engine worker(s), forked by launcher" in server.log.read_text()
     t = threading.Thread(target=finish_during_shutdown)
     t.start()
     deadline = time.monotonic() + 30
@@ -282,11 +285,12 @@ def test_full_queue_dropped_clients_and_sigterm(small_server):
     t.join(60)
     assert "data: [DONE]" in done and '"finish_reason": "length"' in "".join(done)
     assert server.stop() == 0
+    assert all(process_gone(pid) for pid in workers)
 
 
 def test_dead_workers_give_503(small_server):
     server = small_server
-    for pid in _descendants(server.proc.pid):  # torchrun and its ranks
+    for pid in _descendants(server.proc.pid):  # the launcher and its rank
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
     while httpx.get(f"{server.url}/health", timeout=10).status_code != 503:

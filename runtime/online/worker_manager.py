@@ -43,7 +43,7 @@ class WorkerManager:
             self.args += ["--disagg", disagg.model_dump_json()]
         self.world_size, self.nodes = world_size, nodes
         preload = (WORKER_MODULE, "transformers.modeling_utils")
-        self.forked = DeferredRanks(world_size, preload) if forks_ranks(nodes) else None
+        self.forked = DeferredRanks(world_size, nodes, preload) if forks_ranks(nodes) else None
         self.proc: subprocess.Popen | DeferredRanks | None = None
 
     def start(self, addresses: WorkerAddresses | None) -> None:
