@@ -89,9 +89,8 @@ def _rank(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
         os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR=addr, MASTER_PORT=str(port))
-        if (
-            world_size > 1 and "OMP_NUM_THREADS" not in os.environ
-        ):  # torchrun's default: ranks share the cores
+        # torchrun's default for several ranks: they share the cores
+        if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             import torch
 
             os.environ["OMP_NUM_THREADS"] = "1"
