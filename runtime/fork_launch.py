@@ -10,10 +10,11 @@ import importlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from runtime.errors import UserError
 from runtime.launch import SINGLE_NODE, NodeLayout, free_port
@@ -140,9 +141,16 @@ class DeferredRanks:
     names the module and its arguments (which may depend on what the caller sets up meanwhile: ports, sockets).
     The process imports `preload` meanwhile, leads a session of its own, as `Popen(start_new_session=True)`
     would, and stands in for that Popen (poll, wait, terminate, kill, returncode). Without `start` it leaves at
-    `close` or when the caller exits (the pipe it waits on closes)."""
+    `close` or when the caller exits (the pipe it waits on closes). The caller's `held` sockets are closed in the
+    launcher at once: a listening port must not outlive the caller in its workers."""
 
-    def __init__(self, world_size: int, nodes: NodeLayout = SINGLE_NODE, preload: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        world_size: int,
+        nodes: NodeLayout = SINGLE_NODE,
+        preload: tuple[str, ...] = (),
+        held: Sequence[socket.socket] = (),
+    ):
         read, self._write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -151,6 +159,8 @@ class DeferredRanks:
             code = 1
             try:
                 os.close(self._write)
+                for sock in held:
+                    sock.close()
                 os.setsid()
                 import_modules(preload)
                 with os.fdopen(read) as pipe:

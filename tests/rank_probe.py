@@ -2,8 +2,10 @@
 DIR/rank<R>.json, then acts: `ok` returns, `fail` makes rank 1 exit 3 while the others wait for it (as a rank
 waits in a collective), `say` makes every rank exit with a message, `sleep` waits."""
 
+import contextlib
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ def main() -> None:
         "argv0": sys.argv[0],
         "pid": os.getpid(),
         "sid": os.getsid(0),
+        "sockets": _socket_inodes(),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     if action == "sleep" or (action == "fail" and rank != 1):
@@ -40,6 +43,16 @@ def main() -> None:
         sys.exit(3)
     if action == "say":
         sys.exit(f"rank {rank} says no")
+
+
+def _socket_inodes() -> list[int]:
+    inodes = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, closed by now
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.append(int(link[len("socket:[") : -1]))
+    return inodes
 
 
 def _own_process(out: Path, env: dict[str, str]) -> None:
@@ -58,11 +71,14 @@ def launch(world_size: int, args: list[str], env: dict[str, str]) -> None:
 
 def deferred(world_size: int, args: list[str], then: str) -> None:
     """DeferredRanks made, then: `start`ed and waited for, `close`d unstarted, left unstarted (`exit`), or started
-    and, once every rank is up, `terminate`d or `kill`ed; exits with the launcher's code (128 + a signal's)."""
+    and, once every rank is up, `terminate`d or `kill`ed; exits with the launcher's code (128 + a signal's). Of
+    two sockets open when it is made, the `held` one is handed to it, the `kept` one is not."""
     out = Path(args[0])
     _own_process(out, {})
-    ranks = DeferredRanks(world_size)
-    (out / "deferred.json").write_text(json.dumps({"pid": ranks.pid}))
+    held, kept = socket.socket(), socket.socket()
+    ranks = DeferredRanks(world_size, held=[held])
+    inodes = {name: os.fstat(s.fileno()).st_ino for name, s in (("held", held), ("kept", kept))}
+    (out / "deferred.json").write_text(json.dumps({"pid": ranks.pid} | inodes))
     if then == "exit":
         sys.exit(0)
     if then == "close":

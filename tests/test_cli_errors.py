@@ -2,12 +2,13 @@
 
 import json
 import shutil
+import socket
 import subprocess
 
 import pytest
 import yaml
 from model_dirs import make_model_dir
-from skill_process import fresh
+from skill_process import fresh, skill
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -73,3 +74,13 @@ def test_a_config_json_the_config_class_rejects(model_dir, tiny_llama_dir, tmp_p
     doc["model_config"]["model_path"] = str(broken)
     _yaml(model_dir).write_text(yaml.safe_dump(doc))
     assert_clean_error(fresh("run", str(model_dir)), "could not read", "config.json", "hidden_size")
+
+
+def test_a_port_in_use_is_named_before_any_worker_starts(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = skill("serve", str(model_dir), "--port", str(port), timeout=120)
+    assert_clean_error(proc, f"cannot listen on 127.0.0.1:{port}", "pick another port")
+    assert "engine worker" not in proc.stderr

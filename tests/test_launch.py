@@ -84,11 +84,13 @@ def deferred(tmp_path, action: str, then: str) -> int:
     return in_own_process(rank_probe.deferred, 2, [str(tmp_path), action], then)
 
 
-def test_deferred_ranks_start_in_a_session_of_their_own(tmp_path):
+def test_deferred_ranks_start_in_a_session_of_their_own_without_the_callers_held_sockets(tmp_path):
     assert deferred(tmp_path, "ok", "start") == 0
-    ranks = ranks_seen(tmp_path, 2)
+    ranks, launcher = ranks_seen(tmp_path, 2), seen(tmp_path, "deferred")
     assert [s["RANK"] for s in ranks] == ["0", "1"]
-    assert {s["sid"] for s in ranks} == {seen(tmp_path, "deferred")["pid"]}
+    assert {s["sid"] for s in ranks} == {launcher["pid"]}
+    for rank in ranks:
+        assert launcher["kept"] in rank["sockets"] and launcher["held"] not in rank["sockets"]
 
 
 @pytest.mark.parametrize("then", ["close", "exit"])

@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,8 +139,17 @@ def _listen(host: str, port: int) -> socket.socket:
     return s
 
 
-def _check_port_free(host: str, port: int) -> None:
-    _listen(host, port).close()
+def _bind_ports(settings: ServeSettings) -> list[socket.socket]:
+    """Held from the start: a port chosen free could otherwise be taken (by a worker's ephemeral port, say) while
+    the workers start."""
+    sockets = [_listen(settings.host, settings.port)]
+    if settings.pd_role == "prefill":  # the bootstrap endpoint: same app, its own port
+        try:
+            sockets.append(_listen(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port))
+        except UserError:
+            sockets[0].close()
+            raise
+    return sockets
 
 
 async def _watch_workers(ctx: ServerContext) -> None:
@@ -148,7 +158,9 @@ async def _watch_workers(ctx: ServerContext) -> None:
     ctx.dispatcher.fail(f"the engine workers exited (code {ctx.manager.proc.returncode})")
 
 
-async def _serve(config: InferenceConfig, settings: ServeSettings, manager: WorkerManager) -> None:
+async def _serve(
+    config: InferenceConfig, settings: ServeSettings, manager: WorkerManager, sockets: list[socket.socket]
+) -> None:
     limit = config.max_seq_len  # serving_config made it --max-model-len when given
     tokenizer = AutoTokenizer.from_pretrained(
         config.model_config.model_path, trust_remote_code=config.model_config.trust_remote_code
@@ -192,9 +204,6 @@ async def _serve(config: InferenceConfig, settings: ServeSettings, manager: Work
         server = uvicorn.Server(
             uvicorn.Config(build_app(ctx), timeout_graceful_shutdown=settings.grace_s, log_level="info")
         )
-        sockets = [_listen(settings.host, settings.port)]
-        if settings.pd_role == "prefill":  # the bootstrap endpoint: same app, its own port
-            sockets.append(_listen(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port))
         logger.info(
             "serving %s on http://%s:%d/v1 (max model length %d%s)",
             name,
@@ -216,7 +225,11 @@ async def _serve(config: InferenceConfig, settings: ServeSettings, manager: Work
 
 
 def _worker_manager(
-    model_dir: Path, yaml_path: Path, config: InferenceConfig, settings: ServeSettings
+    model_dir: Path,
+    yaml_path: Path,
+    config: InferenceConfig,
+    settings: ServeSettings,
+    held: Sequence[socket.socket] = (),
 ) -> WorkerManager:
     return WorkerManager(
         model_dir,
@@ -225,6 +238,7 @@ def _worker_manager(
         settings.max_model_len,
         settings.nodes,
         settings.worker_disagg,
+        held,
     )
 
 
@@ -255,13 +269,15 @@ def run_server(model_dir: Path, yaml_path: Path, settings: ServeSettings) -> Non
         yaml_path, settings.max_model_len
     )  # a bad YAML fails here, before any process starts
     settings.nodes.check(config.world_size)
-    _check_port_free(settings.host, settings.port)
-    if settings.pd_role == "prefill":
-        _check_port_free(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port)
     if settings.pd_role != "none" and settings.disagg.engine_backend not in BACKENDS:
         make_transfer_engine(settings.disagg.engine_backend, settings.pd_role, "", 0)  # raises the UserError
-    manager = _worker_manager(model_dir, yaml_path, config, settings)
+    sockets = _bind_ports(settings)
     try:
-        asyncio.run(_serve(config, settings, manager))
+        manager = _worker_manager(model_dir, yaml_path, config, settings, sockets)
+        try:
+            asyncio.run(_serve(config, settings, manager, sockets))
+        finally:
+            manager.stop(settings.grace_s)  # a launcher not started yet (the server stopped first) leaves
     finally:
-        manager.stop(settings.grace_s)  # a launcher not started yet (the server stopped first) leaves
+        for s in sockets:
+            s.close()

@@ -2,7 +2,9 @@
 
 import logging
 import os
+import socket
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from runtime.config import DisaggConfig
@@ -28,7 +30,9 @@ class WorkerManager:
         max_model_len: int | None = None,
         nodes: NodeLayout = SINGLE_NODE,
         disagg: DisaggConfig | None = None,
+        held: Sequence[socket.socket] = (),
     ):
+        """held: the server's sockets, which the workers must not keep open."""
         self.args = [
             "--model-dir",
             str(model_dir),
@@ -43,7 +47,7 @@ class WorkerManager:
             self.args += ["--disagg", disagg.model_dump_json()]
         self.world_size, self.nodes = world_size, nodes
         preload = (WORKER_MODULE, "transformers.modeling_utils")
-        self.forked = DeferredRanks(world_size, nodes, preload) if forks_ranks(nodes) else None
+        self.forked = DeferredRanks(world_size, nodes, preload, held) if forks_ranks(nodes) else None
         self.proc: subprocess.Popen | DeferredRanks | None = None
 
     def start(self, addresses: WorkerAddresses | None) -> None:
