@@ -1,6 +1,6 @@
 """cst_utils.findall against libcst's own findall: the same nodes, in the same order, for every kind of matcher;
-cst_utils.Transformer against a full walk: the same code, with the subtrees it has nothing to do in left as they
-were."""
+cst_utils.walk against node.visit: the same calls in the same order; cst_utils.Transformer against a full walk:
+the same code, with the subtrees it has nothing to do in left as they were."""
 
 import inspect
 
@@ -9,7 +9,7 @@ import libcst.matchers as m
 import pytest
 from transformers.models.llama import modeling_llama
 
-from skills.migrator.cst_utils import Transformer, findall
+from skills.migrator.cst_utils import Transformer, findall, walk
 
 MATCHERS = {
     "name": m.Name(),
@@ -40,6 +40,31 @@ def test_the_same_nodes_in_the_same_order(module, kind):
 
 def test_sentinels_hold_nothing():
     assert findall(cst.MaybeSentinel.DEFAULT, m.Name()) == []
+
+
+class _Recorder(cst.CSTVisitor):
+    """Every visit and leave, in order; does not enter lambdas (a visit_* returning False)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.calls.append(("visit", id(node)))
+        return super().on_visit(node)
+
+    def on_leave(self, node: cst.CSTNode) -> None:
+        self.calls.append(("leave", id(node)))
+        super().on_leave(node)
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+
+def test_walk_makes_the_calls_visit_makes(module):
+    walked, visited = _Recorder(), _Recorder()
+    walk(walked, module)
+    module.visit(visited)
+    assert len(walked.calls) > 10_000 and walked.calls == visited.calls
 
 
 class _Rename:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import SELF_ATTR, choices, classes, findall, method
+from skills.migrator.cst_utils import SELF_ATTR, choices, classes, findall, method, walk
 
 
 def named_params(fn: cst.FunctionDef) -> list[cst.Param]:
@@ -238,7 +238,7 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
     local = classes(module)
     sites = {name: Sites() for name in local}
     index = _Index()
-    module.visit(index)
+    walk(index, module)
     accounted: set[int] = set()  # ids of the Name nodes the constructor calls explain
     for name, cls in local.items():
         accounted.add(id(cls.name))

@@ -18,6 +18,8 @@ _HELD = 100_000  # entries per table
 T = TypeVar("T")
 _CHILDREN: dict[int, tuple[cst.CSTNode, tuple[cst.CSTNode, ...]]] = {}
 _SUBTREE_TYPES: dict[int, tuple[cst.CSTNode, frozenset[str]]] = {}
+_NAMES: dict[int, tuple[cst.CSTNode, frozenset[str]]] = {}
+_CODE: dict[int, tuple[cst.CSTNode, str]] = {}
 
 
 def _memo(table: dict[int, tuple[cst.CSTNode, T]], node: cst.CSTNode, make: Callable[[cst.CSTNode], T]) -> T:
@@ -62,8 +64,11 @@ def findall(tree: cst.CSTNode | cst.MaybeSentinel | cst.RemovalSentinel, matcher
     if isinstance(matcher, m.MatchIfTrue):
         matcher = m.AllOf(matcher)  # `m.matches` takes a predicate only inside another matcher
     types, found, todo = _node_types(matcher), [], [tree]
+    names = None if types is None else frozenset(t.__name__ for t in types)
     while todo:
         node = todo.pop()
+        if names is not None and names.isdisjoint(_subtree_types(node)):
+            continue  # nothing under node can match
         if (types is None or type(node) in types) and m.matches(node, matcher):
             found.append(node)
         todo.extend(reversed(_children(node)))
@@ -74,10 +79,11 @@ _HOOKS = ("on_visit", "on_leave", "on_visit_attribute", "on_leave_attribute")
 
 
 @functools.cache
-def _handled(transformer: type) -> frozenset[str] | None:
-    """The node classes transformer's visit_* / leave_* methods name, or None when it overrides a generic hook."""
+def _handled(transformer: type, base: type) -> frozenset[str] | None:
+    """The node classes the visit_* / leave_* methods of transformer's classes below base name, or None when one
+    of those overrides a generic hook."""
     names: set[str] = set()
-    for k in transformer.__mro__[: transformer.__mro__.index(Transformer)]:
+    for k in transformer.__mro__[: transformer.__mro__.index(base)]:
         if any(hook in vars(k) for hook in _HOOKS):
             return None
         names.update(a.split("_")[1] for a in vars(k) if a.startswith(("visit_", "leave_")))
@@ -89,14 +95,17 @@ class Transformer(cst.CSTTransformer):
     subtree comes back as it was, where a full walk would rebuild every node (a fifth of the rules' time)."""
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        handled = _handled(type(self))
-        if handled is not None and handled.isdisjoint(_subtree_types(node)):
-            return False
-        return super().on_visit(node)
+        return visits_subtree(self, Transformer, node) and super().on_visit(node)
+
+
+def visits_subtree(transformer: cst.CSTTransformer, base: type, node: cst.CSTNode) -> bool:
+    """Whether node's subtree holds a node that the visit_* / leave_* methods of transformer below base name."""
+    handled = _handled(type(transformer), base)
+    return handled is None or not handled.isdisjoint(_subtree_types(node))
 
 
 def code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
+    return _memo(_CODE, node, cst.Module([]).code_for_node)
 
 
 def operand(e: cst.BaseExpression) -> str:
@@ -145,16 +154,20 @@ def pure(e: cst.BaseExpression) -> bool:
     return not findall(e, m.Call() | m.Await() | m.Yield())
 
 
-def names_in(node: cst.CSTNode) -> set[str]:
+def walk(visitor: cst.CSTVisitor, node: cst.CSTNode) -> None:
+    """node.visit(visitor) for a visitor that only reads: the same visit_* / leave_* calls in the same order
+    (visit_<Node>_<field> hooks aside), without the copy of every node that LibCST's walk makes."""
+    if visitor.on_visit(node):
+        for child in _children(node):
+            walk(visitor, child)
+    visitor.on_leave(node)
+
+
+def names_in(node: cst.CSTNode) -> frozenset[str]:
     """Every bare Name referenced (or bound) anywhere under node."""
-    found: set[str] = set()
-
-    class _Collect(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            found.add(n.value)
-
-    node.visit(_Collect())
-    return found
+    if isinstance(node, cst.Name):
+        return frozenset({node.value})
+    return _memo(_NAMES, node, lambda n: frozenset().union(*map(names_in, _children(n))))
 
 
 SHAPE_READS = frozenset({"shape", "dtype", "device", "ndim", "size", "dim"})
@@ -172,14 +185,14 @@ def free_names(node: cst.CSTNode, skipped: Collection[int] = (), data_only: bool
 
         def visit_Attribute(self, n: cst.Attribute) -> bool:
             if not (data_only and n.attr.value in SHAPE_READS):
-                n.value.visit(self)
+                walk(self, n.value)
             return False
 
         def visit_Arg(self, n: cst.Arg) -> bool:
-            n.value.visit(self)
+            walk(self, n.value)
             return False
 
-    node.visit(_Collect())
+    walk(_Collect(), node)
     return found
 
 
@@ -212,7 +225,7 @@ def assigned_names(stmt: cst.CSTNode) -> set[str]:
         def visit_For(self, n: cst.For) -> None:
             base(n.target)
 
-    stmt.visit(_Collect())
+    walk(_Collect(), stmt)
     return found
 
 

@@ -8,6 +8,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from runtime.errors import UserError
 from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import code
 from skills.migrator.rule import Rule
 from skills.migrator.rules import CONFIGURATION_RULES, MODELING_RULES
 
@@ -20,6 +21,12 @@ def _scope_lines(module: cst.Module) -> dict[str, int]:
         if isinstance(node, (cst.ClassDef, cst.FunctionDef)):
             lines.setdefault(node.name.value, position.start.line)
     return lines
+
+
+def _code(module: cst.Module) -> str:
+    """module.code (but for a trailing newline, which no rule changes) from its statements' code: a statement no
+    rule touched keeps its code from before, where module.code would generate the whole file again."""
+    return "".join(map(code, (*module.header, *module.body, *module.footer)))
 
 
 def check_rule_ids(disabled: Collection[str], known: Sequence[type[Rule]]) -> None:
@@ -40,14 +47,15 @@ def rewrite(
     """Each rule not disabled, in order; ctx.applied names those that changed something."""
     module = cst.parse_module(source)
     ctx.scope_lines = _scope_lines(module)
+    before = _code(module)
     for rule in rules:
         if rule.ID in disabled:
             continue
         ctx.rule = rule.ID
         module = rule(CodemodContext(filename=ctx.filename), ctx).transform_module(module)
-        if module.code != source:
+        if (after := _code(module)) != before:
             ctx.applied.append(rule.ID)
-            source = module.code
+            before = after
     ctx.rule = ""
     try:
         compile(module.code, ctx.filename, "exec")

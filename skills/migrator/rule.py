@@ -11,6 +11,7 @@ from libcst.codemod import Codemod, CodemodCommand, CodemodContext, VisitorBased
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 
 from skills.migrator.context import RewriteContext
+from skills.migrator.cst_utils import visits_subtree
 
 _IMPORT_LINE = m.SimpleStatementLine(body=[m.Import() | m.ImportFrom()])
 
@@ -52,4 +53,8 @@ class Rule(CodemodCommand):
 
 class VisitorRule(Rule, VisitorBasedCodemodCommand):
     """A rule that is itself the transformer (visit_* / leave_* methods), with metadata providers declared in
-    METADATA_DEPENDENCIES and read through `self.get_metadata`."""
+    METADATA_DEPENDENCIES and read through `self.get_metadata`. As cst_utils.Transformer, it does not walk into a
+    subtree holding no node its methods name."""
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        return visits_subtree(self, VisitorRule, node) and super().on_visit(node)

@@ -74,7 +74,7 @@ def test_transformers_decorators_dropped_others_kept(run_rule):
 def test_transformers_names():
     import libcst as cst
 
-    from skills.migrator.rules.strip_hf_decorators import transformers_names
+    from skills.migrator.imports import transformers_names
 
     assert transformers_names(cst.parse_module(BEFORE)) == {
         "use_kernel_forward_from_hub",

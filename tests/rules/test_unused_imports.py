@@ -101,3 +101,43 @@ def test_an_if_that_only_guarded_unused_imports_goes_with_them(run_rule):
         "from transformers.utils import is_torch_available\n\n",
     )
     assert run_rule(rule, after) == after
+
+
+def test_string_annotations_and_all_use_a_name_a_nested_import_does_not(run_rule):
+    code = dedent("""\
+        from typing import TYPE_CHECKING
+        from transformers.cache_utils import Cache
+        from transformers.utils import logging
+        import torch
+
+        __all__ = ["logging"]
+
+
+        def f(cache: "Cache | None" = None):
+            from torch import nn
+
+            return nn.Identity(), cache.layers  # `torch` only as a module name, `layers` only as an attribute
+        """)
+    assert run_rule(rule, code) == code.replace("from typing import TYPE_CHECKING\n", "").replace(
+        "import torch\n", ""
+    )
+
+
+def test_a_kept_last_name_keeps_its_comma_a_new_last_name_loses_it(run_rule):
+    code = dedent("""\
+        from transformers.utils import (
+            auto_docstring,
+            logging,
+        )
+        from torch import (
+            nn,
+            Tensor,
+        )
+
+        logger = logging.get_logger(__name__)
+        layer = nn.Linear
+        """)
+    # the comma goes with the line break it held (the formatter lays the statement out again afterwards)
+    assert run_rule(rule, code) == code.replace("    auto_docstring,\n", "").replace(
+        "    nn,\n    Tensor,\n)", "    nn)"
+    )

@@ -27,9 +27,13 @@ class _Absolute(Transformer):
             target = ".".join([*base, tail] if tail else base)
         return updated.with_changes(relative=[], module=cst.parse_expression(target))
 
+
+class _AbsoluteRenamed(_Absolute):
+    """Also the borrowed config class's name, wherever it is written (a walk of every name: only when needed)."""
+
     def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
-        rename = self.ctx.config_rename
-        return updated.with_changes(value=rename[1]) if rename and updated.value == rename[0] else updated
+        old, new = self.ctx.config_rename
+        return updated.with_changes(value=new) if updated.value == old else updated
 
 
 class AbsoluteImports(Rule):
@@ -40,4 +44,4 @@ class AbsoluteImports(Rule):
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite
-        return module.visit(_Absolute(ctx))
+        return module.visit((_AbsoluteRenamed if ctx.config_rename else _Absolute)(ctx))

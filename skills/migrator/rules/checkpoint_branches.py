@@ -27,8 +27,8 @@ from skills.migrator.cst_utils import (
     names_in,
     rewrite_classes,
 )
+from skills.migrator.imports import transformers_names
 from skills.migrator.rule import Rule
-from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 BUILTINS = {"getattr": getattr, "len": len}
 # The RoPE types transformers' dynamic_rope_update acts on ("dynamic" in the type, or "longrope").
@@ -46,9 +46,8 @@ def _config_only(e: cst.BaseExpression, allowed: set[str]) -> bool:
     calls = findall(e, m.Call())
     if any(not m.matches(c.func, m.Name("getattr") | m.Name("len")) for c in calls):
         return False
-    free = names_in(e) - {"getattr", "len", "True", "False", "None"}
-    for a in findall(e, m.Attribute()):
-        free.discard(a.attr.value)
+    attributes = {a.attr.value for a in findall(e, m.Attribute())}
+    free = names_in(e) - {"getattr", "len", "True", "False", "None"} - attributes
     return not findall(e, m.Lambda() | m.Await() | m.Yield() | m.NamedExpr()) and free <= allowed
 
 

@@ -25,10 +25,10 @@ from skills.migrator.cst_utils import (
     pure,
 )
 from skills.migrator.effects import computes_only, computing_functions
+from skills.migrator.imports import transformers_names
 from skills.migrator.rule import Rule
 from skills.migrator.rules.checkpoint_branches import is_guard
 from skills.migrator.rules.prune_unreachable import prune_unreachable
-from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 # A non-persistent buffer of a copy: registering it touches nothing but the module itself.
 _COPY = m.Call(func=m.Attribute(attr=m.Name("clone")), args=[])

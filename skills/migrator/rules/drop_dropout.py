@@ -5,9 +5,9 @@ import re
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import QualifiedNameProvider
 
 from skills.migrator.cst_utils import SELF_ATTR, findall
+from skills.migrator.imports import import_bindings, qualified_names
 from skills.migrator.rule import VisitorRule
 
 MODULES = {"torch.nn.Dropout", "torch.nn.Dropout1d", "torch.nn.Dropout2d", "torch.nn.Dropout3d"}
@@ -17,16 +17,16 @@ FUNCTIONAL = {"torch.nn.functional.dropout", "torch.dropout"}
 class DropDropout(VisitorRule):
     ID = "MG011"
     DESCRIPTION = "Dropout is training-only: nn.Dropout modules, their calls and functional dropout go."
-    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
     def transform_module(self, tree: cst.Module) -> cst.Module:
-        # Qualified names cost a scope analysis of the whole file, and most files have no dropout left by now.
+        # most files have no dropout left by now: not worth a walk that rebuilds every node
         return super().transform_module(tree) if re.search("dropout", tree.code, re.IGNORECASE) else tree
 
     def _calls(self, call: cst.Call, names: set[str]) -> bool:
-        return any(q.name in names for q in self.get_metadata(QualifiedNameProvider, call.func, set()))
+        return not names.isdisjoint(qualified_names(call.func, self.bindings))
 
     def visit_Module(self, node: cst.Module) -> None:
+        self.bindings = import_bindings(node)
         assigns = findall(node, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call()))
         self.modules = {a.targets[0].target.attr.value for a in assigns if self._calls(a.value, MODULES)}
 

@@ -7,8 +7,8 @@ import libcst as cst
 import libcst.matchers as m
 
 from skills.migrator.cst_utils import Transformer, classes, findall, kwarg, method, names_in
+from skills.migrator.imports import transformers_names
 from skills.migrator.rule import Rule
-from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 
 class _Outputs(Transformer):

@@ -5,11 +5,11 @@ attributes (`_tp_plan`, `config: XConfig`, ...)."""
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import QualifiedNameProvider
 from torch import nn
 
 from skills.migrator.context import RewriteContext
 from skills.migrator.cst_utils import Transformer, dotted, findall
+from skills.migrator.imports import import_bindings, qualified_names
 from skills.migrator.reachability import reachable, top_level_names
 from skills.migrator.rule import Rule
 
@@ -17,28 +17,24 @@ HF_BASES = {"PreTrainedModel", "GradientCheckpointingLayer", "GenerationMixin"}
 NN_MODULE = cst.Arg(cst.parse_expression("nn.Module"))
 
 
-class _HFBases(cst.CSTVisitor):
+def _hf_bases(module: cst.Module) -> set[int]:
     """ids of the class-base expressions naming an HF base: imported from transformers, or an in-file
     `*PreTrainedModel` deriving from one (e.g. LlamaPreTrainedModel)."""
-
-    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
-
-    def __init__(self) -> None:
-        self.found: set[int] = set()
-        self.local: set[str] = set()
-
-    def _hf(self, base: cst.BaseExpression) -> bool:
-        names = self.get_metadata(QualifiedNameProvider, base, set())
-        imported = any(
-            q.name.startswith("transformers.") and q.name.split(".")[-1] in HF_BASES for q in names
-        )
-        return imported or dotted(base) in self.local
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        hf = [b.value for b in node.bases if self._hf(b.value)]
-        self.found.update(map(id, hf))
+    bindings, found, local = import_bindings(module), set(), set()
+    for node in findall(module, m.ClassDef()):
+        hf = [
+            b.value
+            for b in node.bases
+            if dotted(b.value) in local
+            or any(
+                q.startswith("transformers.") and q.split(".")[-1] in HF_BASES
+                for q in qualified_names(b.value, bindings)
+            )
+        ]
+        found.update(map(id, hf))
         if node.name.value.endswith("PreTrainedModel") and hf:
-            self.local.add(node.name.value)
+            local.add(node.name.value)
+    return found
 
 
 def _is_hf_only_class_attr(stmt: cst.BaseStatement, used: set[str]) -> bool:
@@ -146,11 +142,8 @@ class _Bases(Transformer):
 class ModuleBases(Rule):
     ID = "MG008"
     DESCRIPTION = "HF base classes (PreTrainedModel, GradientCheckpointingLayer, ...) become nn.Module."
-    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         ctx = self.rewrite
         used = {n for i in reachable(module, {ctx.entry_class}) for n in top_level_names(module.body[i])}
-        hf = _HFBases()
-        self.context.wrapper.visit(hf)
-        return module.visit(_Bases(hf.found, ctx, used))
+        return module.visit(_Bases(_hf_bases(module), ctx, used))

@@ -55,22 +55,25 @@ def _plain_linear(forward: cst.FunctionDef) -> bool:
     return len(branch) == 1 and _returns(branch[0], local) and _returns(body[1], with_bias)
 
 
-def _only_constructed(module: cst.Module, name: str, entry: str) -> bool:
-    """name is used only in constructor calls by the code the entry class reaches (an `isinstance` in a weight
-    initialiser of a base class it no longer derives from does not count)."""
+def _used_otherwise(module: cst.Module, entry: str) -> set[str]:
+    """Names the code the entry class reaches uses other than by calling them (an `isinstance` in a weight
+    initialiser of a base class it no longer derives from does not count): those classes are not only
+    constructed."""
     kept = [module.body[i] for i in reachable(module, {entry})]
-    uses = [
-        n for s in kept for n in findall(s, m.Name(name)) if not (isinstance(s, cst.ClassDef) and n is s.name)
-    ]
-    calls = {id(c.func) for s in kept for c in findall(s, m.Call(m.Name(name)))}
-    return all(id(n) in calls for n in uses)
+    calls = {id(c.func) for s in kept for c in findall(s, m.Call(m.Name()))}
+    return {
+        n.value
+        for s in kept
+        for n in findall(s, m.Name())
+        if id(n) not in calls and not (isinstance(s, cst.ClassDef) and n is s.name)
+    }
 
 
 def _plain_linear_classes(module: cst.Module, entry: str) -> set[str]:
     """The classes to replace: those only constructed by name (not subclassed, nor tested with isinstance)."""
-    found = set()
+    found, used_otherwise = set(), _used_otherwise(module, entry)
     for name, cls in classes(module).items():
-        if not _only_constructed(module, name, entry):
+        if name in used_otherwise:
             continue
         methods = [s for s in cls.body.body if not is_docstring(s)]
         linear = [dotted(b.value) for b in cls.bases] in (["nn.Linear"], ["torch.nn.Linear"])

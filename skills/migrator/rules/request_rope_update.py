@@ -20,8 +20,8 @@ from skills.migrator.cst_utils import (
     param_names,
     rewrite_classes,
 )
+from skills.migrator.imports import transformers_names
 from skills.migrator.rule import Rule
-from skills.migrator.rules.strip_hf_decorators import transformers_names
 
 NAME = "dynamic_rope_update"
 

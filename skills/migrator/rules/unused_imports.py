@@ -1,5 +1,9 @@
-"""Imports nothing uses any more are removed (libcst decides by scope analysis), and with them an `if` at the top
-of the file that only guarded such imports (`if is_flash_attn_available():`)."""
+"""Imports nothing uses any more are removed, and with them an `if` at the top of the file that only guarded such
+imports (`if is_flash_attn_available():`). A top-level import is used when the rest of the file reads the name
+it binds, names it in a string annotation or exports it in `__all__` (what LibCST's scope analysis counts, less a
+local that shadows the imported name, which modeling code does not have)."""
+
+import re
 
 import libcst as cst
 import libcst.matchers as m
@@ -9,6 +13,7 @@ from skills.migrator.effects import computes_only
 from skills.migrator.rule import Rule
 
 _IMPORTS = m.SimpleStatementLine([m.AtLeastN(m.Import() | m.ImportFrom(), n=1)])
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
 
 def _guards_unused_imports(s: cst.BaseStatement, module: cst.Module) -> bool:
@@ -22,35 +27,62 @@ def _guards_unused_imports(s: cst.BaseStatement, module: cst.Module) -> bool:
 
 
 def _imported_names(node: cst.CSTNode) -> set[str]:
-    return {
-        a.asname.name.value if a.asname else dotted(a.name).split(".")[0]
-        for a in findall(node, m.ImportAlias())
-    }
+    return {_bound(a) for a in findall(node, m.ImportAlias())}
+
+
+def _bound(alias: cst.ImportAlias) -> str:
+    return alias.asname.name.value if alias.asname else dotted(alias.name).split(".")[0]
+
+
+def _used_names(module: cst.Module) -> set[str]:
+    """What the file outside its top-level import lines reads, annotates in strings or exports."""
+    rest = cst.Module([s for s in module.body if not m.matches(s, _IMPORTS)])
+    in_imports = {id(n) for i in findall(rest, m.Import() | m.ImportFrom()) for n in findall(i, m.Name())}
+    strings = [
+        s.evaluated_value
+        for a in findall(rest, m.Annotation())
+        for s in findall(a, m.SimpleString())
+        if isinstance(s.evaluated_value, str)
+    ]
+    exports = findall(rest, m.Assign(targets=[m.AssignTarget(m.Name("__all__"))]))
+    strings += [s.evaluated_value for e in exports for s in findall(e.value, m.SimpleString())]
+    return free_names(rest, in_imports) | {w for text in strings for w in _IDENTIFIER.findall(str(text))}
+
+
+def _used_part(small: cst.BaseSmallStatement, used: set[str]) -> cst.BaseSmallStatement | None:
+    """The import with its unused names dropped; None when none is left."""
+    if isinstance(small, cst.ImportFrom) and (
+        small.module is None
+        or isinstance(small.names, cst.ImportStar)
+        or dotted(small.module) == "__future__"
+    ):
+        return small
+    if not isinstance(small, cst.Import | cst.ImportFrom):
+        return small
+    kept = [a for a in small.names if _bound(a) in used]
+    if not kept or len(kept) == len(small.names):
+        return small if kept else None
+    if kept[-1] is not small.names[-1]:  # a comma left after the new last name would dangle
+        kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    return small.with_changes(names=kept)
+
+
+def _without_unused(s: cst.BaseStatement, used: set[str]) -> list[cst.BaseStatement]:
+    if not m.matches(s, _IMPORTS):
+        return [s]
+    body = [part for small in s.body if (part := _used_part(small, used)) is not None]
+    if not body:
+        return []
+    if len(body) == len(s.body) and all(a is b for a, b in zip(body, s.body, strict=True)):
+        return [s]
+    return [s.with_changes(body=[*body[:-1], body[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)])]
 
 
 class UnusedImports(Rule):
     ID = "MG015"
-    DESCRIPTION = "Imports nothing uses any more are removed (scope analysis)."
+    DESCRIPTION = "Imports nothing uses any more are removed (the file's reads, string annotations, __all__)."
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         module = module.with_changes(body=[s for s in module.body if not _guards_unused_imports(s, module)])
-        for s in module.body:
-            for small in s.body if isinstance(s, cst.SimpleStatementLine) else []:
-                if (
-                    isinstance(small, cst.ImportFrom)
-                    and small.module
-                    and not isinstance(small.names, cst.ImportStar)
-                ):
-                    mod = cst.Module([]).code_for_node(small.module)
-                    if mod == "__future__":
-                        continue
-                    for alias in small.names:
-                        self.remove_unused_import(
-                            mod, dotted(alias.name), alias.asname.name.value if alias.asname else None
-                        )
-                elif isinstance(small, cst.Import):
-                    for alias in small.names:
-                        self.remove_unused_import(
-                            dotted(alias.name), asname=alias.asname.name.value if alias.asname else None
-                        )
-        return module
+        used = _used_names(module)
+        return module.with_changes(body=[kept for s in module.body for kept in _without_unused(s, used)])
