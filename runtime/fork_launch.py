@@ -142,7 +142,7 @@ class DeferredRanks:
     The process imports `preload` meanwhile, leads a session of its own, as `Popen(start_new_session=True)`
     would, and stands in for that Popen (poll, wait, terminate, kill, returncode). Without `start` it leaves at
     `close` or when the caller exits (the pipe it waits on closes). The caller's `held` sockets are closed in the
-    launcher at once: a listening port must not outlive the caller in its workers."""
+    launcher at once: a port the caller holds must not outlive it in its workers."""
 
     def __init__(
         self,

@@ -10,6 +10,8 @@ import yaml
 from model_dirs import make_model_dir
 from skill_process import fresh, skill
 
+from runtime.launch import free_port
+
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert proc.returncode != 0
@@ -84,3 +86,9 @@ def test_a_port_in_use_is_named_before_any_worker_starts(model_dir):
         proc = skill("serve", str(model_dir), "--port", str(port), timeout=120)
     assert_clean_error(proc, f"cannot listen on 127.0.0.1:{port}", "pick another port")
     assert "engine worker" not in proc.stderr
+
+
+def test_a_prefill_servers_bootstrap_port_must_differ_from_its_port(model_dir):
+    port = str(free_port())
+    proc = skill("serve", str(model_dir), "--port", port, "--pd-role", "prefill", "--bootstrap-port", port)
+    assert_clean_error(proc, f"--bootstrap-port {port} is the server's own --port")

@@ -142,11 +142,16 @@ def _listen(host: str, port: int) -> socket.socket:
 def _bind_ports(settings: ServeSettings) -> list[socket.socket]:
     """Held from the start: a port chosen free could otherwise be taken (by a worker's ephemeral port, say) while
     the workers start."""
+    bootstrap = (settings.disagg.bootstrap_host, settings.disagg.bootstrap_port)
+    if settings.pd_role == "prefill" and bootstrap == (settings.host, settings.port):
+        raise UserError(
+            f"--bootstrap-port {settings.port} is the server's own --port; give them different ports"
+        )
     sockets = [_listen(settings.host, settings.port)]
     if settings.pd_role == "prefill":  # the bootstrap endpoint: same app, its own port
         try:
-            sockets.append(_listen(settings.disagg.bootstrap_host, settings.disagg.bootstrap_port))
-        except UserError:
+            sockets.append(_listen(*bootstrap))
+        except BaseException:
             sockets[0].close()
             raise
     return sockets

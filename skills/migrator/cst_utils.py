@@ -76,15 +76,23 @@ def findall(tree: cst.CSTNode | cst.MaybeSentinel | cst.RemovalSentinel, matcher
 
 
 _HOOKS = ("on_visit", "on_leave", "on_visit_attribute", "on_leave_attribute")
+# what LibCST's matcher decorators (m.visit, m.leave, m.call_if_inside, ...) set on a method
+_MATCHER_MARKS = (
+    "_visit_matcher",
+    "_leave_matcher",
+    "_call_if_inside_matcher",
+    "_call_if_not_inside_matcher",
+)
 
 
 @functools.cache
 def _handled(transformer: type, base: type) -> frozenset[str] | None:
     """The node classes the visit_* / leave_* methods of transformer's classes below base name, or None when one
-    of those overrides a generic hook."""
+    of those overrides a generic hook or has a matcher decorator."""
     names: set[str] = set()
     for k in transformer.__mro__[: transformer.__mro__.index(base)]:
-        if any(hook in vars(k) for hook in _HOOKS):
+        marked = any(hasattr(f, mark) for f in vars(k).values() for mark in _MATCHER_MARKS)
+        if marked or any(hook in vars(k) for hook in _HOOKS):
             return None
         names.update(a.split("_")[1] for a in vars(k) if a.startswith(("visit_", "leave_")))
     return frozenset(names)
@@ -104,8 +112,11 @@ def visits_subtree(transformer: cst.CSTTransformer, base: type, node: cst.CSTNod
     return handled is None or not handled.isdisjoint(_subtree_types(node))
 
 
+_EMPTY_MODULE = cst.Module([])
+
+
 def code(node: cst.CSTNode) -> str:
-    return _memo(_CODE, node, cst.Module([]).code_for_node)
+    return _memo(_CODE, node, _EMPTY_MODULE.code_for_node)
 
 
 def operand(e: cst.BaseExpression) -> str:

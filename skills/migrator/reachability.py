@@ -13,7 +13,7 @@ def top_level_names(s: cst.BaseStatement) -> set[str]:
     return set()
 
 
-def _uses(s: cst.BaseStatement) -> set[str]:
+def _uses(s: cst.BaseStatement) -> frozenset[str] | set[str]:
     """Names a definition needs at run time: HF-only class attributes (`_can_record_outputs = {...}`) and
     the PreTrainedModel subclass (weight init, output capture) do not count."""
     if isinstance(s, cst.ClassDef):

@@ -141,3 +141,27 @@ def test_a_kept_last_name_keeps_its_comma_a_new_last_name_loses_it(run_rule):
     assert run_rule(rule, code) == code.replace("    auto_docstring,\n", "").replace(
         "    nn,\n    Tensor,\n)", "    nn)"
     )
+
+
+def test_comments_in_an_import_list_stay_and_string_annotations_are_read_as_code(run_rule):
+    code = dedent("""\
+        from typing import Literal
+        from torch import (
+            Tensor,
+            # the runtime's layers
+            nn,
+            Size,
+            device,
+        )
+
+        Mode = Literal["Size"]
+
+
+        def f(x: "torch.Tensor", layer: "nn.Module", mode: Literal["device"]) -> "Mode":
+            return x
+        """)
+    # `Tensor` is an attribute of the annotation `torch.Tensor`, and words in a Literal are not names; the comment
+    # after a dropped name moves to the parenthesis before it
+    assert run_rule(rule, code) == code.replace("    Tensor,\n", "").replace(
+        "    nn,\n    Size,\n    device,\n)", "    nn)"
+    )
