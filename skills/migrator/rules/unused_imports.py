@@ -1,7 +1,9 @@
 """Imports nothing uses any more are removed, and with them an `if` at the top of the file that only guarded such
-imports (`if is_flash_attn_available():`). A top-level import is used when the rest of the file reads the name
-it binds, names it in a string annotation or exports it in `__all__` (what LibCST's scope analysis counts, less a
-local that shadows the imported name, which modeling code does not have)."""
+imports (`if is_flash_attn_available():`). A top-level import line is kept in part or whole where the rest of
+the file reads a name it binds, names it in a string annotation or exports it in `__all__`. That is what LibCST's
+scope analysis counts, but for cases modeling code does not have, where this rule keeps an import LibCST's
+would drop: a local of the same name, an import re-done inside a function, imports nested in a block or sharing
+a line with other statements (left alone)."""
 
 import libcst as cst
 import libcst.matchers as m
