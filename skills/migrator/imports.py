@@ -40,8 +40,7 @@ def transformers_names(module: cst.Module) -> set[str]:
     names: set[str] = set()
     for s in module.body:
         for small in getattr(s, "body", []) if isinstance(s, cst.SimpleStatementLine) else []:
-            if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-                mod = cst.Module([]).code_for_node(small.module) if small.module else ""
-                if small.relative or mod.split(".")[0] == "transformers":
-                    names.update((a.asname.name.value if a.asname else dotted(a.name)) for a in small.names)
+            imported = isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar)
+            if imported and (small.relative or dotted(small.module).split(".")[0] == "transformers"):
+                names.update((a.asname.name.value if a.asname else dotted(a.name)) for a in small.names)
     return names

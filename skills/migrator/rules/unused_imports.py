@@ -117,10 +117,8 @@ def _used_part(small: cst.BaseSmallStatement, used: set[str]) -> cst.BaseSmallSt
             elif kept:
                 kept[-1] = kept[-1].with_changes(comma=alias.comma)
             elif isinstance(small.lpar, cst.LeftParen):
-                lpar = small.lpar
-                changes["lpar"] = lpar.with_changes(
-                    whitespace_after=_merged_whitespace(lpar.whitespace_after, after)
-                )
+                before = small.lpar.whitespace_after
+                changes["lpar"] = small.lpar.with_changes(whitespace_after=_merged_whitespace(before, after))
     if not kept or len(kept) == len(small.names):
         return small if kept else None
     if kept[-1] is not small.names[-1]:  # a comma left after the new last name would dangle
