@@ -11,6 +11,7 @@ from runtime.layers.host_linear import (
     FLOAT32_ROWS,
     KERNEL_ROWS,
     PACK_ROWS,
+    SMALL_BATCH,
     HostKernelLinear,
     HostPackedLinear,
     onednn_packs,
@@ -105,17 +106,61 @@ needs_kernel = pytest.mark.skipif(host_linear_kernel() is None, reason="no C++ c
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, KERNEL_ROWS, KERNEL_ROWS + 1, 64])
-def test_kernel_linear_matches_float32_product_rounded_once(dtype, bias, rows):
-    """Up to KERNEL_ROWS rows the kernel, above them float32: both sum in float32 and round the output once."""
+@pytest.mark.parametrize("columns", [100, 96])  # a remainder of columns, and whole 32-column steps
+def test_kernel_linear_matches_float32_product_rounded_once(dtype, bias, rows, columns):
+    """Up to KERNEL_ROWS rows the kernel, above them oneDNN or float32: all sum in float32 and round the output
+    once."""
     torch.manual_seed(0)
-    linear = nn.Linear(100, 37, bias=bias, dtype=dtype)  # odd sizes: the kernel's remainder rows and columns
-    x = torch.randn(rows, 100, dtype=dtype)
+    linear = nn.Linear(columns, 37, bias=bias, dtype=dtype)  # 37: remainder rows of the kernel's passes
+    x = torch.randn(rows, columns, dtype=dtype)
     bias_f = None if linear.bias is None else linear.bias.float()
     expected = torch.nn.functional.linear(x.float(), linear.weight.float(), bias_f).to(dtype)
     swapped = HostKernelLinear(linear)
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(swapped(x), expected, atol=1e-5, rtol=eps)
     assert swapped(x[None]).shape == (1, rows, 37) and swapped.weight is linear.weight
+
+
+@needs_bf16_packing
+@needs_kernel
+@pytest.mark.parametrize("decode_rows", [1, SMALL_BATCH, SMALL_BATCH + 1, None])
+def test_small_decode_batches_keep_their_weights_for_the_kernel_where_it_beats_packing(
+    monkeypatch, decode_rows
+):
+    """An engine whose decode steps have at most SMALL_BATCH rows takes the kernel (its weights as they are, a
+    tied head still tied), a larger or unknown one packs; either computes what nn.Linear does."""
+    from runtime.layers.linear import QKVParallelLinear
+
+    monkeypatch.setattr(host_linear, "kernel_beats_packing", lambda dtype: True)
+    torch.manual_seed(0)
+    qkv = QKVParallelLinear(16, 8, 4, 2, bias=True, params_dtype=torch.bfloat16)
+    for p in qkv.parameters():
+        p.data.normal_()
+    model = nn.Sequential(nn.Embedding(50, 16), qkv, nn.Linear(64, 16), nn.Linear(16, 50, bias=False))
+    model.to(torch.bfloat16)
+    model[3].weight = model[0].weight
+    ids = torch.tensor([1, 7, 3])
+    expected = model(ids)
+    count, what = swap_host_linears(model, decode_rows=decode_rows)
+    small = decode_rows is not None and decode_rows <= SMALL_BATCH
+    assert count == 3 and ("host kernel" in what) == small
+    assert isinstance(model[3], HostKernelLinear if small else HostPackedLinear)
+    assert getattr(qkv, "host_kernel", False) == small and hasattr(qkv, "packed_weight") != small
+    if small:
+        assert model[3].weight is model[0].weight and qkv.weight.device.type == "cpu"
+    torch.testing.assert_close(model(ids), expected, atol=1e-6, rtol=1.6e-2)
+
+
+@needs_bf16_packing
+@needs_kernel
+def test_the_kernel_against_packing_is_timed_once_and_leaves_the_rng_alone():
+    host_linear.kernel_beats_packing.cache_clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert isinstance(host_linear.kernel_beats_packing(torch.bfloat16), bool)
+    assert torch.equal(torch.rand(3), expected)
+    assert host_linear.kernel_beats_packing.cache_info().currsize == 1
 
 
 @needs_kernel

@@ -174,6 +174,21 @@ def host_kernels(request, monkeypatch):
     return request.param
 
 
+def _eager_and_compiled(config, model_dir, prompts, params) -> dict:
+    """Each mode's greedy tokens and engine; the counters are those of the compiled run."""
+    from torch._dynamo.utils import counters
+
+    from runtime.offline import OfflineInference
+
+    runs = {}
+    for mode in ("eager", "compile"):
+        config.model_config.exe_mode = mode
+        counters.clear()
+        llm = OfflineInference(config, model_dir)
+        runs[mode] = ([o.token_ids for o in llm.generate_ids(prompts, params)], llm.engine)
+    return runs
+
+
 def test_compiled_bfloat16_decode_equals_eager_and_is_traced_only_at_warm_up(
     host_kernels, tmp_path_factory, tmp_path
 ):
@@ -186,23 +201,46 @@ def test_compiled_bfloat16_decode_equals_eager_and_is_traced_only_at_warm_up(
 
     from runtime.config import InferenceConfig
     from runtime.engine.request import SamplingParams
-    from runtime.offline import OfflineInference
 
     model_dir = migrate(build_reference("llama", tmp_path_factory), tmp_path)
     config = InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml")
     config.model_config.dtype, config.scheduler_config.block_size = "bfloat16", 4
     prompts = [[5 + i] * n for i, n in enumerate((3, 9, 14, 6, 1))]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 4, 9, 16, 7)]
-    tokens = {}
-    for mode in ("eager", "compile"):
-        config.model_config.exe_mode = mode
-        counters.clear()
-        tokens[mode] = [
-            o.token_ids for o in OfflineInference(config, model_dir).generate_ids(prompts, params)
-        ]
-    assert tokens["compile"] == tokens["eager"]
+    runs = _eager_and_compiled(config, model_dir, prompts, params)
+    assert runs["compile"][0] == runs["eager"][0]
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 2  # one row, and more (warm_up)
+
+
+def test_small_batches_run_the_host_kernel_compiled_and_eager_alike(monkeypatch, tmp_path_factory, tmp_path):
+    """Where the host kernel's one-row products beat oneDNN's prepacked ones, an engine whose decode steps have at
+    most SMALL_BATCH rows keeps its bf16 weights as they are and runs them through the kernel, an operator in the
+    compiled decode step: eager's tokens, no graph break, no trace after warm-up."""
+    from torch._dynamo.utils import counters
+
+    from runtime.config import InferenceConfig
+    from runtime.engine.request import SamplingParams
+    from runtime.kernels import host_linear_kernel
+    from runtime.layers import host_linear
+
+    if not host_linear.onednn_packs(torch.bfloat16) or host_linear_kernel() is None:
+        pytest.skip("the choice exists where oneDNN prepacks bf16 and the host kernel builds")
+    monkeypatch.setattr(host_linear, "kernel_beats_packing", lambda dtype: True)  # whichever is faster here
+    model_dir = migrate(build_reference("llama", tmp_path_factory), tmp_path)
+    config = InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml")
+    config.model_config.dtype, config.scheduler_config.block_size = "bfloat16", 4
+    config.scheduler_config.batch_size = host_linear.SMALL_BATCH
+    prompts = [[5 + i] * n for i, n in enumerate((3, 9, 14))]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 4, 9)]
+    runs = _eager_and_compiled(config, model_dir, prompts, params)
+    assert runs["compile"][0] == runs["eager"][0]
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2
+    for _, engine in runs.values():
+        modules = list(engine.worker.model.modules())
+        assert any(getattr(m, "host_kernel", False) for m in modules)
+        assert not any(hasattr(m, "packed_weight") for m in modules)
 
 
 @pytest.mark.parametrize("kv", ["paged", pytest.param("legacy", marks=pytest.mark.slow)])

@@ -126,7 +126,11 @@ class ModelWorker:
             )
         self.model = model
         self.param_bytes = param_bytes(model)
-        if (swapped := swap_host_linears(model, compiled=mc.exe_mode != "eager"))[0]:
+        if (
+            swapped := swap_host_linears(
+                model, compiled=mc.exe_mode != "eager", decode_rows=self.config.scheduler_config.batch_size
+            )
+        )[0]:
             logger.info("[Main] %d linear layers run on %s", *swapped)
         self.decode_model = compile_decode(model, mc.exe_mode, self.dist.device)
         logger.info(

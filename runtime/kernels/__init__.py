@@ -107,12 +107,14 @@ def host_silu_and_mul():
 @functools.cache
 def host_linear_kernel():
     """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows;
-    ``torch.ops.skill.onednn_linear`` (x, oneDNN-packed weight, bias) joins the operators with it."""
+    ``torch.ops.skill.onednn_linear`` (x, oneDNN-packed weight, bias) and ``torch.ops.skill.float_linear`` join
+    the operators with it."""
     module = _load("host_linear", "dequantize + matmul, or F.linear")
     if module is not None:
-        torch.library.register_fake("skill::onednn_linear")(
-            lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0])
-        )
+        for op in ("onednn_linear", "float_linear"):
+            torch.library.register_fake(f"skill::{op}")(
+                lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0])
+            )
     return module
 
 

@@ -16,6 +16,12 @@ Elsewhere (AVX2 hosts), ``F.linear`` in bf16 costs about the same per row at any
 98 us for one row, 46 ms for 512). Up to ``KERNEL_ROWS`` rows the host C++ kernel reads the weight once in its
 own format (40 us for one row, 0.5 ms for 16); above, the product runs in float32 (5.4 ms for 512 rows, weight
 converted each call). float32 models stay on ``F.linear`` (MKL is at the memory bandwidth).
+
+Where the host kernel has AVX512_BF16 dot products, its one-row products can beat oneDNN's prepacked ones (a
+SmolLM2 decode step's weights on an AMD EPYC, 2 threads: 6.2 against 7.8 ms): an engine whose decode steps have
+at most ``SMALL_BATCH`` rows keeps its weights as they are and takes the kernel where ``kernel_beats_packing``
+(timed once per process); longer inputs run oneDNN's own ``F.linear``. Packing serves larger batches, whose
+products oneDNN's blocked layout makes faster than the kernel's (4 rows: 5.9 against 6.4 ms).
 """
 
 import functools
@@ -32,6 +38,8 @@ FLOAT32_ROWS = 1024
 FLOAT32_MARGIN = 1.25  # float32 must be this much faster: a close call keeps one path for every row count
 PACK_ROWS = 4096  # the long-input layout of packed weights (prefill), where it costs one-row products nothing
 ONE_ROW_TOLERANCE = 1.05
+SMALL_BATCH = 2  # decode rows up to which the host kernel may take the place of prepacked weights
+KERNEL_MARGIN = 1.1  # the kernel must be this much faster at one row: a close call keeps oneDNN
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -82,6 +90,23 @@ def _best_time(product: Callable, x: torch.Tensor, weights: list[torch.Tensor]) 
             product(x, weight, None)
         times.append(time.perf_counter() - start)
     return min(times[1:])
+
+
+@functools.cache
+def kernel_beats_packing(dtype: torch.dtype) -> bool:
+    """Whether the host kernel's one-row products with ``dtype`` weights run KERNEL_MARGIN times faster than
+    oneDNN's prepacked ones, timed once per process with its threads on 32 [1024, 1024] weights (64 MB: read from
+    memory, as a decode step's weights are)."""
+    kernel = host_linear_kernel()
+    if kernel is None:
+        return False
+    values = torch.Generator().manual_seed(0)  # leaves the global RNG as it was
+    weights = [torch.randn(1024, 1024, generator=values).to(dtype) for _ in range(32)]
+    x = torch.randn(1, 1024, generator=values).to(dtype)
+    packed = [pack_weight(w) for w in weights]
+    return _best_time(kernel.float_linear, x, weights) * KERNEL_MARGIN < _best_time(
+        _onednn_product, x, packed
+    )
 
 
 def _float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -166,19 +191,24 @@ def kernel_applies(weight: torch.Tensor) -> bool:
 
 
 def host_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for a 16-bit weight where ``kernel_applies``: the host kernel up to KERNEL_ROWS rows, float32
-    above (both sum in float32 and round the output once)."""
+    """``F.linear`` for a 16-bit weight where ``kernel_applies`` or ``swap_host_linears`` chose the kernel: the
+    host kernel up to KERNEL_ROWS rows (and in a compiled decode step), above them oneDNN's product where it runs
+    16-bit weights natively, float32 elsewhere (all sum in float32 and round the output once)."""
     rows = x.reshape(-1, weight.shape[1])
-    if rows.shape[0] <= KERNEL_ROWS:
+    if torch.compiler.is_compiling():
+        out = torch.ops.skill.float_linear(rows, weight, bias)
+    elif rows.shape[0] <= KERNEL_ROWS:
         out = host_linear_kernel().float_linear(rows, weight, bias)
+    elif onednn_packs(weight.dtype):
+        out = F.linear(rows, weight, bias)
     else:
         out = _float32_linear(rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class HostKernelLinear(nn.Module):
-    """An ``nn.Linear`` with a bf16 / fp16 weight (shared, so a tied head stays tied) on a host where oneDNN
-    cannot prepack it: decode rows through the host kernel, longer inputs in float32."""
+    """An ``nn.Linear`` with a bf16 / fp16 weight (shared, so a tied head stays tied) that ``host_linear``
+    applies: decode rows through the host kernel, longer inputs through oneDNN or in float32."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -194,21 +224,37 @@ class HostKernelLinear(nn.Module):
         )
 
 
-def swap_host_linears(model: nn.Module, compiled: bool = False) -> tuple[int, str]:
+def swap_host_linears(
+    model: nn.Module, compiled: bool = False, decode_rows: int | None = None
+) -> tuple[int, str]:
     """Swap every plain ``nn.Linear`` of a host model in bf16/fp16 for a ``HostPackedLinear`` or, where oneDNN
-    cannot prepack, a ``HostKernelLinear``; where it can, the runtime's unquantized parallel linears get their
-    weight packed as well (``pack_parallel_linear``). Returns how many layers and which path. For a model that
-    runs ``compiled`` only the packing applies, and only where host_linear_kernel's operator calls it.
+    cannot prepack or the host kernel is the faster one for decode steps of at most ``decode_rows`` rows (None:
+    unknown), a ``HostKernelLinear``; the runtime's unquantized parallel linears get their weight packed
+    (``pack_parallel_linear``) or are marked for the kernel (``host_kernel``) the same way. Returns how many
+    layers and which path. For a model that runs ``compiled`` only the kernel's and oneDNN's operators apply.
 
     A weight another module shares (the embedding of a tied LM head) is packed too: the packed copy costs its
     size once more in memory and saves about 2 ms of the 3.4 ms SmolLM2's head takes per decode step."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in (torch.bfloat16, torch.float16):
         return 0, ""
-    packs = onednn_packs(first.dtype) and not (compiled and host_linear_kernel() is None)
-    if packs:
+    dtype = first.dtype
+    if (
+        onednn_packs(dtype)
+        and decode_rows is not None
+        and decode_rows <= SMALL_BATCH
+        and kernel_beats_packing(dtype)
+    ):
+        kind, what = (
+            HostKernelLinear,
+            (
+                f"the host kernel up to {KERNEL_ROWS} rows (faster than oneDNN's prepacked products for this engine's "
+                f"decode steps of at most {decode_rows} rows), oneDNN above"
+            ),
+        )
+    elif onednn_packs(dtype) and not (compiled and host_linear_kernel() is None):
         kind, what = HostPackedLinear, "oneDNN with prepacked weights"
-        if float32_pays(first.dtype):
+        if float32_pays(dtype):
             what += f", float32 from {FLOAT32_ROWS} rows (faster on this host)"
     elif kernel_applies(first) and not compiled:
         # the parallel linears' quant_method takes the kernel by itself
@@ -219,14 +265,19 @@ def swap_host_linears(model: nn.Module, compiled: bool = False) -> tuple[int, st
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == first.dtype
+        if type(child) is nn.Linear and child.weight.dtype == dtype
     ]
     for parent, name, child in swaps:
         setattr(parent, name, kind(child))
-    packed = [m for m in model.modules() if _unquantized_parallel(m, first.dtype)] if packs else []
-    for layer in packed:
-        pack_parallel_linear(layer)
-    return len(swaps) + len(packed), what
+    if not onednn_packs(dtype):
+        return len(swaps), what
+    parallel = [m for m in model.modules() if _unquantized_parallel(m, dtype)]
+    for layer in parallel:
+        if kind is HostPackedLinear:
+            pack_parallel_linear(layer)
+        else:
+            layer.host_kernel = True
+    return len(swaps) + len(parallel), what
 
 
 def _unquantized_parallel(module: nn.Module, dtype: torch.dtype) -> bool:

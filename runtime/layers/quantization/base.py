@@ -33,7 +33,9 @@ class UnquantizedLinearMethod:
         packed = getattr(layer, "packed_weight", None)  # oneDNN's layout, set by swap_host_linears
         if packed is not None:
             return packed_linear(x, packed, bias, layer.weight.shape[0])
-        if kernel_applies(layer.weight):  # a 16-bit weight on an AVX2 host
+        if getattr(layer, "host_kernel", False) or kernel_applies(
+            layer.weight
+        ):  # swap_host_linears' choice, or AVX2
             return host_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
