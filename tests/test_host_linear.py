@@ -22,6 +22,7 @@ needs_bf16_packing = pytest.mark.skipif(
     not onednn_packs(torch.bfloat16),
     reason="this CPU's oneDNN cannot prepack bf16 (needs AVX-512 or AVX-NE-CONVERT)",
 )
+needs_kernel = pytest.mark.skipif(host_linear_kernel() is None, reason="no C++ compiler for the host kernel")
 
 
 @needs_bf16_packing
@@ -94,12 +95,34 @@ def test_the_long_input_path_is_timed_once_and_leaves_the_rng_alone():
     assert host_linear.float32_pays.cache_info().currsize == 1
 
 
-def test_float32_models_are_left_alone():
+@pytest.mark.parametrize("kernel_wins", [False, True])
+def test_float32_models_take_the_kernel_only_where_it_beats_f_linear(monkeypatch, kernel_wins):
+    monkeypatch.setattr(host_linear, "kernel_beats_library", lambda dtype: kernel_wins)
     model = nn.Sequential(nn.Linear(8, 8))
-    assert swap_host_linears(model) == (0, "") and type(model[0]) is nn.Linear
+    assert swap_host_linears(model) == (0, "") and type(model[0]) is nn.Linear  # no decode batch given
+    count, what = swap_host_linears(model, decode_rows=64)
+    assert (count, type(model[0])) == ((1, HostKernelLinear) if kernel_wins else (0, nn.Linear))
+    assert ("F.linear" in what) == kernel_wins
 
 
-needs_kernel = pytest.mark.skipif(host_linear_kernel() is None, reason="no C++ compiler for the host kernel")
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_ROWS, KERNEL_ROWS + 1])
+def test_float32_kernel_linear_matches_f_linear(rows):
+    """In float32 the kernel differs from F.linear only in the order of the sums."""
+    torch.manual_seed(0)
+    linear = nn.Linear(100, 37)
+    x = torch.randn(rows, 100)
+    torch.testing.assert_close(HostKernelLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_compiled_float32_engines_take_the_kernel_up_to_its_rows(monkeypatch):
+    """A compiled step calls the kernel at any row count, so only decode batches of up to KERNEL_ROWS get it."""
+    monkeypatch.setattr(host_linear, "kernel_beats_library", lambda dtype: True)
+    for rows, expected in ((KERNEL_ROWS, HostKernelLinear), (KERNEL_ROWS + 1, nn.Linear)):
+        model = nn.Sequential(nn.Linear(8, 8))
+        swap_host_linears(model, compiled=True, decode_rows=rows)
+        assert type(model[0]) is expected
 
 
 @needs_kernel
@@ -131,7 +154,7 @@ def test_small_decode_batches_keep_their_weights_for_the_kernel_where_it_beats_p
     tied head still tied), a larger or unknown one packs; either computes what nn.Linear does."""
     from runtime.layers.linear import QKVParallelLinear
 
-    monkeypatch.setattr(host_linear, "kernel_beats_packing", lambda dtype: True)
+    monkeypatch.setattr(host_linear, "kernel_beats_library", lambda dtype: True)
     torch.manual_seed(0)
     qkv = QKVParallelLinear(16, 8, 4, 2, bias=True, params_dtype=torch.bfloat16)
     for p in qkv.parameters():
@@ -153,14 +176,14 @@ def test_small_decode_batches_keep_their_weights_for_the_kernel_where_it_beats_p
 
 @needs_bf16_packing
 @needs_kernel
-def test_the_kernel_against_packing_is_timed_once_and_leaves_the_rng_alone():
-    host_linear.kernel_beats_packing.cache_clear()
+def test_the_kernel_against_the_library_is_timed_once_and_leaves_the_rng_alone():
+    host_linear.kernel_beats_library.cache_clear()
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    assert isinstance(host_linear.kernel_beats_packing(torch.bfloat16), bool)
+    assert isinstance(host_linear.kernel_beats_library(torch.bfloat16), bool)
     assert torch.equal(torch.rand(3), expected)
-    assert host_linear.kernel_beats_packing.cache_info().currsize == 1
+    assert host_linear.kernel_beats_library.cache_info().currsize == 1
 
 
 @needs_kernel

@@ -163,7 +163,12 @@ def host_kernels(request, monkeypatch):
     from runtime.layers import host_linear
 
     def forget() -> None:
-        for cached in (kernels.host_decode_attention, kernels.host_linear_kernel, host_linear._kernel_dtype):
+        for cached in (
+            kernels.host_decode_attention,
+            kernels.host_linear_kernel,
+            host_linear._kernel_dtype,
+            host_linear.kernel_beats_library,
+        ):
             cached.cache_clear()
 
     if request.param == "portable":

@@ -10,6 +10,8 @@
 
 #include "host_float.h"
 
+#include <ATen/Dispatch_v2.h>
+
 #include <algorithm>
 #include <vector>
 
@@ -21,6 +23,7 @@ struct Fp8 {  // float8_e4m3fn bits: sign, 4 exponent bits (bias 7), 3 mantissa 
 };
 
 static inline float weight_value(int8_t w) { return static_cast<float>(w); }
+static inline float weight_value(float w) { return w; }
 static inline float weight_value(at::BFloat16 w) { return to_float(w); }
 static inline float weight_value(at::Half w) { return to_float(w); }
 static inline float weight_value(Fp8 w) {
@@ -57,6 +60,8 @@ static inline __m256 load8(const at::BFloat16* p) {
   const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
 }
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 static inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -243,11 +248,11 @@ torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
     return p.shaped(x);
   }
 #endif
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "float_linear", [&] {
+  AT_DISPATCH_V2(x.scalar_type(), "float_linear", AT_WRAP([&] {
     quantized_gemv<scalar_t, scalar_t>(p.rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), nullptr,
                                        p.bias_ptr<scalar_t>(), p.out.data_ptr<scalar_t>(), p.rows.size(0), p.N,
                                        p.K, 1);
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return p.shaped(x);
 }
 

@@ -1,4 +1,4 @@
-"""bf16 / fp16 linear layers on the host, faster than ``F.linear``'s.
+"""Linear layers on the host, faster than ``F.linear``'s.
 
 Where oneDNN prepacks 16-bit weights (AVX-512 or AVX-NE-CONVERT), they are reordered once, after loading:
 ``F.linear`` on a CPU bf16 weight re-lays the weight out on every call, and oneDNN's prepacked form skips that
@@ -15,13 +15,14 @@ and oneDNN bf16 330-380.
 Elsewhere (AVX2 hosts), ``F.linear`` in bf16 costs about the same per row at any row count (a [1536, 576] weight:
 98 us for one row, 46 ms for 512). Up to ``KERNEL_ROWS`` rows the host C++ kernel reads the weight once in its
 own format (40 us for one row, 0.5 ms for 16); above, the product runs in float32 (5.4 ms for 512 rows, weight
-converted each call). float32 models stay on ``F.linear`` (MKL is at the memory bandwidth).
+converted each call).
 
-Where the host kernel has AVX512_BF16 dot products, its one-row products can beat oneDNN's prepacked ones (a
-SmolLM2 decode step's weights on an AMD EPYC, 2 threads: 6.2 against 7.8 ms): an engine whose decode steps have
-at most ``SMALL_BATCH`` rows keeps its weights as they are and takes the kernel where ``kernel_beats_packing``
-(timed once per process); longer inputs run oneDNN's own ``F.linear``. Packing serves larger batches, whose
-products oneDNN's blocked layout makes faster than the kernel's (4 rows: 5.9 against 6.4 ms).
+The kernel can also beat the library where it has one (``kernel_beats_library``, timed once per process), and
+then runs the decode rows of an engine (``swap_host_linears``' ``decode_rows``), the library the longer inputs.
+On an AMD EPYC with AVX512_BF16, 2 threads, a SmolLM2 decode step's weights took: in float32, 7.9 ms against
+MKL's 23.7 ms for one row (and no more than MKL's up to 64 rows); in bf16 (AVX512_BF16 dot products), 6.2 against
+7.8 ms for oneDNN's prepacked products, but 6.4 against 5.9 ms at 4 rows, so 16-bit weights keep their own layout
+only for engines whose decode steps have at most ``SMALL_BATCH`` rows, and are packed for larger batches.
 """
 
 import functools
@@ -38,7 +39,7 @@ FLOAT32_ROWS = 1024
 FLOAT32_MARGIN = 1.25  # float32 must be this much faster: a close call keeps one path for every row count
 PACK_ROWS = 4096  # the long-input layout of packed weights (prefill), where it costs one-row products nothing
 ONE_ROW_TOLERANCE = 1.05
-SMALL_BATCH = 2  # decode rows up to which the host kernel may take the place of prepacked weights
+SMALL_BATCH = 2  # decode rows up to which the host kernel may take the place of prepacked 16-bit weights
 KERNEL_MARGIN = 1.1  # the kernel must be this much faster at one row: a close call keeps oneDNN
 
 
@@ -93,20 +94,38 @@ def _best_time(product: Callable, x: torch.Tensor, weights: list[torch.Tensor]) 
 
 
 @functools.cache
-def kernel_beats_packing(dtype: torch.dtype) -> bool:
-    """Whether the host kernel's one-row products with ``dtype`` weights run KERNEL_MARGIN times faster than
-    oneDNN's prepacked ones, timed once per process with its threads on 32 [1024, 1024] weights (64 MB: read from
-    memory, as a decode step's weights are)."""
+def kernel_beats_library(dtype: torch.dtype) -> bool:
+    """Whether the host kernel's one-row products with ``dtype`` weights run KERNEL_MARGIN times faster than the
+    library's (oneDNN's prepacked ones where it packs ``dtype``, ``F.linear`` elsewhere), timed once per process
+    with its threads on 64 MB of [1024, 1024] weights (read from memory, as a decode step's weights are)."""
     kernel = host_linear_kernel()
     if kernel is None:
         return False
     values = torch.Generator().manual_seed(0)  # leaves the global RNG as it was
-    weights = [torch.randn(1024, 1024, generator=values).to(dtype) for _ in range(32)]
+    count = (64 << 20) // (1024 * 1024 * dtype.itemsize)
+    weights = [torch.randn(1024, 1024, generator=values).to(dtype) for _ in range(count)]
     x = torch.randn(1, 1024, generator=values).to(dtype)
-    packed = [pack_weight(w) for w in weights]
-    return _best_time(kernel.float_linear, x, weights) * KERNEL_MARGIN < _best_time(
-        _onednn_product, x, packed
-    )
+    if onednn_packs(dtype):
+        library, library_weights = _onednn_product, [pack_weight(w) for w in weights]
+    else:
+        library, library_weights = F.linear, weights
+    kernel_time = _best_time(kernel.float_linear, x, weights)
+    return kernel_time * KERNEL_MARGIN < _best_time(library, x, library_weights)
+
+
+def _kernel_serves(dtype: torch.dtype, compiled: bool, decode_rows: int | None) -> bool:
+    """Whether the host kernel takes the library's place for an engine whose decode steps have at most
+    ``decode_rows`` rows: float32 weights wherever it wins at one row (a compiled step calls it at any row count,
+    so there up to KERNEL_ROWS), 16-bit ones where oneDNN would pack them, for up to SMALL_BATCH rows."""
+    if decode_rows is None:
+        return False
+    if dtype == torch.float32:
+        most = KERNEL_ROWS if compiled else decode_rows
+    elif onednn_packs(dtype):
+        most = SMALL_BATCH
+    else:
+        return False
+    return decode_rows <= most and kernel_beats_library(dtype)
 
 
 def _float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -227,37 +246,30 @@ class HostKernelLinear(nn.Module):
 def swap_host_linears(
     model: nn.Module, compiled: bool = False, decode_rows: int | None = None
 ) -> tuple[int, str]:
-    """Swap every plain ``nn.Linear`` of a host model in bf16/fp16 for a ``HostPackedLinear`` or, where oneDNN
-    cannot prepack or the host kernel is the faster one for decode steps of at most ``decode_rows`` rows (None:
-    unknown), a ``HostKernelLinear``; the runtime's unquantized parallel linears get their weight packed
-    (``pack_parallel_linear``) or are marked for the kernel (``host_kernel``) the same way. Returns how many
-    layers and which path. For a model that runs ``compiled`` only the kernel's and oneDNN's operators apply.
+    """Swap every plain ``nn.Linear`` of a host model for a ``HostKernelLinear`` where the host kernel serves an
+    engine whose decode steps have at most ``decode_rows`` rows (None: unknown) or oneDNN cannot prepack 16-bit
+    weights, else for a ``HostPackedLinear`` where oneDNN packs them; the runtime's unquantized parallel linears
+    are marked for the kernel (``host_kernel``) or packed (``pack_parallel_linear``) the same way. Returns how
+    many layers and which path. For a model that runs ``compiled`` only the kernel's and oneDNN's operators
+    apply.
 
     A weight another module shares (the embedding of a tied LM head) is packed too: the packed copy costs its
     size once more in memory and saves about 2 ms of the 3.4 ms SmolLM2's head takes per decode step."""
     first = next(model.parameters(), None)
-    if first is None or first.device.type != "cpu" or first.dtype not in (torch.bfloat16, torch.float16):
+    if first is None or first.device.type != "cpu" or not first.is_floating_point():
         return 0, ""
     dtype = first.dtype
-    if (
-        onednn_packs(dtype)
-        and decode_rows is not None
-        and decode_rows <= SMALL_BATCH
-        and kernel_beats_packing(dtype)
-    ):
+    if _kernel_serves(dtype, compiled, decode_rows):
+        library = "oneDNN's prepacked products" if onednn_packs(dtype) else "F.linear"
         kind, what = (
             HostKernelLinear,
-            (
-                f"the host kernel up to {KERNEL_ROWS} rows (faster than oneDNN's prepacked products for this engine's "
-                f"decode steps of at most {decode_rows} rows), oneDNN above"
-            ),
+            f"the host kernel up to {KERNEL_ROWS} rows (faster than {library} here), the library above",
         )
     elif onednn_packs(dtype) and not (compiled and host_linear_kernel() is None):
         kind, what = HostPackedLinear, "oneDNN with prepacked weights"
         if float32_pays(dtype):
             what += f", float32 from {FLOAT32_ROWS} rows (faster on this host)"
     elif kernel_applies(first) and not compiled:
-        # the parallel linears' quant_method takes the kernel by itself
         kind, what = HostKernelLinear, f"the host kernel up to {KERNEL_ROWS} rows, float32 above"
     else:
         return 0, ""
@@ -269,8 +281,6 @@ def swap_host_linears(
     ]
     for parent, name, child in swaps:
         setattr(parent, name, kind(child))
-    if not onednn_packs(dtype):
-        return len(swaps), what
     parallel = [m for m in model.modules() if _unquantized_parallel(m, dtype)]
     for layer in parallel:
         if kind is HostPackedLinear:
