@@ -231,7 +231,7 @@ def test_small_batches_run_the_host_kernel_compiled_and_eager_alike(monkeypatch,
 
     if not host_linear.onednn_packs(torch.bfloat16) or host_linear_kernel() is None:
         pytest.skip("the choice exists where oneDNN prepacks bf16 and the host kernel builds")
-    monkeypatch.setattr(host_linear, "kernel_beats_packing", lambda dtype: True)  # whichever is faster here
+    monkeypatch.setattr(host_linear, "kernel_beats_library", lambda dtype: True)  # whichever is faster here
     model_dir = migrate(build_reference("llama", tmp_path_factory), tmp_path)
     config = InferenceConfig.from_yaml(model_dir / "config" / f"{model_dir.name}.yaml")
     config.model_config.dtype, config.scheduler_config.block_size = "bfloat16", 4
