@@ -95,6 +95,23 @@ static inline void dot_rows(const float* x, const W* w, int64_t len, int64_t str
 }
 #endif
 
+// body(n0, rows) for each pass of up to ROWS rows of a weight [N, K] of `bytes`-byte elements, the passes split
+// across threads, each thread prefetching the rows of its pass AHEAD passes on
+template <typename F>
+static void for_each_pass(const void* w, int64_t N, int64_t K, int64_t bytes, F body) {
+  const int64_t passes = (N + ROWS - 1) / ROWS;
+  at::parallel_for(0, passes, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * ROWS;
+      if (p + AHEAD < end) {
+        const char* next = static_cast<const char*>(w) + (n0 + AHEAD * ROWS) * K * bytes;
+        for (int64_t off = 0; off < ROWS * K * bytes; off += 64) __builtin_prefetch(next + off);
+      }
+      body(n0, std::min(ROWS, N - n0));
+    }
+  });
+}
+
 template <typename T, typename W>
 static void quantized_gemv(const T* xt, const W* w, const float* scale, const T* bias, T* out, int64_t M,
                            int64_t N, int64_t K, int64_t G) {
@@ -102,33 +119,25 @@ static void quantized_gemv(const T* xt, const W* w, const float* scale, const T*
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xt[i]);
   const float* x = xf.data();
-  const int64_t passes = (N + ROWS - 1) / ROWS;
-  at::parallel_for(0, passes, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * ROWS, rows = std::min(ROWS, N - n0);
-      if (p + AHEAD < end) {
-        const char* next = reinterpret_cast<const char*>(w + (n0 + AHEAD * ROWS) * K);
-        for (int64_t off = 0; off < ROWS * K * int64_t(sizeof(W)); off += 64) __builtin_prefetch(next + off);
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        float acc[ROWS] = {0.f, 0.f, 0.f, 0.f}, part[ROWS];
-        for (int64_t g = 0; g < G; ++g) {
-          const float* xg = x + m * K + g * group;
-          const W* wg = w + n0 * K + g * group;
-          if (rows == ROWS) {
-            dot_rows(xg, wg, group, K, part);
-          } else {
-            for (int64_t r = 0; r < rows; ++r) {
-              part[r] = 0.f;
-              for (int64_t k = 0; k < group; ++k) part[r] += xg[k] * weight_value(wg[r * K + k]);
-            }
+  for_each_pass(w, N, K, sizeof(W), [&](int64_t n0, int64_t rows) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc[ROWS] = {0.f, 0.f, 0.f, 0.f}, part[ROWS];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* xg = x + m * K + g * group;
+        const W* wg = w + n0 * K + g * group;
+        if (rows == ROWS) {
+          dot_rows(xg, wg, group, K, part);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            part[r] = 0.f;
+            for (int64_t k = 0; k < group; ++k) part[r] += xg[k] * weight_value(wg[r * K + k]);
           }
-          for (int64_t r = 0; r < rows; ++r) acc[r] += scale ? part[r] * scale[(n0 + r) * G + g] : part[r];
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t n = n0 + r;
-          out[m * N + n] = static_cast<T>(acc[r] + (bias ? to_float(bias[n]) : 0.f));
-        }
+        for (int64_t r = 0; r < rows; ++r) acc[r] += scale ? part[r] * scale[(n0 + r) * G + g] : part[r];
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = n0 + r;
+        out[m * N + n] = static_cast<T>(acc[r] + (bias ? to_float(bias[n]) : 0.f));
       }
     }
   });
@@ -215,29 +224,21 @@ static inline void dot_rows_bf16(const at::BFloat16* x, const at::BFloat16* w, i
 
 static void bf16_gemv(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* out,
                       int64_t M, int64_t N, int64_t K) {
-  const int64_t passes = (N + ROWS - 1) / ROWS;
-  at::parallel_for(0, passes, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * ROWS, rows = std::min(ROWS, N - n0);
-      if (p + AHEAD < end) {
-        const char* next = reinterpret_cast<const char*>(w + (n0 + AHEAD * ROWS) * K);
-        for (int64_t off = 0; off < ROWS * K * 2; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        float acc[ROWS];
-        if (rows == ROWS)
-          dot_rows_bf16<ROWS>(x + m * K, w + n0 * K, K, acc);
-        else
-          for (int64_t r = 0; r < rows; ++r) dot_rows_bf16<1>(x + m * K, w + (n0 + r) * K, K, acc + r);
-        for (int64_t r = 0; r < rows; ++r)
-          out[m * N + n0 + r] = from_float<at::BFloat16>(acc[r] + (bias ? to_float(bias[n0 + r]) : 0.f));
-      }
+  for_each_pass(w, N, K, sizeof(at::BFloat16), [&](int64_t n0, int64_t rows) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc[ROWS];
+      if (rows == ROWS)
+        dot_rows_bf16<ROWS>(x + m * K, w + n0 * K, K, acc);
+      else
+        for (int64_t r = 0; r < rows; ++r) dot_rows_bf16<1>(x + m * K, w + (n0 + r) * K, K, acc + r);
+      for (int64_t r = 0; r < rows; ++r)
+        out[m * N + n0 + r] = from_float<at::BFloat16>(acc[r] + (bias ? to_float(bias[n0 + r]) : 0.f));
     }
   });
 }
 #endif
 
-// x [.., K] and weight [N, K] of one 16-bit float type: F.linear for a few rows, reading the weight once
+// x [.., K] and weight [N, K] of one float type (float32, bf16 or fp16): F.linear for a few rows, reading the weight once
 torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight: the same dtype");
   const Product p(x, weight, bias);
