@@ -105,6 +105,14 @@ def test_float32_models_take_the_kernel_only_where_it_beats_f_linear(monkeypatch
     assert ("F.linear" in what) == kernel_wins
 
 
+def test_a_weight_the_kernel_cannot_read_in_place_keeps_nn_linear(monkeypatch):
+    monkeypatch.setattr(host_linear, "kernel_beats_library", lambda dtype: True)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].weight = nn.Parameter(model[1].weight.detach().t().contiguous().t())  # column-major
+    assert swap_host_linears(model, decode_rows=1)[0] == 1
+    assert type(model[0]) is HostKernelLinear and type(model[1]) is nn.Linear
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, KERNEL_ROWS, KERNEL_ROWS + 1])
 def test_float32_kernel_linear_matches_f_linear(rows):
@@ -128,7 +136,7 @@ def test_compiled_float32_engines_take_the_kernel_up_to_its_rows(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, KERNEL_ROWS, KERNEL_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [1, 5, KERNEL_ROWS, KERNEL_ROWS + 1, 64, FLOAT32_ROWS])
 @pytest.mark.parametrize("columns", [100, 96])  # a remainder of columns, and whole 32-column steps
 def test_kernel_linear_matches_float32_product_rounded_once(dtype, bias, rows, columns):
     """Up to KERNEL_ROWS rows the kernel, above them oneDNN or float32: all sum in float32 and round the output

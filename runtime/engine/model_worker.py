@@ -126,11 +126,7 @@ class ModelWorker:
             )
         self.model = model
         self.param_bytes = param_bytes(model)
-        if (
-            swapped := swap_host_linears(
-                model, compiled=mc.exe_mode != "eager", decode_rows=self.config.scheduler_config.batch_size
-            )
-        )[0]:
+        if (swapped := swap_host_linears(model, mc.exe_mode != "eager", self._decode_rows()))[0]:
             logger.info("[Main] %d linear layers run on %s", *swapped)
         self.decode_model = compile_decode(model, mc.exe_mode, self.dist.device)
         logger.info(
@@ -142,6 +138,13 @@ class ModelWorker:
             self.param_bytes,
             self.dist.rank,
         )
+
+    def _decode_rows(self) -> int | None:
+        """The most rows a linear layer takes in a decode step (None: this engine only prefills). Under attention
+        TP or DP a TP group gathers its ranks' padded rows, so the bound is the batch times the world size."""
+        if self.config.disagg_config.disaggregation_mode == "PREFILL":
+            return None
+        return self.config.scheduler_config.batch_size * self.config.parallel_config.world_size
 
     def _saved_quant_method(self) -> str | None:
         """The quant_method convert-weights saved model_path's shards with (None: not such shards); it must be

@@ -106,7 +106,7 @@ def host_silu_and_mul():
 
 @functools.cache
 def host_linear_kernel():
-    """int8_linear / fp8_linear (quantized weights) and float_linear (bf16 / fp16 weights) for decode rows;
+    """int8_linear / fp8_linear (quantized weights) and float_linear (float32, bf16, fp16 weights) for decode rows;
     ``torch.ops.skill.onednn_linear`` (x, oneDNN-packed weight, bias) and ``torch.ops.skill.float_linear`` join
     the operators with it."""
     module = _load("host_linear", "dequantize + matmul, or F.linear")

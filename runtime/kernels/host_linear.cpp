@@ -1,9 +1,10 @@
-// Linear with int8, fp8 (e4m3), bf16 or fp16 weights for a few rows of activations (decode), host only.
+// Linear with int8, fp8 (e4m3), float32, bf16 or fp16 weights for a few rows of activations (decode), host only.
 //
 // out[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * w[n, k] + bias[n], with w [N, K] and float
-// scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel; none for bf16 / fp16). x is converted to float
-// once, each weight exactly to float, and the products are summed in float, so the only difference from the
-// dequantized float product is the order of the sums. Four weight rows are done per pass (four independent FMA
+// scales [N, G] over G groups of K / G columns (G = 1: one scale per output channel; none for float weights). x is
+// converted to float once, each weight exactly to float, and the products are summed in float, so the only
+// difference from the dequantized float product is the order of the sums (bf16 with AVX512_BF16 sums the exact
+// products of x and w as they are, subnormals flushed to zero). Four weight rows are done per pass (four independent FMA
 // chains sharing each load of x), and the next pass's rows are prefetched: decode reads the weights from memory
 // once per step, and without the prefetch the loop waits on it.
 #include <torch/extension.h>  // a Python module: pybind11 and its tensor casters

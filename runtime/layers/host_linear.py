@@ -19,9 +19,9 @@ converted each call).
 
 The kernel can also beat the library where it has one (``kernel_beats_library``, timed once per process), and
 then runs the decode rows of an engine (``swap_host_linears``' ``decode_rows``), the library the longer inputs.
-On an AMD EPYC with AVX512_BF16, 2 threads, a SmolLM2 decode step's weights took: in float32, 7.9 ms against
-MKL's 23.7 ms for one row (and no more than MKL's up to 64 rows); in bf16 (AVX512_BF16 dot products), 6.2 against
-7.8 ms for oneDNN's prepacked products, but 6.4 against 5.9 ms at 4 rows, so 16-bit weights keep their own layout
+On an AMD EPYC with AVX512_BF16, 2 threads, the 30 layers of a SmolLM2 decode step took: in float32, 7.9 ms
+against MKL's 23.7 ms for one row (and no more than MKL's up to 64 rows); in bf16 (AVX512_BF16 dot products), 4.0
+against 5.3 ms for oneDNN's prepacked products, but 6.4 against 5.9 ms at 4 rows, so 16-bit weights keep their own layout
 only for engines whose decode steps have at most ``SMALL_BATCH`` rows, and are packed for larger batches.
 """
 
@@ -117,7 +117,7 @@ def _kernel_serves(dtype: torch.dtype, compiled: bool, decode_rows: int | None) 
     """Whether the host kernel takes the library's place for an engine whose decode steps have at most
     ``decode_rows`` rows: float32 weights wherever it wins at one row (a compiled step calls it at any row count,
     so there up to KERNEL_ROWS), 16-bit ones where oneDNN would pack them, for up to SMALL_BATCH rows."""
-    if decode_rows is None:
+    if decode_rows is None or host_linear_kernel() is None:
         return False
     if dtype == torch.float32:
         most = KERNEL_ROWS if compiled else decode_rows
@@ -210,15 +210,16 @@ def kernel_applies(weight: torch.Tensor) -> bool:
 
 
 def host_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for a 16-bit weight where ``kernel_applies`` or ``swap_host_linears`` chose the kernel: the
-    host kernel up to KERNEL_ROWS rows (and in a compiled decode step), above them oneDNN's product where it runs
-    16-bit weights natively, float32 elsewhere (all sum in float32 and round the output once)."""
+    """``F.linear`` where ``kernel_applies`` or ``swap_host_linears`` chose the kernel: the host kernel up to
+    KERNEL_ROWS rows (and in a compiled decode step); above them oneDNN's product where it runs 16-bit weights
+    natively (in float32 from FLOAT32_ROWS rows where ``float32_pays``), float32 elsewhere, which is F.linear for a
+    float32 weight (all sum in float32 and round the output once)."""
     rows = x.reshape(-1, weight.shape[1])
     if torch.compiler.is_compiling():
         out = torch.ops.skill.float_linear(rows, weight, bias)
     elif rows.shape[0] <= KERNEL_ROWS:
         out = host_linear_kernel().float_linear(rows, weight, bias)
-    elif onednn_packs(weight.dtype):
+    elif onednn_packs(weight.dtype) and not (rows.shape[0] >= FLOAT32_ROWS and float32_pays(weight.dtype)):
         out = F.linear(rows, weight, bias)
     else:
         out = _float32_linear(rows, weight, bias)
@@ -226,8 +227,8 @@ def host_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 class HostKernelLinear(nn.Module):
-    """An ``nn.Linear`` with a bf16 / fp16 weight (shared, so a tied head stays tied) that ``host_linear``
-    applies: decode rows through the host kernel, longer inputs through oneDNN or in float32."""
+    """An ``nn.Linear`` (its weight shared, so a tied head stays tied) that ``host_linear`` applies: decode rows
+    through the host kernel, longer inputs through the library or in float32."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -263,7 +264,7 @@ def swap_host_linears(
         library = "oneDNN's prepacked products" if onednn_packs(dtype) else "F.linear"
         kind, what = (
             HostKernelLinear,
-            f"the host kernel up to {KERNEL_ROWS} rows (faster than {library} here), the library above",
+            f"the host kernel up to {KERNEL_ROWS} rows (faster than {library} here), F.linear above",
         )
     elif onednn_packs(dtype) and not (compiled and host_linear_kernel() is None):
         kind, what = HostPackedLinear, "oneDNN with prepacked weights"
@@ -277,7 +278,7 @@ def swap_host_linears(
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == dtype
+        if type(child) is nn.Linear and child.weight.dtype == dtype and child.weight.is_contiguous()
     ]
     for parent, name, child in swaps:
         setattr(parent, name, kind(child))
@@ -297,6 +298,7 @@ def _unquantized_parallel(module: nn.Module, dtype: torch.dtype) -> bool:
         and isinstance(weight, nn.Parameter)
         and weight.dim() == 2
         and weight.dtype == dtype
+        and weight.is_contiguous()  # the host kernel reads rows in place
     )
 
 
