@@ -58,6 +58,7 @@ def test_workloads_run_and_report(workload, tmp_path, tiny_llama_dir):
         assert abs(w["ratio"] - w["ours_tok_s"] / w["peer_tok_s"]) < 1e-9
         assert 0 < w["ttft_p50_ms"] <= w["ttft_p99_ms"] and w["peer_ttft_p99_ms"] > 0
         assert w["peak_rss_mb"]["ours"] > 0 and w["peak_rss_mb"]["peer"] > 0
+        assert isinstance(w["ours_linears"], str) and w["ours_linears"]  # the path this host's timing picked
         assert w["spot_check"]["checked"] > 0 and w["spot_check"]["passed"], (name, w["spot_check"])
         served = w["served"]  # the same engine over HTTP: the same tokens as the offline engine
         assert served["outputs_match_ours"] and served["tok_s"] > 0 and served["peak_rss_mb"] > 0, (

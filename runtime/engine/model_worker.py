@@ -126,8 +126,9 @@ class ModelWorker:
             )
         self.model = model
         self.param_bytes = param_bytes(model)
-        if (swapped := swap_host_linears(model, mc.exe_mode != "eager", self._decode_rows()))[0]:
-            logger.info("[Main] %d linear layers run on %s", *swapped)
+        count, self.linear_path = swap_host_linears(model, mc.exe_mode != "eager", self._decode_rows())
+        if count:
+            logger.info("[Main] %d linear layers run on %s", count, self.linear_path)
         self.decode_model = compile_decode(model, mc.exe_mode, self.dist.device)
         logger.info(
             "[Main] model %s loaded in %.1f s (%s, %s), %d parameter bytes on rank %d",

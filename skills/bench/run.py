@@ -139,6 +139,7 @@ def bench_workload(opts: BenchOptions, name: str, bandwidth: float) -> dict:
         "spot_check": None,
         "served": None,
         "quantized": None,
+        "ours_linears": info["linears"],  # the path swap_host_linears took (some are timed per process)
     }
     if opts.serve:
         served = _summary(workload, runs["served"])

@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
         else:
             runner = Ours(Path(model_dir), config)
             info = dict(zip(("weight_bytes", "kv_bytes_per_token"), runner.bytes_per_token()))
+            info["linears"] = runner.engine.worker.linear_path or "F.linear"
     else:
         from runtime.config import InferenceConfig
         from skills.bench.engines import Peer
