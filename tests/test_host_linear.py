@@ -74,25 +74,16 @@ def test_either_packed_layout_computes_what_nn_linear_does(monkeypatch, rows):
 
 
 @needs_bf16_packing
-def test_the_pack_layout_is_timed_once_and_leaves_the_rng_alone():
-    host_linear.pack_rows.cache_clear()
+@pytest.mark.parametrize("timing", ["pack_rows", "float32_pays", "kernel_beats_library"])
+def test_each_path_choice_is_timed_once_and_leaves_the_rng_alone(timing):
+    choose = getattr(host_linear, timing)
+    choose.cache_clear()
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    assert host_linear.pack_rows(torch.bfloat16) in (1, PACK_ROWS)
+    assert choose(torch.bfloat16) in ((1, PACK_ROWS) if timing == "pack_rows" else (False, True))
     assert torch.equal(torch.rand(3), expected)
-    assert host_linear.pack_rows.cache_info().currsize == 1
-
-
-@needs_bf16_packing
-def test_the_long_input_path_is_timed_once_and_leaves_the_rng_alone():
-    host_linear.float32_pays.cache_clear()
-    torch.manual_seed(0)
-    expected = torch.rand(3)
-    torch.manual_seed(0)
-    assert isinstance(host_linear.float32_pays(torch.bfloat16), bool)
-    assert torch.equal(torch.rand(3), expected)
-    assert host_linear.float32_pays.cache_info().currsize == 1
+    assert choose.cache_info().currsize == 1
 
 
 @pytest.mark.parametrize("kernel_wins", [False, True])
@@ -180,18 +171,6 @@ def test_small_decode_batches_keep_their_weights_for_the_kernel_where_it_beats_p
     if small:
         assert model[3].weight is model[0].weight and qkv.weight.device.type == "cpu"
     torch.testing.assert_close(model(ids), expected, atol=1e-6, rtol=1.6e-2)
-
-
-@needs_bf16_packing
-@needs_kernel
-def test_the_kernel_against_the_library_is_timed_once_and_leaves_the_rng_alone():
-    host_linear.kernel_beats_library.cache_clear()
-    torch.manual_seed(0)
-    expected = torch.rand(3)
-    torch.manual_seed(0)
-    assert isinstance(host_linear.kernel_beats_library(torch.bfloat16), bool)
-    assert torch.equal(torch.rand(3), expected)
-    assert host_linear.kernel_beats_library.cache_info().currsize == 1
 
 
 @needs_kernel
