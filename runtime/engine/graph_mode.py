@@ -3,8 +3,8 @@
 ``compile`` is ``torch.compile`` with dynamic shapes: batch size and context length are symbols, so the two
 graphs warm-up traces (one row, and more) serve every decode step after it. On the host, the linears run oneDNN's
 products on weights packed at load or the host kernel (``swap_host_linears`` picks), and attention reads the paged
-cache with the host kernel, all operators of ours that the graph calls as they are; inductor fuses the small operations between them, keeping
-eager's roundings to 16 bits (``emulate_precision_casts``: the same greedy tokens). The Ascend modes go through
+cache with the host kernel, all operators of ours that the graph calls as they are; inductor fuses the small
+operations between them, keeping eager's roundings to 16 bits (``emulate_precision_casts``: the same greedy tokens). The Ascend modes go through
 torchair's NPU backend (untested here: no NPU).
 """
 

@@ -21,8 +21,8 @@ The kernel can also beat the library where it has one (``kernel_beats_library``,
 then runs the decode rows of an engine (``swap_host_linears``' ``decode_rows``), the library the longer inputs.
 On an AMD EPYC with AVX512_BF16, 2 threads, the 30 layers of a SmolLM2 decode step took: in float32, 7.9 ms
 against MKL's 23.7 ms for one row (and no more than MKL's up to 64 rows); in bf16 (AVX512_BF16 dot products), 4.0
-against 5.3 ms for oneDNN's prepacked products, but 6.4 against 5.9 ms at 4 rows, so 16-bit weights keep their own layout
-only for engines whose decode steps have at most ``SMALL_BATCH`` rows, and are packed for larger batches.
+against 5.3 ms for oneDNN's prepacked products, but 6.4 against 5.9 ms at 4 rows, so 16-bit weights keep their own
+layout only for engines whose decode steps have at most ``SMALL_BATCH`` rows, and are packed for larger batches.
 """
 
 import functools
@@ -154,12 +154,17 @@ def float32_pays(dtype: torch.dtype) -> bool:
     return _best_time(_float32_product, x, packed) * FLOAT32_MARGIN < _best_time(_onednn_product, x, packed)
 
 
+def _long_input_in_float32(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a product of ``rows`` rows with a 16-bit weight runs in float32 (``float32_pays``)."""
+    return rows >= FLOAT32_ROWS and float32_pays(dtype)
+
+
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """``F.linear`` with a ``pack_weight`` weight: oneDNN, or float32 from FLOAT32_ROWS rows where that pays."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] >= FLOAT32_ROWS and float32_pays(x.dtype):
+    if _long_input_in_float32(rows.shape[0], x.dtype):
         out = _float32_product(rows, packed, bias)
     else:
         out = _onednn_product(rows, packed, bias)
@@ -219,7 +224,7 @@ def host_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         out = torch.ops.skill.float_linear(rows, weight, bias)
     elif rows.shape[0] <= KERNEL_ROWS:
         out = host_linear_kernel().float_linear(rows, weight, bias)
-    elif onednn_packs(weight.dtype) and not (rows.shape[0] >= FLOAT32_ROWS and float32_pays(weight.dtype)):
+    elif onednn_packs(weight.dtype) and not _long_input_in_float32(rows.shape[0], weight.dtype):
         out = F.linear(rows, weight, bias)
     else:
         out = _float32_linear(rows, weight, bias)

@@ -33,9 +33,8 @@ class UnquantizedLinearMethod:
         packed = getattr(layer, "packed_weight", None)  # oneDNN's layout, set by swap_host_linears
         if packed is not None:
             return packed_linear(x, packed, bias, layer.weight.shape[0])
-        if getattr(layer, "host_kernel", False) or kernel_applies(
-            layer.weight
-        ):  # swap_host_linears' choice, or AVX2
+        # swap_host_linears chose the host kernel, or a 16-bit weight on a host oneDNN cannot pack it for
+        if getattr(layer, "host_kernel", False) or kernel_applies(layer.weight):
             return host_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
