@@ -141,6 +141,9 @@ def test_idempotent(run_rule):
 def test_tying_follows_tied_weights_keys(run_rule):
     no_keys = BEFORE.replace('    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}\n', "")
     assert "tie_word_embeddings" not in run_rule(rule, no_keys, **GEMMA3)
+    # An empty mapping: never tied, whatever the config says (Inkling's configs have no tie_word_embeddings).
+    never = BEFORE.replace('{"lm_head.weight": "model.embed_tokens.weight"}', "{}")
+    assert "tie_word_embeddings" not in run_rule(rule, never, **GEMMA3)
     # Older list form: the lm_head is tied to <inner>.embed_tokens.
     as_list = BEFORE.replace('{"lm_head.weight": "model.embed_tokens.weight"}', '["lm_head.weight"]')
     init = entry_methods(run_rule(rule, as_list, **GEMMA3), "Gemma3ForCausalLM")["__init__"]

@@ -64,7 +64,9 @@ def _tie_statement(cls: cst.ClassDef, inner: str) -> list[cst.BaseStatement]:
         assign = s.body[0] if isinstance(s, cst.SimpleStatementLine) else None
         if m.matches(assign, m.Assign(targets=[m.AssignTarget(m.Name("_tied_weights_keys"))])):
             value = assign.value
-            if isinstance(value, cst.Dict) and value.elements:
+            if isinstance(value, cst.Dict) and not value.elements:  # transformers 5's "never tied" (Inkling)
+                return []
+            if isinstance(value, cst.Dict):
                 pairs = [
                     (e.key.evaluated_value, e.value.evaluated_value)
                     for e in value.elements
