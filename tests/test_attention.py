@@ -18,7 +18,13 @@ from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.errors import UserError
 from runtime.kernels import STALE_LOCK_S, _drop_stale_lock, host_decode_attention
 from runtime.kv_cache import NULL_BLOCK, CacheEntry, KVCacheManager, ModelCacheInfo, cdiv
-from runtime.layers.attention import Attention, alibi_slopes, cache_info_of, probed_cache_keys
+from runtime.layers.attention import (
+    Attention,
+    alibi_slopes,
+    cache_info_of,
+    distance_positions,
+    probed_cache_keys,
+)
 
 H, KV, D, BS, SCALE, MAX_LEN = 8, 2, 16, 4, 0.3, 32
 LENS = [1, 5, 11]
@@ -41,12 +47,14 @@ def naive(
     chosen=None,
     bias=None,
     keep=None,
+    by_distance=None,
 ):
     """One request: q [L, H, D], k/v [L, KV, D]; the outputs [len(rows), H, D] of query positions `rows`.
     A sink is one more logit in the softmax, with no value row. `tiled`: query head h reads kv head h % KV.
     `alibi` [H]: slope * (key position - query position) joins the scaled scores. `chosen`: the positions each
     row may read besides (an indexer's picks), for every head or a set per head. `bias` [L, KV]: joins the scores of its key; `keep`: a row reads
-    only that many keys, those of the largest bias."""
+    only that many keys, those of the largest bias. `by_distance` [len(rows), H, E]: column d joins the score of
+    the key d positions back, for d < E."""
     spread = (
         (lambda x: x.double().repeat(1, H // KV, 1))
         if tiled
@@ -69,6 +77,14 @@ def naive(
                 s = s + alibi[h].double() * (torch.tensor(js, dtype=torch.float64) - i)
             if bias is not None:
                 s = s + bias[js, h]
+            if by_distance is not None:
+                back = [i - j for j in js]
+                s = (
+                    s
+                    + torch.tensor(
+                        [by_distance[n, h, d] if d < by_distance.shape[-1] else 0.0 for d in back]
+                    ).double()
+                )
             p = torch.softmax(s if sinks is None else torch.cat([s, sinks[h : h + 1].double()]), 0)
             out[n, h] = p[: len(js)] @ v[js, h]
     return out
@@ -112,12 +128,14 @@ class Run:
         tied=False,
         pick_block=1,
         pick_groups=0,
+        distance=None,
     ):
         self.picks = picks  # positions an indexer picks for each query (selected=), one of them its own
         # or blocks of pick_block positions, per group of H / pick_groups heads when pick_groups (MiniMax-M3)
         self.pick_block, self.pick_groups = pick_block, pick_groups
         self.key_bias, self.keep = key_bias or keep is not None, keep  # a bias per key (key_bias=)
         self.tied = tied  # biases drawn from three values: equal ones everywhere
+        self.distance = distance  # width of a bias table by backward distance per query (distance_bias=)
         self.layer = Attention(
             H,
             D,
@@ -181,6 +199,7 @@ class Run:
         if self.tied:
             bias = bias.sign()
         selected = self.pick(md, computed) if self.picks else None
+        table = 2 * self.randn(T, H, self.distance) if self.distance else None
         out = self.layer(
             q.flatten(1),
             k.flatten(1),
@@ -189,6 +208,7 @@ class Run:
             self.sinks,
             selected=selected,
             key_bias=bias if self.key_bias else None,
+            distance_bias=table,
         )
         out = out.view(T, H, self.dv)
         for b, (r, c, n, a) in enumerate(zip(rids, computed, lens, md.actual_seq_lengths_cu_q.tolist())):
@@ -206,6 +226,7 @@ class Run:
                 chosen,
                 h[3] if self.key_bias else None,
                 self.keep,
+                None if table is None else table[a : a + n],
             )
             torch.testing.assert_close(out[a : a + n].double(), ref, atol=1e-5, rtol=0)
         self.check_cache(rids, tables)
@@ -626,6 +647,39 @@ def test_alibi_biases_prefill_and_decode_by_distance(window, legacy):
     """ALiBi (bloom, mpt): slope[h] * (key position - query position) joins the scores; decode takes the gathered
     path (the C++ kernel has no bias)."""
     prefill_then_decode(Run(window, legacy=legacy, alibi=alibi_slopes(H, scale=0.5)), LENS, steps=4)
+
+
+@pytest.mark.parametrize(
+    "lens, window, extent, legacy, tiled",
+    [
+        (LENS, None, 3, False, False),
+        (RUNS, 4, 3, False, False),
+        (LENS, None, 40, False, False),
+        (LENS, None, 3, True, False),
+        (LENS, None, 5, False, True),
+    ],
+    ids=["extent3", "extent3-window4-runs", "wider-than-contexts", "legacy", "tiled"],
+)
+def test_a_bias_by_distance_joins_each_querys_scores(lens, window, extent, legacy, tiled):
+    """Inkling's relative position bias: per query token and head, a table of biases by backward distance, column
+    d joining the score of the key d positions back, none from the table's width on; prefill and decode (the
+    gathered path: the C++ kernel has no bias)."""
+    prefill_then_decode(Run(window, legacy=legacy, tiled=tiled, distance=extent), lens, steps=5)
+
+
+def test_a_bias_by_distance_of_other_heads_is_refused():
+    run = Run(distance=3)
+    q, k, v = run.randn(4, H, D), run.randn(4, KV, D), run.randn(4, KV, D)
+    with pytest.raises(
+        UserError, match="takes a distance bias per query token and head \\[4, 8\\] .*, not \\[4, 2\\]"
+    ):
+        run.layer(q, k, v, _prefill(run, 4), distance_bias=torch.zeros(4, KV, 3))
+
+
+def test_distance_positions_give_column_d_at_distance_d():
+    md = metadata(False, [1, 1], [6, 2], [[1, 2], [3]], BS, "full")
+    queries, keys = distance_positions(md)
+    assert queries.tolist() == [6, 6] and (queries[:, None] - keys[None, :])[0].tolist() == list(range(7))
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["paged", "legacy"])

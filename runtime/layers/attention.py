@@ -99,6 +99,53 @@ def decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torc
     return md.memo(("decode_mask", window, num_slots), build)
 
 
+def distance_positions(md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions [T], key positions [D]) at which a relative position bias, one that reads the
+    positions only as query minus key, gives the table ``Attention(distance_bias=)`` takes: every query at D - 1,
+    key d at D - 1 - d, so column d is distance d. D is the longest distance a query of this step reaches."""
+    device = md.positions.device
+    distances = max(md.max_seq_len_kv, md.max_seq_len_q, 1)
+    return (
+        torch.full((md.num_tokens,), distances - 1, device=device),
+        torch.arange(distances - 1, -1, -1, device=device),
+    )
+
+
+@dataclass(frozen=True)
+class ScoreBias:
+    """What joins the scaled scores besides the mask: ALiBi's ``slopes`` [H] (``slope[h] * (key position - query
+    position)``) and ``by_distance`` [T, H, D], one bias per query token, head and backward distance (column d
+    for the key d positions before the query, zero from D on: a relative position bias conditioned on the query,
+    as Inkling's)."""
+
+    slopes: torch.Tensor | None = None
+    by_distance: torch.Tensor | None = None
+
+    def at(self, first: int, count: int, length: int, key_minus_query: torch.Tensor) -> torch.Tensor:
+        """The bias of ``count`` requests of ``length`` queries each, from packed token ``first``, at the keys'
+        relative positions (``key_minus_query`` broadcast to [count, 1, length, keys]) -> [count, H, length, keys]."""
+        bias = 0.0
+        if self.slopes is not None:
+            bias = self.slopes.float().view(1, -1, 1, 1) * key_minus_query
+        if self.by_distance is not None:
+            table = (
+                self.by_distance[first : first + count * length].unflatten(0, (count, length)).transpose(1, 2)
+            )
+            distance = (-key_minus_query).long()
+            inside = (distance >= 0) & (distance < table.shape[-1])
+            index = distance.clamp(0, table.shape[-1] - 1).expand(*table.shape[:3], distance.shape[-1])
+            bias = bias + table.float().gather(-1, index).masked_fill(~inside, 0.0)
+        return bias
+
+    def by_head_groups(self, kv_heads: int) -> "ScoreBias":
+        """The bias with its query heads reordered as ``_tiled_to_grouped`` orders them."""
+        slopes, table = self.slopes, self.by_distance
+        return ScoreBias(
+            None if slopes is None else _tiled_to_grouped(slopes[None, :, None], kv_heads)[0, :, 0],
+            None if table is None else _tiled_to_grouped(table, kv_heads),
+        )
+
+
 @dataclass(frozen=True)
 class Picks:
     """What a sparse-attention indexer picked in each request's context (``index_cache.by_request``'s layout:
@@ -138,19 +185,18 @@ def _kept(bias: torch.Tensor, allowed: torch.Tensor, keep: int, num_heads: int) 
     return kept.repeat_interleave(num_heads // bias.shape[1], 1)
 
 
-def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None, alibi (slopes [H], key-minus-query positions
-    broadcast to mask's shape) or None -> [B, H, Lq, D]."""
-    if soft_cap is None and sinks is None and alibi is None:
+def _sdpa(q, k, v, mask, scale, soft_cap, sinks, bias=None):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None, bias (``ScoreBias.at``'s) or None
+    -> [B, H, Lq, D]."""
+    if soft_cap is None and sinks is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = (q @ k.transpose(-1, -2)).float() * scale
     if soft_cap is not None:
         scores = torch.tanh(scores / soft_cap) * soft_cap
-    if alibi is not None:  # a linear bias by distance, one slope per head
-        slopes, distance = alibi
-        scores = scores + slopes.float().view(1, -1, 1, 1) * distance
+    if bias is not None:
+        scores = scores + bias
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     if sinks is None:
         return torch.softmax(scores, dim=-1).to(q.dtype) @ v
@@ -159,7 +205,7 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks, alibi=None):
 
 
 def _prefill(
-    q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi=None, picks=None, keep=None
+    q, k, v, md, scale, sliding_window, soft_cap, sinks, bias=None, picks=None, keep=None
 ) -> torch.Tensor:
     """Each request's fresh tokens attend causally to each other: q [T, H, D], k/v [T, Hkv, D | Dv] -> [T, H, Dv];
     ``picks``: only the fresh tokens an indexer picked for each query (``Picks``); ``keep``: only
@@ -174,17 +220,17 @@ def _prefill(
             x[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for x in (q, k, v)
         )
         kept = keep is not None and length > keep
-        plain = soft_cap is None and sinks is None and not sliding_window and alibi is None and not kept
+        plain = soft_cap is None and sinks is None and not sliding_window and bias is None and not kept
         if plain and picks is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            bias = None if alibi is None else (alibi, _distances(md, length))
+            scores_bias = None if bias is None else bias.at(start, count, length, _distances(md, length))
             mask = causal_mask(md, length, sliding_window)
             if picks is not None:  # built per run: [count, H, length, length], not for the longest request
                 mask = mask & picks.of_requests(first, count).mask(length)[:, :, :length]
             if kept:
                 mask = _kept(ki[..., -1], mask.expand(count, 1, length, length), keep, qi.shape[1])
-            o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, bias)
+            o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, scores_bias)
         outs.append(o.transpose(1, 2).flatten(0, 1))
         first += count
     return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -232,22 +278,22 @@ def attend(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
-    alibi: torch.Tensor | None = None,
+    bias: ScoreBias | None = None,
     picks: Picks | None = None,
     keep: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H], ALiBi
-    slopes [H], an indexer's picks (``Picks``), the keys to keep by their bias (``_kept``)
+    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H], a bias on
+    the scores (``ScoreBias``), an indexer's picks (``Picks``), the keys to keep by their bias (``_kept``)
     -> [T, H, Dv]."""
     kv_heads, head_dim, v_head_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     slots = md.slot_mapping[group]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, kv_heads, v_head_dim).index_copy_(0, slots, v)
     if md.is_prefill:
-        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, alibi, picks, keep)
+        return _prefill(q, k, v, md, scale, sliding_window, soft_cap, sinks, bias, picks, keep)
     table = md.block_table[group]
     kept = keep is not None and md.max_seq_len_kv > keep  # a context holds more keys
-    host = q.device.type == "cpu" and alibi is None and picks is None and q.dtype != torch.float64
+    host = q.device.type == "cpu" and bias is None and picks is None and q.dtype != torch.float64
     host &= not kept
     if host and (kernel := _decode_kernel()):
         return kernel(
@@ -269,8 +315,8 @@ def attend(
         mask = mask & picks.mask(ctx_k.shape[2])
     if kept:
         mask = _kept(ctx_k[..., -1], mask, keep, q.shape[1])
-    bias = None if alibi is None else (alibi, _decode_distances(md, ctx_k.shape[2]))
-    return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, bias)[:, :, 0]
+    scores_bias = None if bias is None else bias.at(0, B, 1, _decode_distances(md, ctx_k.shape[2]))
+    return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, scores_bias)[:, :, 0]
 
 
 def _tiled_to_grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -512,6 +558,7 @@ class Attention(nn.Module):
         cache_key: int = 0,
         selected: torch.Tensor | None = None,
         key_bias: torch.Tensor | None = None,
+        distance_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads, v of head size Dv) -> [T, H*Dv].
 
@@ -522,17 +569,21 @@ class Attention(nn.Module):
         (``Picks``: DeepSeek's DSA picks positions, MiniMax-M3 blocks of ``select_block`` per key head).
         ``key_bias`` [T, Hkv] (HF layout [1, Hkv, T]): added to every score of the key, for a layer built with
         ``key_bias=True``.
+        ``distance_bias`` [T, H, D] (HF layout [1, H, T, D]): column d is added to the query's score of the key d
+        positions before it, for d < D (``distance_positions`` gives the D a step needs).
         """
         picks = self._picks(selected)
         if q.dim() == 4:
             q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))
-            key_bias = None if key_bias is None else key_bias[0].transpose(0, 1)
-            return self._attend(q, k, v, md, sinks, cache_key, picks, key_bias)[None]
+            key_bias, distance_bias = (
+                None if x is None else x[0].transpose(0, 1) for x in (key_bias, distance_bias)
+            )
+            return self._attend(q, k, v, md, sinks, cache_key, picks, key_bias, distance_bias)[None]
         T = q.shape[0]
         q = q.view(T, -1, self.head_dim)
         k = k.view(T, -1, self.head_dim)
         v = v.view(T, -1, self.v_head_dim)
-        return self._attend(q, k, v, md, sinks, cache_key, picks, key_bias).reshape(T, -1)
+        return self._attend(q, k, v, md, sinks, cache_key, picks, key_bias, distance_bias).reshape(T, -1)
 
     def forward_heads_first(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: ForwardMetaData, cache_key: int = 0
@@ -553,6 +604,7 @@ class Attention(nn.Module):
         cache_key: int,
         picks: Picks | None = None,
         key_bias: torch.Tensor | None = None,
+        distance_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self._caches(md, cache_key)
         assert k_cache is not None, f"{self.prefix}: KV cache was never bound by the engine"
@@ -573,14 +625,22 @@ class Attention(nn.Module):
                 )
             k = torch.cat([k, key_bias.to(k.dtype)[..., None]], -1)
             q = torch.cat([q, q.new_full((*q.shape[:-1], 1), 1 / self.scale)], -1)
+        if distance_bias is not None and distance_bias.shape[:2] != q.shape[:2]:
+            raise UserError(
+                f"Attention layer {self.prefix or '(unnamed)'} takes a distance bias per query token and head "
+                f"{list(q.shape[:2])} (then one per distance), not {list(distance_bias.shape[:2])}: compute it "
+                "per query head (HF layout [1, heads, tokens, distances])."
+            )
         shape = (-1, k_cache.shape[1], self.num_kv_heads)
-        alibi = self.alibi_slopes
+        bias = None
+        if self.alibi_slopes is not None or distance_bias is not None:
+            bias = ScoreBias(self.alibi_slopes, distance_bias)
         if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head
             q = _tiled_to_grouped(q, self.num_kv_heads)
-            sinks, alibi = (
-                None if x is None else _tiled_to_grouped(x[None, :, None], self.num_kv_heads)[0, :, 0]
-                for x in (sinks, alibi)
+            sinks = (
+                None if sinks is None else _tiled_to_grouped(sinks[None, :, None], self.num_kv_heads)[0, :, 0]
             )
+            bias = None if bias is None else bias.by_head_groups(self.num_kv_heads)
         o = attend(
             q,
             k.contiguous(),
@@ -593,7 +653,7 @@ class Attention(nn.Module):
             self.sliding_window,
             self.soft_cap,
             sinks,
-            alibi,
+            bias,
             picks,
             self.keep_keys,
         )
