@@ -12,6 +12,7 @@ import yaml
 from skill_process import skill, skill_json
 from tiny_checkpoint import PARITY_PROMPTS
 
+from skills.verify import reference
 from skills.verify.compare import compare
 from skills.verify.reference import Reference, greedy_reference, load_reference_model
 from skills.verify.verify import settled_in_float64
@@ -172,6 +173,21 @@ def test_float32_drift_with_agreeing_tokens_is_settled_in_float64(in_float64, st
     fields = settled_in_float64(drift, exact)
     assert fields["status"] == status and fields["max_logprob_diff"] == 0.04
     assert fields["reason"].startswith("float32 rounding" if status == "identical" else "drift; in float64")
+
+
+def test_a_reference_whose_experts_run_grouped_runs_in_float64():
+    """transformers runs experts through torch's grouped matmul by default, which takes no float64: verify's float64
+    check runs them one by one (Inkling's drift was settled so)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    sizes = {"hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16, "head_dim": 16}
+    config = Qwen3MoeConfig(
+        vocab_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, **sizes
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.config._experts_implementation == "grouped_mm"
+    with torch.no_grad():
+        assert reference.in_float64(model)(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float64
 
 
 def test_each_cached_step_is_told_its_position(tiny_llama_dir):

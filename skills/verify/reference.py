@@ -32,6 +32,14 @@ def load_reference_model(model_path: Path, dtype: torch.dtype, trust_remote_code
         ) from e
 
 
+def in_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """model in float64, its experts run one by one: torch's grouped matmul (transformers' default for them) takes
+    no float64."""
+    if getattr(model.config, "_experts_implementation", "eager") != "eager":
+        model.set_experts_implementation("eager")
+    return model.double()
+
+
 GROWN = "max_seq_len_cached"
 
 

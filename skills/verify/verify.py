@@ -19,7 +19,7 @@ from runtime.errors import UserError
 from skills.migrator.memory import available_memory
 from skills.migrator.pipeline import checkpoint_dtype
 from skills.verify.compare import LOGPROB_ATOL, Verification, compare, logprob_atol
-from skills.verify.reference import ReferenceFailed, greedy_reference, load_reference_model
+from skills.verify.reference import ReferenceFailed, greedy_reference, in_float64, load_reference_model
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -164,7 +164,7 @@ def verify(
             return replace(result, **{**fields, "reason": f"{fields['reason']}; no float64 check: {reason}"})
         log("greedy tokens agree but float32 log-probabilities drift: running both in float64")
         outputs = _run_migrated(model_dir, yaml_file, prompts, tokens, "float64", trust_remote_code)
-        model = model.double()
+        model = in_float64(model)
         references = [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
         exact = compare(outputs, references, "float64", tokenizer.decode, LOGPROB_ATOL["float64"])
         fields = settled_in_float64(fields, exact)
