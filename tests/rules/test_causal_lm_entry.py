@@ -289,6 +289,24 @@ def test_hidden_states_scaled_before_the_head_stay(run_rule):
     assert run_rule(rule, out, **GEMMA3) == out
 
 
+@pytest.mark.parametrize("read", ["outputs", "outputs.last_hidden_state", "outputs[0]"])
+def test_hidden_states_scaled_as_they_are_read_off_the_model_output_stay(run_rule, read):
+    """Inkling divides the model's output by a width multiplier as it reads it (MG006 has made `outputs` the states
+    themselves): the division stays, on the states the runtime's forward picked."""
+    code = BEFORE.replace(
+        "hidden_states = outputs.last_hidden_state\n",
+        f"hidden_states = {read} / self.config.logits_mup_width_multiplier\n",
+    )
+    out = run_rule(rule, code, **GEMMA3)
+    expected = AFTER.replace(
+        "        logits = self.lm_head(hidden_states)\n",
+        "\n        hidden_states = hidden_states / self.config.logits_mup_width_multiplier\n"
+        "        logits = self.lm_head(hidden_states)\n",
+    )
+    assert out == expected
+    assert run_rule(rule, out, **GEMMA3) == out
+
+
 def test_checkpoint_keys_transformers_ignores_are_ignored_by_load_weights(run_rule):
     """DeepSeek-V3's PreTrainedModel ignores the multi-token-prediction layer its checkpoints ship
     (`_keys_to_ignore_on_load_unexpected`); load_weights skips the same names, which the loader reports."""

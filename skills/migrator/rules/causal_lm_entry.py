@@ -242,6 +242,41 @@ def _head_input(line: cst.BaseStatement, head: str) -> str:
     return "hidden_states"
 
 
+IDENTITY = m.SimpleStatementLine(
+    [m.Assign([m.AssignTarget(m.Name("hidden_states"))], m.Name("hidden_states"))]
+)
+
+
+class _ReadsModelStates(Transformer):
+    """The inner model's output read as `hidden_states`, what the runtime's forward binds its states to: the name
+    bound to it (MG006 has made the model return its states), or `.last_hidden_state` or `[0]` off it."""
+
+    def __init__(self, outputs: str):
+        self.outputs = m.Name(outputs)
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
+        return cst.Name("hidden_states") if m.matches(original, self.outputs) else updated
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.BaseExpression) -> cst.BaseExpression:
+        read = m.Attribute(self.outputs, m.Name("last_hidden_state"))
+        return cst.Name("hidden_states") if m.matches(original, read) else updated
+
+    def leave_Subscript(self, original: cst.Subscript, updated: cst.BaseExpression) -> cst.BaseExpression:
+        read = m.Subscript(self.outputs, [m.SubscriptElement(m.Index(m.Integer("0")))])
+        return cst.Name("hidden_states") if m.matches(original, read) else updated
+
+
+def _model_states(body: list[cst.BaseStatement], model_call: m.Call) -> "_ReadsModelStates | None":
+    """What turns the reads of the inner model's output in body (Inkling's `outputs.last_hidden_state /
+    self.config.logits_mup_width_multiplier`) into reads of its states; None where body binds no name to it."""
+    binds = m.Assign([m.AssignTarget(m.Name())], model_call) | m.AnnAssign(m.Name(), value=model_call)
+    bound = [a for s in body for a in findall(s, binds)]
+    if len(bound) != 1:
+        return None
+    target = bound[0].target if isinstance(bound[0], cst.AnnAssign) else bound[0].targets[0].target
+    return _ReadsModelStates(target.value)
+
+
 def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseStatement] | None:
     """The output projection (fed the last positions) with the per-token processing of the hidden states
     before it (MiniCPM's `hidden_states / logits_scaling`) and of the logits after it."""
@@ -257,12 +292,14 @@ def _logits_tail(fwd: cst.FunctionDef, inner: str, head: str) -> list[cst.BaseSt
     position_slice = m.Call(
         func=m.Name("slice_logits_to_keep")
     )  # the runtime picks the last positions itself
+    states = _model_states(body[:idx], model_call)
     before = [
         s
-        for s in body[:idx]
+        for s in (x.visit(states) if states else x for x in body[:idx])
         if assigned_names(s) == {"hidden_states"}
         and not free_names(s) & dropped
         and not findall(s, model_call | position_slice)
+        and not m.matches(s, IDENTITY)
     ]
     after = [
         s
