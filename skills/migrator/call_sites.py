@@ -52,14 +52,19 @@ IS_NONE = m.Comparison(
 )
 
 
+CAST = m.Call(func=m.Attribute(value=m.Call(func=m.Name()), attr=m.Name("to")))
+
+
 def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[str, bool]]:
-    """`self.a = C(...)` (or `None if c else C(...)`) -> a: (C, False); `self.a = nn.ModuleList([C(...) ...])` ->
-    a: (C, True)."""
+    """`self.a = C(...)` (or `None if c else C(...)`, or `C(...).to(...)`) -> a: (C, False);
+    `self.a = nn.ModuleList([C(...) ...])` -> a: (C, True)."""
     found = {}
     for a in findall(init, m.Assign(targets=[m.AssignTarget(SELF_ATTR)], value=m.Call() | OPTIONAL)):
         call, attr = a.value, a.targets[0].target.attr.value
         if isinstance(call, cst.IfExp):
             call = call.body if isinstance(call.body, cst.Call) else call.orelse
+        if m.matches(call, CAST):  # Inkling's `InklingShortConvolution(...).to(dtype=torch.float32)`
+            call = call.func.value
         if m.matches(call.func, m.Name()) and call.func.value in local:
             found[attr] = (call.func.value, False)
         elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))):

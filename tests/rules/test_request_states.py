@@ -57,6 +57,15 @@ def test_a_conv_state_layer_runs_per_request_and_its_caller_passes_forward_metad
     assert_codemod(rule, BEFORE, AFTER, make_ctx)
 
 
+def test_a_layer_cast_as_it_is_built_is_called_with_forward_metadata_too(make_ctx):
+    """Inkling keeps its short convolutions in float32: `Conv(...).to(dtype=torch.float32)`."""
+    cast = ".to(dtype=torch.float32)\n"
+    built = "self.conv = Lfm2ShortConv(config, layer_idx)\n"
+    assert_codemod(
+        rule, BEFORE.replace(built, built[:-1] + cast), AFTER.replace(built, built[:-1] + cast), make_ctx
+    )
+
+
 def test_recurrent_state_under_past_key_values_too(make_ctx):
     before = dedent("""\
         class MambaMixer(nn.Module):
