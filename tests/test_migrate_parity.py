@@ -402,3 +402,38 @@ def test_hybrid_layers_keep_their_states_per_request_and_match_transformers(name
         assert_framework_run_matches(
             reference, model_dir, "--yaml", str(model_dir / "config" / "zamba_rank_2_2tp.yaml")
         )
+
+
+def test_a_relative_position_bias_by_distance_and_log_scaled_queries_match_transformers(
+    tmp_path_factory, tmp_path
+):
+    """Inkling: each query mixes a bank of bias-by-distance profiles into one bias per backward distance (zero
+    from `rel_extent` on; a sliding layer's extent is its window), and its full-attention layers scale the queries
+    and that bias by log(position). The migrated model hands the table to the runtime's attention
+    (`distance_bias=`, MG038) and reads the positions the runtime gives (MG039): with an extent of 5 and a window
+    of 4 against prompts of up to 42 tokens, `skill verify` finds transformers' tokens and log-probabilities, which
+    the same weights without the bias do not give."""
+    overrides = {
+        "rel_extent": 5,
+        "sliding_window_size": 4,
+        "log_scaling_n_floor": 2,
+        "log_scaling_alpha": 1.0,
+    }
+    reference = build_reference("inkling_text", tmp_path_factory, **overrides)
+    model_dir = migrate(reference, tmp_path)
+    code = (model_dir / "models" / "modeling_inkling_text.py").read_text()
+    assert "*distance_positions(forward_metadata))" in code and "distance_bias=position_bias" in code
+    assert "q_positions = forward_metadata.positions" in code
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PARITY_PROMPTS))
+    verified = skill_json("verify", model_dir, "--prompts-file", prompts, "--json")
+    assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)
+    model = AutoModelForCausalLM.from_pretrained(reference["ckpt"]).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.rel_logits_proj.proj.zero_()
+        unbiased = torch.stack([model(torch.tensor([x])).logits[0, -1] for x in reference["ids"]])
+    assert (unbiased - reference["logits"]).abs().max() > 1e-2
+    torch.testing.assert_close(
+        prefill_logits(model_dir, reference["ids"]), reference["logits"], atol=1e-4, rtol=0
+    )

@@ -398,6 +398,24 @@ def test_kv_heads_computed_in_a_local_are_cached(run_rule):
     assert "num_kv_heads=num_key_value_heads, scale=self.scaling)" in ctor_line(run_rule(rule, code))
 
 
+def test_head_counts_a_layer_sets_itself_otherwise_than_the_config_are_its_own(run_rule):
+    # Inkling's sliding layers have more query and key heads than its full-attention ones.
+    swa = (
+        "self.num_heads = config.swa_num_attention_heads if self.is_sliding else config.num_attention_heads",
+        "self.num_key_value_heads = config.swa_num_key_value_heads if self.is_sliding else config.num_key_value_heads",
+    )
+    ctor = ctor_line(run_rule(rule, HEADER + attention(init_extra=swa) + CALLERS))
+    assert "num_heads=self.num_heads," in ctor and "num_kv_heads=self.num_key_value_heads," in ctor
+    same = (
+        "self.num_heads = config.num_attention_heads",
+        "self.num_key_value_heads = config.num_key_value_heads",
+    )
+    ctor = ctor_line(run_rule(rule, HEADER + attention(init_extra=same) + CALLERS))
+    assert (
+        "num_heads=config.num_attention_heads," in ctor and "num_kv_heads=config.num_key_value_heads," in ctor
+    )
+
+
 def test_a_wrapper_passing_the_weights_on_stops_and_its_callers_drop_them(run_rule):
     # BertGenerationAttention (v5) picks its attention class by a flag and returns the weights it got.
     wrapper = dedent("""\

@@ -4,12 +4,14 @@ from skills.migrator.rules.absolute_imports import AbsoluteImports
 from skills.migrator.rules.attention_class_table import AttentionClassTable
 from skills.migrator.rules.cache_keys import CacheKeys
 from skills.migrator.rules.cache_params import CacheParams
+from skills.migrator.rules.cache_query_positions import CacheQueryPositions
 from skills.migrator.rules.causal_lm_entry import CausalLMEntry
 from skills.migrator.rules.checkpoint_branches import CheckpointBranches
 from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
 from skills.migrator.rules.constructor_defaults import ConstructorDefaults
 from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
+from skills.migrator.rules.distance_bias import DistanceBias
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
 from skills.migrator.rules.fused_act_and_mul import FusedActAndMul
@@ -47,6 +49,8 @@ MODELING_RULES = [
     CacheKeys,
     SparseIndexer,
     PerRequestStates,
+    CacheQueryPositions,
+    DistanceBias,
     FoldHFOnlyParams,
     AttentionClassTable,
     HandWrittenAttention,

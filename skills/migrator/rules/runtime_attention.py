@@ -48,7 +48,13 @@ RUNTIME_KWARGS = {
 }
 # passed on every call: GPT-OSS's per-head sink logits, MG023's cache key of a looped layer, the positions a
 # sparse-attention indexer picked (MG032), a score bias per key (MG033)
-FORWARD_KWARGS = {"s_aux": "sinks", "cache_key": "cache_key", "indices": "selected", "key_bias": "key_bias"}
+FORWARD_KWARGS = {
+    "s_aux": "sinks",
+    "cache_key": "cache_key",
+    "indices": "selected",
+    "key_bias": "key_bias",
+    "distance_bias": "distance_bias",  # MG038's: a relative position bias by backward distance
+}
 PICKS_RULE = "MG032"  # the rule whose key cache gives `indices=` its meaning in the runtime
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
 INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "int", "float", "math"}
@@ -225,7 +231,9 @@ def _attention_ctor(
         if queries
         else "config.hidden_size // config.num_attention_heads",  # as forward views them
     )
-    heads = _query_heads(init, queries, ctx.checkpoint_config)
+    heads = _set_otherwise(init, ("num_heads",), "num_attention_heads") or _query_heads(
+        init, queries, ctx.checkpoint_config
+    )
     args = [f"num_heads={heads}", f"head_dim={head_dim}"]
     if "self.v_head_dim =" in init_code:  # MLA: values narrower than queries / keys
         args.append("v_head_dim=self.v_head_dim")
@@ -235,6 +243,8 @@ def _attention_ctor(
         args.append(f"num_kv_heads={kv_local}")
     elif in_forward := _forward_kv_heads(fwd):  # Falcon-40B's keys, broadcast to every query head
         args.append(f"num_kv_heads={in_forward}")
+    elif own_kv := _set_otherwise(init, KV_HEAD_ATTRS, "num_key_value_heads"):
+        args.append(f"num_kv_heads={own_kv}")
     elif "num_key_value_heads" in init_code:
         args.append("num_kv_heads=config.num_key_value_heads")
     elif kv_attr:  # e.g. `self.kv_heads = 1 if self.multi_query else self.num_heads`
@@ -279,6 +289,17 @@ def _attention_ctor(
     if ctx.kv_layout == "legacy":
         args.append("legacy=True")
     return stmt(f"self.{attr} = Attention({', '.join(args)})\n")
+
+
+def _set_otherwise(init: cst.FunctionDef, attrs: tuple[str, ...], field: str) -> str | None:
+    """`self.<attr>` for the first of attrs that init sets from anything but `config.<field>` (Inkling's sliding
+    layers: `config.swa_num_attention_heads if self.is_sliding else config.num_attention_heads`)."""
+    for attr in attrs:
+        target = m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))
+        values = [a.value for a in findall(init, m.Assign([target]))]
+        if values and any(code(v) != f"config.{field}" for v in values):
+            return f"self.{attr}"
+    return None
 
 
 def _own_head_count(init: cst.FunctionDef) -> bool:

@@ -1,0 +1,101 @@
+"""distance_bias: a relative position bias passed to the attention interface as `position_bias=`, computed by a
+module that reads the query and key positions only as their difference (Inkling's), becomes `distance_bias=`,
+the module evaluated at `distance_positions(forward_metadata)`; MG005 hands it to the runtime Attention."""
+
+from textwrap import dedent
+
+import pytest
+from codemod_harness import assert_codemod, assert_noop, run_codemod
+
+from skills.migrator.rules.distance_bias import DistanceBias as rule
+from skills.migrator.rules.runtime_attention import RuntimeAttention
+
+# Inkling's attention and its bias module, shortened.
+BEFORE = dedent("""\
+    class RelativeLogits(nn.Module):
+        def __init__(self, d_rel, rel_extent):
+            super().__init__()
+            self.rel_extent = rel_extent
+            self.proj = nn.Parameter(torch.empty(d_rel, rel_extent))
+
+        def forward(self, relative_states, query_positions, key_positions):
+            rel_logits = (relative_states @ self.proj).transpose(1, 2)
+            distance = (query_positions[:, None] - key_positions[None, :])[None, None, :, :]
+            index = distance.clamp(0, self.rel_extent - 1).expand(*rel_logits.shape[:2], -1, -1)
+            return rel_logits.gather(-1, index).masked_fill(distance >= self.rel_extent, 0.0)
+
+
+    class InklingAttention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.rel_logits_proj = RelativeLogits(config.d_rel, config.rel_extent)
+
+        def forward(self, hidden_states, attention_mask, **kwargs):
+            relative_states = self.r_proj(hidden_states).view(*input_shape, self.num_heads, -1)
+            position_bias = self.rel_logits_proj(relative_states, q_positions, kv_positions)
+            position_bias = position_bias * tau
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                scaling=self.scaling,
+                position_bias=position_bias,
+                **kwargs,
+            )
+            return self.o_proj(attn_output), attn_weights
+""")
+
+AFTER = (
+    BEFORE.replace(
+        "self.rel_logits_proj(relative_states, q_positions, kv_positions)",
+        "self.rel_logits_proj(relative_states, *distance_positions(forward_metadata))",
+    )
+    .replace("position_bias=position_bias,", "distance_bias=position_bias,")
+    .replace(
+        "def forward(self, hidden_states, attention_mask, **kwargs):",
+        "def forward(self, hidden_states, attention_mask, *, forward_metadata: ForwardMetaData, **kwargs):",
+    )
+)
+IMPORTS = (
+    "from runtime.engine.forward_metadata import ForwardMetaData\n"
+    "from runtime.layers.attention import distance_positions\n\n"
+)
+
+
+def test_a_bias_by_query_minus_key_becomes_distance_bias(make_ctx):
+    assert_codemod(rule, BEFORE, IMPORTS + AFTER, make_ctx)
+
+
+def test_the_runtime_attention_takes_the_table_on_every_call(make_ctx):
+    """MG005 after MG038: `distance_bias=` on the runtime Attention's call, nothing refused."""
+    ctx = make_ctx(entry_class="InklingAttention")
+    out = run_codemod(RuntimeAttention, run_codemod(rule, BEFORE, ctx), ctx)
+    assert ctx.findings == []
+    assert (
+        "self.attn(query_states, key_states, value_states, forward_metadata, distance_bias=position_bias)"
+        in out
+    )
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (
+            "query_positions[:, None] - key_positions",
+            "query_positions[:, None] + key_positions",
+        ),  # not a distance
+        ("index = distance", "index = query_positions[:, None] + distance"),  # an absolute position read too
+        (  # a bias computed some other way
+            "self.rel_logits_proj(relative_states, q_positions, kv_positions)",
+            "bias_of(relative_states, q_positions, kv_positions)",
+        ),
+        ("self.rel_logits_proj = RelativeLogits(", "self.rel_logits_proj = OtherLogits("),  # not in this file
+        ("position_bias=position_bias,", "position_bias=None,"),
+    ],
+    ids=["sum", "absolute", "not-a-module", "unknown-class", "no-bias"],
+)
+def test_other_position_biases_are_left_to_mg005(make_ctx, before, after):
+    assert before in BEFORE
+    assert_noop(rule, BEFORE.replace(before, after), make_ctx)
