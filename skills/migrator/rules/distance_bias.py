@@ -25,13 +25,12 @@ from skills.migrator.cst_utils import (
     code,
     findall,
     free_names,
-    kwarg,
     method,
     rewrite_classes,
     with_forward_metadata,
 )
 from skills.migrator.rule import Rule
-from skills.migrator.rules.runtime_attention import interface_call
+from skills.migrator.rules.runtime_attention import named_argument
 
 SELF_CALL = m.Call(func=m.Attribute(m.Name("self"), m.Name()))
 
@@ -58,14 +57,10 @@ def _states(call: cst.Call, cls: cst.ClassDef) -> cst.BaseExpression | None:
 
 
 def _rewrite(cls: cst.ClassDef, local: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
-    fwd = method(cls, "forward")
-    line = next((s for s in fwd.body.body if interface_call(s)), None) if fwd else None
-    call = interface_call(line) if line else None
-    arg = kwarg(call, "position_bias") if call else None
-    if arg is None or not isinstance(arg.value, cst.Name):
+    if (found := named_argument(cls, "position_bias")) is None:
         return None
-    before = fwd.body.body[: fwd.body.body.index(line)]
-    made = [s for s in before if arg.value.value in assigned_names(s)]
+    fwd, line, call, arg = found
+    made = [s for s in fwd.body.body[: fwd.body.body.index(line)] if arg.value.value in assigned_names(s)]
     value = (
         made[0].body[0].value if made and m.matches(made[0], m.SimpleStatementLine([m.Assign()])) else None
     )

@@ -29,7 +29,7 @@ from skills.migrator.cst_utils import (
     rewrite_classes,
 )
 from skills.migrator.rule import Rule
-from skills.migrator.rules.runtime_attention import interface_call
+from skills.migrator.rules.runtime_attention import named_argument
 
 PER_KEY = m.Subscript(  # bias[:, :, None, :]
     slice=[
@@ -122,12 +122,9 @@ def _bound(call: cst.Call, fn: cst.FunctionDef, expr: str) -> str | None:
 
 
 def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
-    fwd = method(cls, "forward")
-    line = next((s for s in fwd.body.body if interface_call(s)), None) if fwd else None
-    call = interface_call(line) if line else None
-    arg = kwarg(call, "attention_mask") if call else None
-    if arg is None or not isinstance(arg.value, cst.Name):
+    if (found := named_argument(cls, "attention_mask")) is None:
         return None
+    fwd, line, call, arg = found
     name, doomed, built = arg.value.value, [], None
     for s in reversed(fwd.body.body[: fwd.body.body.index(line)]):
         if name not in assigned_names(s):

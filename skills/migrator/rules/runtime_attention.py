@@ -5,7 +5,7 @@ arguments HF passed at call time (scaling, sliding window, soft cap), the forwar
 included."""
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import libcst as cst
 import libcst.matchers as m
@@ -63,6 +63,26 @@ INIT_NAMES = {"self", "config", "getattr", "hasattr", "None", "True", "False", "
 def interface_call(s: cst.BaseStatement) -> cst.Call | None:
     calls = findall(s, m.Call(func=m.Name()))
     return next((c for c in calls if called_name(c) in INTERFACE), None)
+
+
+class NamedArgument(NamedTuple):
+    """A forward's attention call passing a name as one keyword: `attention_interface(..., <keyword>=<name>)`."""
+
+    forward: cst.FunctionDef
+    line: cst.BaseStatement  # the top-level statement of forward holding the call
+    call: cst.Call
+    arg: cst.Arg  # its value a cst.Name
+
+
+def named_argument(cls: cst.ClassDef, keyword: str) -> NamedArgument | None:
+    """cls's forward passing its attention call a name as `keyword=`, if it does."""
+    fwd = method(cls, "forward")
+    line = next((s for s in fwd.body.body if interface_call(s)), None) if fwd else None
+    call = interface_call(line) if line else None
+    arg = kwarg(call, keyword) if call else None
+    return (
+        NamedArgument(fwd, line, call, arg) if arg is not None and isinstance(arg.value, cst.Name) else None
+    )
 
 
 def attention_classes(module: cst.Module, entry: str) -> set[str]:
