@@ -173,6 +173,10 @@ def _skill(*args: str) -> subprocess.CompletedProcess:
 
 
 TRACEBACK = re.compile(r"Traceback|❱")  # plain or rich; also inside a run failure verify relays
+INSTALL_PREFIX = re.compile(
+    r"/\S*?/site-packages/"
+)  # where this machine installed transformers: not for the table
+NOTHING_WRITTEN = "Nothing was written; extend the rules or port these parts by hand."
 
 
 def _failure(step: str, proc: subprocess.CompletedProcess) -> Entry:
@@ -182,8 +186,8 @@ def _failure(step: str, proc: subprocess.CompletedProcess) -> Entry:
             line.strip() for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line.strip())
         ]
         return Entry("", "CRASH", f"{step}: {(errors or ['traceback, no exception line'])[-1][:300]}")
-    message = text.split("error:", 1)[-1]
-    return Entry("", "REFUSED", f"{step}: {' '.join(message.split())[:400]}")
+    message = " ".join(INSTALL_PREFIX.sub("", text.split("error:", 1)[-1]).split())
+    return Entry("", "REFUSED", f"{step}: {message.removesuffix(NOTHING_WRITTEN).rstrip(' .')[:1200]}")
 
 
 def check(model_type: str, work: Path) -> Entry:

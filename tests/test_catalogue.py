@@ -55,6 +55,18 @@ def test_failures_are_classified(stderr, status, needle):
     assert entry.status == status and needle in entry.reason
 
 
+def test_a_refusal_names_every_construct_by_its_path_in_the_package():
+    found = [
+        f"/home/u/.venv/lib/python3.11/site-packages/transformers/models/x/modeling_x.py:{n} in XAttention: "
+        f"attention argument `a{n}=` has no equivalent in the runtime Attention [MG005]"
+        for n in range(1, 6)
+    ]
+    stderr = f"error: X uses constructs the migrator cannot convert safely: {'; '.join(found)}. {catalogue.NOTHING_WRITTEN}"
+    reason = catalogue._failure("migrate", subprocess.CompletedProcess([], 1, "", stderr)).reason
+    assert "site-packages" not in reason and "transformers/models/x/modeling_x.py:5 in XAttention" in reason
+    assert reason.endswith("`a5=` has no equivalent in the runtime Attention [MG005]")
+
+
 def test_readme_architecture_list_is_generated_from_the_coverage_table():
     data = ROOT / "docs" / "coverage.json"
     version = json.loads(data.read_text())["transformers"]
