@@ -22,7 +22,6 @@ from runtime.online.server import ignore_reraised_signals
 
 logger = logging.getLogger(__name__)
 ROUTED = ("/v1/completions", "/v1/chat/completions")
-KEEPALIVE_EXPIRY_S = 2.0  # below uvicorn's default timeout_keep_alive (5 s)
 
 
 @dataclass(frozen=True)
@@ -54,9 +53,10 @@ async def _drop(call: asyncio.Future) -> None:
 def build_router(settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="model-infer-skills PD router", docs_url=None, redoc_url=None)
     timeout = httpx.Timeout(settings.timeout_s, connect=5.0)
-    # idle connections expire here before the backends' uvicorn closes them (after 5 s): with equal limits a
-    # request sent on a connection the server is closing fails with ReadError (seen under load in the suite)
-    limits = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    # no connection is reused: a request sent on one the backend's uvicorn is closing fails with ReadError, which
+    # expiring idle connections first (2 s against uvicorn's 5 s) still let through under the suite's load; a
+    # connection per request costs a local connect, nothing beside a prefill
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     # one pool per side: decode streams waiting for their KV must not hold the connections prefills need
     prefills, decodes = (httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(2))
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
