@@ -22,8 +22,10 @@ from runtime.layers.attention import (
     Attention,
     alibi_slopes,
     cache_info_of,
+    distance_columns,
     distance_positions,
     probed_cache_keys,
+    stack_attention,
 )
 
 H, KV, D, BS, SCALE, MAX_LEN = 8, 2, 16, 4, 0.3, 32
@@ -85,7 +87,8 @@ def naive(
                         [by_distance[n, h, d] if d < by_distance.shape[-1] else 0.0 for d in back]
                     ).double()
                 )
-            p = torch.softmax(s if sinks is None else torch.cat([s, sinks[h : h + 1].double()]), 0)
+            sink = None if sinks is None else sinks[h : h + 1] if sinks.dim() == 1 else sinks[n, h : h + 1]
+            p = torch.softmax(s if sink is None else torch.cat([s, sink.double()]), 0)
             out[n, h] = p[: len(js)] @ v[js, h]
     return out
 
@@ -129,6 +132,7 @@ class Run:
         pick_block=1,
         pick_groups=0,
         distance=None,
+        query_sinks=False,
     ):
         self.picks = picks  # positions an indexer picks for each query (selected=), one of them its own
         # or blocks of pick_block positions, per group of H / pick_groups heads when pick_groups (MiniMax-M3)
@@ -136,6 +140,7 @@ class Run:
         self.key_bias, self.keep = key_bias or keep is not None, keep  # a bias per key (key_bias=)
         self.tied = tied  # biases drawn from three values: equal ones everywhere
         self.distance = distance  # width of a bias table by backward distance per query (distance_bias=)
+        self.query_sinks = query_sinks  # a sink per query token and head, drawn each step (Inkling2's)
         self.layer = Attention(
             H,
             D,
@@ -200,12 +205,13 @@ class Run:
             bias = bias.sign()
         selected = self.pick(md, computed) if self.picks else None
         table = 2 * self.randn(T, H, self.distance) if self.distance else None
+        sinks = 2 * self.randn(T, H) if self.query_sinks else self.sinks
         out = self.layer(
             q.flatten(1),
             k.flatten(1),
             v.flatten(1),
             md,
-            self.sinks,
+            sinks,
             selected=selected,
             key_bias=bias if self.key_bias else None,
             distance_bias=table,
@@ -220,7 +226,7 @@ class Run:
                 range(c, c + n),
                 self.window,
                 self.cap,
-                self.sinks,
+                sinks[a : a + n] if self.query_sinks else sinks,
                 self.tiled,
                 self.alibi,
                 chosen,
@@ -667,6 +673,17 @@ def test_a_bias_by_distance_joins_each_querys_scores(lens, window, extent, legac
     prefill_then_decode(Run(window, legacy=legacy, tiled=tiled, distance=extent), lens, steps=5)
 
 
+@pytest.mark.parametrize(
+    "lens, window, legacy, tiled",
+    [(LENS, None, False, False), (RUNS, 3, False, False), (LENS, None, True, False), (LENS, 3, False, True)],
+    ids=["paged", "same-length-runs-window3", "legacy", "tiled"],
+)
+def test_a_sink_per_query_token_joins_its_softmax(lens, window, legacy, tiled):
+    """Inkling2's sinks, computed from each token's hidden states: one logit per query token and head joins that
+    query's softmax; decode takes the gathered path (the C++ kernel takes one per head)."""
+    prefill_then_decode(Run(window, legacy=legacy, tiled=tiled, query_sinks=True), lens, steps=5)
+
+
 def test_a_bias_by_distance_of_other_heads_is_refused():
     run = Run(distance=3)
     q, k, v = run.randn(4, H, D), run.randn(4, KV, D), run.randn(4, KV, D)
@@ -813,3 +830,19 @@ def test_picks_are_refused_by_a_layer_masking_keys_its_own_way(kind):
 def test_a_model_holding_no_attention_layer_is_told_why_it_gets_no_cache():
     with pytest.raises(UserError, match="holds no runtime Attention layer"):
         cache_info_of(nn.ModuleDict({"mlp": nn.Linear(2, 2)}), torch.float32)
+
+
+def test_distance_columns_hold_the_distance_of_their_column():
+    md = metadata(True, [3, 5], [0, 0], [[1], [2, 3]], BS, "full")
+    assert distance_columns(md).tolist() == [list(range(5))] * 8
+
+
+def test_stack_attention_is_transformers_eager_attention_without_a_mask():
+    from transformers.models.inkling2.modeling_inkling2 import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(2, 5, 3, 16, generator=gen), torch.randn(2, 5, 4, 16, generator=gen)
+    module = nn.Module()
+    module.num_key_value_groups, module.training = 1, False
+    expected, _ = eager_attention_forward(module, q, kv, kv, None, scaling=0.25)
+    torch.testing.assert_close(stack_attention(q, kv, kv, 0.25).transpose(1, 2), expected)

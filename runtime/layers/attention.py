@@ -99,6 +99,14 @@ def decode_mask(md: ForwardMetaData, window: int | None, num_slots: int) -> torc
     return md.memo(("decode_mask", window, num_slots), build)
 
 
+def stack_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention within each token's own stack of states, nothing masked and nothing cached (Inkling2's block
+    attention residual: learned queries over the outputs of earlier blocks): q [..., Lq, D], k / v [..., Lk, D]
+    -> [..., Lq, D], as transformers' eager attention computes it."""
+    weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
+    return torch.matmul(weights.to(q.dtype), v)
+
+
 def distance_positions(md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor]:
     """(query positions [T], key positions [D]) at which a relative position bias, one that reads the
     positions only as query minus key, gives the table ``Attention(distance_bias=)`` takes: every query at D - 1,
@@ -109,6 +117,13 @@ def distance_positions(md: ForwardMetaData) -> tuple[torch.Tensor, torch.Tensor]
         torch.full((md.num_tokens,), distances - 1, device=device),
         torch.arange(distances - 1, -1, -1, device=device),
     )
+
+
+def distance_columns(md: ForwardMetaData) -> torch.Tensor:
+    """[T, D]: every query's distances to ``distance_positions``' keys, column d holding d; what a relative position
+    bias module that gathers a table by the distances it is given reads to yield ``Attention(distance_bias=)``'s."""
+    queries, keys = distance_positions(md)
+    return queries[:, None] - keys[None, :]
 
 
 @dataclass(frozen=True)
@@ -186,8 +201,8 @@ def _kept(bias: torch.Tensor, allowed: torch.Tensor, keep: int, num_heads: int) 
 
 
 def _sdpa(q, k, v, mask, scale, soft_cap, sinks, bias=None):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or None, bias (``ScoreBias.at``'s) or None
-    -> [B, H, Lq, D]."""
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D], sinks [H] or [B, H, Lq] (one per query) or None, bias
+    (``ScoreBias.at``'s) or None -> [B, H, Lq, D]."""
     if soft_cap is None and sinks is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
@@ -200,7 +215,8 @@ def _sdpa(q, k, v, mask, scale, soft_cap, sinks, bias=None):
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     if sinks is None:
         return torch.softmax(scores, dim=-1).to(q.dtype) @ v
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # one more logit, no value row
+    sink = sinks.float().view(1, -1, 1, 1) if sinks.dim() == 1 else sinks.float()[..., None]
+    sink = sink.expand(*scores.shape[:-1], 1)  # one more logit, no value row
     return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1].to(q.dtype) @ v
 
 
@@ -230,10 +246,18 @@ def _prefill(
                 mask = mask & picks.of_requests(first, count).mask(length)[:, :, :length]
             if kept:
                 mask = _kept(ki[..., -1], mask.expand(count, 1, length, length), keep, qi.shape[1])
-            o = _sdpa(qi, ki, vi, mask, scale, soft_cap, sinks, scores_bias)
+            o = _sdpa(qi, ki, vi, mask, scale, soft_cap, _run_sinks(sinks, start, count, length), scores_bias)
         outs.append(o.transpose(1, 2).flatten(0, 1))
         first += count
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _run_sinks(sinks: torch.Tensor | None, first: int, count: int, length: int) -> torch.Tensor | None:
+    """The sinks of ``count`` requests of ``length`` queries each, from packed token ``first``: [H] as they are,
+    [T, H] (one per query) -> [count, H, length]."""
+    if sinks is None or sinks.dim() == 1:
+        return sinks
+    return sinks[first : first + count * length].unflatten(0, (count, length)).transpose(1, 2)
 
 
 def _linear_maps(
@@ -282,7 +306,7 @@ def attend(
     picks: Picks | None = None,
     keep: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H], a bias on
+    """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], caches [blocks, block_size, Hkv, D | Dv], sinks [H] or [T, H], a bias on
     the scores (``ScoreBias``), an indexer's picks (``Picks``), the keys to keep by their bias (``_kept``)
     -> [T, H, Dv]."""
     kv_heads, head_dim, v_head_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
@@ -294,7 +318,7 @@ def attend(
     table = md.block_table[group]
     kept = keep is not None and md.max_seq_len_kv > keep  # a context holds more keys
     host = q.device.type == "cpu" and bias is None and picks is None and q.dtype != torch.float64
-    host &= not kept
+    host &= not kept and (sinks is None or sinks.dim() == 1)  # the kernel takes one sink per head
     if host and (kernel := _decode_kernel()):
         return kernel(
             q.contiguous(),
@@ -316,6 +340,7 @@ def attend(
     if kept:
         mask = _kept(ctx_k[..., -1], mask, keep, q.shape[1])
     scores_bias = None if bias is None else bias.at(0, B, 1, _decode_distances(md, ctx_k.shape[2]))
+    sinks = _run_sinks(sinks, 0, B, 1)
     return _sdpa(q[:, :, None], ctx_k, ctx_v, mask, scale, soft_cap, sinks, scores_bias)[:, :, 0]
 
 
@@ -563,7 +588,8 @@ class Attention(nn.Module):
         """Packed: q [T, H*D] or [T, H, D] (k/v with Hkv heads, v of head size Dv) -> [T, H*Dv].
 
         HF layout, as migrated models call it: q [1, H, T, D], k/v [1, Hkv, T, D | Dv] -> [1, T, H, Dv].
-        ``sinks`` [H]: a learned logit per query head that joins each softmax's denominator (GPT-OSS).
+        ``sinks`` [H]: a learned logit per query head that joins each softmax's denominator (GPT-OSS); or one per
+        query token and head, [T, H] (HF layout [1, H, T, 1]: Inkling2 computes them from the hidden states).
         ``cache_key``: which of the layer's caches this application reads and writes (class docstring).
         ``selected``: sparse attention, each query reads only what an indexer picked in its request's context
         (``Picks``: DeepSeek's DSA picks positions, MiniMax-M3 blocks of ``select_block`` per key head).
@@ -578,6 +604,7 @@ class Attention(nn.Module):
             key_bias, distance_bias = (
                 None if x is None else x[0].transpose(0, 1) for x in (key_bias, distance_bias)
             )
+            sinks = sinks[0, ..., 0].transpose(0, 1) if sinks is not None and sinks.dim() == 4 else sinks
             return self._attend(q, k, v, md, sinks, cache_key, picks, key_bias, distance_bias)[None]
         T = q.shape[0]
         q = q.view(T, -1, self.head_dim)
@@ -637,9 +664,9 @@ class Attention(nn.Module):
             bias = ScoreBias(self.alibi_slopes, distance_bias)
         if self.kv_heads_tiled:  # run grouped: query heads reordered so that each group shares its kv head
             q = _tiled_to_grouped(q, self.num_kv_heads)
-            sinks = (
-                None if sinks is None else _tiled_to_grouped(sinks[None, :, None], self.num_kv_heads)[0, :, 0]
-            )
+            if sinks is not None:  # one per head [H], or per query token [T, H]
+                grouped = _tiled_to_grouped(sinks.view(-1, sinks.shape[-1], 1), self.num_kv_heads)
+                sinks = grouped.view(sinks.shape)
             bias = None if bias is None else bias.by_head_groups(self.num_kv_heads)
         o = attend(
             q,
