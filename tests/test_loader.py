@@ -187,6 +187,39 @@ def test_tensors_apart_on_disk_are_joined_into_the_parameter_that_concatenates_t
         load_named_weights(model, weights[:2])
 
 
+def test_renames_with_their_own_logic_and_conversions_of_one_tensor_are_transformers_own():
+    """Inkling2's checkpoint: `attn_res.attn_queries.{i}` belongs to layer i + 1 (a renaming that shifts the index)
+    and the experts' gate / up rows are interleaved on disk (`Interleave`); the loader applies transformers' own
+    rules, so the parameters hold what transformers loads."""
+    from transformers.core_model_loading import Interleave
+
+    from runtime.layers.weights import load_named_weights
+
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"model_type": "inkling2_text"})()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+    model.model.layers[1].attention_input = torch.nn.Module()
+    model.model.layers[1].attention_input.query = torch.nn.Parameter(torch.zeros(3, 4))
+    model.model.layers[0].mlp = torch.nn.Module()
+    model.model.layers[0].mlp.experts = torch.nn.Module()
+    model.model.layers[0].mlp.experts.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 6, 4))
+    query, w13 = torch.randn(3, 4), torch.arange(48.0).view(2, 6, 4)
+    weights = [
+        ("model.llm.attn_res.attn_queries.0", query),
+        ("model.llm.layers.0.mlp.experts.w13_weight", w13),
+    ]
+    assert load_named_weights(model, weights) == {
+        "model.layers.1.attention_input.query",
+        "model.layers.0.mlp.experts.gate_up_proj",
+    }
+    assert torch.equal(model.model.layers[1].attention_input.query, query)
+    expected = Interleave(dim=1).convert({"w13": w13}, [], ["gate_up"])["gate_up"]
+    assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, expected) and not torch.equal(
+        expected, w13
+    )
+
+
 def test_names_transformers_renames_reach_a_fused_parameter():
     """Exaone's checkpoint names (`transformer.h.0.attn.attention.k_proj`) are llama's after transformers'
     renaming for the type (`model.layers.0.self_attn.k_proj`), which the migrated code holds fused in qkv_proj."""

@@ -4,11 +4,16 @@ stacked into one 3-D parameter (gate and up concatenated), renamed blocks, proje
 rules come from transformers' own conversion mapping for the model type, so every architecture it knows is
 covered."""
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.core_model_loading import WeightRenaming
+
+# conversions of one tensor on its own, which the loader applies as transformers does
+TENSOR_OPS = {"Interleave", "Inkling2UnpadVocab"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,8 @@ class CheckpointLayout:
         registered for the classes of its inner modules apply too (Dots3's text model's, for its experts)."""
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-        self.renames: list[tuple[re.Pattern, str]] = []
+        self.renames: list[Callable[[str], str]] = []  # in the order transformers applies them
+        self.converted: list[tuple[re.Pattern, str, list]] = []  # source, target, ops on the tensor alone
         self.stacks: list[tuple[re.Pattern, str, int, int]] = []  # source pattern, target suffix, part, parts
         self.fused: list[
             tuple[re.Pattern, list[str], bool]
@@ -49,9 +55,12 @@ class CheckpointLayout:
                 continue
             seen.add(key)
             ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", [])]
-            if not ops:
+            if not ops and type(rule).rename_source_key is not WeightRenaming.rename_source_key:
+                self.renames.append(lambda name, rule=rule: rule.rename_source_key(name)[0])  # its own logic
+            elif not ops:
                 self.renames += [
-                    (re.compile(s), t) for s, t in zip(rule.source_patterns, rule.target_patterns)
+                    functools.partial(re.compile(s).sub, t)
+                    for s, t in zip(rule.source_patterns, rule.target_patterns)
                 ]
             elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
                 (target,) = rule.target_patterns
@@ -69,11 +78,29 @@ class CheckpointLayout:
             elif ops in ([("Split", 0)], [("Chunk", 0)]) and len(rule.source_patterns) == 1:
                 (source,) = rule.source_patterns
                 self.fused.append((re.compile(source), list(rule.target_patterns), ops[0][0] == "Split"))
+            elif (
+                all(o[0] in TENSOR_OPS for o in ops)
+                and len(rule.source_patterns) == len(rule.target_patterns) == 1
+            ):
+                (source,), (target,) = rule.source_patterns, rule.target_patterns
+                self.converted.append((re.compile(source), target, list(rule.operations)))
 
     def _renamed(self, name: str) -> str:
-        for pattern, target in self.renames:
-            name = pattern.sub(target, name)
+        for rename in self.renames:
+            name = rename(name)
         return name
+
+    def conversion(
+        self, name: str
+    ) -> tuple[str, Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]] | None:
+        """(the parameter, what gives its tensor from the checkpoint's as transformers converts it: Interleave's gate /
+        up rows, Inkling2's unpadded vocabulary) for a tensor a rule transforms on its own, else None."""
+        name = self._renamed(name)
+        for pattern, target, ops in self.converted:
+            if found := pattern.search(name):
+                full = _replaced(name, found, target)
+                return full, functools.partial(_converted, ops, pattern.pattern, name, full)
+        return None
 
     def unfused(self, name: str) -> tuple[list[str], bool] | None:
         """The names of the parameters a fused checkpoint tensor holds, in its row order, and whether their
@@ -101,6 +128,16 @@ class CheckpointLayout:
                 full = name[: found.start()] + target
                 return full, StackedPart(full, int(found.group(1)), part, parts)
         return name, None
+
+
+def _converted(
+    ops: list, source: str, name: str, full: str, tensor: torch.Tensor, model: torch.nn.Module
+) -> torch.Tensor:
+    """tensor (the checkpoint's `name`) through transformers' conversion ops, as the parameter `full`."""
+    for op in ops:
+        kwargs = {"config": model.config, "model": model, "full_layer_name": full}
+        tensor = op.convert({name: tensor}, [source], [full], **kwargs)[full]
+    return tensor
 
 
 def load_stacked_part(

@@ -117,7 +117,8 @@ def load_named_weights(
     )
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
-    for name, weight in _unfused(_joined(weights, layout, params), layout, params, mapping):
+    converted = _converted(weights, layout, params, model)
+    for name, weight in _unfused(_joined(converted, layout, params), layout, params, mapping):
         # a parameter of this very name wins over a fused one (AFMoE's attention `gate_proj` beside the MLP's)
         (target, shard_id), part = (name, None) if name in params else _fused(name, mapping), None
         if target not in params:  # transformers' names for the type (Exaone's `transformer.h.*`), then fused
@@ -152,6 +153,22 @@ def load_named_weights(
         loaded.add(canonical[id(param)])
     skips.report(type(model).__name__)
     return loaded
+
+
+def _converted(
+    weights: Iterable[tuple[str, object]],
+    layout: Callable[[], CheckpointLayout],
+    params: dict[str, torch.Tensor],
+    model: nn.Module,
+) -> Iterable[tuple[str, object]]:
+    """The checkpoint's tensors, those transformers converts on their own (Interleave, ...) converted."""
+    for name, weight in weights:
+        found = None if name in params else layout().conversion(name)
+        if found is None:
+            yield name, weight
+            continue
+        target, convert = found
+        yield target, convert(materialize(weight), model)
 
 
 def _joined(
