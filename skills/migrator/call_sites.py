@@ -123,6 +123,18 @@ def mixed_lists(cls: cst.ClassDef, local: set[str]) -> dict[str, set[str]]:
     return {attr: kinds for attr, kinds in found.items() if len(kinds) > 1}
 
 
+def chosen_classes(init: cst.FunctionDef | None, local: set[str]) -> dict[str, set[str]]:
+    """`self.a = A(...) if c else B(...)` (either perhaps cast, `B(...).to(...)`) of two in-file classes -> a: both
+    (Inkling2's `Inkling2LogScaledL2Clip(...) if log_scaling else Inkling2ScaledL2Clip(...)`)."""
+    found = {}
+    for a in findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], m.IfExp())) if init else ():
+        arms = [x.func.value if m.matches(x, CAST) else x for x in (a.value.body, a.value.orelse)]
+        kinds = {x.func.value for x in arms if m.matches(x, m.Call(m.Name()))} & local
+        if len(kinds) == 2:
+            found[a.targets[0].target.attr.value] = kinds
+    return found
+
+
 def _held(items: str) -> m.BaseMatcherNode:
     """A local's name, or `self.<attr>`."""
     return m.Name(items) if "." not in items else m.Attribute(m.Name("self"), m.Name(items.split(".")[1]))
@@ -277,6 +289,9 @@ def call_sites(module: cst.Module) -> dict[str, Sites]:
             ]
             for kind in kinds:  # no rule may change one class's signature for these calls alone
                 sites[kind].shared += calls
+                sites[kind].instances_escape = True
+        for kinds in chosen_classes(init, set(local)).values():  # the calls instance_attrs gives the first
+            for kind in kinds:
                 sites[kind].instances_escape = True
     for name, where in sites.items():
         where.name_escapes = any(id(node) not in accounted for node in index.names[name])

@@ -403,14 +403,16 @@ def class_table_members(module: cst.Module, names: set[str]) -> dict[str, set[st
 
 
 class _KwargsKeepMetadata(cst.CSTTransformer):
-    """Calls of the module's own layers (`self.<attr>(...)`) that pass the `**` parameter on pass forward_metadata
-    too, now that it is a parameter of its own."""
+    """Calls that pass the `**` parameter on (the module's own layers, `self.<attr>(...)`, or one a loop over them
+    names, Inkling2's `decoder_layer(...)`) pass forward_metadata too, now that it is a parameter of its own."""
 
-    def __init__(self, star: str):
+    def __init__(self, star: str, fn: cst.FunctionDef):
         self.star = star
+        loops = findall(fn.body, m.For(target=m.Name(), iter=m.Attribute(m.Name("self"))))
+        self.callee = m.OneOf(m.Attribute(m.Name("self")), *(m.Name(f.target.value) for f in loops))
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if not m.matches(updated.func, m.Attribute(m.Name("self"))):
+        if not m.matches(updated.func, self.callee):
             return updated
         if not any(a.star == "**" and m.matches(a.value, m.Name(self.star)) for a in updated.args):
             return updated
@@ -428,7 +430,7 @@ def with_forward_metadata(fn: cst.FunctionDef) -> cst.FunctionDef:
     param = cst.Param(cst.Name("forward_metadata"), cst.Annotation(cst.Name("ForwardMetaData")))
     star = fn.params.star_arg if isinstance(fn.params.star_arg, cst.Param) else cst.ParamStar()
     if isinstance(fn.params.star_kwarg, cst.Param):
-        fn = fn.with_changes(body=fn.body.visit(_KwargsKeepMetadata(fn.params.star_kwarg.name.value)))
+        fn = fn.with_changes(body=fn.body.visit(_KwargsKeepMetadata(fn.params.star_kwarg.name.value, fn)))
     return fn.with_changes(
         params=fn.params.with_changes(star_arg=star, kwonly_params=[*fn.params.kwonly_params, param])
     )

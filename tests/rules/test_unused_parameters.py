@@ -108,6 +108,40 @@ def test_what_the_file_cannot_prove_untouched(make_ctx):
     assert_noop(rule, code, make_ctx)
 
 
+def test_a_parameter_one_of_two_classes_a_layer_chooses_between_reads_stays_in_both(make_ctx):
+    """Inkling2 builds `LogScaledClip(...) if log_scaling else ScaledClip(...)` and calls it with the positions
+    only the first reads: the other keeps the parameter, or the shared call would pass one too many."""
+    code = dedent("""\
+        class LogScaledClip(nn.Module):
+            def forward(self, x, position_ids):
+                return x * position_ids
+
+
+        class ScaledClip(nn.Module):
+            def forward(self, x, position_ids=None):
+                return x
+
+
+        class Projection(nn.Module):
+            def __init__(self, config, log_scaling):
+                super().__init__()
+                self.norm = LogScaledClip() if log_scaling else ScaledClip().to(dtype=torch.float32)
+
+            def forward(self, x, position_ids):
+                return self.norm(x, position_ids)
+
+
+        class Model(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.proj = Projection(config, True)
+
+            def forward(self, x, position_ids):
+                return self.proj(x, position_ids)
+        """)
+    assert_noop(rule, code, make_ctx)
+
+
 SPLAT = dedent("""\
     class Attention(nn.Module):
         def forward(self, x, freqs_cis, mask, *, forward_metadata):
