@@ -437,3 +437,33 @@ def test_a_relative_position_bias_by_distance_and_log_scaled_queries_match_trans
     torch.testing.assert_close(
         prefill_logits(model_dir, reference["ids"]), reference["logits"], atol=1e-4, rtol=0
     )
+
+
+def test_inkling2_s_bias_by_distance_query_sinks_and_attention_over_earlier_blocks_match_transformers(
+    tmp_path_factory, tmp_path
+):
+    """Inkling2 on top of Inkling: the model computes the distances once and each bias module gathers its table at
+    them (MG038 gives them the runtime's), each query token gets its own sink logit, and every layer mixes the
+    outputs of earlier blocks by attention over that stack, per token (MG040's `stack_attention`); its checkpoint
+    renames with an index offset and interleaves the experts' gate / up rows (transformers' own rules, applied by
+    the loader). Three layers, a block per layer, an extent of 5 and a window of 4 against prompts of up to 42
+    tokens, with log scaling: `skill verify` finds transformers' tokens and log-probabilities."""
+    overrides = {
+        "rel_extent": 5,
+        "sliding_window_size": 4,
+        "log_scaling_n_floor": 2,
+        "log_scaling_alpha": 1.0,
+        "n_layers_per_attn_res_block": 1,
+        "num_hidden_layers": 3,
+        "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+    }
+    reference = build_reference("inkling2_text", tmp_path_factory, **overrides)
+    model_dir = migrate(reference, tmp_path)
+    code = (model_dir / "models" / "modeling_inkling2_text.py").read_text()
+    assert (
+        "distance_columns(forward_metadata)" in code and "stack_attention(" in code and "sinks=sinks" in code
+    )
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PARITY_PROMPTS))
+    verified = skill_json("verify", model_dir, "--prompts-file", prompts, "--json")
+    assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)

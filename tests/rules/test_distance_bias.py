@@ -99,3 +99,86 @@ def test_the_runtime_attention_takes_the_table_on_every_call(make_ctx):
 def test_other_position_biases_are_left_to_mg005(make_ctx, before, after):
     assert before in BEFORE
     assert_noop(rule, BEFORE.replace(before, after), make_ctx)
+
+
+# Inkling2: the model computes the distances once, the bias module gathers its table at them.
+GATHERED = dedent("""\
+    def get_relative_distance(inputs_embeds, cache, is_sliding):
+        q_positions = torch.arange(inputs_embeds.shape[1]) + cache.get_query_offset(0)
+        kv_positions = torch.arange(kv_length) + kv_offset
+        return q_positions[:, None] - kv_positions[None, :]
+
+
+    class RelativePositionBias(nn.Module):
+        def __init__(self, config, rel_extent):
+            super().__init__()
+            self.rel_extent = rel_extent
+
+        def forward(self, hidden_states, relative_distance, position_ids):
+            rel_logits = (self.linear(hidden_states) @ self.proj).transpose(1, 2)
+            index = relative_distance.clamp(0, self.rel_extent - 1).expand(*rel_logits.shape[:2], -1, -1)
+            bias = rel_logits.gather(-1, index)
+            return bias.masked_fill((relative_distance < 0) | (relative_distance >= self.rel_extent), 0.0)
+
+
+    class Attention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.relative_position_bias = RelativePositionBias(config, config.rel_extent)
+
+        def forward(self, hidden_states, attention_mask, relative_distance, **kwargs):
+            position_bias = self.relative_position_bias(hidden_states, relative_distance, kwargs["position_ids"])
+            attn_output, attn_weights = attention_interface(self, q, k, v, attention_mask, position_bias=position_bias)
+            return attn_output, attn_weights
+
+
+    class TextModel(nn.Module):
+        def forward(self, inputs_embeds, cache, **kwargs):
+            distances = get_relative_distance(inputs_embeds, cache, is_sliding=False)
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, relative_distance=distances, **kwargs)
+            return hidden_states
+""")
+
+
+def test_distances_the_model_computes_as_query_minus_key_become_the_runtime_s(make_ctx):
+    """The bias module reads its distances only to gather by them: the model's distances become the runtime's
+    `distance_columns` (column d distance d), the bias `distance_bias=`; callers of the layers pass
+    forward_metadata on by name."""
+    after = (
+        GATHERED.replace(
+            "get_relative_distance(inputs_embeds, cache, is_sliding=False)",
+            "distance_columns(forward_metadata)",
+        )
+        .replace("position_bias=position_bias)", "distance_bias=position_bias)")
+        .replace(
+            "def forward(self, hidden_states, attention_mask, relative_distance, **kwargs):",
+            "def forward(self, hidden_states, attention_mask, relative_distance, *, forward_metadata: ForwardMetaData, **kwargs):",
+        )
+        .replace(
+            "def forward(self, inputs_embeds, cache, **kwargs):",
+            "def forward(self, inputs_embeds, cache, *, forward_metadata: ForwardMetaData, **kwargs):",
+        )
+        .replace(
+            "layer(hidden_states, relative_distance=distances, **kwargs)",
+            "layer(hidden_states, relative_distance=distances, forward_metadata=forward_metadata, **kwargs)",
+        )
+    )
+    imports = (
+        "from runtime.engine.forward_metadata import ForwardMetaData\n"
+        "from runtime.layers.attention import distance_columns\n\n"
+    )
+    assert_codemod(rule, GATHERED, imports + after, make_ctx)
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ("return q_positions[:, None] - kv_positions[None, :]", "return q_positions[:, None] + kv_positions"),
+        ("relative_distance < 0", "relative_distance.abs() < 0"),  # read otherwise than to gather by it
+    ],
+    ids=["no-distances-computed", "read-otherwise"],
+)
+def test_gathered_biases_without_distances_by_query_minus_key_are_left_to_mg005(make_ctx, before, after):
+    assert before in GATHERED
+    assert_noop(rule, GATHERED.replace(before, after), make_ctx)

@@ -11,6 +11,7 @@ from skills.migrator.rules.classvar_annotations import ClassVarAnnotations
 from skills.migrator.rules.constructor_defaults import ConstructorDefaults
 from skills.migrator.rules.constructor_plumbing import ConstructorPlumbing
 from skills.migrator.rules.dead_code import DeadCode
+from skills.migrator.rules.depth_attention import DepthAttention
 from skills.migrator.rules.distance_bias import DistanceBias
 from skills.migrator.rules.drop_dropout import DropDropout
 from skills.migrator.rules.fold_hf_only_params import FoldHFOnlyParams
@@ -51,6 +52,7 @@ MODELING_RULES = [
     PerRequestStates,
     CacheQueryPositions,
     DistanceBias,
+    DepthAttention,
     FoldHFOnlyParams,
     AttentionClassTable,
     HandWrittenAttention,

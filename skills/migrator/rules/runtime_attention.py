@@ -54,6 +54,7 @@ FORWARD_KWARGS = {
     "indices": "selected",
     "key_bias": "key_bias",
     "distance_bias": "distance_bias",  # MG038's: a relative position bias by backward distance
+    "sinks": "sinks",  # Inkling2's, one per query token and head
 }
 PICKS_RULE = "MG032"  # the rule whose key cache gives `indices=` its meaning in the runtime
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")  # the module's own count
