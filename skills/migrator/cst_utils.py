@@ -314,6 +314,11 @@ def method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     return next((s for s in cls.body.body if isinstance(s, cst.FunctionDef) and s.name.value == name), None)
 
 
+def with_method(cls: cst.ClassDef, old: cst.FunctionDef, new: cst.FunctionDef) -> cst.ClassDef:
+    """cls with its method old replaced by new."""
+    return cls.with_changes(body=cls.body.with_changes(body=[new if s is old else s for s in cls.body.body]))
+
+
 def param_names(fn: cst.FunctionDef) -> list[str]:
     p = fn.params
     return [x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)]

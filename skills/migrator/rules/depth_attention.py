@@ -14,7 +14,15 @@ would take it to. It runs before MG005, which would otherwise build a runtime At
 import libcst as cst
 import libcst.matchers as m
 
-from skills.migrator.cst_utils import assigned_names, code, findall, method, param_names, rewrite_classes
+from skills.migrator.cst_utils import (
+    assigned_names,
+    code,
+    findall,
+    method,
+    param_names,
+    rewrite_classes,
+    with_method,
+)
 from skills.migrator.rule import Rule
 from skills.migrator.rules.fold_hf_only_params import CACHES
 from skills.migrator.rules.runtime_attention import interface_call
@@ -53,9 +61,7 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
         new_line if s is line else s for s in fwd.body.body if s is line or picked not in assigned_names(s)
     ]
     new_fwd = fwd.with_changes(body=fwd.body.with_changes(body=body))
-    return cls.with_changes(
-        body=cls.body.with_changes(body=[new_fwd if s is fwd else s for s in cls.body.body])
-    )
+    return with_method(cls, fwd, new_fwd)
 
 
 class DepthAttention(Rule):

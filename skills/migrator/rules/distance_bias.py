@@ -33,6 +33,7 @@ from skills.migrator.cst_utils import (
     method,
     rewrite_classes,
     with_forward_metadata,
+    with_method,
 )
 from skills.migrator.rule import Rule
 from skills.migrator.rules.runtime_attention import named_argument
@@ -99,9 +100,7 @@ def _rewrite(cls: cst.ClassDef, local: dict[str, cst.ClassDef], distances: bool)
     new = {id(made[0]): made[0].deep_replace(value, table), id(line): line.deep_replace(call, new_call)}
     body = [new.get(id(s), s) for s in fwd.body.body]
     new_fwd = with_forward_metadata(fwd.with_changes(body=fwd.body.with_changes(body=body)))
-    return cls.with_changes(
-        body=cls.body.with_changes(body=[new_fwd if s is fwd else s for s in cls.body.body])
-    )
+    return with_method(cls, fwd, new_fwd)
 
 
 def _distance_functions(module: cst.Module) -> set[str]:

@@ -27,6 +27,7 @@ from skills.migrator.cst_utils import (
     method,
     param_names,
     rewrite_classes,
+    with_method,
 )
 from skills.migrator.rule import Rule
 from skills.migrator.rules.runtime_attention import named_argument
@@ -158,9 +159,7 @@ def _rewrite(cls: cst.ClassDef) -> cst.ClassDef | None:
     new_line = line.deep_replace(call, call.with_changes(args=args))
     body = [new_line if s is line else s for s in fwd.body.body if not any(s is d for d in doomed)]
     new_fwd = fwd.with_changes(body=fwd.body.with_changes(body=body))
-    return cls.with_changes(
-        body=cls.body.with_changes(body=[new_fwd if s is fwd else s for s in cls.body.body])
-    )
+    return with_method(cls, fwd, new_fwd)
 
 
 class KeyBiasMask(Rule):
