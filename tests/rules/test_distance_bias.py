@@ -182,3 +182,9 @@ def test_distances_the_model_computes_as_query_minus_key_become_the_runtime_s(ma
 def test_gathered_biases_without_distances_by_query_minus_key_are_left_to_mg005(make_ctx, before, after):
     assert before in GATHERED
     assert_noop(rule, GATHERED.replace(before, after), make_ctx)
+
+
+def test_a_bias_by_query_minus_key_leaves_the_file_s_other_distances_alone(make_ctx):
+    """Only a module gathering by the model's distances makes MG038 give their calls the runtime's."""
+    other = "\n\ndef distances(q, k):\n    return q[:, None] - k[None, :]\n\n\ndef f(a, b):\n    return distances(a, b)\n"
+    assert run_codemod(rule, BEFORE + other, make_ctx()) == IMPORTS + AFTER + other

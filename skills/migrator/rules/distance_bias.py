@@ -81,7 +81,11 @@ def _table_call(call: cst.Call, cls: cst.ClassDef, distances: bool) -> cst.Call 
     return call if distances and len(given) == 1 else None
 
 
-def _rewrite(cls: cst.ClassDef, local: dict[str, cst.ClassDef], distances: bool) -> cst.ClassDef | None:
+def _rewrite(
+    cls: cst.ClassDef, local: dict[str, cst.ClassDef], distances: bool, gathering: list[str]
+) -> cst.ClassDef | None:
+    """cls handing its bias over as distance_bias=; a class whose bias module gathers by the model's distances is
+    added to gathering."""
     if (found := named_argument(cls, "position_bias")) is None:
         return None
     fwd, line, call, arg = found
@@ -96,6 +100,8 @@ def _rewrite(cls: cst.ClassDef, local: dict[str, cst.ClassDef], distances: bool)
     table = _table_call(value, local[built[0]], distances) if built and not built[1] else None
     if table is None:
         return None
+    if table is value:
+        gathering.append(cls.name.value)
     new_call = call.deep_replace(arg, arg.with_changes(keyword=cst.Name("distance_bias")))
     new = {id(made[0]): made[0].deep_replace(value, table), id(line): line.deep_replace(call, new_call)}
     body = [new.get(id(s), s) for s in fwd.body.body]
@@ -143,10 +149,10 @@ class DistanceBias(Rule):
     )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
-        local, computed = classes(module), _distance_functions(module)
-        out = rewrite_classes(module, lambda cls: _rewrite(cls, local, bool(computed)))
+        local, computed, gathering = classes(module), _distance_functions(module), []
+        out = rewrite_classes(module, lambda cls: _rewrite(cls, local, bool(computed), gathering))
         if out is not module:
-            out = out.visit(_RuntimeDistances(computed)) if computed else out
+            out = out.visit(_RuntimeDistances(computed)) if gathering else out
             helpers = {
                 c.func.value
                 for c in findall(out, m.Call(m.Name("distance_positions") | m.Name("distance_columns")))
