@@ -69,7 +69,7 @@ def _per_request(
     lengths = torch.repeat_interleave(
         md.actual_seq_lengths_kv, md.actual_seq_lengths_q, output_size=md.num_tokens
     )
-    state = _RopeState(module, f"{extra['layer_type']}_" if extra else "")
+    state = RopeState(module)
     cos = sin = None
     for length in lengths.unique().tolist():
         try:
@@ -85,21 +85,30 @@ def _per_request(
     return cos, sin
 
 
-class _RopeState:
-    """What transformers' frequency update changes on a rotary module (its frequencies, the length they were
-    grown for, the attention scaling), as it was, to put back; the long factors it caches stay."""
+GROWN = (
+    "max_seq_len_cached"  # transformers' record of the length a rotary module's frequencies were grown for
+)
 
-    def __init__(self, module: torch.nn.Module, prefix: str):
-        self.module, self.inv_freq = module, f"{prefix}inv_freq"
-        self.attrs = {
-            name: getattr(module, name, None) for name in (f"{prefix}max_seq_len_cached", "attention_scaling")
-        }
-        self.frequencies = getattr(module, self.inv_freq).clone()
+
+class RopeState:
+    """What transformers' frequency update changes on a rotary module (its frequency buffers, the length they were
+    grown for, the attention scaling), as it was, to put back."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.buffers = {k: v.clone() for k, v in module._buffers.items() if v is not None}
+        self.attrs = {k: v for k, v in vars(module).items() if _grown(k)}
 
     def restore(self) -> None:
-        self.module.register_buffer(self.inv_freq, self.frequencies.clone(), persistent=False)
+        module = self.module
+        for name, value in self.buffers.items():
+            persistent = name not in module._non_persistent_buffers_set
+            module.register_buffer(name, value.clone(), persistent=persistent)
+        for name in [k for k in vars(module) if _grown(k) and k not in self.attrs]:
+            del module.__dict__[name]  # set by the update, absent before
         for name, value in self.attrs.items():
-            if value is None:
-                self.module.__dict__.pop(name, None)
-            else:
-                setattr(self.module, name, value)
+            setattr(module, name, value)
+
+
+def _grown(attr: str) -> bool:
+    return attr.endswith(GROWN) or attr == "attention_scaling"

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import UserError
+from runtime.layers.rotary import GROWN, RopeState
 
 
 @dataclass
@@ -40,45 +41,20 @@ def in_float64(model: torch.nn.Module) -> torch.nn.Module:
     return model.double()
 
 
-GROWN = "max_seq_len_cached"
-
-
-class _GrownRope:
-    """What transformers' dynamic RoPE keeps on its rotary modules from one forward to the next (the frequencies grown
-    for the longest sequence seen, that length, the attention scaling), to put back: otherwise a prompt's answer
-    depends on how long the prompts before it ran, where the runtime answers each request as a fresh model does."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.saved = [
-            (
-                module,
-                {k: v.clone() for k, v in module._buffers.items() if v is not None},
-                {k: v for k, v in vars(module).items() if k.endswith(GROWN) or k == "attention_scaling"},
-            )
-            for module in model.modules()
-            if any(k.endswith(GROWN) for k in vars(module))
-        ]
-
-    def restore(self) -> None:
-        for module, buffers, attrs in self.saved:
-            for name, value in buffers.items():
-                persistent = name not in module._non_persistent_buffers_set
-                module.register_buffer(name, value.clone(), persistent=persistent)
-            for name, value in attrs.items():
-                setattr(module, name, value)
-
-
 class ReferenceFailed(UserError):
     """transformers' own run of the checkpoint raised: there is nothing to compare with."""
 
 
 def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
     """The greedy loop, leaving the model's RoPE state as it found it."""
-    rope = _GrownRope(model)
+    # transformers' dynamic RoPE keeps frequencies grown for the longest sequence seen; put back, a prompt's answer
+    # does not depend on how long the prompts before it ran, as in the runtime, which answers each afresh
+    ropes = [RopeState(m) for m in model.modules() if any(k.endswith(GROWN) for k in vars(m))]
     try:
         return _greedy(model, prompt_ids, steps)
     finally:
-        rope.restore()
+        for rope in ropes:
+            rope.restore()
 
 
 def _forward(model, *args, **kwargs):
