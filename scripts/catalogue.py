@@ -173,9 +173,8 @@ def _skill(*args: str) -> subprocess.CompletedProcess:
 
 
 TRACEBACK = re.compile(r"Traceback|❱")  # plain or rich; also inside a run failure verify relays
-INSTALL_PREFIX = re.compile(
-    r"/\S*?/site-packages/"
-)  # where this machine installed transformers: not for the table
+# where this machine installed transformers: not for the table
+INSTALL_PREFIX = re.compile(r"/\S*?/site-packages/")
 NOTHING_WRITTEN = "Nothing was written; extend the rules or port these parts by hand."
 
 

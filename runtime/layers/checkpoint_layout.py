@@ -38,6 +38,7 @@ class CheckpointLayout:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
         self.renames: list[Callable[[str], str]] = []  # in the order transformers applies them
+        self._names: dict[str, str] = {}  # checkpoint name -> renamed
         self.converted: list[tuple[re.Pattern, str, list]] = []  # source, target, ops on the tensor alone
         self.stacks: list[tuple[re.Pattern, str, int, int]] = []  # source pattern, target suffix, part, parts
         self.fused: list[
@@ -86,9 +87,14 @@ class CheckpointLayout:
                 self.converted.append((re.compile(source), target, list(rule.operations)))
 
     def _renamed(self, name: str) -> str:
-        for rename in self.renames:
-            name = rename(name)
-        return name
+        """name as transformers' renamings leave it; asked at each stage a tensor goes through (converted, joined,
+        unfused, resolved), worked out once."""
+        if name not in self._names:
+            renamed = name
+            for rename in self.renames:
+                renamed = rename(renamed)
+            self._names[name] = renamed
+        return self._names[name]
 
     def conversion(
         self, name: str

@@ -85,9 +85,8 @@ def _per_request(
     return cos, sin
 
 
-GROWN = (
-    "max_seq_len_cached"  # transformers' record of the length a rotary module's frequencies were grown for
-)
+# transformers' record of the length a rotary module's frequencies were grown for
+GROWN = "max_seq_len_cached"
 
 
 class RopeState:
@@ -108,6 +107,11 @@ class RopeState:
             del module.__dict__[name]  # set by the update, absent before
         for name, value in self.attrs.items():
             setattr(module, name, value)
+
+
+def rope_states(model: torch.nn.Module) -> list[RopeState]:
+    """The state of each rotary module of model that keeps frequencies grown for the longest sequence it saw."""
+    return [RopeState(m) for m in model.modules() if any(k.endswith(GROWN) for k in vars(m))]
 
 
 def _grown(attr: str) -> bool:

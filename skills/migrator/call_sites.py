@@ -55,6 +55,11 @@ IS_NONE = m.Comparison(
 CAST = m.Call(func=m.Attribute(value=m.Call(func=m.Name()), attr=m.Name("to")))
 
 
+def _uncast(e: cst.BaseExpression) -> cst.BaseExpression:
+    """`C(...)` of `C(...).to(...)` (Inkling's `InklingShortConvolution(...).to(dtype=torch.float32)`), else e."""
+    return e.func.value if m.matches(e, CAST) else e
+
+
 def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[str, bool]]:
     """`self.a = C(...)` (or `None if c else C(...)`, or `C(...).to(...)`) -> a: (C, False);
     `self.a = nn.ModuleList([C(...) ...])` -> a: (C, True)."""
@@ -63,8 +68,7 @@ def instance_attrs(init: cst.FunctionDef, local: set[str]) -> dict[str, tuple[st
         call, attr = a.value, a.targets[0].target.attr.value
         if isinstance(call, cst.IfExp):
             call = call.body if isinstance(call.body, cst.Call) else call.orelse
-        if m.matches(call, CAST):  # Inkling's `InklingShortConvolution(...).to(dtype=torch.float32)`
-            call = call.func.value
+        call = _uncast(call)
         if m.matches(call.func, m.Name()) and call.func.value in local:
             found[attr] = (call.func.value, False)
         elif m.matches(call.func, m.Attribute(attr=m.Name("ModuleList"))):
@@ -128,7 +132,7 @@ def chosen_classes(init: cst.FunctionDef | None, local: set[str]) -> dict[str, s
     (Inkling2's `Inkling2LogScaledL2Clip(...) if log_scaling else Inkling2ScaledL2Clip(...)`)."""
     found = {}
     for a in findall(init, m.Assign([m.AssignTarget(SELF_ATTR)], m.IfExp())) if init else ():
-        arms = [x.func.value if m.matches(x, CAST) else x for x in (a.value.body, a.value.orelse)]
+        arms = [_uncast(x) for x in (a.value.body, a.value.orelse)]
         kinds = {x.func.value for x in arms if m.matches(x, m.Call(m.Name()))} & local
         if len(kinds) == 2:
             found[a.targets[0].target.attr.value] = kinds

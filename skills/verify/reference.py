@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import UserError
-from runtime.layers.rotary import GROWN, RopeState
+from runtime.layers.rotary import rope_states
 
 
 @dataclass
@@ -49,7 +49,7 @@ def greedy_reference(model, prompt_ids: list[int], steps: int) -> Reference:
     """The greedy loop, leaving the model's RoPE state as it found it."""
     # transformers' dynamic RoPE keeps frequencies grown for the longest sequence seen; put back, a prompt's answer
     # does not depend on how long the prompts before it ran, as in the runtime, which answers each afresh
-    ropes = [RopeState(m) for m in model.modules() if any(k.endswith(GROWN) for k in vars(m))]
+    ropes = rope_states(model)
     try:
         return _greedy(model, prompt_ids, steps)
     finally:
