@@ -12,6 +12,8 @@ import yaml
 from skill_process import skill, skill_json
 from tiny_checkpoint import PARITY_PROMPTS
 
+from runtime.engine.float64 import Float64
+from runtime.engine.model_worker import default_dtype
 from skills.verify import reference
 from skills.verify.compare import compare
 from skills.verify.reference import Reference, greedy_reference, load_reference_model
@@ -188,6 +190,33 @@ def test_a_reference_whose_experts_run_grouped_runs_in_float64():
     assert model.config._experts_implementation == "grouped_mm"
     with torch.no_grad():
         assert reference.in_float64(model)(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float64
+
+
+class _PinsFloat32(torch.nn.Module):
+    """A router as transformers writes them: its weight, its input and its softmax pinned to float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.nn.functional.linear(x.float(), self.weight.to(torch.float32))
+        return torch.softmax(scores, -1, dtype=torch.float32) + torch.zeros(3)
+
+
+def test_code_pinned_to_float32_runs_in_float64_under_float64():
+    """A float64 run of code that pins parts to float32 (Inkling2-Loop's routers and message gates) rounds them to
+    float32, or mixes the two dtypes and fails; under `Float64`, built and run, it computes in float64 throughout,
+    as verify's check needs, and the default dtype comes back afterwards."""
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with default_dtype(torch.float64):
+        module = _PinsFloat32()
+    assert module.weight.dtype == torch.float64 and torch.get_default_dtype() == torch.float32
+    assert module(x).dtype == torch.float32
+    with Float64():
+        out = module(x)
+    assert out.dtype == torch.float64 and torch.get_default_dtype() == torch.float32
+    torch.testing.assert_close(out, torch.softmax(x @ module.weight.T, -1), atol=1e-15, rtol=0)
 
 
 def test_each_cached_step_is_told_its_position(tiny_llama_dir):

@@ -57,7 +57,8 @@ def token_logprobs(
     out: list[TokenLogprob | None] = [None] * len(requests)
     if not rows:
         return out
-    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    # at least float32; a float64 run's in float64, as `skill verify`'s float64 check compares them
+    logp = torch.log_softmax(logits[rows], dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device)).squeeze(1).tolist()
     k = max(requests[i].sampling.logprobs for i in rows)
     top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())

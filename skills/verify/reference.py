@@ -2,12 +2,14 @@
 logits processors, no EOS stop), keeping every step's log-probabilities, each prompt answered as a freshly loaded
 model answers it alone."""
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from runtime.engine.float64 import Float64
 from runtime.errors import UserError
 from runtime.layers.rotary import rope_states
 
@@ -15,22 +17,26 @@ from runtime.layers.rotary import rope_states
 @dataclass
 class Reference:
     tokens: list[int]
-    logprobs: torch.Tensor  # [steps, vocab], float32
+    logprobs: torch.Tensor  # [steps, vocab], float32 (float64 in a float64 run)
 
 
 def load_reference_model(model_path: Path, dtype: torch.dtype, trust_remote_code: bool):
+    """transformers' model of the checkpoint in dtype; in float64 built as the runtime builds it (what it computes
+    in float32 as it is built, RoPE's frequencies, in float64) and ready to run under ``Float64``."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, trust_remote_code=trust_remote_code
-        ).eval()
+        with Float64() if dtype == torch.float64 else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=dtype, trust_remote_code=trust_remote_code
+            ).eval()
     except (OSError, ValueError, KeyError) as e:
         raise UserError(
             f"transformers cannot load {model_path} ({str(e).splitlines()[0][:300]}); verification "
             "needs a checkpoint transformers reads, with its model type in the installed "
             "transformers."
         ) from e
+    return in_float64(model) if dtype == torch.float64 else model
 
 
 def in_float64(model: torch.nn.Module) -> torch.nn.Module:
@@ -80,7 +86,8 @@ def _greedy(model, prompt_ids: list[int], steps: int) -> Reference:
     out = _forward(model, torch.tensor([ids]), **({"use_cache": True} if cache_arg else {}))
     tokens, logprobs = [], []
     for step in range(steps):
-        logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        logits = out.logits[0, -1]
+        logp = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         token = int(logp.argmax())
         tokens.append(token)
         logprobs.append(logp)

@@ -1,6 +1,7 @@
 """`skill verify`: run a model directory and transformers on the same weights, greedy, and compare them token
 for token (and log-probability within a tolerance)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,12 +15,13 @@ import torch
 import yaml
 
 from runtime.config import InferenceConfig
+from runtime.engine.float64 import Float64
 from runtime.engine.loader import checkpoint_quantization
 from runtime.errors import UserError
 from skills.migrator.memory import available_memory
 from skills.migrator.pipeline import checkpoint_dtype
 from skills.verify.compare import LOGPROB_ATOL, Verification, compare, logprob_atol
-from skills.verify.reference import ReferenceFailed, greedy_reference, in_float64, load_reference_model
+from skills.verify.reference import ReferenceFailed, greedy_reference, load_reference_model
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -144,7 +146,7 @@ def verify(
     log("running transformers on the same weights and prompt tokens")
     model = load_reference_model(Path(config.model_config.model_path), torch_dtype, trust_remote_code)
     try:
-        references = [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
+        references = _references(model, outputs, tokens, torch_dtype)
     except ReferenceFailed as e:
         return replace(result, reason=str(e))
     from transformers import AutoTokenizer, __version__
@@ -164,11 +166,19 @@ def verify(
             return replace(result, **{**fields, "reason": f"{fields['reason']}; no float64 check: {reason}"})
         log("greedy tokens agree but float32 log-probabilities drift: running both in float64")
         outputs = _run_migrated(model_dir, yaml_file, prompts, tokens, "float64", trust_remote_code)
-        model = in_float64(model)
-        references = [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
+        del model
+        model = load_reference_model(Path(config.model_config.model_path), torch.float64, trust_remote_code)
+        references = _references(model, outputs, tokens, torch.float64)
         exact = compare(outputs, references, "float64", tokenizer.decode, LOGPROB_ATOL["float64"])
         fields = settled_in_float64(fields, exact)
     return replace(result, **fields)
+
+
+def _references(model, outputs: list[dict], tokens: int, dtype: torch.dtype) -> list:
+    """transformers' greedy answers to the prompts the migrated run answered; in float64 as that run computes it,
+    what transformers' code pins to float32 in float64 too."""
+    with Float64() if dtype == torch.float64 else contextlib.nullcontext():
+        return [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
 
 
 def settled_in_float64(fields: dict, exact: dict) -> dict:
