@@ -132,6 +132,15 @@ _ARCH: dict[str, dict] = {
     "xlstm": {"qk_dim_factor": 1.0},
     # a layer in each section: input, recurrent (looped), output
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_output_layers": 1},
+    # its defaults loop layers 6..17 (none of two): layers 1 and 2 (a full and a sliding one) looped twice between
+    # a layer before and one after them, a block per layer
+    "inkling2_loop_text": {
+        "num_hidden_layers": 4,
+        "loop_layer_index_start": 1,
+        "loop_layer_index_end": 3,
+        "loop_num_passes": 2,
+        "n_layers_per_attn_res_block": 1,
+    },
 }
 
 

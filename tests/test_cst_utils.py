@@ -3,13 +3,14 @@ cst_utils.walk against node.visit: the same calls in the same order; cst_utils.T
 the same code, with the subtrees it has nothing to do in left as they were."""
 
 import inspect
+import textwrap
 
 import libcst as cst
 import libcst.matchers as m
 import pytest
 from transformers.models.llama import modeling_llama
 
-from skills.migrator.cst_utils import Transformer, findall, walk
+from skills.migrator.cst_utils import Transformer, findall, walk, with_forward_metadata
 
 MATCHERS = {
     "name": m.Name(),
@@ -106,3 +107,39 @@ def test_transformer_skips_only_subtrees_it_has_nothing_to_do_in(module):
     assert untouched and all(any(s is t for t in got.body) for s in untouched)  # not rebuilt
     rebuilt = module.visit(_WithGenericHook())  # a generic hook may act anywhere: nothing is skipped
     assert rebuilt.code == want.code and not any(s is t for s in untouched for t in rebuilt.body)
+
+
+def test_layers_looped_over_get_forward_metadata_where_kwargs_held_it():
+    """with_forward_metadata: the model's layers, called as `self.<attr>(...)` or through a loop over them (the
+    list, a slice of it, or `enumerate` of either; Inkling2-Loop's passes), get forward_metadata by name beside
+    `**kwargs`; a function that is not a layer does not, and a second application changes nothing."""
+    before = textwrap.dedent(
+        """
+        def forward(self, hidden_states, **kwargs):
+            hidden_states = self.embed(hidden_states, **kwargs)
+            for layer in self.layers[: self.start]:
+                hidden_states = layer(hidden_states, **kwargs)
+            for i, layer in enumerate(self.layers[self.start :]):
+                hidden_states = layer(hidden_states, i, **kwargs)
+            for block in self.blocks:
+                hidden_states = block(hidden_states, **kwargs)
+            return helper(hidden_states, **kwargs)
+        """
+    )
+    after = textwrap.dedent(
+        """
+        def forward(self, hidden_states, *, forward_metadata: ForwardMetaData, **kwargs):
+            hidden_states = self.embed(hidden_states, forward_metadata=forward_metadata, **kwargs)
+            for layer in self.layers[: self.start]:
+                hidden_states = layer(hidden_states, forward_metadata=forward_metadata, **kwargs)
+            for i, layer in enumerate(self.layers[self.start :]):
+                hidden_states = layer(hidden_states, i, forward_metadata=forward_metadata, **kwargs)
+            for block in self.blocks:
+                hidden_states = block(hidden_states, forward_metadata=forward_metadata, **kwargs)
+            return helper(hidden_states, **kwargs)
+        """
+    )
+    fn = cst.parse_module(before).body[0]
+    once = with_forward_metadata(fn)
+    assert cst.Module([once]).code == after.lstrip()
+    assert with_forward_metadata(once).deep_equals(once)

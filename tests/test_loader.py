@@ -161,9 +161,8 @@ def test_tensors_fused_on_disk_are_split_as_transformers_converts_them():
             _FusedOnDisk("sarvam_moe"), [("layers.0.attention.query_key_value.weight", torch.zeros(9, 4))]
         )
 
-    sharded = _FusedOnDisk(
-        "sarvam_moe"
-    )  # a target sharded by tensor parallelism cannot be sized from its shard
+    # a target sharded by tensor parallelism cannot be sized from its shard
+    sharded = _FusedOnDisk("sarvam_moe")
     sharded.layers[0].self_attn.k_proj.weight.weight_loader = _HalfShard().weight_loader
     with pytest.raises(UserError, match="holds .*q_proj.weight, .*k_proj.weight, .*v_proj.weight fused"):
         load_named_weights(sharded, [("layers.0.attention.query_key_value.weight", qkv)])
@@ -218,6 +217,41 @@ def test_renames_with_their_own_logic_and_conversions_of_one_tensor_are_transfor
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, expected) and not torch.equal(
         expected, w13
     )
+
+
+def test_tensors_one_parameter_is_made_of_are_merged_by_transformers_own_op():
+    """Inkling2-Loop's checkpoint keeps each loop layer's four message queries in two tables ([query, mlp] and
+    [key, value] rows), which transformers' `Inkling2LoopMergeMessageQueries` interleaves into one parameter; its
+    experts pass through their dequantization unchanged when the checkpoint is not quantized."""
+    from transformers.core_model_loading import Inkling2LoopMergeMessageQueries
+
+    from runtime.layers.weights import load_named_weights
+
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"model_type": "inkling2_loop_text"})()
+    model.model = torch.nn.Module()
+    model.model.message_input = torch.nn.Module()
+    model.model.message_input.query = torch.nn.Parameter(torch.zeros(2, 4, 3))
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = torch.nn.Module()
+    model.model.layers[0].mlp.experts = torch.nn.Module()
+    model.model.layers[0].mlp.experts.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 3))
+    queries, kv_queries, w2 = torch.randn(4, 3), torch.randn(4, 3), torch.randn(2, 4, 3)
+    weights = [
+        ("model.llm.middle_cycle_cross_pass_kv_queries", kv_queries),
+        ("model.llm.layers.0.mlp.experts.w2_weight", w2),
+        ("model.llm.middle_cycle_cross_pass_queries", queries),
+    ]
+    assert load_named_weights(model, weights) == {
+        "model.message_input.query",
+        "model.layers.0.mlp.experts.down_proj",
+    }
+    sources = ["queries", "kv_queries"]
+    parts = {"queries": queries, "kv_queries": kv_queries}
+    merged = Inkling2LoopMergeMessageQueries().convert(parts, sources, ["query"])["query"]
+    assert torch.equal(model.model.message_input.query, merged)
+    assert torch.equal(merged[:, 1:3], kv_queries.view(2, 2, 3)) and torch.equal(merged[:, 3], queries[1::2])
+    assert torch.equal(model.model.layers[0].mlp.experts.down_proj, w2)
 
 
 def test_names_transformers_renames_reach_a_fused_parameter():

@@ -467,3 +467,34 @@ def test_inkling2_s_bias_by_distance_query_sinks_and_attention_over_earlier_bloc
     prompts.write_text(json.dumps(PARITY_PROMPTS))
     verified = skill_json("verify", model_dir, "--prompts-file", prompts, "--json")
     assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)
+
+
+def test_inkling2_loop_s_second_pass_over_its_loop_layers_matches_transformers_in_float64(
+    tmp_path_factory, tmp_path
+):
+    """Inkling2-Loop runs its loop layers (1 and 2 of 4, the catalogue's fixture) a second time, from the states
+    before them, each layer mixing into its inputs messages its attention over the first pass's blocks reads; each
+    pass keeps its own caches (`cache_key=cache_offset`, MG023 through the name the offset is bound to), the
+    layers come from a table local to the model's constructor (MG009) and the checkpoint keeps the message
+    queries in two tables that transformers' own op merges (the loader applies it). Random weights saturate the
+    message gates, so float32 runs drift (transformers' own float32 run is as far from its float64 one);
+    `skill verify` finds the tokens identical and, in float64, the log-probabilities within 1e-6. One pass on the
+    same weights gives other logits: the second pass is what is compared."""
+    overrides = {
+        "rel_extent": 5,
+        "sliding_window_size": 4,
+        "log_scaling_n_floor": 2,
+        "log_scaling_alpha": 1.0,
+    }
+    reference = build_reference("inkling2_loop_text", tmp_path_factory, **overrides)
+    model_dir = migrate(reference, tmp_path)
+    code = (model_dir / "models" / "modeling_inkling2_loop_text.py").read_text()
+    assert "cache_key=cache_offset" in code and code.count("forward_metadata=forward_metadata,") >= 4
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PARITY_PROMPTS))
+    verified = skill_json("verify", model_dir, "--prompts-file", prompts, "--json")
+    assert verified["status"] == "identical" and verified["tokens_compared"] == 16 * len(PARITY_PROMPTS)
+    model = AutoModelForCausalLM.from_pretrained(reference["ckpt"], loop_num_passes=1).eval()
+    with torch.no_grad():
+        once = torch.stack([model(torch.tensor([x])).logits[0, -1] for x in reference["ids"]])
+    assert (once - reference["logits"]).abs().max() > 1e-2

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from transformers.core_model_loading import WeightRenaming
 
-# conversions of one tensor on its own, which the loader applies as transformers does
-TENSOR_OPS = {"Interleave", "Inkling2UnpadVocab"}
+# conversions of one tensor on its own, which the loader applies as transformers does (Inkling2-Loop's dequantization
+# passes an unquantized tensor through)
+TENSOR_OPS = {"Interleave", "Inkling2UnpadVocab", "Inkling2LoopDequantizeExperts"}
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,10 @@ class CheckpointLayout:
         self._names: dict[str, str] = {}  # checkpoint name -> renamed
         self.converted: list[tuple[re.Pattern, str, list]] = []  # source, target, ops on the tensor alone
         self.stacks: list[tuple[re.Pattern, str, int, int]] = []  # source pattern, target suffix, part, parts
-        self.fused: list[
-            tuple[re.Pattern, list[str], bool]
-        ] = []  # source, targets, sized like them (else even)
-        self.joined: list[tuple[re.Pattern, str, int, int, int]] = []  # source, target, part, parts, dim
+        # source, targets, sized like them (else even)
+        self.fused: list[tuple[re.Pattern, list[str], bool]] = []
+        # source, target, part, parts, what makes the parameter of its parts
+        self.joined: list[tuple[re.Pattern, str, int, int, Callable[[list[torch.Tensor]], torch.Tensor]]] = []
         rules = get_checkpoint_conversion_mapping(class_name) or get_checkpoint_conversion_mapping(model_type)
         inner = (
             get_checkpoint_conversion_mapping(c) for c in dict.fromkeys(inner_classes) if c != class_name
@@ -70,21 +71,25 @@ class CheckpointLayout:
                     plain = re.escape(source).replace(r"\*", r"(\d+)")
                     regex = (source.replace("*", r"(\d+)") if "\\" in source else plain) + "$"
                     self.stacks.append((re.compile(regex), target, part, len(rule.source_patterns)))
-            elif len(ops) == 1 and ops[0][0] == "Concatenate" and len(rule.source_patterns) > 1:
-                (target,) = rule.target_patterns
-                parts = len(rule.source_patterns)
-                self.joined += [
-                    (re.compile(s), target, i, parts, ops[0][1]) for i, s in enumerate(rule.source_patterns)
-                ]
             elif ops in ([("Split", 0)], [("Chunk", 0)]) and len(rule.source_patterns) == 1:
                 (source,) = rule.source_patterns
                 self.fused.append((re.compile(source), list(rule.target_patterns), ops[0][0] == "Split"))
-            elif (
-                all(o[0] in TENSOR_OPS for o in ops)
-                and len(rule.source_patterns) == len(rule.target_patterns) == 1
-            ):
-                (source,), (target,) = rule.source_patterns, rule.target_patterns
-                self.converted.append((re.compile(source), target, list(rule.operations)))
+            elif all(o[0] in TENSOR_OPS for o in ops) and len(rule.target_patterns) == 1:
+                # the tensor; further sources are its scales (Inkling2-Loop's quantized experts), which no
+                # parameter takes
+                (target,) = rule.target_patterns
+                self.converted.append(
+                    (re.compile(f"{rule.source_patterns[0]}$"), target, list(rule.operations))
+                )
+            elif len(ops) == 1 and len(rule.source_patterns) > 1 and len(rule.target_patterns) == 1:
+                # several tensors into one, the op's own way: OLMo-Hybrid's q / k / v convolutions concatenated,
+                # Inkling2-Loop's two tables of message queries interleaved
+                (target,) = rule.target_patterns
+                sources = list(rule.source_patterns)
+                merge = functools.partial(_merged, rule.operations[0], sources, target)
+                self.joined += [
+                    (re.compile(f"{s}$"), target, i, len(sources), merge) for i, s in enumerate(sources)
+                ]
 
     def _renamed(self, name: str) -> str:
         """name as transformers' renamings leave it; asked at each stage a tensor goes through (converted, joined,
@@ -117,14 +122,16 @@ class CheckpointLayout:
                 return [_replaced(name, found, t) for t in targets], sized
         return None
 
-    def joined_part(self, name: str) -> tuple[str, int, int, int] | None:
-        """(the parameter, this tensor's place among its parts, their count, the dim they are joined on) for a
-        tensor the checkpoint keeps as one of several a parameter concatenates (OLMo-Hybrid's q / k / v
-        convolutions into one `conv1d`), else None."""
+    def joined_part(
+        self, name: str
+    ) -> tuple[str, int, int, Callable[[list[torch.Tensor]], torch.Tensor]] | None:
+        """(the parameter, this tensor's place among its parts, their count, what makes the parameter of them) for
+        a tensor the checkpoint keeps as one of several that make one parameter (OLMo-Hybrid's q / k / v
+        convolutions concatenated into one `conv1d`), else None."""
         name = self._renamed(name)
-        for pattern, target, part, parts, dim in self.joined:
+        for pattern, target, part, parts, combine in self.joined:
             if found := pattern.search(name):
-                return _replaced(name, found, target), part, parts, dim
+                return _replaced(name, found, target), part, parts, combine
         return None
 
     def resolve(self, name: str) -> tuple[str, StackedPart | None]:
@@ -134,6 +141,11 @@ class CheckpointLayout:
                 full = name[: found.start()] + target
                 return full, StackedPart(full, int(found.group(1)), part, parts)
         return name, None
+
+
+def _merged(op, sources: list[str], target: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parameter `target` that transformers' op makes of the checkpoint's tensors, one per source."""
+    return op.convert(dict(zip(sources, parts, strict=True)), sources, [target])[target]
 
 
 def _converted(

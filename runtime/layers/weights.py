@@ -182,11 +182,11 @@ def _joined(
         if name in params or (found := layout().joined_part(name)) is None:
             yield name, weight
             continue
-        target, part, parts, dim = found
+        target, part, parts, combine = found
         got = pending.setdefault(target, {})
         got[part] = materialize(weight)
         if len(got) == parts:
-            yield target, torch.cat([got[i] for i in range(parts)], dim)
+            yield target, combine([got[i] for i in range(parts)])
             del pending[target]
     if pending:
         raise UserError(

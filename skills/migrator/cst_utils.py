@@ -402,19 +402,32 @@ def choices(e: cst.BaseExpression) -> list[cst.BaseExpression]:
     return choices(e.body) + choices(e.orelse) if isinstance(e, cst.IfExp) else [e]
 
 
+def members(table: cst.Dict) -> set[str]:
+    """The names of the classes a table of classes holds."""
+    return {e.value.value for e in table.elements}
+
+
 def class_table_members(module: cst.Module, names: set[str]) -> dict[str, set[str]]:
     """class_tables(module, names) as the classes each table holds."""
-    return {n: {e.value.value for e in t.elements} for n, t in class_tables(module, names).items()}
+    return {n: members(t) for n, t in class_tables(module, names).items()}
 
 
 class _KwargsKeepMetadata(cst.CSTTransformer):
     """Calls that pass the `**` parameter on (the module's own layers, `self.<attr>(...)`, or one a loop over them
-    names, Inkling2's `decoder_layer(...)`) pass forward_metadata too, now that it is a parameter of its own."""
+    names: Inkling2's `for decoder_layer in self.layers`, Inkling2-Loop's `for i, decoder_layer in
+    enumerate(self.layers[a:b])`) pass forward_metadata too, now that it is a parameter of its own."""
 
     def __init__(self, star: str, fn: cst.FunctionDef):
         self.star = star
-        loops = findall(fn.body, m.For(target=m.Name(), iter=m.Attribute(m.Name("self"))))
-        self.callee = m.OneOf(m.Attribute(m.Name("self")), *(m.Name(f.target.value) for f in loops))
+        held = m.Attribute(m.Name("self")) | m.Subscript(value=m.Attribute(m.Name("self")))
+        plain = findall(fn.body, m.For(target=m.Name(), iter=held))
+        counted = m.For(
+            target=m.Tuple([m.Element(m.Name()), m.Element(m.Name())]),
+            iter=m.Call(m.Name("enumerate"), [m.Arg(held)]),
+        )
+        names = [f.target.value for f in plain]
+        names += [f.target.elements[1].value.value for f in findall(fn.body, counted)]
+        self.callee = m.OneOf(m.Attribute(m.Name("self")), *map(m.Name, names))
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if not m.matches(updated.func, self.callee):

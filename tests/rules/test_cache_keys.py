@@ -58,3 +58,22 @@ def test_an_offset_without_an_attention_call_to_carry_it_is_refused(make_ctx, ru
     assert run_rule(rule, code, ctx) == code
     (finding,) = ctx.findings
     assert "offset by `cycle_offset`" in finding.what and "no single attention_interface call" in finding.what
+
+
+def test_the_offset_may_come_through_a_name_bound_once(make_ctx):
+    """Inkling2-Loop names the index first: `cache_layer_idx = self.layer_idx + cache_offset`."""
+    before = BEFORE.replace(
+        "        query_states, key_states, value_states = self.project(hidden_states)\n",
+        "        cache_layer_idx = self.layer_idx + cycle_offset\n"
+        "        query_states, key_states, value_states = self.project(hidden_states)\n",
+    ).replace("self.layer_idx + cycle_offset, kwargs=kwargs", "cache_layer_idx, kwargs=kwargs")
+    after = before.replace(
+        "            scaling=self.scaling,\n",
+        "            scaling=self.scaling,\n            cache_key=cycle_offset,\n",
+    )
+    assert_codemod(rule, before, after, make_ctx)
+    rebound = before.replace(
+        "        if cache is not None:\n",
+        "        cache_layer_idx = self.layer_idx\n        if cache is not None:\n",
+    )
+    assert_noop(rule, rebound, make_ctx)  # bound twice: which index the update uses is not the rule's to say

@@ -422,3 +422,44 @@ def test_a_module_built_from_plain_sizes_is_plumbed_too(run_rule):
         'comm_manager=comm_manager, prefix=join_prefix(prefix, "self_attn"))'
     ) in out
     assert run_rule(rule, out, entry_class="XGLMForCausalLM") == out
+
+
+def test_classes_picked_from_a_constructor_s_own_table_are_plumbed(run_rule, make_ctx):
+    # Inkling2-Loop picks each layer's class from a table local to its model's constructor
+    model = """\
+        class Model(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.layers = nn.ModuleList()
+                layer_classes = {(False, False): Layer, (True, False): LoopLayer}
+                for layer_idx in range(config.num_hidden_layers):
+                    layer_class = layer_classes[(False, layer_idx in config.loop)]
+                    self.layers.append(layer_class(config, layer_idx))
+        """
+    code = _between_layer_and_entry(model).replace(
+        "class Model(nn.Module):",
+        dedent("""\
+            class LoopLayer(nn.Module):
+                def __init__(self, config, layer_idx):
+                    super().__init__()
+                    self.gate = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+            class Model(nn.Module):"""),
+    )
+    ctx = make_ctx(entry_class="ModelForCausalLM")
+    out = run_rule(rule, code, ctx)
+    assert not ctx.findings
+    assert (
+        "self.layers.append(layer_class(config, layer_idx, infer_config=infer_config, comm_manager=comm_manager, "
+        'prefix=join_prefix(prefix, f"layers.{layer_idx}")))'
+    ) in out
+    assert out.count("def __init__(self, config, layer_idx, infer_config: InferenceConfig") == 2
+    assert run_rule(rule, out, entry_class="ModelForCausalLM") == out
+    # a table also read otherwise holds the classes beyond the calls the rule plumbs: refused by name
+    ctx = make_ctx(entry_class="ModelForCausalLM")
+    escaped = code.replace(
+        "        for layer_idx", "        self.kinds = list(layer_classes)\n        for layer_idx"
+    )
+    run_rule(rule, escaped, ctx)
+    assert [f.what.split(" is ")[0] for f in ctx.findings] == ["`Layer`", "`LoopLayer`"]

@@ -18,12 +18,17 @@ LAYER_IDX = m.Attribute(m.Name("self"), m.Name("layer_idx"))
 UPDATE = m.Call(func=m.Attribute(value=m.OneOf(*map(m.Name, CACHES)), attr=m.Name("update")))
 
 
-def _offset(update: cst.Call) -> cst.BaseExpression | None:
-    """`offset` of `cache.update(k, v, self.layer_idx + offset)` (either order, or as `layer_idx=`)."""
+def _offset(update: cst.Call, fn: cst.FunctionDef) -> cst.BaseExpression | None:
+    """`offset` of `cache.update(k, v, self.layer_idx + offset)` (either order, or as `layer_idx=`, or through a
+    name fn binds once to it: Inkling2-Loop's `cache_layer_idx = self.layer_idx + cache_offset`)."""
     index = kwarg(update, "layer_idx") or (update.args[2] if len(update.args) > 2 else None)
-    if index is None or not m.matches(index.value, m.BinaryOperation(operator=m.Add())):
+    value = None if index is None else index.value
+    if isinstance(value, cst.Name):
+        bound = [a.value for a in findall(fn, m.Assign([m.AssignTarget(m.Name(value.value))]))]
+        value = bound[0] if len(bound) == 1 else value
+    if not m.matches(value, m.BinaryOperation(operator=m.Add())):
         return None
-    left, right = index.value.left, index.value.right
+    left, right = value.left, value.right
     return right if m.matches(left, LAYER_IDX) else left if m.matches(right, LAYER_IDX) else None
 
 
@@ -37,7 +42,7 @@ class CacheKeys(Rule):
         replacements: dict[cst.Call, cst.Call] = {}
         for name, cls in classes(module).items():
             for fn in findall(cls.body, m.FunctionDef()):
-                offsets = {code(o): o for u in findall(fn, UPDATE) if (o := _offset(u)) is not None}
+                offsets = {code(o): o for u in findall(fn, UPDATE) if (o := _offset(u, fn)) is not None}
                 if not offsets:
                     continue
                 calls = [c for c in findall(fn, m.Call(func=m.Name())) if called_name(c) in INTERFACE]

@@ -16,6 +16,7 @@ from skills.migrator.cst_utils import (
     class_tables,
     classes,
     findall,
+    members,
     method,
     param_names,
 )
@@ -26,17 +27,19 @@ WEIGHTED = {"nn.Linear", "Linear", "Conv1D", "Attention", "nn.Embedding", "Embed
 
 
 def _built(fns: list[cst.FunctionDef], tables: dict[str, set[str]]) -> set[str]:
-    """The classes the functions construct: called by name, or any class of a table `TABLE[kind](...)` indexes."""
+    """The classes the functions construct: called by name, or any class of a table they index (`TABLE[kind](...)`,
+    or `cls = TABLE[kind]` and then `cls(...)`)."""
     callees = {called_name(c) for fn in fns for c in findall(fn, m.Call())}
-    table_calls = m.Call(func=m.Subscript(value=m.OneOf(*map(m.Name, tables or {""}))))
-    for c in (c for fn in fns for c in findall(fn, table_calls)):
-        callees |= tables[c.func.value.value]
+    indexed = m.Subscript(value=m.OneOf(*map(m.Name, tables or {""})))
+    for c in (c for fn in fns for c in findall(fn, indexed)):
+        callees |= tables[c.value.value]
     return callees
 
 
 def plumbed_classes(module: cst.Module, entry: str) -> set[str]:
     local = classes(module)
     tables = class_table_members(module, set(local))
+    tables |= {n: members(t) for n, t in _local_tables(module, set(local)).items()}
     plumbed = {entry}
     while True:
         grown = set(plumbed)
@@ -233,6 +236,24 @@ def _built_from(module: cst.Module, table: str, plumbed: set[str]) -> bool:
     return uses > 0 and uses == sum(len(findall(init, picked)) for init in inits)
 
 
+def _local_tables(module: cst.Module, plumbed: set[str]) -> dict[str, cst.Dict]:
+    """`table = {key: A, ...}` of plumbed classes bound in a constructor and used there only to pick the class to
+    build (`cls = table[key]`, `table[key](...)`; Inkling2-Loop's `layer_classes[(is_sliding, is_loop_layer)]`)."""
+    table = m.Dict([m.AtLeastN(m.DictElement(value=m.OneOf(*map(m.Name, plumbed))), n=1)])
+    bound = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], table)])
+    found = {}
+    for cls in classes(module).values():
+        init = method(cls, "__init__")
+        for s in init.body.body if init is not None else ():
+            if not m.matches(s, bound):
+                continue
+            name, value = s.body[0].targets[0].target.value, s.body[0].value
+            picked = m.Call(func=m.Subscript(value=m.Name(name))) | class_choice(set(), {name})
+            if len(findall(init, m.Name(name))) - 1 == len(findall(init, picked)) > 0:  # but its binding
+                found[name] = value
+    return found
+
+
 class ConstructorPlumbing(Rule):
     ID = "MG009"
     DESCRIPTION = "Constructors take (config, ..., infer_config, comm_manager, prefix) and pass them down."
@@ -246,7 +267,7 @@ class ConstructorPlumbing(Rule):
             name: table
             for name, table in class_tables(module, plumbed - {ctx.entry_class}).items()
             if _built_from(module, name, plumbed)
-        }
+        } | _local_tables(module, plumbed - {ctx.entry_class})
         for scope, node in _aliased(module, plumbed - {ctx.entry_class}, tables):
             ctx.unsupported(
                 scope,
@@ -254,10 +275,7 @@ class ConstructorPlumbing(Rule):
                 f"`{node.value}` is built through an alias (a name, dict or conditional holding the class); the "
                 f"rules pass the runtime contract to direct `{node.value}(...)` calls only",
             )
-        members = {
-            n: k for n, k in class_table_members(module, plumbed - {ctx.entry_class}).items() if n in tables
-        }
-        new = module.visit(_Plumb(plumbed, members))
+        new = module.visit(_Plumb(plumbed, {n: members(t) for n, t in tables.items()}))
         if new.deep_equals(module):
             return module
         self.add_needed_imports(
