@@ -1,6 +1,7 @@
 """skills.parallel_impl: parallel_config loading, validation against model shapes, groups, rewrites, bytes per rank."""
 
 import io
+import math
 import textwrap
 
 import pytest
@@ -16,7 +17,15 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from skills.parallel_impl.config import load_parallel_config, yaml_name
 from skills.parallel_impl.pipeline import _layers, _unloaded
-from skills.parallel_impl.plan import COLUMN_QKV, SHARDABLE, _module, format_plan, make_plan, validate
+from skills.parallel_impl.plan import (
+    COLUMN_QKV,
+    SHARDABLE,
+    _module,
+    _param_shapes,
+    format_plan,
+    make_plan,
+    validate,
+)
 
 BF16 = torch.bfloat16.itemsize
 
@@ -834,3 +843,25 @@ def test_a_subclass_of_the_parallel_head_is_the_lm_head_its_own_parameters_whole
     split = make_plan(pc(2, 2, 2, 2, 2), cfg, torch.float32, SHARDABLE, roles)
     whole = make_plan(pc(2, 2, 2, 2, 1), cfg, torch.float32, SHARDABLE - {"lm_head"}, {})
     assert whole.per_rank_param_bytes - split.per_rank_param_bytes == head // 2 * 4
+
+
+def test_stacked_shared_experts_are_planned_whole():
+    """Inkling keeps its shared experts stacked in one module (`shared_experts.gate_proj` [n, width, hidden]), no
+    layer the rules split: whole on every rank, as the rewritten model holds them (it was planned split like
+    the routed experts' MLP, and parallelize refused the model it had rewritten)."""
+    cfg = _tiny("inkling_text")
+    plan = make_plan(
+        pc(2, 2, 2, 2, 2), cfg, torch.float32, SHARDABLE | {"experts"}, replicated=("InklingAttention",)
+    )
+    shared = {n: s for n, s in _param_shapes(cfg).items() if "shared_experts" in n}
+    assert shared and all(len(s) == 3 for s in shared.values())
+    whole = sum(math.prod(s) for s in shared.values()) * 4
+    without = make_plan(
+        pc(2, 2, 2, 2, 2),
+        cfg,
+        torch.float32,
+        SHARDABLE | {"experts"},
+        unloaded=(r"shared_experts",),
+        replicated=("InklingAttention",),
+    )
+    assert plan.per_rank_param_bytes - without.per_rank_param_bytes == whole

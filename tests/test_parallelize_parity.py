@@ -91,9 +91,12 @@ OTHER_ARCHS = [
     # an LM head subclassing nn.Linear with a logit scale per vocabulary entry, tied to the embedding; its
     # attention (per-channel query scales, keys shared across a loop) run whole on every rank
     pytest.param("dory", "tp2", marks=pytest.mark.slow),
+    # attention with a relative position bias per query, convolved keys and values and float32 pins, run whole on
+    # every rank; routed experts over moe_ep_group, its stacked shared experts whole (Inkling)
+    ("inkling_text", "tp2"),
 ]
 # architectures parallelized with --replicate-attention
-REPLICATE_ATTENTION = {"jetmoe", "dory"}
+REPLICATE_ATTENTION = {"jetmoe", "dory", "inkling_text"}
 # (world_size, attn_tp, dense_tp, embed_tp, lmhead_tp): the scenarios
 SCENARIOS = {
     "tp2": (2, 2, 2, 2, 2),

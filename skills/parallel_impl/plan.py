@@ -51,6 +51,7 @@ _WORLD_SPLITS = (
 _MLP_COLUMN = ("gate_proj", "up_proj", "fc1", "c_fc", "dense_h_to_4h", "gate_up_proj")
 _MLP_ROW = ("down_proj", "fc2", "c_proj", "dense_4h_to_h")
 MLP_LAYERS = (*_MLP_COLUMN, *_MLP_ROW)
+_SHARED_MLP = {f"shared_{layer}" for layer in MLP_LAYERS}
 _ROW = ("o_proj", *_MLP_ROW, *(f"shared_{layer}" for layer in _MLP_ROW))  # input split: the bias stays whole
 
 
@@ -402,7 +403,10 @@ def _held(
         leaf := name.rsplit(".", 1)[-1]
     ) in sharded and leaf not in SHARDABLE:  # per-head (sinks): query heads
         return numel // pc.attn_tp_size
-    if module.removeprefix("shared_") not in sharded and _attr(name) not in sharded:
+    # a shared expert's MLP layers follow the MLP's; a module named so that holds its own parameters (Inkling's
+    # stacked `shared_experts`) is no layer the rules split
+    own = module.removeprefix("shared_") if module in _SHARED_MLP else module
+    if own not in sharded and _attr(name) not in sharded:
         return numel
     # the only other layers the rules build are attention projections sized by heads (MLA's q_b_proj, kv_b_proj)
     size = tp.get(module, pc.attn_tp_size)
