@@ -254,6 +254,42 @@ def test_tensors_one_parameter_is_made_of_are_merged_by_transformers_own_op():
     assert torch.equal(model.model.layers[0].mlp.experts.down_proj, w2)
 
 
+def test_buffers_a_module_names_as_skipped_are_not_loaded_and_others_still_refused():
+    """minGPT's checkpoint holds each attention's causal buffer (`h.0.attn.bias`), which the migrated attention
+    no longer has and names in `_skipped_checkpoint_buffers`: skipped. A tensor no module names stays an error."""
+    from runtime.layers.weights import SKIPPED_BUFFERS, load_named_weights
+
+    attn = torch.nn.Module()
+    attn.c_proj = torch.nn.Linear(4, 4, bias=False)
+    setattr(attn, SKIPPED_BUFFERS, ("bias",))
+    model = torch.nn.Module()
+    model.h = torch.nn.ModuleList([torch.nn.Module()])
+    model.h[0].attn = attn
+    weights = [("h.0.attn.bias", torch.ones(1, 1, 8, 8)), ("h.0.attn.c_proj.weight", torch.ones(4, 4))]
+    assert load_named_weights(model, weights) == {"h.0.attn.c_proj.weight"}
+    with pytest.raises(UserError, match="'h.0.attn.masked_bias' matches no parameter"):
+        load_named_weights(model, [("h.0.attn.masked_bias", torch.ones(1))])
+
+
+def test_a_checkpoint_of_a_flat_trunk_loads_under_the_base_model_prefix():
+    """A flat minGPT's checkpoint names its trunk at the top (`wte.weight`); the migrated entry holds it in
+    `model` and names that its `base_model_prefix`: those names load there, the head's where they are."""
+    from runtime.layers.weights import load_named_weights
+
+    model = torch.nn.Module()
+    model.base_model_prefix = "model"
+    model.model = torch.nn.Module()
+    model.model.wte = torch.nn.Embedding(8, 4)
+    model.lm_head = torch.nn.Linear(4, 8, bias=False)
+    wte, head = torch.randn(8, 4), torch.randn(8, 4)
+    assert load_named_weights(model, [("wte.weight", wte), ("lm_head.weight", head)]) == {
+        "model.wte.weight",
+        "lm_head.weight",
+    }
+    assert torch.equal(model.model.wte.weight, wte) and torch.equal(model.lm_head.weight, head)
+    assert load_named_weights(model, [("model.wte.weight", head)]) == {"model.wte.weight"}
+
+
 def test_names_transformers_renames_reach_a_fused_parameter():
     """Exaone's checkpoint names (`transformer.h.0.attn.attention.k_proj`) are llama's after transformers'
     renaming for the type (`model.layers.0.self_attn.k_proj`), which the migrated code holds fused in qkv_proj."""

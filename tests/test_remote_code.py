@@ -38,9 +38,14 @@ CONVERTED = {
     "twistlm": ("soft_cap=self.config.attn_logit_softcapping", "get_interface(", "past_key_values"),
     # nanoGPT: no cache, the trunk in an nn.ModuleDict of the entry, positions from arange, heads sized by C
     "nanolm": ("head_dim=config.n_embd // self.n_head", "nn.ModuleDict(", "torch.arange(0, t, dtype"),
+    # minGPT: a persistent causal buffer, which its checkpoint holds and loading skips; the MLP through a lambda
+    "minlm": ('_skipped_checkpoint_buffers = ("bias",)', "torch.tril(", "masked_fill("),
+    # minGPT flat: the trunk the entry's own attributes, which move into an inner model its checkpoint names
+    # without the prefix
+    "flatlm": ('base_model_prefix = "model"', "self.drop(", "torch.tril("),
 }
-# one in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
-IN_MAKE_TEST = ("packlm",)
+# two in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
+IN_MAKE_TEST = ("packlm", "minlm")
 
 
 def _load(model: str, name: str):
@@ -127,6 +132,11 @@ SHARDED = {
     "twistlm": ("TwistAttention: q_proj/k_proj/v_proj -> ColumnParallelLinear by heads", "TwistMLP: fc1"),
     # nanoGPT: heads set after the fused projection, head size from the input width (`C // self.n_head`)
     "nanolm": ("CausalSelfAttention: c_attn -> QKVParallelLinear", "MLP: c_fc -> ColumnParallelLinear"),
+    # minGPT flat: the embedding in the inner model MG037 built, the head tied to it; the lambda MLP stays whole
+    "flatlm": (
+        "FlatLMModel: wte -> VocabParallelEmbedding",
+        "lm_head -> ParallelLMHead (lmhead_tp_group), tied",
+    ),
 }
 
 

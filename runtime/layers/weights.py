@@ -92,7 +92,8 @@ def load_named_weights(
     stacked_params_mapping: Iterable[tuple[str, str, object]] = (),
     ignored: Iterable[str] = (),
 ) -> set[str]:
-    """Load ``(name, weight)`` pairs; returns the canonical names of the parameters loaded.
+    """Load ``(name, weight)`` pairs; returns the canonical names of the parameters loaded. A name the model
+    holds only under its ``base_model_prefix`` (the inner model a flat entry's trunk was moved into) loads there.
 
     ``stacked_params_mapping`` holds ``(fused_param, checkpoint_part, shard_id)`` such as
     ``(".qkv_proj", ".q_proj", "q")``. Persistent buffers load like parameters. Names that match no
@@ -117,6 +118,8 @@ def load_named_weights(
     )
     stacked: dict[str, set[tuple[int, int]]] = {}
     loaded: set[str] = set()
+    if prefix := getattr(model, "base_model_prefix", ""):  # a checkpoint of the trunk's names without it
+        weights = ((_under(model, prefix, n), w) for n, w in weights)
     converted = _converted(weights, layout, params, model)
     for name, weight in _unfused(_joined(converted, layout, params), layout, params, mapping):
         # a parameter of this very name wins over a fused one (AFMoE's attention `gate_proj` beside the MLP's)
@@ -251,11 +254,25 @@ def _owner(param: torch.Tensor) -> object:
     return getattr(getattr(param, "weight_loader", None), "__self__", None)
 
 
+def _under(model: nn.Module, prefix: str, name: str) -> str:
+    """name under the model's `base_model_prefix` when what it starts with is held only there."""
+    top = name.split(".", 1)[0]
+    held = not hasattr(model, top) and hasattr(getattr(model, prefix, None), top)
+    return f"{prefix}.{name}" if held else name
+
+
+# a module class's tuple of the buffers its checkpoint holds that it no longer has (a causal-mask buffer the
+# runtime's attention replaces: `skill migrate`'s MG021 writes it)
+SKIPPED_BUFFERS = "_skipped_checkpoint_buffers"
+
+
 class _Skips:
-    """Checkpoint tensors the model does not use on purpose: names matching its ignore patterns, and the
-    multi-token-prediction layers some checkpoints ship after the model's own layers."""
+    """Checkpoint tensors the model does not use on purpose: names matching its ignore patterns, buffers a module
+    names in its SKIPPED_BUFFERS, and the multi-token-prediction layers some checkpoints ship after the model's own
+    layers."""
 
     def __init__(self, model: nn.Module, ignored: Iterable[str]):
+        self.model = model
         self.patterns = [re.compile(p) for p in ignored]
         config = getattr(model, "config", None)
         mtp = getattr(config, "num_nextn_predict_layers", None) or getattr(config, "num_mtp_layers", None)
@@ -276,10 +293,20 @@ class _Skips:
             )
         elif hit := next((p for p in self.patterns if p.search(name)), None):
             why = f"ignored by the model as transformers ignores them ({hit.pattern!r})"
+        elif self._skipped_buffer(name):
+            why = "buffers the migrated model no longer has"
         else:
             return False
         self.skipped.setdefault(why, []).append(name)
         return True
+
+    def _skipped_buffer(self, name: str) -> bool:
+        owner, _, leaf = name.rpartition(".")
+        try:
+            module = self.model.get_submodule(owner)
+        except AttributeError:
+            return False
+        return leaf in getattr(module, SKIPPED_BUFFERS, ())
 
     def report(self, model: str) -> None:
         for why, names in self.skipped.items():

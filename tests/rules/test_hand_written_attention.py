@@ -126,6 +126,23 @@ def test_a_helper_is_folded_into_its_call_site_with_the_banded_buffer_as_a_slidi
     assert run_codemod(rule, after, make_ctx()) == after
 
 
+def test_a_dropped_buffer_the_checkpoint_holds_is_named_for_the_loader_to_skip(make_ctx):
+    """minGPT registers its causal buffer persistently, so checkpoints hold `...attn.bias`: the class names it in
+    `_skipped_checkpoint_buffers`, which the loader skips. GPT-Neo's `persistent=False` one is in no checkpoint."""
+    persistent = HELPER.replace("nn.Buffer(bias, persistent=False)", "nn.Buffer(bias)")
+    after = run_codemod(rule, persistent, make_ctx())
+    declared = (
+        "class Attn(nn.Module):\n"
+        "    # the checkpoint's causal-mask buffers, which the runtime's attention replaces: loading skips them\n"
+        '    _skipped_checkpoint_buffers = ("bias",)\n'
+    )
+    assert declared in after and "self.bias" not in after
+    assert run_codemod(rule, after, make_ctx()) == after
+    registered = persistent.replace("self.bias = nn.Buffer(bias)", 'self.register_buffer("bias", bias)')
+    assert declared in run_codemod(rule, registered, make_ctx())
+    assert "_skipped_checkpoint_buffers" not in run_codemod(rule, HELPER, make_ctx())
+
+
 def test_a_direct_sdpa_call_keeps_what_wraps_it(make_ctx):
     before = attention_class("""\
         def forward(self, query, key, value, attention_mask):

@@ -125,3 +125,81 @@ def test_an_entry_with_an_inner_model_is_left_alone(make_ctx):
                 self.parts = nn.ModuleDict(dict(embed=nn.Embedding(config.vocab_size, config.hidden_size)))
         """)
     assert_noop(rule, code, make_ctx)
+
+
+# the same model with its trunk held by the entry itself
+FLAT = dedent('''\
+    class GPTForCausalLM(PreTrainedModel):
+        _tied_weights_keys = {"lm_head.weight": "wte.weight"}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+            self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            self.wte.weight = self.lm_head.weight
+
+        def get_input_embeddings(self):
+            return self.wte
+
+        def forward(self, idx, targets=None):
+            """Logits."""
+            b, t = idx.size()
+            assert t <= self.config.block_size
+            x = self.wte(idx)
+            for block in self.h:
+                x = block(x)
+            x = self.ln_f(x)
+            logits = self.lm_head(x)
+            return CausalLMOutput(logits=logits)
+    ''')
+
+FLAT_AFTER = AFTER.split("class GPTForCausalLM")[0] + dedent('''\
+    class GPTForCausalLM(PreTrainedModel):
+        # the checkpoint names the trunk's weights as this class held them (`wte.weight`)
+        base_model_prefix = "model"
+        _tied_weights_keys = {"lm_head.weight": "model.wte.weight"}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = GPTModel(config)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            self.model.wte.weight = self.lm_head.weight
+
+        def get_input_embeddings(self):
+            return self.model.wte
+
+        def forward(self, idx, targets=None):
+            """Logits."""
+            hidden_states = self.model(idx=idx)
+            logits = self.lm_head(hidden_states)
+            return CausalLMOutput(logits=logits)
+    ''')
+
+
+def test_a_trunk_the_entry_holds_itself_moves_into_an_inner_model_the_checkpoint_names_as_its_prefix(gpt_ctx):
+    """minGPT written flat: `self.wte`, `self.h`, `self.ln_f` go into the inner model under `model`, which the
+    entry names as its `base_model_prefix` (the loader reads the checkpoint's `wte.weight` there); the entry's
+    other references to them, and the names of its tied weights, follow."""
+    assert_codemod(rule, FLAT, FLAT_AFTER, gpt_ctx)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # the trunk reads an attribute that is no module the entry builds from its config
+        ("x = self.wte(idx)", "x = self.wte(idx) * self.scale"),
+        # a trunk module built from an __init__ local the inner model would not be given
+        (
+            "self.ln_f = LayerNorm(config.n_embd,",
+            "width = config.n_embd\n        self.ln_f = LayerNorm(width,",
+        ),
+        # the trunk applies the output layer itself
+        ("x = self.ln_f(x)", "x = self.ln_f(x) + self.lm_head.bias"),
+    ],
+)
+def test_a_flat_trunk_the_inner_model_could_not_hold_as_written_stays(gpt_ctx, change):
+    code = FLAT.replace(*change)
+    assert code != FLAT
+    assert_noop(rule, code, gpt_ctx)

@@ -15,6 +15,7 @@ becomes a test of the config switch the model builds it under."""
 import libcst as cst
 import libcst.matchers as m
 
+from runtime.layers.weights import SKIPPED_BUFFERS
 from skills.migrator.alibi_switch import config_switch
 from skills.migrator.cst_utils import (
     appended,
@@ -24,6 +25,7 @@ from skills.migrator.cst_utils import (
     code,
     findall,
     free_names,
+    is_docstring,
     kwarg,
     method,
     param_names,
@@ -692,6 +694,7 @@ def _without_unread_buffers(cls: cst.ClassDef, buffers: set[str]) -> cst.ClassDe
         return cls
     body = [s for s in init.body.body if not _builds(s, gone)]
     feeders = set().union(*(read_names(s) for s in init.body.body if _builds(s, gone)))
+    saved = sorted(gone & _persistent_buffers(init))
     while True:  # a statement binding only feeders nobody reads any more goes, and what fed it joins them
         unread = next(
             (
@@ -707,7 +710,37 @@ def _without_unread_buffers(cls: cst.ClassDef, buffers: set[str]) -> cst.ClassDe
             break
         feeders |= read_names(unread)
         body = [s for s in body if s is not unread]
-    return _replaced(cls, init, init.with_changes(body=init.body.with_changes(body=body)))
+    cls = _replaced(cls, init, init.with_changes(body=init.body.with_changes(body=body)))
+    if not saved:
+        return cls
+    names = ", ".join(f'"{n}"' for n in saved) + ("," if len(saved) == 1 else "")
+    note = (
+        "# the checkpoint's causal-mask buffers, which the runtime's attention replaces: loading skips them"
+    )
+    note = cst.EmptyLine(comment=cst.Comment(note))
+    line = stmt(f"{SKIPPED_BUFFERS} = ({names})\n").with_changes(leading_lines=[note])
+    at = 1 if cls.body.body and is_docstring(cls.body.body[0]) else 0
+    rest = [s.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for s in cls.body.body[at : at + 1]]
+    body = [*cls.body.body[:at], line, *rest, *cls.body.body[at + 1 :]]
+    return cls.with_changes(body=cls.body.with_changes(body=body))
+
+
+def _persistent_buffers(init: cst.FunctionDef) -> set[str]:
+    """The buffers __init__ registers that state_dict keeps (no `persistent=False`), so checkpoints hold them."""
+    kept = set()
+    for c in findall(init, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("register_buffer")))):
+        if c.args and isinstance(c.args[0].value, cst.SimpleString) and not _unsaved(c):
+            kept.add(c.args[0].value.evaluated_value)
+    buffer = m.Call(func=m.Attribute(attr=m.Name("Buffer")) | m.Name("Buffer"))
+    for a in findall(init, m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], buffer)):
+        if not _unsaved(a.value):
+            kept.add(a.targets[0].target.attr.value)
+    return kept
+
+
+def _unsaved(call: cst.Call) -> bool:
+    flag = kwarg(call, "persistent")
+    return flag is not None and m.matches(flag.value, m.Name("False"))
 
 
 def _binds_locals_only(s: cst.BaseStatement) -> bool:

@@ -1,9 +1,13 @@
 """A causal LM written flat, nanoGPT's and minGPT's way: the entry class keeps its trunk in one
-`self.transformer = nn.ModuleDict(dict(wte=..., h=..., ln_f=...))` and its forward runs it before applying the
-output layer. The ModuleDict becomes an in-file model class holding the same modules under the same names (so
-every checkpoint weight keeps its name), and the statements of forward before the output layer become that
-class's forward, returning what the output layer is applied to. The entry then has the inner model the other
-rules expect. A forward that reads other entry attributes there, or reads its trunk's locals after, stays."""
+`self.transformer = nn.ModuleDict(dict(wte=..., h=..., ln_f=...))`, or as attributes of its own (`self.wte`,
+`self.h`, `self.ln_f`), and its forward runs it before applying the output layer. The trunk becomes an in-file
+model class holding the same modules under the same names, and the statements of forward before the output
+layer become that class's forward, returning what the output layer is applied to. The entry then has the inner
+model the other rules expect. A ModuleDict's checkpoint names stay as they were; attributes of the entry move
+under the inner model's attribute, which the entry names as its `base_model_prefix`, as transformers names the
+attribute a checkpoint without it loads into (the runtime's loader reads it the same way), and the entry's other
+references to them follow. A forward that reads other entry attributes there, or reads its trunk's locals after,
+stays."""
 
 import libcst as cst
 import libcst.matchers as m
@@ -25,6 +29,8 @@ from skills.migrator.rules.causal_lm_entry import _inner_model_attr, _vocab_line
 
 DICT_CALL = m.Call(m.Name("dict"), [m.AtLeastN(m.Arg(keyword=m.Name()), n=1)])
 LITERAL = m.Dict([m.AtLeastN(m.DictElement(m.SimpleString()), n=1)])
+_PREFIX = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name("base_model_prefix"))])])
+_TIES = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name("_tied_weights_keys"))])])
 MODULE_DICT = m.Call(
     m.Attribute(attr=m.Name("ModuleDict")) | m.Name("ModuleDict"), [m.Arg(DICT_CALL | LITERAL)]
 )
@@ -99,9 +105,55 @@ def _trunk(fwd: cst.FunctionDef, attr: str, head: str) -> tuple[int, cst.Call] |
     return None if free_names(call.args[0].value) - bound - set(param_names(fwd)) else (at, call)
 
 
+def _own_trunk(
+    init: cst.FunctionDef, fwd: cst.FunctionDef, head: str
+) -> list[cst.SimpleStatementLine] | None:
+    """init's `self.<name> = <module>(...)` lines of the entry's own attributes forward reads before the output
+    layer, each built from the config alone; None unless every such read is one of them."""
+    body = list(fwd.body.body)
+    at = next((i for i, s in enumerate(body) if _applies(s, head)), None)
+    if at is None or "config" not in param_names(init):
+        return None
+    reads = {a.attr.value for a in findall(cst.Module(body[:at]), m.Attribute(m.Name("self")))} - {"config"}
+    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Call())])
+    built = {s.body[0].targets[0].target.attr.value: s for s in init.body.body if m.matches(s, line)}
+    init_locals = {n for s in init.body.body for n in assigned_names(s)} | set(param_names(init))
+    if not reads or head in reads or reads - built.keys():
+        return None
+    lines = [s for name, s in built.items() if name in reads]
+    return None if any(free_names(s.body[0].value) & init_locals - {"config"} for s in lines) else lines
+
+
+class _UnderModel(Transformer):
+    """`self.<moved>` -> `self.<attr>.<moved>`."""
+
+    def __init__(self, moved: set[str], attr: str):
+        self.moved, self.attr = moved, attr
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
+        if m.matches(updated, m.Attribute(m.Name("self"), m.OneOf(*map(m.Name, self.moved)))):
+            return updated.with_changes(value=cst.Attribute(cst.Name("self"), cst.Name(self.attr)))
+        return updated
+
+
+class _TiesUnderModel(Transformer):
+    """`"<moved>.<rest>"` -> `"<attr>.<moved>.<rest>"` (the names of `_tied_weights_keys`)."""
+
+    def __init__(self, moved: set[str], attr: str):
+        self.moved, self.attr = moved, attr
+
+    def leave_SimpleString(self, original: cst.SimpleString, updated: cst.SimpleString) -> cst.SimpleString:
+        value = updated.evaluated_value
+        if isinstance(value, str) and "." in value and value.split(".")[0] in self.moved:
+            return updated.with_changes(value=f'"{self.attr}.{value}"')
+        return updated
+
+
 class ModuleDictModel(Rule):
     ID = "MG037"
-    DESCRIPTION = "A flat entry's trunk in an nn.ModuleDict becomes an inner model class with the same names."
+    DESCRIPTION = (
+        "A flat entry's trunk (an nn.ModuleDict, or its own attributes) becomes an inner model class."
+    )
 
     def transform_module_impl(self, module: cst.Module) -> cst.Module:
         local = classes(module)
@@ -111,8 +163,10 @@ class ModuleDictModel(Rule):
         if init is None or fwd is None or _inner_model_attr(entry, module) is not None:
             return module
         held, heads = _held_dict(init), _vocab_linears(init)
-        if held is None or len(heads) != 1:
+        if len(heads) != 1:
             return module
+        if held is None:
+            return self._own_attributes(module, entry, init, fwd, heads[0])
         attr = held.body[0].targets[0].target.attr.value
         if (split := _trunk(fwd, attr, heads[0])) is None:
             return module
@@ -154,6 +208,45 @@ class ModuleDictModel(Rule):
         return module.with_changes(
             body=[*module.body[:at_entry], model, new_entry, *module.body[at_entry + 1 :]]
         )
+
+    def _own_attributes(
+        self, module: cst.Module, entry: cst.ClassDef, init: cst.FunctionDef, fwd: cst.FunctionDef, head: str
+    ) -> cst.Module:
+        """The trunk as the entry's own attributes: gathered in a ModuleDict under a free attribute (`model`),
+        which then becomes the inner model as any ModuleDict trunk does, and the entry's other references follow."""
+        lines = _own_trunk(init, fwd, head)
+        attr = next((a for a in ("model", "trunk") if f"self.{a}" not in code(entry)), None)
+        if lines is None or attr is None:
+            return module
+        items = [(s.body[0].targets[0].target.attr.value, s.body[0].value) for s in lines]
+        moved = {name for name, _ in items}
+        gathered = stmt(
+            f"self.{attr} = nn.ModuleDict(dict({', '.join(f'{k}={code(v)}' for k, v in items)}))\n"
+        )
+        first, taken = id(lines[0]), {id(s) for s in lines}
+        kept = [
+            gathered if id(s) == first else s for s in init.body.body if id(s) == first or id(s) not in taken
+        ]
+        under, ties = _UnderModel(moved, attr), _TiesUnderModel(moved, attr)
+        new_init = init.with_changes(body=init.body.with_changes(body=kept))
+
+        def followed(s: cst.CSTNode) -> cst.CSTNode:
+            if isinstance(s, cst.FunctionDef):
+                return (new_init if s is init else s).visit(under)
+            return s.visit(ties) if m.matches(s, _TIES) else s
+
+        body = [followed(s) for s in entry.body.body if not m.matches(s, _PREFIX)]
+        note = "# the checkpoint names the trunk's weights as this class held them (`wte.weight`)"
+        prefix = stmt(f'base_model_prefix = "{attr}"\n').with_changes(
+            leading_lines=[cst.EmptyLine(comment=cst.Comment(note))]
+        )
+        at = 1 if body and is_docstring(body[0]) else 0
+        gathered_entry = entry.with_changes(
+            body=entry.body.with_changes(body=[*body[:at], prefix, *body[at:]])
+        )
+        staged = module.deep_replace(entry, gathered_entry)
+        done = self.transform_module_impl(staged)
+        return module if done is staged else done
 
     def _model_name(self, local: dict[str, cst.ClassDef]) -> str:
         stem = self.rewrite.entry_class
