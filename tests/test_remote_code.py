@@ -38,11 +38,12 @@ CONVERTED = {
     "twistlm": ("soft_cap=self.config.attn_logit_softcapping", "get_interface(", "past_key_values"),
     # nanoGPT: no cache, the trunk in an nn.ModuleDict of the entry, positions from arange, heads sized by C
     "nanolm": ("head_dim=config.n_embd // self.n_head", "nn.ModuleDict(", "torch.arange(0, t, dtype"),
-    # minGPT: a persistent causal buffer, which its checkpoint holds and loading skips; the MLP through a lambda
-    "minlm": ('_skipped_checkpoint_buffers = ("bias",)', "torch.tril(", "masked_fill("),
+    # minGPT: a persistent causal buffer, which its checkpoint holds and loading skips; the MLP through a lambda,
+    # made a module class
+    "minlm": ('_skipped_checkpoint_buffers = ("bias",)', "lambda x:", "torch.tril("),
     # minGPT flat: the trunk the entry's own attributes, which move into an inner model its checkpoint names
     # without the prefix
-    "flatlm": ('base_model_prefix = "model"', "self.drop(", "torch.tril("),
+    "flatlm": ('base_model_prefix = "model"', "self.drop(", "masked_fill("),
 }
 # two in `make test` (the other constructs' rules have unit tests of their own), all with -m slow: ~20 s each
 IN_MAKE_TEST = ("packlm", "minlm")

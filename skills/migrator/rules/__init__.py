@@ -21,6 +21,7 @@ from skills.migrator.rules.fused_rotary_embedding import FusedRotaryEmbedding
 from skills.migrator.rules.hand_written_attention import HandWrittenAttention
 from skills.migrator.rules.honest_signatures import HonestSignatures
 from skills.migrator.rules.key_bias_mask import KeyBiasMask
+from skills.migrator.rules.lambda_modules import LambdaModules
 from skills.migrator.rules.latent_kv_cache import LatentKVCache
 from skills.migrator.rules.list_outputs import ListOutputs
 from skills.migrator.rules.model_outputs import ModelOutputs
@@ -45,6 +46,7 @@ MODELING_RULES = [
     AbsoluteImports,
     StripHFDecorators,
     ModuleDictModel,
+    LambdaModules,
     RemoveMaskMachinery,
     CacheParams,
     CacheKeys,

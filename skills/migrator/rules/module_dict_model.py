@@ -36,7 +36,7 @@ MODULE_DICT = m.Call(
 )
 
 
-def _items(call: cst.Call) -> list[tuple[str, cst.BaseExpression]] | None:
+def module_dict_items(call: cst.Call) -> list[tuple[str, cst.BaseExpression]] | None:
     """The ModuleDict's (name, module) pairs, None when a name is not an identifier."""
     arg = call.args[0].value
     if isinstance(arg, cst.Call):
@@ -78,7 +78,11 @@ def _held_dict(init: cst.FunctionDef) -> cst.SimpleStatementLine | None:
     """init's one `self.<attr> = nn.ModuleDict(...)` line, where the modules are built from the config alone."""
     line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], MODULE_DICT)])
     held = [s for s in init.body.body if m.matches(s, line)]
-    if len(held) != 1 or "config" not in param_names(init) or _items(held[0].body[0].value) is None:
+    if (
+        len(held) != 1
+        or "config" not in param_names(init)
+        or module_dict_items(held[0].body[0].value) is None
+    ):
         return None
     init_locals = {n for s in init.body.body for n in assigned_names(s)} | set(param_names(init))
     return None if free_names(held[0].body[0].value) & init_locals - {"config"} else held[0]
@@ -182,7 +186,7 @@ class ModuleDictModel(Rule):
         model = _model_class(
             name,
             params,
-            _items(held.body[0].value),
+            module_dict_items(held.body[0].value),
             stored,
             [s.visit(unheld) for s in trunk],
             returned.visit(unheld),
