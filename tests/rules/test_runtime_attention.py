@@ -749,3 +749,34 @@ def test_a_head_size_from_the_input_width_is_the_width_its_projection_takes(run_
     # a width read off a tensor no projection of __init__ takes gives no head size to build the layer with
     unsized = NANO_ATTENTION.replace("self.c_attn(hidden_states)", "self.c_attn(hidden_states * 2)")
     assert "head_dim=config.n_embd" not in ctor_line(run_rule(rule, HEADER + unsized + CALLERS))
+
+
+def test_torch_s_own_attention_modules_are_refused_by_name(run_rule, make_ctx):
+    """A block built on nn.MultiheadAttention (its packed in_proj_weight, masks given per call) is named in the
+    refusal with its construction, not only as an entry without a standard attention call; a class of the file's
+    own that shares a name with one (Meta's `Transformer`) is not taken for torch's."""
+    code = dedent("""\
+        class Block(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.attn = nn.MultiheadAttention(config.n_embd, config.n_head, batch_first=True)
+
+
+        class Transformer(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.h = nn.ModuleList([Block(config) for _ in range(2)])
+
+
+        class LlamaForCausalLM(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.model = Transformer(config)
+                self.lm_head = nn.Linear(config.n_embd, config.vocab_size)
+        """)
+    ctx = make_ctx()
+    assert run_rule(rule, code, ctx) == code
+    (finding,) = ctx.findings
+    assert finding.scope == "Block" and finding.what.startswith(
+        "`nn.MultiheadAttention(config.n_embd, config.n_head, batch_first=True)` is torch's own attention module"
+    )

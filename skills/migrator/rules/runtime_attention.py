@@ -537,6 +537,29 @@ class _DropWeightsAtCallers(_PassKwargs):
         return super().leave_FunctionDef(original, updated)
 
 
+# torch.nn's attention modules: attention a model builds whole instead of writing it out
+TORCH_ATTENTION = {
+    "MultiheadAttention",
+    "Transformer",
+    "TransformerEncoder",
+    "TransformerDecoder",
+    "TransformerEncoderLayer",
+    "TransformerDecoderLayer",
+}
+
+
+def _torch_attention(module: cst.Module) -> list[tuple[str, cst.Call]]:
+    """(class, construction) of every torch.nn attention module a class of the file builds (not a class of the
+    file's own named so: Meta's Llama calls its model `Transformer`)."""
+    local = classes(module)
+    return [
+        (name, c)
+        for name, cls in local.items()
+        for c in findall(cls, m.Call())
+        if (leaf := called_name(c).split(".")[-1]) in TORCH_ATTENTION and leaf not in local
+    ]
+
+
 class RuntimeAttention(Rule):
     ID = "MG005"
     DESCRIPTION = "The attention call becomes the runtime's Attention layer, which owns the KV cache."
@@ -545,9 +568,17 @@ class RuntimeAttention(Rule):
         ctx = self.rewrite
         attn = attention_classes(module, ctx.entry_class)
         if not attn:
-            if (
-                "forward_metadata" not in module.code
-            ):  # not yet converted: its attention is not the standard call
+            if "forward_metadata" in module.code:  # converted already
+                return module
+            for owner, built in _torch_attention(module):
+                ctx.unsupported(
+                    owner,
+                    0,
+                    f"`{code(built)}` is torch's own attention module (its packed `in_proj_weight`, masks given "
+                    "per call), which the rules do not convert; write it as q / k / v projections and an "
+                    "attention call (`F.scaled_dot_product_attention`), or port it by hand",
+                )
+            if not _torch_attention(module):
                 ctx.unsupported(
                     ctx.entry_class,
                     0,
