@@ -19,7 +19,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 CONVERTED = {
     # q/k/v in one `W_pack` linear, F.scaled_dot_product_attention called directly, a mask built by hand
     "packlm": ("self.attn = Attention(", "F.scaled_dot_product_attention(", "mask ="),
-    # attention written out on keys repeated per group, a method building the mask from the cache's length
+    # attention written out on keys repeated per group (the scores by einsum), a method building the mask from the
+    # cache's length
     "grouplm": ("self.attn = Attention(", "repeat_kv(key_states", "_causal_mask"),
     # attention in a helper returning its last product, scaled by a 0-d tensor, masked by a causal buffer
     "qwenish": ("self.attn = Attention(", "def _attn(", "torch.tril("),

@@ -143,6 +143,19 @@ def test_a_dropped_buffer_the_checkpoint_holds_is_named_for_the_loader_to_skip(m
     assert "_skipped_checkpoint_buffers" not in run_codemod(rule, HELPER, make_ctx())
 
 
+def test_products_written_as_einsum_are_read_as_the_matmuls_they_are(make_ctx):
+    """`einsum("bhqd,bhkd->bhqk", q, k)` is q @ kᵀ and `einsum("bhqk,bhkd->bhqd", w, v)` is w @ v: the same
+    canonical call as the matmul form; an einsum that is no such product (a sum over keys) is not a region."""
+    scores = "torch.matmul(query, key.transpose(-1, -2))"
+    einsum = HELPER.replace(scores, 'torch.einsum("bhqd,bhkd->bhqk", query, key)').replace(
+        "torch.matmul(attn_weights, value)", 'torch.einsum("...qk,...kd->...qd", attn_weights, value)'
+    )
+    assert einsum != HELPER and scores in HELPER
+    assert run_codemod(rule, einsum, make_ctx()) == run_codemod(rule, HELPER, make_ctx())
+    summed = HELPER.replace(scores, 'torch.einsum("bhqd,bhkd->bhq", query, key)')
+    assert "heads_first_attention" not in run_codemod(rule, summed, make_ctx())
+
+
 def test_a_direct_sdpa_call_keeps_what_wraps_it(make_ctx):
     before = attention_class("""\
         def forward(self, query, key, value, attention_mask):

@@ -39,6 +39,7 @@ from skills.migrator.rules.runtime_attention import HEADS_FIRST as MARKER
 
 PRODUCTS = {"torch.matmul", "torch.bmm", "matmul", "bmm"}
 SCALED_PRODUCTS = {"torch.baddbmm", "baddbmm"}
+EINSUM = {"torch.einsum", "einsum"}
 SDPA = {"torch.nn.functional.scaled_dot_product_attention", "nn.functional.scaled_dot_product_attention"}
 SDPA |= {"F.scaled_dot_product_attention", "scaled_dot_product_attention"}
 SOFTMAX = {"softmax", "torch.softmax", "nn.functional.softmax", "F.softmax", "torch.nn.functional.softmax"}
@@ -67,12 +68,32 @@ def _data_names(node: cst.CSTNode) -> set[str]:
 
 
 def _product(e: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
-    """(a, b) of `a @ b` or `torch.matmul(a, b)` / `torch.bmm(a, b)`."""
+    """(a, b) of `a @ b` or `torch.matmul(a, b)` / `torch.bmm(a, b)`, or of an einsum that is one."""
     if m.matches(e, m.BinaryOperation(operator=m.MatrixMultiply())):
         return e.left, e.right
     if isinstance(e, cst.Call) and called_name(e) in PRODUCTS and len(e.args) == 2:
         return e.args[0].value, e.args[1].value
-    return None
+    return _einsum_product(e) if isinstance(e, cst.Call) and called_name(e) in EINSUM else None
+
+
+def _einsum_product(e: cst.Call) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+    """(a, b) of `torch.einsum("...ij,...jl->...il", a, b)`, a batched `a @ b` over the same leading letters;
+    `...lj` for the second operand reads it transposed (`"bhqd,bhkd->bhqk"`: q @ kᵀ)."""
+    spec = e.args[0].value if e.args and not e.args[0].keyword else None
+    if len(e.args) != 3 or not isinstance(spec, cst.SimpleString):
+        return None
+    inputs, _, out = spec.evaluated_value.replace(" ", "").partition("->")
+    x, _, y = inputs.partition(",")
+    if len(x) < 2 or not out:
+        return None
+    batch, (i, j), l = x[:-2], x[-2:], out[-1]
+    letters = [*batch.replace("...", "*"), i, j, l]  # `...` stands for one run of batch dims
+    if y[:-2] != batch or out[:-2] != batch or out[-2:] != i + l or len(set(letters)) != len(letters):
+        return None
+    a, b = e.args[1].value, e.args[2].value
+    if y[-2:] == j + l:
+        return a, b
+    return (a, cst.parse_expression(f"{code(b)}.transpose(-1, -2)")) if y[-2:] == l + j else None
 
 
 def _scaled_product(e: cst.BaseExpression) -> tuple[cst.BaseExpression, ...] | None:
@@ -592,7 +613,7 @@ def _candidates(module: cst.Module, entry: str) -> list[str]:
         if calls & SDPA or (
             any(c in SOFTMAX or c.endswith(".softmax") for c in calls)
             and (
-                calls & (PRODUCTS | SCALED_PRODUCTS)
+                calls & (PRODUCTS | SCALED_PRODUCTS | EINSUM)
                 or findall(cls, m.BinaryOperation(operator=m.MatrixMultiply()))
             )
         ):
