@@ -135,3 +135,39 @@ def test_grouped_repeats_stay_where_the_layer_is_not_told_its_key_heads_or_the_h
     assert_noop(rule, tiling, make_ctx)
     interleaving = tiling.replace("x.repeat(1, n, 1, 1)", "x.repeat_interleave(n, dim=1)")
     assert_codemod(rule, interleaving, interleaving[: interleaving.index("class")] + GROUPED_AFTER, make_ctx)
+
+
+INLINE = "{x} = {x}[:, :, None].expand(b, 2, self.num_key_value_groups, t, 16)\n        {x} = {x}.reshape(b, 4, t, 16)\n"
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        INLINE,  # repeat_kv's own steps, written out
+        "{x} = {x}[:, :, None, :, :].expand(b, 2, self.num_key_value_groups, t, 16).flatten(1, 2)\n",
+    ],
+)
+def test_keys_and_values_repeated_per_group_inline_are_passed_unrepeated(make_ctx, form):
+    before = GROUPED_BEFORE
+    for x in ("key_states", "value_states"):
+        before = before.replace(f"{x} = repeat_kv({x}, self.num_key_value_groups)\n", form.format(x=x))
+    assert before != GROUPED_BEFORE
+    assert_codemod(rule, before, GROUPED_AFTER, make_ctx)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        (
+            ".expand(b, 2, self.num_key_value_groups, t, 16)\n        value",
+            ".expand(b, 2, 3, t, 16)\n        value",
+        ),
+        ("value_states[:, :, None]", "value_states[:, None]"),  # a new axis before the heads: tiling
+    ],
+)
+def test_other_inline_repeats_are_left_alone(make_ctx, change):
+    before = GROUPED_BEFORE
+    for x in ("key_states", "value_states"):
+        before = before.replace(f"{x} = repeat_kv({x}, self.num_key_value_groups)\n", INLINE.format(x=x))
+    assert before.replace(*change) != before
+    assert_noop(rule, before.replace(*change), make_ctx)

@@ -2,8 +2,9 @@
 - tiled (`k = k.repeat(1, n, 1, 1)`, as JetMoE does: query head h reads kv head h % kv_heads): both repeats go
   and the layer gets `Attention(..., kv_heads_tiled=True)`, which maps the query heads onto the cached ones the
   same way;
-- grouped (`k = repeat_kv(k, n)`, transformers' helper that remote code copies, or `k.repeat_interleave(n, dim=1)`:
-  query head h reads kv head h // n, the runtime's own grouping): both repeats go.
+- grouped (`k = repeat_kv(k, n)`, transformers' helper that remote code copies, `k.repeat_interleave(n, dim=1)`, or
+  repeat_kv's own steps inline, `k = k[:, :, None].expand(b, kv_heads, n, t, d)` then `k = k.reshape(b, heads, t,
+  d)`: query head h reads kv head h // n, the runtime's own grouping): both repeats go.
 
 Only a pair of repeats of the keys and the values the attention call reads, of one kind with the same count and
 only the head dimension (1 of HF's [batch, heads, tokens, head_dim]) repeated, is rewritten."""
@@ -49,6 +50,51 @@ def _repeat(line: cst.BaseStatement, name: str) -> tuple[str, str] | None:
     )
 
 
+def _full(e: cst.SubscriptElement) -> bool:
+    return isinstance(e.slice, cst.Slice) and e.slice.lower is None and e.slice.upper is None
+
+
+def _expand(value: cst.BaseExpression, name: str) -> str | None:
+    """The count of `name[:, :, None].expand(b, kv_heads, n, t, d)` (a new axis after the heads, n copies each),
+    else None."""
+    if (
+        not m.matches(value, m.Call(m.Attribute(m.Subscript(m.Name(name)), m.Name("expand"))))
+        or len(value.args) != 5
+    ):
+        return None
+    axes = value.func.value.slice
+    added = len(axes) >= 3 and m.matches(axes[2].slice, m.Index(m.Name("None")))
+    return (
+        code(value.args[2].value) if added and all(_full(a) for i, a in enumerate(axes) if i != 2) else None
+    )
+
+
+MERGED = m.Call(m.Attribute(attr=m.Name("reshape") | m.Name("view"))) | m.Call(
+    m.Attribute(attr=m.Name("flatten")), [m.Arg(m.Integer("1")), m.Arg(m.Integer("2"))]
+)
+
+
+def _expanded(body: list[cst.BaseStatement], name: str) -> tuple[str, list[cst.BaseStatement]] | None:
+    """(the count, the lines) of keys repeated per head inline, as transformers' repeat_kv does it: `name =
+    name[:, :, None].expand(...)` then `name = name.reshape(...)` (or `.view`, `.flatten(1, 2)`), in one statement
+    or two."""
+    assigns = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])
+    for i, line in enumerate(body):
+        if not m.matches(line, assigns):
+            continue
+        value = line.body[0].value
+        if m.matches(value, MERGED) and (n := _expand(value.func.value, name)) is not None:
+            return n, [line]
+        after = body[i + 1] if i + 1 < len(body) else None
+        own = m.SimpleStatementLine(
+            [m.Assign([m.AssignTarget(m.Name(name))], m.Call(m.Attribute(m.Name(name))))]
+        )
+        n = _expand(value, name)
+        if n is not None and m.matches(after, own) and m.matches(after.body[0].value, MERGED):
+            return n, [line, after]
+    return None
+
+
 def _grouping_repeat_kv(module: cst.Module) -> bool:
     """The file's own `repeat_kv`, if it has one, repeats each head in place as transformers' does (`expand` or
     `repeat_interleave`), not the whole run of heads (`.repeat`), which would be tiling."""
@@ -73,7 +119,14 @@ def _rewrite(cls: cst.ClassDef, helper_groups: bool = True) -> cst.ClassDef | No
     if len(calls) != 1 or not all(isinstance(a.value, cst.Name) for a in calls[0].args[1:3]):
         return None
     k, v = (a.value.value for a in calls[0].args[1:3])
-    repeats = {name: [s for s in fwd.body.body if _repeat(s, name)] for name in (k, v)}
+    body = list(fwd.body.body)
+    inline = {name: _expanded(body, name) for name in (k, v)}
+    if k != v and all(inline.values()) and inline[k][0] == inline[v][0]:
+        doomed = {id(s) for _, lines in inline.values() for s in lines}
+        new_fwd = fwd.with_changes(body=fwd.body.with_changes(body=[s for s in body if id(s) not in doomed]))
+        told = kwarg(layer[1].body[0].value, "num_kv_heads") is not None
+        return cls.deep_replace(fwd, new_fwd) if told else None
+    repeats = {name: [s for s in body if _repeat(s, name)] for name in (k, v)}
     if k == v or any(len(r) != 1 for r in repeats.values()):
         return None
     kind = _repeat(repeats[k][0], k)
