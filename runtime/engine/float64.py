@@ -7,6 +7,8 @@ rounds the pinned parts to float32. A float64 run is a precision check (`skill v
 one), so under ``Float64`` every float32 the code names, and the default dtype, is float64 instead; transformers'
 reference and the migrated model run under it alike."""
 
+import contextlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -31,3 +33,8 @@ class Float64(TorchFunctionMode):
         args = tuple(_widened(a) for a in args)
         kwargs = {k: _widened(v) for k, v in (kwargs or {}).items()}
         return func(*args, **kwargs)
+
+
+def in_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Float64 for a float64 run; nothing to change for any other dtype."""
+    return Float64() if dtype == torch.float64 else contextlib.nullcontext()

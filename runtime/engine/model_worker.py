@@ -13,7 +13,7 @@ from runtime.config import InferenceConfig
 from runtime.config.comm_manager import CommManager
 from runtime.device_memory import free_memory_bytes, lazy_zeros, return_cached_memory, synchronize
 from runtime.distributed import DistInfo
-from runtime.engine.float64 import Float64
+from runtime.engine.float64 import Float64, in_dtype
 from runtime.engine.graph_mode import compile_decode
 from runtime.engine.legacy_cache import LegacyCacheRows
 from runtime.engine.loader import converted_quant_method, init_dummy_weights, load_checkpoint
@@ -245,7 +245,7 @@ class ModelWorker:
         """The model's logits and the step's time in ms, measured after the device has finished it."""
         start = time.perf_counter()
         model = self.model if forward_metadata.is_prefill else self.decode_model
-        with Float64() if self.config.model_config.dtype == "float64" else contextlib.nullcontext():
+        with in_dtype(self.config.model_config.torch_dtype):
             logits = model(input_ids, position_ids, forward_metadata)
         if isinstance(logits, tuple):  # (logits, prev_hidden_states) for MTP models
             logits = logits[0]

@@ -2,14 +2,13 @@
 logits processors, no EOS stop), keeping every step's log-probabilities, each prompt answered as a freshly loaded
 model answers it alone."""
 
-import contextlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from runtime.engine.float64 import Float64
+from runtime.engine.float64 import in_dtype
 from runtime.errors import UserError
 from runtime.layers.rotary import rope_states
 
@@ -26,7 +25,7 @@ def load_reference_model(model_path: Path, dtype: torch.dtype, trust_remote_code
     from transformers import AutoModelForCausalLM
 
     try:
-        with Float64() if dtype == torch.float64 else contextlib.nullcontext():
+        with in_dtype(dtype):
             model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=dtype, trust_remote_code=trust_remote_code
             ).eval()

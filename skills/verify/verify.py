@@ -1,7 +1,6 @@
 """`skill verify`: run a model directory and transformers on the same weights, greedy, and compare them token
 for token (and log-probability within a tolerance)."""
 
-import contextlib
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ import torch
 import yaml
 
 from runtime.config import InferenceConfig
-from runtime.engine.float64 import Float64
+from runtime.engine.float64 import in_dtype
 from runtime.engine.loader import checkpoint_quantization
 from runtime.errors import UserError
 from skills.migrator.memory import available_memory
@@ -177,7 +176,7 @@ def verify(
 def _references(model, outputs: list[dict], tokens: int, dtype: torch.dtype) -> list:
     """transformers' greedy answers to the prompts the migrated run answered; in float64 as that run computes it,
     what transformers' code pins to float32 in float64 too."""
-    with Float64() if dtype == torch.float64 else contextlib.nullcontext():
+    with in_dtype(dtype):
         return [greedy_reference(model, out["prompt_token_ids"], tokens) for out in outputs]
 
 

@@ -735,10 +735,10 @@ def _without_unread_buffers(cls: cst.ClassDef, buffers: set[str]) -> cst.ClassDe
     if not saved:
         return cls
     names = ", ".join(f'"{n}"' for n in saved) + ("," if len(saved) == 1 else "")
-    note = (
+    comment = (
         "# the checkpoint's causal-mask buffers, which the runtime's attention replaces: loading skips them"
     )
-    note = cst.EmptyLine(comment=cst.Comment(note))
+    note = cst.EmptyLine(comment=cst.Comment(comment))
     line = stmt(f"{SKIPPED_BUFFERS} = ({names})\n").with_changes(leading_lines=[note])
     at = 1 if cls.body.body and is_docstring(cls.body.body[0]) else 0
     rest = [s.with_changes(leading_lines=[cst.EmptyLine(indent=False)]) for s in cls.body.body[at : at + 1]]

@@ -24,9 +24,8 @@ from skills.migrator.cst_utils import (
     stmt,
 )
 from skills.migrator.rule import Rule
-from skills.migrator.rules.module_dict_model import MODULE_DICT, module_dict_items
+from skills.migrator.rules.module_dict_model import HELD_DICT, module_dict_items
 
-HELD = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], MODULE_DICT)])
 ALIAS = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())], m.Attribute(m.Name("self"), m.Name()))])
 LAMBDA = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], m.Lambda())])
 
@@ -88,7 +87,7 @@ class LambdaModules(Rule):
         """(the new module class, the owner building and calling it), or None."""
         init = method(cls, "__init__")
         lines = list(init.body.body) if init is not None else []
-        for held in (s for s in lines if m.matches(s, HELD)):
+        for held in (s for s in lines if m.matches(s, HELD_DICT)):
             aliases = [
                 s for s in lines if m.matches(s, ALIAS) and s.body[0].value.attr.value == _target(held)
             ]

@@ -36,6 +36,10 @@ MODULE_DICT = m.Call(
 )
 
 
+# `self.<attr> = nn.ModuleDict(...)`
+HELD_DICT = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], MODULE_DICT)])
+
+
 def module_dict_items(call: cst.Call) -> list[tuple[str, cst.BaseExpression]] | None:
     """The ModuleDict's (name, module) pairs, None when a name is not an identifier."""
     arg = call.args[0].value
@@ -76,8 +80,7 @@ def _model_class(name: str, params: list[str], items, stored: bool, body, return
 
 def _held_dict(init: cst.FunctionDef) -> cst.SimpleStatementLine | None:
     """init's one `self.<attr> = nn.ModuleDict(...)` line, where the modules are built from the config alone."""
-    line = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Attribute(m.Name("self")))], MODULE_DICT)])
-    held = [s for s in init.body.body if m.matches(s, line)]
+    held = [s for s in init.body.body if m.matches(s, HELD_DICT)]
     if (
         len(held) != 1
         or "config" not in param_names(init)

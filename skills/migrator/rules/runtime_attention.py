@@ -570,7 +570,8 @@ class RuntimeAttention(Rule):
         if not attn:
             if "forward_metadata" in module.code:  # converted already
                 return module
-            for owner, built in _torch_attention(module):
+            torch_attention = _torch_attention(module)
+            for owner, built in torch_attention:
                 ctx.unsupported(
                     owner,
                     0,
@@ -578,7 +579,7 @@ class RuntimeAttention(Rule):
                     "per call), which the rules do not convert; write it as q / k / v projections and an "
                     "attention call (`F.scaled_dot_product_attention`), or port it by hand",
                 )
-            if not _torch_attention(module):
+            if not torch_attention:
                 ctx.unsupported(
                     ctx.entry_class,
                     0,

@@ -79,6 +79,9 @@ def _expanded(body: list[cst.BaseStatement], name: str) -> tuple[str, list[cst.B
     name[:, :, None].expand(...)` then `name = name.reshape(...)` (or `.view`, `.flatten(1, 2)`), in one statement
     or two."""
     assigns = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name))])])
+    merges = m.SimpleStatementLine(
+        [m.Assign([m.AssignTarget(m.Name(name))], m.Call(m.Attribute(m.Name(name))))]
+    )
     for i, line in enumerate(body):
         if not m.matches(line, assigns):
             continue
@@ -86,13 +89,20 @@ def _expanded(body: list[cst.BaseStatement], name: str) -> tuple[str, list[cst.B
         if m.matches(value, MERGED) and (n := _expand(value.func.value, name)) is not None:
             return n, [line]
         after = body[i + 1] if i + 1 < len(body) else None
-        own = m.SimpleStatementLine(
-            [m.Assign([m.AssignTarget(m.Name(name))], m.Call(m.Attribute(m.Name(name))))]
-        )
         n = _expand(value, name)
-        if n is not None and m.matches(after, own) and m.matches(after.body[0].value, MERGED):
+        if n is not None and m.matches(after, merges) and m.matches(after.body[0].value, MERGED):
             return n, [line, after]
     return None
+
+
+def _repeated(body: list[cst.BaseStatement], name: str) -> tuple[str, str, list[cst.BaseStatement]] | None:
+    """(kind, count, the lines) of the one repeat of `name` over the heads in body: a line of `_repeat`'s forms,
+    else repeat_kv's steps inline (grouped)."""
+    lines = [s for s in body if _repeat(s, name)]
+    if len(lines) == 1:
+        return (*_repeat(lines[0], name), lines)
+    inline = _expanded(body, name) if not lines else None
+    return ("grouped", *inline) if inline else None
 
 
 def _grouping_repeat_kv(module: cst.Module) -> bool:
@@ -120,24 +130,15 @@ def _rewrite(cls: cst.ClassDef, helper_groups: bool = True) -> cst.ClassDef | No
         return None
     k, v = (a.value.value for a in calls[0].args[1:3])
     body = list(fwd.body.body)
-    inline = {name: _expanded(body, name) for name in (k, v)}
-    if k != v and all(inline.values()) and inline[k][0] == inline[v][0]:
-        doomed = {id(s) for _, lines in inline.values() for s in lines}
-        new_fwd = fwd.with_changes(body=fwd.body.with_changes(body=[s for s in body if id(s) not in doomed]))
-        told = kwarg(layer[1].body[0].value, "num_kv_heads") is not None
-        return cls.deep_replace(fwd, new_fwd) if told else None
-    repeats = {name: [s for s in body if _repeat(s, name)] for name in (k, v)}
-    if k == v or any(len(r) != 1 for r in repeats.values()):
+    repeats = {name: _repeated(body, name) for name in (k, v)}
+    if k == v or not all(repeats.values()) or repeats[k][:2] != repeats[v][:2]:
         return None
-    kind = _repeat(repeats[k][0], k)
-    if kind != _repeat(repeats[v][0], v):
-        return None
-    doomed = {id(r[0]) for r in repeats.values()}
-    new_fwd = fwd.with_changes(
-        body=fwd.body.with_changes(body=[s for s in fwd.body.body if id(s) not in doomed])
-    )
-    if kind[0] == "grouped":  # the layer must cache the unrepeated heads, as it is told
-        helper = any(findall(r[0], m.Call(m.Name("repeat_kv"))) for r in repeats.values())
+    kind = repeats[k][0]
+    lines = [s for *_, found in repeats.values() for s in found]
+    doomed = {id(s) for s in lines}
+    new_fwd = fwd.with_changes(body=fwd.body.with_changes(body=[s for s in body if id(s) not in doomed]))
+    if kind == "grouped":  # the layer must cache the unrepeated heads, as it is told
+        helper = any(findall(s, m.Call(m.Name("repeat_kv"))) for s in lines)
         told = kwarg(layer[1].body[0].value, "num_kv_heads") is not None
         return cls.deep_replace(fwd, new_fwd) if told and (helper_groups or not helper) else None
     return with_attention_kwarg(cls, attn_line, "kv_heads_tiled", "True", fwd, new_fwd)
